@@ -1,0 +1,30 @@
+"""kldiv_jax: Kullback-Leibler divergence losses for JAX.
+
+torch-parity ``kl_div``/``KLDivLoss``, Optax-compatible per-example losses,
+with finite values and gradients at zero-probability targets.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from kldiv_jax._optax import convex_kl_divergence as convex_kl_divergence
+from kldiv_jax._optax import generalized_kl_divergence as generalized_kl_divergence
+from kldiv_jax._optax import kl_divergence as kl_divergence
+from kldiv_jax._optax import kl_divergence_with_log_targets as kl_divergence_with_log_targets
+from kldiv_jax._pointwise import kl_div_pointwise as kl_div_pointwise
+from kldiv_jax._torch import KLDivLoss as KLDivLoss
+from kldiv_jax._torch import kl_div as kl_div
+
+try:
+  __version__ = version("kldiv_jax")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+  __version__ = "0.0.0"
+
+__all__ = [
+    "KLDivLoss",
+    "convex_kl_divergence",
+    "generalized_kl_divergence",
+    "kl_div",
+    "kl_div_pointwise",
+    "kl_divergence",
+    "kl_divergence_with_log_targets",
+]

@@ -1,0 +1,144 @@
+"""Per-example KL losses with ``optax.losses``' signatures and values.
+
+Same outputs as optax wherever optax is finite; finite where optax gives NaN
+(zero targets, ``-inf`` log-probabilities); and ``where`` may also be a
+per-example mask.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from kldiv_jax._checks import Axis, normalize_axis, promote_and_broadcast, split_where
+from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
+
+
+def masked_sum(
+    name: str,
+    terms: jax.Array,
+    axis: Axis,
+    where: jax.typing.ArrayLike | None,
+) -> jax.Array:
+  """Sums ``terms`` over ``axis`` under an element or per-example ``where``.
+
+  Masked elements are selected away (never multiplied), so a NaN or ``inf``
+  there cannot leak into the result; a masked-out example gives 0.
+  """
+  axes = normalize_axis(name, axis, terms.ndim)
+  element, example = split_where(name, where, terms.shape, axes)
+  if element is not None:
+    terms = jnp.where(element, terms, 0.0)
+  out = jnp.sum(terms, axis=axes)
+  if example is not None:
+    out = jnp.where(example, out, 0.0)
+  return out
+
+
+def _per_example(name, what, kernel, log_predictions, targets, axis, where):
+  (x, t), out_dtype = promote_and_broadcast(name, what, log_predictions, targets)
+  return masked_sum(name, kernel(x, t), axis, where).astype(out_dtype)
+
+
+def kl_divergence(
+    log_predictions: jax.typing.ArrayLike,
+    targets: jax.typing.ArrayLike,
+    axis: Axis = -1,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Per-example KL divergence ``KL(targets || predictions)``, as optax's.
+
+  .. math::
+
+     \mathrm{KL}(p \,\|\, q) = \sum_i p_i (\log p_i - \log q_i)
+
+  with ``p = targets`` and ``log q = log_predictions``. Terms with
+  ``p_i = 0`` are 0 and have zero gradients, even where ``log q_i = -inf``
+  (optax returns NaN there).
+
+  Args:
+    log_predictions: log-probabilities ``[..., num_classes]``.
+    targets: probabilities ``[..., num_classes]`` (broadcastable).
+    axis: the axis or axes summed over (the class axis).
+    where: a boolean mask, either of the elements (broadcastable to the
+      inputs, as in optax: masked elements are left out of the sum) or of the
+      examples (shape of the output, e.g. ``[batch, seq]`` for
+      ``[batch, seq, vocab]`` inputs: a masked example gives 0). A mask whose
+      shape equals the output's is taken per example.
+
+  Returns:
+    The divergence per example, shape ``[...]`` (inputs without ``axis``).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import kl_divergence
+    >>> logq = jnp.log(jnp.array([[0.5, 0.5], [0.9, 0.1]]))
+    >>> kl_divergence(logq, jnp.array([[1.0, 0.0], [0.9, 0.1]]))
+    Array([0.6931472, 0.       ], dtype=float32)
+  """
+  return _per_example(
+      "kl_divergence", "log_predictions and targets", kl_prob_kernel,
+      log_predictions, targets, axis, where,
+  )
+
+
+def kl_divergence_with_log_targets(
+    log_predictions: jax.typing.ArrayLike,
+    log_targets: jax.typing.ArrayLike,
+    axis: Axis = -1,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Per-example KL divergence with targets in log-space, as optax's.
+
+  .. math::
+
+     \mathrm{KL}(p \,\|\, q) = \sum_i e^{\log p_i} (\log p_i - \log q_i)
+
+  A class with ``log p_i = -inf`` contributes 0 with zero gradients (optax
+  returns NaN there). Args, returns and ``where`` as in
+  :func:`kl_divergence`.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import kl_divergence_with_log_targets
+    >>> logq = jnp.log(jnp.array([0.5, 0.5]))
+    >>> kl_divergence_with_log_targets(logq, jnp.array([0.0, -jnp.inf]))
+    Array(0.6931472, dtype=float32)
+  """
+  return _per_example(
+      "kl_divergence_with_log_targets", "log_predictions and log_targets",
+      kl_log_kernel, log_predictions, log_targets, axis, where,
+  )
+
+
+def generalized_kl_divergence(
+    log_predictions: jax.typing.ArrayLike,
+    targets: jax.typing.ArrayLike,
+    axis: Axis = -1,
+    where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Generalized KL divergence for unnormalised measures, as optax's.
+
+  The Bregman divergence of :math:`f(x) = x \log x - x`:
+
+  .. math::
+
+     D(p \,\|\, q) = \sum_i p_i (\log p_i - \log q_i) - p_i + q_i
+
+  with ``q = exp(log_predictions)``. Equals :func:`kl_divergence` for
+  normalised ``p`` and ``q``. Zero-mass conventions, args and ``where`` as in
+  :func:`kl_divergence`. ``convex_kl_divergence`` is the same function.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import generalized_kl_divergence
+    >>> generalized_kl_divergence(jnp.log(jnp.array([2.0, 1.0])), jnp.array([1.0, 1.0]))
+    Array(0.30685282, dtype=float32)
+  """
+  name = "generalized_kl_divergence"
+  (x, t), out_dtype = promote_and_broadcast(
+      name, "log_predictions and targets", log_predictions, targets
+  )
+  terms = kl_prob_kernel(x, t) + (jnp.exp(x) - t)
+  return masked_sum(name, terms, axis, where).astype(out_dtype)
+
+
+convex_kl_divergence = generalized_kl_divergence
