@@ -4,12 +4,40 @@ Two kernels, one per target space, each a ``jax.custom_jvp`` whose rule pins
 the zero-mass convention: where the target has no mass (``t == 0``, or
 ``log t == -inf``) the term is 0 and so are all its derivatives, whatever the
 input (``-inf`` included). Everywhere else values and derivatives are torch's.
+
+Speed: the values are computed without comparisons or selects. On XLA:CPU a
+select keeps an elementwise-plus-reduce computation out of the fast fused
+reduction path and materialises the whole elementwise array, which made the
+usual double-``where`` formula about 4x slower than an unguarded one. The
+guards below use only ``max``, ``+`` and ``*`` (and IEEE overflow) instead:
+
+* ``Lc = max(log t, -BIG)`` is ``log t`` for every ``t > 0`` and ``-BIG`` at
+  ``t = 0`` (``max`` propagates NaN, so ``t < 0`` stays NaN).
+* ``c = (Lc + BIG) * -HUGE`` overflows to ``-inf`` whenever ``t > 0`` and is
+  ``-0`` at ``t = 0``; ``x' = max(x, c)`` is therefore ``x`` wherever ``t > 0``
+  (``-inf`` included, giving the true ``+inf``) and finite at ``t = 0``, so
+  ``t * Lc - t * x'`` is exactly +0 there instead of ``0 * inf = NaN``.
+
+The derivative rules use the ordinary double ``where`` (they write an array
+anyway, and must stay differentiable for second derivatives).
 """
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import promote_and_broadcast
+
+# Any finite log-probability is far above -BIG; BIG + any such value rounds to
+# a number that times finfo.max overflows.
+_BIG = 1e30
+
+
+def _guards(x: jax.Array, log_t: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(Lc, x')``: the clamped log-target and the input made finite at zero mass."""
+  lc = jnp.maximum(log_t, -_BIG)
+  huge = jnp.finfo(x.dtype).max
+  return lc, jnp.maximum(x, (lc + _BIG) * -huge)
 
 
 def _zero_mass(x: jax.Array, t: jax.Array, zero: float) -> jax.Array:
@@ -19,45 +47,60 @@ def _zero_mass(x: jax.Array, t: jax.Array, zero: float) -> jax.Array:
 
 @jax.custom_jvp
 def kl_prob_kernel(x: jax.Array, t: jax.Array) -> jax.Array:
-  r"""``t log t - t x``, with ``0`` where ``t == 0`` (``x = -inf`` included).
+  r"""``t (log t - x)``, with ``0`` where ``t == 0`` (``x = -inf`` included).
 
   Same-shape, same-dtype arrays of at least float32. A negative or NaN ``t``
-  gives NaN, as does a NaN ``x``.
+  gives NaN, as does a NaN (or ``+inf``) ``x``.
   """
-  return jnp.where(_zero_mass(x, t, 0.0), 0.0, t * jnp.log(t) - t * x)
+  lc, xc = _guards(x, jnp.log(t))
+  return t * lc - t * xc  # torch's form; +0 (not -0) at zero mass
 
 
-@kl_prob_kernel.defjvp
 def _kl_prob_kernel_jvp(primals, tangents):
   x, t = primals
   dx, dt = tangents
-  mask = _zero_mass(x, t, 0.0)
-  safe_t = jnp.where(mask, 1.0, t)
-  log_t = jnp.log(safe_t)
-  out = jnp.where(mask, 0.0, safe_t * log_t - t * x)
-  # d/dt = log t + 1 - x (0 at zero mass); d/dx = -t (0 at zero mass).
-  d_t = jnp.where(mask, 0.0, log_t + 1.0 - x)
-  return out, d_t * dt - t * dx
+  out = kl_prob_kernel(x, t)
+  tangent = jnp.zeros_like(out)
+  if not isinstance(dt, SymbolicZero):
+    # d/dt = log t + 1 - x, and 0 at zero mass (double where: the rule is
+    # differentiated again for second derivatives).
+    mask = _zero_mass(x, t, 0.0)
+    safe_t = jnp.where(mask, 1.0, t)
+    tangent = jnp.where(mask, 0.0, jnp.log(safe_t) + 1.0 - x) * dt
+  if not isinstance(dx, SymbolicZero):
+    tangent = tangent - t * dx  # d/dx = -t, already 0 at zero mass.
+  return out, tangent
+
+
+kl_prob_kernel.defjvp(_kl_prob_kernel_jvp, symbolic_zeros=True)
 
 
 @jax.custom_jvp
 def kl_log_kernel(x: jax.Array, t: jax.Array) -> jax.Array:
   r"""``exp(t) (t - x)``, with ``0`` where ``t == -inf`` (``x = -inf`` included)."""
-  return jnp.where(_zero_mass(x, t, -jnp.inf), 0.0, jnp.exp(t) * (t - x))
+  tc, xc = _guards(x, t)
+  p = jnp.exp(tc)
+  return p * tc - p * xc  # +0 (not -0) at zero mass
 
 
-@kl_log_kernel.defjvp
 def _kl_log_kernel_jvp(primals, tangents):
   x, t = primals
   dx, dt = tangents
-  mask = _zero_mass(x, t, -jnp.inf)
-  safe_t = jnp.where(mask, 0.0, t)
-  safe_x = jnp.where(mask, 0.0, x)
-  p = jnp.where(mask, 0.0, jnp.exp(safe_t))
-  diff = safe_t - safe_x
-  out = p * diff
-  # d/dt = exp(t)(t - x + 1); d/dx = -exp(t); both 0 at zero mass.
-  return out, p * (diff + 1.0) * dt - p * dx
+  out = kl_log_kernel(x, t)
+  p = jnp.exp(t)  # 0 at zero mass, so d/dx = -p needs no guard.
+  tangent = jnp.zeros_like(out)
+  if not isinstance(dt, SymbolicZero):
+    # d/dt = exp(t) (t - x + 1), and 0 at zero mass.
+    mask = _zero_mass(x, t, -jnp.inf)
+    safe_t = jnp.where(mask, 0.0, t)
+    safe_x = jnp.where(mask, 0.0, x)
+    tangent = jnp.where(mask, 0.0, jnp.exp(safe_t) * (safe_t - safe_x + 1.0)) * dt
+  if not isinstance(dx, SymbolicZero):
+    tangent = tangent - p * dx
+  return out, tangent
+
+
+kl_log_kernel.defjvp(_kl_log_kernel_jvp, symbolic_zeros=True)
 
 
 def kl_div_pointwise(
