@@ -6,11 +6,16 @@ with finite values and gradients at zero-probability targets.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from kldiv_jax._distill import distillation_loss as distillation_loss
+from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
+from kldiv_jax._logits import generalized_jsd as generalized_jsd
+from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits
 from kldiv_jax._optax import convex_kl_divergence as convex_kl_divergence
 from kldiv_jax._optax import generalized_kl_divergence as generalized_kl_divergence
 from kldiv_jax._optax import kl_divergence as kl_divergence
 from kldiv_jax._optax import kl_divergence_with_log_targets as kl_divergence_with_log_targets
 from kldiv_jax._pointwise import kl_div_pointwise as kl_div_pointwise
+from kldiv_jax._rl import kl_estimate as kl_estimate
 from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
 
@@ -22,9 +27,14 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "KLDivLoss",
     "convex_kl_divergence",
+    "distillation_loss",
+    "gaussian_kl",
+    "generalized_jsd",
     "generalized_kl_divergence",
     "kl_div",
+    "kl_div_from_logits",
     "kl_div_pointwise",
     "kl_divergence",
     "kl_divergence_with_log_targets",
+    "kl_estimate",
 ]

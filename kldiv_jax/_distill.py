@@ -1,0 +1,226 @@
+"""Knowledge-distillation loss from student and teacher logits (Hinton et al.)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kldiv_jax._checks import check_choice
+from kldiv_jax._logits import (
+  check_temperature,
+  check_unit_interval,
+  gjsd_kernel,
+  is_zero,
+  kl_kernel,
+  map_rows,
+  normalizer,
+  prepare,
+  row_stats,
+  scaled,
+)
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+# Cross entropy -log softmax(z)[label] per row, at temperature 1.
+
+
+def _hit(labels, shape):
+  return lax.broadcasted_iota(labels.dtype, shape, 1) == labels
+
+
+def _ce_rows(z, labels, masks):
+  one = jnp.ones((), jnp.promote_types(z.dtype, jnp.float32))
+
+  def stats(z, labels, *masks):
+    u, _ = scaled(z, one, masks)
+    m, _, s = row_stats(u)
+    return m, s, jnp.sum(jnp.where(_hit(labels, u.shape), u, 0.0), axis=-1, keepdims=True)
+
+  m, s, picked = map_rows(stats, (z, labels, *masks), z.shape[0])
+  has, inv_s, log_s = normalizer(s)
+  return jnp.where(has, log_s + m - picked, 0.0), (m, inv_s)
+
+
+@jax.custom_jvp
+def ce_kernel(z, labels, masks):
+  """Cross entropy per row of ``[rows, classes]`` logits; ``labels`` ``[rows, 1]``.
+
+  Masked classes leave the softmax; a row without mass gives 0; a label on a
+  class without mass gives ``+inf``. Labels must lie in ``[0, classes)``.
+  """
+  return _ce_rows(z, labels, masks)[0][:, 0]
+
+
+def _ce_kernel_jvp(primals, tangents):
+  z, labels, masks = primals
+  dz = tangents[0]
+  ce, (m, inv_s) = _ce_rows(z, labels, masks)
+  if is_zero(dz):
+    return ce[:, 0], jnp.zeros_like(ce[:, 0])
+  u, _ = scaled(z, jnp.ones((), ce.dtype), masks)
+  hit = _hit(labels, u.shape)
+  # d/dz = softmax(z) - onehot(label), on rows with mass.
+  g = jnp.where(inv_s > 0, jnp.exp(u - m) * inv_s - hit.astype(ce.dtype), 0.0)
+  return ce[:, 0], jnp.sum(g * dz.astype(g.dtype), axis=-1)
+
+
+ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
+
+
+def _check_labels(name, labels, token_shape):
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise TypeError(
+      f"{name}: labels must be an integer array of class indices; got dtype {labels.dtype}."
+    )
+  if labels.shape != token_shape:
+    raise ValueError(
+      f"{name}: labels must have the logits' shape without the class axis, "
+      f"{token_shape}; got {labels.shape}."
+    )
+  return labels
+
+
+def _check_normalizer(name, value):
+  if isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool):
+    arr = np.asarray(value)
+    if arr.ndim != 0 or not float(arr) > 0:
+      raise ValueError(f"{name}: normalizer must be a positive scalar; got {value!r}.")
+    return float(arr)
+  arr = jnp.asarray(value)
+  if arr.ndim != 0:
+    raise ValueError(f"{name}: normalizer must be a scalar; got shape {arr.shape}.")
+  return arr
+
+
+def distillation_loss(
+  student_logits: jax.typing.ArrayLike,
+  teacher_logits: jax.typing.ArrayLike,
+  labels: jax.typing.ArrayLike | None = None,
+  *,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  alpha: float | jax.typing.ArrayLike = 0.5,
+  divergence: str = "forward_kl",
+  beta: float | jax.typing.ArrayLike = 0.5,
+  scale_by_temperature_squared: bool = True,
+  ignore_index: int = -100,
+  where: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Knowledge-distillation loss: softened teacher divergence plus label cross entropy.
+
+  .. math::
+
+     L = \frac{1}{N} \sum_{\text{valid tokens}} \Big[\alpha\, T^2\,
+         D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
+         + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
+
+  with student logits :math:`s`, teacher logits :math:`t`, labels :math:`y`
+  and :math:`D` one of ``"forward_kl"`` (:math:`\mathrm{KL}(p_t\|p_s)`,
+  Hinton et al.), ``"reverse_kl"`` (:math:`\mathrm{KL}(p_s\|p_t)`) or
+  ``"jsd"`` (:func:`generalized_jsd` with ``beta``). :math:`T^2` keeps the
+  soft-target gradients on the scale of the hard-target ones (Hinton et al.);
+  drop it with ``scale_by_temperature_squared=False``. The cross entropy uses
+  the student's raw logits (temperature 1).
+
+  Valid tokens: ``labels != ignore_index`` and ``where``. :math:`N` is their
+  number (at least 1, so an all-ignored batch gives 0, not NaN), or
+  ``normalizer`` when given: pass the global number of valid tokens to make
+  gradient accumulation over micro-batches equal to one big batch. Without
+  ``labels`` the loss is the distillation term alone, :math:`T^2 D`
+  (``alpha`` is not applied), averaged over the tokens ``where`` selects.
+
+  One pass per side for the statistics and one fused pass for the gradient;
+  gradients wrt the teacher's logits are correct too (self-distillation),
+  unless the caller applies ``jax.lax.stop_gradient``. Masks, ``-inf``
+  logits, temperature and dtypes as in :func:`kl_div_from_logits`. A label
+  outside ``[0, num_classes)`` that is not ``ignore_index`` gives NaN; a label
+  on a class without mass (``-inf`` or masked) gives ``+inf``.
+
+  Args:
+    student_logits: ``[..., num_classes]`` (e.g. ``[batch, seq, vocab]``).
+    teacher_logits: broadcastable to ``student_logits``, same number of classes.
+    labels: optional integer class indices, ``[...]`` (the logits' shape
+      without the class axis).
+    temperature: positive softmax temperature of the divergence (a traced
+      scalar is allowed).
+    alpha: weight of the distillation term, in ``[0, 1]``.
+    divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
+    beta: the ``"jsd"`` mixture weight, in ``[0, 1]``.
+    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
+    ignore_index: the label of tokens to leave out.
+    where: a per-token mask ``[...]``, or a class mask broadcastable to the
+      logits (a masked vocabulary; a token with every class masked is left
+      out).
+    normalizer: the denominator instead of the number of valid tokens.
+
+  Returns:
+    A scalar, in the promoted logits dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import distillation_loss
+    >>> student = jnp.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    >>> teacher = jnp.array([[3.0, 2.0, 1.0], [1.0, 0.0, 0.0]])
+    >>> labels = jnp.array([2, -100])
+    >>> distillation_loss(student, teacher, labels, temperature=2.0)
+    Array(0.8441..., dtype=float32)
+
+  References:
+    Hinton, Vinyals and Dean, *Distilling the Knowledge in a Neural Network*
+    (2015), arXiv:1503.02531.
+  """
+  name = "distillation_loss"
+  check_choice(name, "divergence", divergence, DIVERGENCES)
+  alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
+  beta, beta_static = check_unit_interval(name, "beta", beta)
+  temperature, t_static = check_temperature(name, temperature)
+  rows = prepare(
+    name, "student_logits and teacher_logits", student_logits, teacher_logits, -1, where
+  )
+  if normalizer is not None:
+    normalizer = _check_normalizer(name, normalizer)
+  masks = rows.masks
+  valid = jnp.ones((rows.z.shape[0], 1), jnp.bool_)
+  for m in masks:
+    valid = valid & (m if m.shape[1] == 1 else jnp.any(m, axis=1, keepdims=True))
+  if labels is not None:
+    labels = _check_labels(name, labels, rows.out_shape).astype(jnp.int32).reshape(-1, 1)
+    labelled = labels != ignore_index
+    valid = valid & labelled
+    masks = (*masks, labelled)
+  cdt = rows.cdt
+  if rows.empty:
+    total = jnp.zeros((), cdt)
+  else:
+    t = jnp.asarray(temperature).astype(cdt)
+    if divergence == "forward_kl":
+      div = kl_kernel(rows.z, rows.y, t, masks)
+    elif divergence == "reverse_kl":
+      div = kl_kernel(rows.y, rows.z, t, masks)
+    else:
+      div = gjsd_kernel(rows.z, rows.y, t, masks, beta, beta_static)
+    if scale_by_temperature_squared:
+      div = div * (temperature**2 if t_static else t * t)
+    if labels is None:
+      per_row = div
+    else:
+      num_classes = rows.z.shape[1]
+      in_range = (labels >= 0) & (labels < num_classes)
+      safe = jnp.where(in_range, labels, 0)
+      ce = ce_kernel(rows.z, safe, masks)
+      ce = jnp.where(labelled[:, 0] & ~in_range[:, 0], jnp.nan, ce)
+      if alpha_static and alpha == 1.0:
+        per_row = div
+      elif alpha_static and alpha == 0.0:
+        per_row = ce
+      else:
+        a = alpha if alpha_static else jnp.asarray(alpha).astype(cdt)
+        per_row = a * div + (1.0 - a) * ce
+    total = jnp.sum(per_row)
+  if normalizer is None:
+    denominator = jnp.maximum(jnp.sum(valid), 1).astype(cdt)
+  else:
+    denominator = normalizer if isinstance(normalizer, float) else normalizer.astype(cdt)
+  return (total / denominator).astype(rows.out_dtype)

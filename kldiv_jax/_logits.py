@@ -1,0 +1,570 @@
+"""KL divergence and generalized JSD between softmax distributions given as logits.
+
+Each divergence is one ``jax.custom_jvp`` kernel over rows ``[rows, classes]``
+of raw logits, with the temperature and the class masks applied inside. The
+forward pass computes a few statistics per row (max, sum of exponentials, the
+divergence); the rule's tangent recomputes the per-class gradient from them
+elementwise, so reverse mode saves no probabilities and XLA fuses the gradient
+into a single pass that writes it. For ``KL(p || q)`` the gradient wrt the
+logits of ``q`` is ``(q - p) / T``. Symbolic-zero tangents skip the work for an
+argument that is not differentiated (a teacher under ``stop_gradient``, a
+constant temperature). The rules are plain differentiable JAX, so ``jvp``,
+``jax.hessian`` and higher-order derivatives work.
+
+On CPU the row statistics are computed over blocks of rows in a
+``fori_loop``: XLA's CPU reductions do not fuse an ``exp`` producer, and
+materialising full-size temporaries costs more than the arithmetic.
+
+Conventions: a class whose logit is ``-inf`` (or masked) has no mass. A class
+without mass under the weighting distribution contributes 0, with zero
+gradients; mass where the other side has none gives ``+inf`` (the true value).
+A row without any mass is the zero measure.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from kldiv_jax._checks import (
+  Axis,
+  broadcast_shapes,
+  check_choice,
+  check_float,
+  compute_dtype,
+  normalize_axis,
+  split_where,
+)
+
+DIRECTIONS = ("forward", "reverse")
+
+# Elements per block of rows for the CPU row statistics (512 KiB of float32).
+_BLOCK_ELEMENTS = 1 << 17
+
+
+def is_zero(tangent: object) -> bool:
+  """Whether a ``symbolic_zeros`` tangent is a symbolic zero."""
+  return isinstance(tangent, SymbolicZero)
+
+
+def map_rows(fn, arrays, num_rows):
+  """``fn(*arrays)`` for per-row statistics, over blocks of rows on CPU.
+
+  ``arrays`` have rows on axis 0 (``num_rows`` of them, or 1 to broadcast);
+  ``fn`` returns a tuple of ``[rows, 1]`` arrays. Off CPU, or when one block
+  holds every row, ``fn`` runs once. The last block is shifted back to end
+  at the last row (it recomputes a few rows rather than padding a copy).
+  """
+  num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
+  block = max(1, _BLOCK_ELEMENTS // max(num_classes, 1))
+  if num_rows <= block or jax.default_backend() != "cpu":
+    return fn(*arrays)
+
+  def rows(a, start):
+    if a.shape[0] == 1:
+      return a
+    return lax.dynamic_slice_in_dim(a, start, block, axis=0)
+
+  shapes = jax.eval_shape(
+    fn,
+    *[
+      jax.ShapeDtypeStruct((1 if a.shape[0] == 1 else block, *a.shape[1:]), a.dtype) for a in arrays
+    ],
+  )
+  init = tuple(jnp.zeros((num_rows, *s.shape[1:]), s.dtype) for s in shapes)
+
+  def body(i, outs):
+    start = jnp.minimum(i * block, num_rows - block)
+    res = fn(*[rows(a, start) for a in arrays])
+    return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
+
+  return lax.fori_loop(0, -(-num_rows // block), body, init)
+
+
+def scaled(z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...]):
+  """``(z / T, keep)`` in the compute dtype, ``-inf`` where ``z`` is or a mask is off.
+
+  ``-inf`` logits are selected around the division: ``-inf / T`` has a NaN
+  derivative wrt ``T``. NaN logits are kept (and propagate).
+  """
+  z = z.astype(temperature.dtype)
+  keep = z != -jnp.inf
+  for m in masks:
+    keep = keep & m
+  return jnp.where(keep, jnp.where(keep, z, 0.0) / temperature, -jnp.inf), keep
+
+
+def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(m, exp(x - m), sum)`` over the last axis, ``m`` a ``stop_gradient`` max.
+
+  ``m`` is 0 for rows without a finite max, so an all ``-inf`` row gives
+  ``exp = 0`` and sum 0, never NaN. ``m`` and the sum keep their axis.
+  """
+  m = jnp.max(x, axis=-1, keepdims=True)
+  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  e = jnp.exp(x - m)
+  return m, e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def normalizer(s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(s > 0, 1/s or 0, log s or 0)`` for row sums ``s``, safe for autodiff."""
+  has = s > 0
+  safe = jnp.where(has, s, 1.0)
+  return has, jnp.where(has, 1.0 / safe, 0.0), jnp.log(safe)
+
+
+def _tangent_sum(g: jax.Array, dx: jax.Array) -> jax.Array:
+  return jnp.sum(g * dx.astype(g.dtype), axis=-1, keepdims=True)
+
+
+# KL(softmax(y / T) || softmax(z / T)) per row: z is the "input" side.
+
+
+def _kl_stats(temperature, masks):
+  def fn(z, y, *masks):
+    u, _ = scaled(z, temperature, masks)
+    v, _ = scaled(y, temperature, masks)
+    mu, _, su = row_stats(u)
+    mv, ev, sv = row_stats(v)
+    # log p - log q, up to the row constant; +inf where p > 0 = q.
+    diff = jnp.where(ev > 0, (v - mv) - (u - mu), 0.0)
+    return mu, su, mv, sv, jnp.sum(ev * diff, axis=-1, keepdims=True)
+
+  return fn
+
+
+def _kl_rows(z, y, temperature, masks):
+  mu, su, mv, sv, a = map_rows(_kl_stats(temperature, masks), (z, y, *masks), z.shape[0])
+  _, inv_su, log_su = normalizer(su)
+  has_v, inv_sv, log_sv = normalizer(sv)
+  log_ratio = log_su - log_sv
+  kl = jnp.where(has_v, inv_sv * a + log_ratio, 0.0)
+  return kl, (mu, inv_su, mv, inv_sv, log_ratio)
+
+
+@jax.custom_jvp
+def kl_kernel(z, y, temperature, masks):
+  """``KL(softmax(y/T) || softmax(z/T))`` per row of ``[rows, classes]`` logits.
+
+  ``temperature`` is a scalar of the compute dtype, ``masks`` a tuple of
+  boolean ``[rows or 1, classes or 1]`` arrays. Returns ``[rows]``.
+  """
+  return _kl_rows(z, y, temperature, masks)[0][:, 0]
+
+
+def _kl_kernel_jvp(primals, tangents):
+  z, y, temperature, masks = primals
+  dz, dy, dtemp, _ = tangents
+  kl, (mu, inv_su, mv, inv_sv, log_ratio) = _kl_rows(z, y, temperature, masks)
+  u, keep_u = scaled(z, temperature, masks)
+  v, keep_v = scaled(y, temperature, masks)
+  q = jnp.exp(u - mu) * inv_su
+  p = jnp.exp(v - mv) * inv_sv
+  # d/du = q - p; d/dv = p (log p - log q - KL), 0 on rows where KL = +inf.
+  g_u = q - p
+  tangent = jnp.zeros_like(kl)
+  if not is_zero(dz):
+    tangent = tangent + _tangent_sum(g_u / temperature, dz)
+  if not (is_zero(dy) and is_zero(dtemp)):
+    finite = kl != jnp.inf
+    pos = (p > 0) & finite
+    diff = jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
+    g_v = jnp.where(pos, p * (diff + log_ratio - jnp.where(finite, kl, 0.0)), 0.0)
+    if not is_zero(dy):
+      tangent = tangent + _tangent_sum(g_v / temperature, dy)
+    if not is_zero(dtemp):
+      # du/dT = -u/T on kept classes, 0 on the others.
+      u0 = jnp.where(keep_u, u, 0.0)
+      v0 = jnp.where(keep_v, v, 0.0)
+      d_t = -(jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True)) / temperature
+      tangent = tangent + d_t * dtemp
+  return kl[:, 0], tangent[:, 0]
+
+
+kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
+
+
+# Generalized JSD per row, mixture m = beta p + (1 - beta) q with p = softmax(y/T)
+# and q = softmax(z/T): beta KL(p || m) + (1 - beta) KL(q || m), 0 < beta < 1.
+
+
+def _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta):
+  """``(log q - log m, log p - log m)`` where ``q``, resp. ``p``, is positive, else 0."""
+  m = beta * p + (1.0 - beta) * q
+  log_m = jnp.log(jnp.where(m > 0, m, 1.0))
+  a_q = jnp.where(q > 0, jnp.where(q > 0, u - mu, 0.0) - log_su - log_m, 0.0)
+  a_p = jnp.where(p > 0, jnp.where(p > 0, v - mv, 0.0) - log_sv - log_m, 0.0)
+  return a_q, a_p
+
+
+def _jsd_stats(temperature, beta, masks):
+  def fn(z, y, *masks):
+    u, _ = scaled(z, temperature, masks)
+    v, _ = scaled(y, temperature, masks)
+    mu, eu, su = row_stats(u)
+    mv, ev, sv = row_stats(v)
+    _, inv_su, log_su = normalizer(su)
+    _, inv_sv, log_sv = normalizer(sv)
+    q = eu * inv_su
+    p = ev * inv_sv
+    a_q, a_p = _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta)
+    kl_qm = jnp.sum(q * a_q, axis=-1, keepdims=True)
+    kl_pm = jnp.sum(p * a_p, axis=-1, keepdims=True)
+    return mu, su, mv, sv, kl_qm, kl_pm
+
+  return fn
+
+
+@jax.custom_jvp
+def jsd_kernel(z, y, temperature, beta, masks):
+  """Generalized JSD per row for ``0 < beta < 1``; arguments as :func:`kl_kernel`."""
+  stats = map_rows(_jsd_stats(temperature, beta, masks), (z, y, *masks), z.shape[0])
+  kl_qm, kl_pm = stats[-2:]
+  return (beta * kl_pm + (1.0 - beta) * kl_qm)[:, 0]
+
+
+def _jsd_kernel_jvp(primals, tangents):
+  z, y, temperature, beta, masks = primals
+  dz, dy, dtemp, dbeta, _ = tangents
+  mu, su, mv, sv, kl_qm, kl_pm = map_rows(
+    _jsd_stats(temperature, beta, masks), (z, y, *masks), z.shape[0]
+  )
+  jsd = beta * kl_pm + (1.0 - beta) * kl_qm
+  tangent = jnp.zeros_like(jsd)
+  if not (is_zero(dz) and is_zero(dy) and is_zero(dtemp)):
+    _, inv_su, log_su = normalizer(su)
+    _, inv_sv, log_sv = normalizer(sv)
+    u, keep_u = scaled(z, temperature, masks)
+    v, keep_v = scaled(y, temperature, masks)
+    q = jnp.exp(u - mu) * inv_su
+    p = jnp.exp(v - mv) * inv_sv
+    a_q, a_p = _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta)
+    # d/du = (1 - beta) q (log q - log m - KL(q || m)); d/dv likewise with p.
+    g_u = (1.0 - beta) * q * (a_q - kl_qm)
+    g_v = beta * p * (a_p - kl_pm)
+    if not is_zero(dz):
+      tangent = tangent + _tangent_sum(g_u / temperature, dz)
+    if not is_zero(dy):
+      tangent = tangent + _tangent_sum(g_v / temperature, dy)
+    if not is_zero(dtemp):
+      u0 = jnp.where(keep_u, u, 0.0)
+      v0 = jnp.where(keep_v, v, 0.0)
+      d_t = -(jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True)) / temperature
+      tangent = tangent + d_t * dtemp
+  if not is_zero(dbeta):
+    # d/dbeta = KL(p || m) - KL(q || m).
+    tangent = tangent + (kl_pm - kl_qm) * dbeta
+  return jsd[:, 0], tangent[:, 0]
+
+
+jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
+
+
+def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
+  """TRL's generalized JSD per row, endpoints included.
+
+  ``beta == 0`` is ``KL(p || q)`` and ``beta == 1`` is ``KL(q || p)`` (TRL's
+  special cases); a traced ``beta`` selects the branch at run time and gives
+  NaN outside ``[0, 1]``.
+  """
+  if beta_static:
+    if beta == 0:
+      return kl_kernel(z, y, temperature, masks)
+    if beta == 1:
+      return kl_kernel(y, z, temperature, masks)
+    return jsd_kernel(z, y, temperature, jnp.asarray(beta, temperature.dtype), masks)
+  b = jnp.asarray(beta).astype(temperature.dtype)
+  index = jnp.where(b == 0, 0, jnp.where(b == 1, 1, 2))
+  out = lax.switch(
+    index,
+    [
+      lambda z, y, t, b, m: kl_kernel(z, y, t, m),
+      lambda z, y, t, b, m: kl_kernel(y, z, t, m),
+      jsd_kernel,
+    ],
+    z,
+    y,
+    temperature,
+    b,
+    masks,
+  )
+  return jnp.where((b >= 0) & (b <= 1), out, jnp.nan)
+
+
+# Validation and layout, shared with distillation_loss.
+
+
+def _is_static(value: object) -> bool:
+  return isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool)
+
+
+def check_temperature(name: str, temperature: object) -> tuple[float | jax.Array, bool]:
+  """Returns ``(temperature, is_static)``; a static one must be positive."""
+  if _is_static(temperature):
+    value = np.asarray(temperature)
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.number):
+      raise ValueError(f"{name}: temperature must be a scalar; got {temperature!r}.")
+    if not float(value) > 0 or not np.isfinite(float(value)):
+      raise ValueError(f"{name}: temperature must be positive and finite; got {temperature!r}.")
+    return float(value), True
+  value = jnp.asarray(temperature)
+  if value.ndim != 0:
+    raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
+  if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+    raise TypeError(f"{name}: temperature must be a real number; got dtype {value.dtype}.")
+  return value, False
+
+
+def check_unit_interval(name: str, option: str, value: object) -> tuple[float | jax.Array, bool]:
+  """Returns ``(value, is_static)``; a static one must lie in ``[0, 1]``."""
+  if _is_static(value):
+    arr = np.asarray(value)
+    if arr.ndim != 0 or not 0.0 <= float(arr) <= 1.0:
+      raise ValueError(f"{name}: {option} must be a number in [0, 1]; got {value!r}.")
+    return float(arr), True
+  arr = jnp.asarray(value)
+  if arr.ndim != 0:
+    raise ValueError(f"{name}: {option} must be a scalar; got shape {arr.shape}.")
+  return arr, False
+
+
+class Rows:
+  """Logits laid out as ``[rows, classes]`` with their masks and output shape."""
+
+  def __init__(self, z, y, masks, out_shape, out_dtype):
+    self.z, self.y, self.masks = z, y, masks
+    self.out_shape, self.out_dtype = out_shape, out_dtype
+    self.cdt = compute_dtype(out_dtype)
+
+  @property
+  def empty(self) -> bool:
+    return self.z.shape[0] == 0 or self.z.shape[1] == 0
+
+  def finish(self, per_row: jax.Array) -> jax.Array:
+    return per_row.reshape(self.out_shape).astype(self.out_dtype)
+
+
+def prepare(
+  name: str,
+  what: str,
+  logits: jax.typing.ArrayLike,
+  target_logits: jax.typing.ArrayLike,
+  axis: Axis,
+  where: jax.typing.ArrayLike | None,
+) -> Rows:
+  """Validates a pair of logits and lays them out as ``[rows, classes]``.
+
+  Class axes go last and are flattened into one; the logits keep their
+  dtype (the kernels upcast). ``where`` becomes a mask of shape
+  ``[rows or 1, classes or 1]``, not broadcast further (broadcasting a
+  vocabulary mask to every row would cost a full-size temporary).
+  """
+  out_dtype = check_float(name, what, logits, target_logits)
+  ls, ts = tuple(np.shape(logits)), tuple(np.shape(target_logits))
+  ndim = max(len(ls), len(ts))
+  if ndim == 0:
+    raise ValueError(f"{name}: logits need a class axis; got scalars.")
+  axes = normalize_axis(name, axis, ndim)
+  if not axes:
+    raise ValueError(f"{name}: axis must name at least one class axis; got {axis!r}.")
+  padded = [(1,) * (ndim - len(s)) + s for s in (ls, ts)]
+  for a in axes:
+    if padded[0][a] != padded[1][a]:
+      raise ValueError(
+        f"{name}: {what} must have the same number of classes along axis {a}; "
+        f"got shapes {ls} and {ts}."
+      )
+  shape = broadcast_shapes(name, ls, ts)
+  element, example = split_where(name, where, shape, axes)
+  batch_axes = tuple(i for i in range(ndim) if i not in axes)
+  out_shape = tuple(shape[i] for i in batch_axes)
+  num_rows = int(np.prod(out_shape, dtype=np.int64))
+  num_classes = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+
+  def layout(a, full):
+    a = jnp.asarray(a)
+    a = a.reshape((1,) * (ndim - a.ndim) + a.shape)
+    rows_full = any(a.shape[i] != 1 for i in batch_axes) if full is None else full
+    cols_full = any(a.shape[i] != 1 for i in axes) if full is None else full
+    target = tuple(
+      d if (i in axes and cols_full) or (i not in axes and rows_full) else 1
+      for i, d in enumerate(shape)
+    )
+    a = jnp.broadcast_to(a, target)
+    if axes != tuple(range(ndim - len(axes), ndim)):
+      a = jnp.transpose(a, batch_axes + axes)
+    return a.reshape((num_rows if rows_full else 1, num_classes if cols_full else 1))
+
+  masks = ()
+  if element is not None:
+    masks = (layout(where, None),)
+  elif example is not None:
+    masks = (example.reshape(num_rows, 1),)
+  z, y = layout(logits, True), layout(target_logits, True)
+  return Rows(z, y, masks, out_shape, out_dtype)
+
+
+def _temperature_array(temperature, cdt):
+  return jnp.asarray(temperature).astype(cdt)
+
+
+def kl_div_from_logits(
+  logits: jax.typing.ArrayLike,
+  target_logits: jax.typing.ArrayLike,
+  *,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  direction: str = "forward",
+  axis: Axis = -1,
+  where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Per-example KL divergence between two softmax distributions given as logits.
+
+  With :math:`p = \mathrm{softmax}(\text{target\_logits} / T)` (the teacher)
+  and :math:`q = \mathrm{softmax}(\text{logits} / T)` (the student):
+
+  .. math::
+
+     \text{forward:}\ \mathrm{KL}(p \,\|\, q) = \sum_i p_i (\log p_i - \log q_i),
+     \qquad
+     \text{reverse:}\ \mathrm{KL}(q \,\|\, p).
+
+  Forward is Hinton et al.'s distillation loss (mass-covering); reverse is
+  the mode-seeking KL of on-policy distillation. Multiply by :math:`T^2` to
+  keep gradient magnitudes independent of ``T`` (Hinton et al.), or use
+  :func:`distillation_loss`, which does.
+
+  Computed from log-probabilities in at least float32 with a
+  ``stop_gradient`` max, never materialising probabilities twice. Gradients:
+  wrt ``logits``, :math:`(q - p)/T` (forward) or
+  :math:`q(\log q - \log p - \mathrm{KL})/T` (reverse), per example; wrt
+  ``target_logits`` correct too (self-distillation, mutual learning), unless
+  the caller applies ``jax.lax.stop_gradient``. ``jvp``, ``jax.hessian`` and
+  higher derivatives work.
+
+  Conventions: a ``-inf`` logit is a class without mass (a masked
+  vocabulary). A class without mass under the weighting distribution (``p``
+  for forward) contributes 0 with zero gradients, whatever the other side;
+  mass where the other side has none gives ``+inf`` (the true KL), with
+  finite gradients wrt the other side's logits (and zero wrt its own). A
+  side whose every class is ``-inf`` or masked is the zero measure:
+  ``KL(0 || q) = 0``, ``KL(p || 0) = +inf``; an example masked on both sides
+  (an all-masked row, or a per-example ``where``) gives 0 and zero
+  gradients. NaN propagates.
+
+  Args:
+    logits: the student's logits ``[..., num_classes]``.
+    target_logits: the teacher's logits, broadcastable to ``logits``, with
+      the same number of classes.
+    temperature: positive softmax temperature ``T``; a Python number is
+      checked at trace time, a traced scalar (a schedule) is not, and may be
+      differentiated.
+    direction: ``"forward"`` for ``KL(p || q)``, ``"reverse"`` for
+      ``KL(q || p)``.
+    axis: the class axis (or axes, flattened into one distribution).
+    where: a boolean mask. Broadcastable to the inputs: an element mask over
+      classes; masked classes leave both distributions (as
+      ``jax.nn.log_softmax(where=...)``: a masked vocabulary). Or the
+      output's shape: a per-example mask (tokens); a masked example gives 0
+      and zero gradients. A mask whose shape equals the output's is taken per
+      example.
+
+  Returns:
+    The divergence per example, shape ``[...]`` (the inputs without
+    ``axis``), in the promoted input dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import kl_div_from_logits
+    >>> student = jnp.array([[1.0, 2.0, 3.0], [0.0, 0.0, -jnp.inf]])
+    >>> teacher = jnp.array([[3.0, 2.0, 1.0], [1.0, 0.0, -jnp.inf]])
+    >>> kl_div_from_logits(student, teacher)
+    Array([1.1504..., 0.1109...], dtype=float32)
+    >>> kl_div_from_logits(student, teacher, temperature=2.0, direction="reverse")
+    Array([0.3201..., 0.0309...], dtype=float32)
+
+  References:
+    Hinton, Vinyals and Dean, *Distilling the Knowledge in a Neural Network*
+    (2015), arXiv:1503.02531.
+  """
+  name = "kl_div_from_logits"
+  check_choice(name, "direction", direction, DIRECTIONS)
+  temperature, _ = check_temperature(name, temperature)
+  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  if rows.empty:
+    return jnp.zeros(rows.out_shape, rows.out_dtype)
+  t = _temperature_array(temperature, rows.cdt)
+  z, y = (rows.z, rows.y) if direction == "forward" else (rows.y, rows.z)
+  return rows.finish(kl_kernel(z, y, t, rows.masks))
+
+
+def generalized_jsd(
+  logits: jax.typing.ArrayLike,
+  target_logits: jax.typing.ArrayLike,
+  *,
+  beta: float | jax.typing.ArrayLike = 0.5,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  axis: Axis = -1,
+  where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Per-example generalized Jensen-Shannon divergence from logits (TRL's GKD loss).
+
+  With teacher :math:`p = \mathrm{softmax}(\text{target\_logits}/T)`, student
+  :math:`q = \mathrm{softmax}(\text{logits}/T)` and mixture
+  :math:`m = \beta p + (1 - \beta) q`:
+
+  .. math::
+
+     \mathrm{JSD}_\beta(p, q) = \beta\,\mathrm{KL}(p \,\|\, m)
+       + (1 - \beta)\,\mathrm{KL}(q \,\|\, m), \qquad 0 < \beta < 1,
+
+  and, as TRL's ``generalized_jsd_loss`` and Liger's JSD define the
+  endpoints, :math:`\mathrm{KL}(p \,\|\, q)` at :math:`\beta = 0` and
+  :math:`\mathrm{KL}(q \,\|\, p)` at :math:`\beta = 1`. The formula itself
+  tends to 0 as :math:`\beta \to 0` or 1, so the loss is discontinuous at the
+  endpoints: they are a different loss, not a limit. :math:`\beta = 0.5` is
+  the symmetric JSD, bounded by :math:`\log 2`. Not multiplied by
+  :math:`T^2` (as in TRL).
+
+  Finite for every interior :math:`\beta`, ``-inf`` logits included (the
+  mixture has mass wherever either side has). Gradients wrt ``logits``:
+  :math:`(1-\beta)\,q\,(\log q - \log m - \mathrm{KL}(q\|m))/T`; wrt
+  ``target_logits`` and a traced ``beta`` too. Masks, temperature, dtypes
+  and conventions as in :func:`kl_div_from_logits`.
+
+  Args:
+    logits: the student's logits ``[..., num_classes]``.
+    target_logits: the teacher's logits, broadcastable, same number of classes.
+    beta: the mixture weight of the teacher, in ``[0, 1]``; checked when a
+      Python number; a traced value gives NaN outside ``[0, 1]``.
+    temperature: positive softmax temperature (a traced scalar is allowed).
+    axis: the class axis (or axes).
+    where: an element (class) mask or a per-example mask, as in
+      :func:`kl_div_from_logits`.
+
+  Returns:
+    The divergence per example, shape ``[...]``, in the promoted input dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import generalized_jsd
+    >>> student = jnp.array([1.0, 2.0, 3.0])
+    >>> teacher = jnp.array([3.0, 2.0, 1.0])
+    >>> generalized_jsd(student, teacher)
+    Array(0.2475..., dtype=float32)
+    >>> generalized_jsd(student, teacher, beta=0.9, temperature=2.0)
+    Array(0.0283..., dtype=float32)
+
+  References:
+    Agarwal et al., *On-Policy Distillation of Language Models: Learning from
+    Self-Generated Mistakes* (GKD, 2024), arXiv:2306.13649, Eq. (1);
+    TRL's ``GKDTrainer.generalized_jsd_loss``.
+  """
+  name = "generalized_jsd"
+  beta, beta_static = check_unit_interval(name, "beta", beta)
+  temperature, _ = check_temperature(name, temperature)
+  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  if rows.empty:
+    return jnp.zeros(rows.out_shape, rows.out_dtype)
+  t = _temperature_array(temperature, rows.cdt)
+  return rows.finish(gjsd_kernel(rows.z, rows.y, t, rows.masks, beta, beta_static))
