@@ -1,0 +1,165 @@
+"""Timing, memory and machine-description helpers shared by the benchmark sections.
+
+Every section times its contenders the same way:
+
+* jitted functions are compiled ahead of time (``jax.jit(f).lower(*args).compile()``),
+  which also gives XLA's compiled memory analysis, then run once to warm up;
+* contenders of one group are timed round-robin (one call of each per repeat, the
+  starting contender rotating) so that noise from a shared machine hits all of them
+  alike; each call is timed with ``time.perf_counter`` around the call and
+  ``jax.block_until_ready`` of its result;
+* the reported figure is the median over repeats.
+"""
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def core_count() -> int:
+  """CPU cores this process may run on (the affinity mask where the OS has one)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # pragma: no cover - macOS, Windows
+    return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+  """The CPU model name from ``/proc/cpuinfo``, or what ``platform`` knows."""
+  with contextlib.suppress(OSError):
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+      if line.lower().startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+  try:
+    return importlib.metadata.version(dist)
+  except importlib.metadata.PackageNotFoundError:
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+  """What the numbers were measured on: CPU, cores, devices and library versions."""
+  device = jax.devices()[0]
+  return {
+      "cpu_model": cpu_model(),
+      "cpu_cores": core_count(),
+      "cpu_count_os": os.cpu_count(),
+      "platform": platform.platform(),
+      "python": platform.python_version(),
+      "backend": jax.default_backend(),
+      "device_kind": device.device_kind,
+      "device_count": jax.device_count(),
+      "versions": {
+          name: _version(name)
+          for name in ("jax", "jaxlib", "optax", "torch", "numpy", "kldiv_jax")
+      },
+      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+  }
+
+
+def describe_machine(info: dict[str, Any]) -> str:
+  """One line naming the machine, for terminal output."""
+  versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
+  return (
+      f"{info['cpu_model']} ({info['cpu_cores']} cores), backend {info['backend']} "
+      f"[{info['device_kind']} x{info['device_count']}]; {versions}"
+  )
+
+
+def memory_stats(compiled: Any) -> dict[str, int | None]:
+  """XLA's compiled memory analysis: temp and output bytes (``None`` where unknown)."""
+  try:
+    stats = compiled.memory_analysis()
+  except Exception:
+    stats = None
+  if stats is None:
+    return {"temp_bytes": None, "output_bytes": None}
+  return {
+      "temp_bytes": int(stats.temp_size_in_bytes),
+      "output_bytes": int(stats.output_size_in_bytes),
+  }
+
+
+def compile_jax(fn: Callable[..., Any], *args: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
+  """Compiles ``fn`` for ``args``; returns a blocking thunk and its memory stats."""
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*args).compile()
+  info = memory_stats(compiled)
+  info["compile_s"] = time.perf_counter() - start
+
+  def call() -> Any:
+    return jax.block_until_ready(compiled(*args))
+
+  return call, info
+
+
+def round_robin(
+    thunks: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+) -> dict[str, list[float]]:
+  """Times each thunk ``repeats`` times, interleaved; returns seconds per call per thunk.
+
+  Each thunk must block until its work is done (``compile_jax``'s thunks do).
+  """
+  names = list(thunks)
+  for _ in range(warmup):
+    for name in names:
+      thunks[name]()
+  times: dict[str, list[float]] = {name: [] for name in names}
+  for rep in range(repeats):
+    shift = rep % len(names) if names else 0
+    for name in names[shift:] + names[:shift]:
+      fn = thunks[name]
+      start = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - start)
+  return times
+
+
+def median_ms(seconds: Sequence[float]) -> float:
+  return 1e3 * statistics.median(seconds)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+  """``a / b``, or ``None`` where either is missing or ``b`` is zero."""
+  if a is None or b is None or b == 0:
+    return None
+  return a / b
+
+
+def fmt_ms(ms: float | None) -> str:
+  if ms is None:
+    return "-"
+  return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def fmt_ratio(r: float | None) -> str:
+  return "-" if r is None else f"{r:.2f}"
+
+
+def fmt_bytes(n: int | None) -> str:
+  if n is None:
+    return "-"
+  for unit in ("B", "K", "M", "G"):
+    if abs(n) < 1024 or unit == "G":
+      return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+    n /= 1024
+  return str(n)  # pragma: no cover
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+  tmp.replace(path)

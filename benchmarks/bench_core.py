@@ -1,0 +1,560 @@
+"""Core benchmark (issue 3): ``kldiv_jax.kl_div`` against what users would otherwise run.
+
+For each case (size, dtype, ``log_target``, reduction) and each operation
+
+* ``fwd``: the loss;
+* ``vg_x``: the loss and its gradient wrt the input (``jax.value_and_grad``; for
+  ``reduction='none'`` the loss array and its VJP with a fixed random cotangent);
+* ``vg_xt``: the same wrt both arguments;
+
+the contenders are timed side by side, in one process, round-robin:
+
+* ``kldiv_jax``: ``kldiv_jax.kl_div(x, t, reduction=..., log_target=...)``;
+* ``kldiv_jax_optax_api``: ``kldiv_jax.kl_divergence`` / ``..._with_log_targets``
+  summed and divided by the batch (``batchmean`` only);
+* ``where_guarded``: the double-``where`` ``jnp`` formula a careful user writes;
+* ``optax``: ``optax.losses.kl_divergence`` / ``kl_divergence_with_log_targets``
+  summed and divided by the batch; for ``reduction='none'`` (optax has no
+  elementwise function) optax's per-element formula, copied from its source;
+* ``torch_cpu``: ``torch.nn.functional.kl_div`` on CPU (``no_grad`` forward; forward
+  plus ``torch.autograd.grad``), when torch is importable.
+
+With the forward pass, three limits are timed in the same round-robin: a kernel
+that only reads both arrays (``sum(x * t)``), one that reads two and writes one
+(``x * t``), and the transcendental floor (``sum(log t)``; ``sum(exp t)`` for log
+targets). All jitted contenders get XLA's compiled memory analysis.
+
+Run it through ``benchmarks/run.py`` (``make bench``); ``--help`` lists the options.
+"""
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _harness import (
+  compile_jax,
+  core_count,
+  describe_machine,
+  fmt_bytes,
+  fmt_ms,
+  fmt_ratio,
+  machine_info,
+  median_ms,
+  ratio,
+  round_robin,
+  write_json,
+)
+
+import kldiv_jax
+
+FLAGSHIP_SHAPE = (4096, 8192)
+DEFAULT_LOG2_SIZES = (16, 19, 22, 25)
+QUICK_LOG2_SIZES = (10, 12)
+DTYPES = ("float32", "bfloat16")
+REDUCTIONS = ("batchmean", "none")
+OPS = ("fwd", "vg_x", "vg_xt")
+ZERO_FRACTION = 0.01
+MAX_COLS = 8192
+
+KLDIV = "kldiv_jax"
+KLDIV_OPTAX_API = "kldiv_jax_optax_api"
+WHERE = "where_guarded"
+OPTAX = "optax"
+TORCH = "torch_cpu"
+LIMITS = ("limit_read2", "limit_read2_write1", "limit_transcendental")
+SHORT = {
+    KLDIV: "kldiv",
+    KLDIV_OPTAX_API: "k.optax",
+    WHERE: "where",
+    OPTAX: "optax",
+    TORCH: "torch",
+    "limit_read2": "rd2",
+    "limit_read2_write1": "rd2wr1",
+    "limit_transcendental": "transc",
+}
+
+NOTES = [
+    "Times are medians over repeats of jitted, warm calls, timed round-robin with "
+    "block_until_ready; torch is timed with perf_counter around the call.",
+    "vg_x / vg_xt: value_and_grad wrt the input / both arguments; for reduction='none' "
+    "the loss array and its VJP with a fixed random cotangent.",
+    "optax has no elementwise KL: for reduction='none' its per-element formula "
+    "(copied from optax.losses) is timed under the name 'optax'.",
+    "Limits (timed with the forward pass): limit_read2 = sum(x*t), limit_read2_write1 = "
+    "x*t, limit_transcendental = sum(log t) (sum(exp t) for log targets).",
+    "temp/output bytes: XLA compiled memory analysis of each jitted contender.",
+    "Data: inputs log_softmax of N(0,1) logits; targets softmax of N(0,1) logits with "
+    f"{ZERO_FRACTION:.0%} entries set to exactly 0 and renormalised (log targets: log of "
+    "those, -inf at the zeros). Seeded.",
+]
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def shape_for(elements: int) -> tuple[int, int]:
+  """``(rows, cols)`` with ``cols = min(8192, elements // 8)``: (4096, 8192) at 2^25."""
+  cols = min(MAX_COLS, max(elements // 8, 1))
+  return elements // cols, cols
+
+
+def make_data(
+    shape: tuple[int, int], dtype: str, log_target: bool, seed: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(x, t, g)``: log-probabilities, targets with exact zeros, a cotangent."""
+
+  @jax.jit
+  def draw(key):
+    k_x, k_t, k_zero, k_g = jax.random.split(key, 4)
+    x = jax.nn.log_softmax(jax.random.normal(k_x, shape))
+    p = jax.nn.softmax(jax.random.normal(k_t, shape))
+    p = jnp.where(jax.random.bernoulli(k_zero, ZERO_FRACTION, shape), 0.0, p)
+    p = p / jnp.sum(p, axis=-1, keepdims=True)
+    t = jnp.log(p) if log_target else p
+    g = jax.random.normal(k_g, shape)
+    return x.astype(dtype), t.astype(dtype), g.astype(dtype)
+
+  return jax.block_until_ready(draw(jax.random.key(seed)))
+
+
+# ------------------------------------------------------------------------ contenders
+
+
+def _reduce(terms: jax.Array, reduction: str, rows: int) -> jax.Array:
+  return terms if reduction == "none" else jnp.sum(terms) / rows
+
+
+def where_guarded_terms(x: jax.Array, t: jax.Array, log_target: bool) -> jax.Array:
+  """The double-``where`` formula (JAX FAQ) a careful user writes."""
+  if log_target:
+    m = t > -jnp.inf
+    s = jnp.where(m, t, 0.0)
+    return jnp.where(m, jnp.exp(s) * (s - x), 0.0)
+  safe = jnp.where(t > 0, t, 1.0)
+  return jnp.where(t > 0, t * (jnp.log(safe) - x), 0.0)
+
+
+def optax_terms(x: jax.Array, t: jax.Array, log_target: bool) -> jax.Array:
+  """optax's per-element formulas (optax/losses/_classification.py), for ``'none'``."""
+  if log_target:
+    return jnp.exp(t) * (t - x)
+  return t * (jnp.where(t == 0, 0, jnp.log(t)) - x)
+
+
+def contenders(reduction: str, log_target: bool, rows: int) -> dict[str, Callable]:
+  """The jitted contenders of one mode, each ``f(x, t) -> loss``."""
+  out: dict[str, Callable] = {
+      KLDIV: lambda x, t: kldiv_jax.kl_div(x, t, reduction=reduction, log_target=log_target),
+      WHERE: lambda x, t: _reduce(where_guarded_terms(x, t, log_target), reduction, rows),
+  }
+  if reduction == "none":
+    out[OPTAX] = lambda x, t: optax_terms(x, t, log_target)
+  else:
+    ox = (
+        optax.losses.kl_divergence_with_log_targets
+        if log_target
+        else optax.losses.kl_divergence
+    )
+    kx = kldiv_jax.kl_divergence_with_log_targets if log_target else kldiv_jax.kl_divergence
+    out[OPTAX] = lambda x, t: jnp.sum(ox(x, t)) / rows
+    out[KLDIV_OPTAX_API] = lambda x, t: jnp.sum(kx(x, t)) / rows
+  return out
+
+
+def with_op(f: Callable, op: str, reduction: str) -> tuple[Callable, bool]:
+  """``f`` turned into operation ``op``; the flag says whether it takes the cotangent."""
+  if op == "fwd":
+    return f, False
+  argnums = 0 if op == "vg_x" else (0, 1)
+  if reduction != "none":
+    return jax.value_and_grad(f, argnums=argnums), False
+
+  def value_and_vjp(x, t, g):
+    if op == "vg_x":
+      out, pull = jax.vjp(lambda x_: f(x_, t), x)
+    else:
+      out, pull = jax.vjp(f, x, t)
+    return out, pull(g)
+
+  return value_and_vjp, True
+
+
+def limits(log_target: bool) -> dict[str, Callable]:
+  f32 = jnp.float32
+  transc = jnp.exp if log_target else jnp.log
+  return {
+      "limit_read2": lambda x, t: jnp.sum(x.astype(f32) * t.astype(f32)),
+      "limit_read2_write1": lambda x, t: x * t,
+      "limit_transcendental": lambda x, t: jnp.sum(transc(t.astype(f32))),
+  }
+
+
+def torch_module():
+  """``torch`` set to use every core, or ``None`` where it is not importable."""
+  try:
+    import torch
+  except ImportError:
+    return None
+  torch.set_num_threads(core_count())
+  return torch
+
+
+def torch_thunks(torch, x, t, g, dtype: str, reduction: str, log_target: bool):
+  """The three operations with ``torch.nn.functional.kl_div`` on CPU."""
+  f = torch.nn.functional.kl_div
+  tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+  def convert(a):
+    return torch.from_numpy(np.array(a.astype(jnp.float32))).to(tdtype).contiguous()
+
+  X, T, G = convert(x), convert(t), convert(g)
+  grad_out = G if reduction == "none" else None
+
+  def fwd():
+    with torch.no_grad():
+      return f(X, T, reduction=reduction, log_target=log_target)
+
+  def vg(wrt_t: bool):
+    def run():
+      xl = X.detach().requires_grad_(True)
+      tl = T.detach().requires_grad_(wrt_t)
+      loss = f(xl, tl, reduction=reduction, log_target=log_target)
+      grads = torch.autograd.grad(loss, [xl, tl] if wrt_t else [xl], grad_outputs=grad_out)
+      return loss, grads
+
+    return run
+
+  return {"fwd": fwd, "vg_x": vg(False), "vg_xt": vg(True)}
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def default_repeats(elements: int, quick: bool) -> int:
+  if quick:
+    return 3
+  if elements >= 2**25:
+    return 7
+  if elements >= 2**22:
+    return 9
+  return 15
+
+
+def parse_sizes(text: str) -> list[int]:
+  """Comma-separated sizes: log2 exponents (``16,25``) or element counts (``65536``)."""
+  sizes = []
+  for part in text.split(","):
+    value = int(part.strip())
+    sizes.append(2**value if value < 64 else value)
+  return sorted(set(sizes))
+
+
+def run_case(
+    data,
+    torch_data,
+    elements,
+    shape,
+    dtype,
+    log_target,
+    reduction,
+    op,
+    repeats,
+) -> list[dict[str, Any]]:
+  """Times one (case, op) group round-robin; returns its records."""
+  x, t, g = data
+  thunks, info, kinds = {}, {}, {}
+  for name, f in contenders(reduction, log_target, shape[0]).items():
+    fn, takes_g = with_op(f, op, reduction)
+    thunks[name], info[name] = compile_jax(fn, *((x, t, g) if takes_g else (x, t)))
+    kinds[name] = "contender"
+  if torch_data is not None:
+    thunks[TORCH] = torch_data[op]
+    info[TORCH] = {"temp_bytes": None, "output_bytes": None, "compile_s": None}
+    kinds[TORCH] = "contender"
+  if op == "fwd":
+    for name, f in limits(log_target).items():
+      thunks[name], info[name] = compile_jax(f, x, t)
+      kinds[name] = "limit"
+  times = round_robin(thunks, repeats)
+  med = {name: median_ms(ts) for name, ts in times.items()}
+  records = []
+  for name, ts in times.items():
+    records.append({
+        "elements": elements,
+        "log2_elements": int(np.log2(elements)),
+        "shape": list(shape),
+        "dtype": dtype,
+        "log_target": log_target,
+        "reduction": reduction,
+        "op": op,
+        "contender": name,
+        "kind": kinds[name],
+        "median_ms": med[name],
+        "min_ms": 1e3 * min(ts),
+        "times_ms": [1e3 * s for s in ts],
+        "ns_per_element": 1e6 * med[name] / elements,
+        "repeats": repeats,
+        "temp_bytes": info[name]["temp_bytes"],
+        "output_bytes": info[name]["output_bytes"],
+        "compile_s": info[name]["compile_s"],
+        "ratio_vs_where": ratio(med[name], med.get(WHERE)),
+        "ratio_vs_optax": ratio(med[name], med.get(OPTAX)),
+    })
+  return records
+
+
+TABLE_HEADER = (
+    f"{'shape':>12} {'dtype':8} {'lt':>2} {'reduction':9} {'op':5} |"
+    f" {'kldiv':>8} {'k.optax':>8} {'where':>8} {'optax':>8} {'torch':>8} ms |"
+    f" {'k/where':>7} {'k/optax':>7} {'torch/k':>7} |"
+    f" {'temp k':>7} {'temp w':>7} {'temp o':>7} {'out k':>7} |"
+    f" {'rd2':>7} {'rd2wr1':>7} {'transc':>7} ms"
+)
+
+
+def table_row(records: list[dict[str, Any]]) -> str:
+  by = {r["contender"]: r for r in records}
+  r0 = records[0]
+
+  def ms(name):
+    return fmt_ms(by[name]["median_ms"]) if name in by else "-"
+
+  def mem(name, key="temp_bytes"):
+    return fmt_bytes(by[name][key]) if name in by else "-"
+
+  k = by[KLDIV]["median_ms"]
+  torch_ratio = ratio(by[TORCH]["median_ms"], k) if TORCH in by else None
+  shape = "x".join(map(str, r0["shape"]))
+  return (
+      f"{shape:>12} {r0['dtype']:8} {'T' if r0['log_target'] else 'F':>2} "
+      f"{r0['reduction']:9} {r0['op']:5} |"
+      f" {ms(KLDIV):>8} {ms(KLDIV_OPTAX_API):>8} {ms(WHERE):>8} {ms(OPTAX):>8} {ms(TORCH):>8}    |"
+      f" {fmt_ratio(by[KLDIV]['ratio_vs_where']):>7} {fmt_ratio(by[KLDIV]['ratio_vs_optax']):>7}"
+      f" {fmt_ratio(torch_ratio):>7} |"
+      f" {mem(KLDIV):>7} {mem(WHERE):>7} {mem(OPTAX):>7} {mem(KLDIV, 'output_bytes'):>7} |"
+      f" {ms(LIMITS[0]):>7} {ms(LIMITS[1]):>7} {ms(LIMITS[2]):>7}"
+  )
+
+
+# -------------------------------------------------------------------------- targets
+
+
+def evaluate_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
+  """The issue-3 targets at the flagship case (float32, (4096, 8192), batchmean).
+
+  Where the flagship was not measured (``--quick``, ``--sizes``), the largest
+  float32 ``batchmean`` case stands in, flagged ``flagship: False``.
+  """
+  cands = [
+      r for r in records
+      if r["dtype"] == "float32" and r["reduction"] == "batchmean" and r["kind"] == "contender"
+  ]
+  if not cands:
+    return {"shape": None, "flagship": False, "rows": []}
+  flagship = [r for r in cands if tuple(r["shape"]) == FLAGSHIP_SHAPE]
+  pick = flagship or [r for r in cands if r["elements"] == max(c["elements"] for c in cands)]
+  shape = pick[0]["shape"]
+  by = {(r["log_target"], r["op"], r["contender"]): r for r in pick}
+  rows = []
+
+  def add(lt, name, value, threshold, sense, detail=""):
+    ok = None if value is None else (value <= threshold if sense == "<=" else value >= threshold)
+    rows.append({
+        "log_target": lt,
+        "target": name,
+        "value": value,
+        "threshold": threshold,
+        "sense": sense,
+        "pass": ok,
+        "detail": detail,
+    })
+
+  def med(lt, op, name):
+    r = by.get((lt, op, name))
+    return None if r is None else r["median_ms"]
+
+  for lt in sorted({r["log_target"] for r in pick}):
+    k_f, k_vg = med(lt, "fwd", KLDIV), med(lt, "vg_x", KLDIV)
+    add(lt, "fwd / where_guarded", ratio(k_f, med(lt, "fwd", WHERE)), 0.4, "<=")
+    add(lt, "fwd / optax", ratio(k_f, med(lt, "fwd", OPTAX)), 1.1, "<=")
+    add(lt, "vg_x / where_guarded", ratio(k_vg, med(lt, "vg_x", WHERE)), 0.75, "<=")
+    add(lt, "vg_x / optax", ratio(k_vg, med(lt, "vg_x", OPTAX)), 1.1, "<=")
+    add(lt, "torch fwd+bwd / vg_x (speed-up)", ratio(med(lt, "vg_x", TORCH), k_vg), 4.0, ">=")
+    for op in OPS:
+      k, w = by.get((lt, op, KLDIV)), by.get((lt, op, WHERE))
+      kb = None if k is None else k["temp_bytes"]
+      wb = None if w is None else w["temp_bytes"]
+      value = ratio(kb, wb) if wb else (None if kb is None or wb is None else (0.0 if kb == 0 else float("inf")))
+      add(lt, f"XLA temp bytes {op} / where_guarded", value, 1.0, "<=",
+          f"{fmt_bytes(kb)} vs {fmt_bytes(wb)}")
+  return {"shape": shape, "flagship": bool(flagship), "rows": rows}
+
+
+def print_targets(targets: dict[str, Any]) -> None:
+  if targets["shape"] is None:
+    print("targets: no float32 batchmean case measured")
+    return
+  shape = "x".join(map(str, targets["shape"]))
+  note = "" if targets["flagship"] else "  (NOT the flagship (4096, 8192): indicative only)"
+  print(f"\nTargets (issue 3) at float32 {shape} batchmean{note}")
+  print(f"  {'log_target':10} {'target':42} {'value':>8} {'need':>8}  result")
+  for row in targets["rows"]:
+    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
+    need = f"{row['sense']} {row['threshold']:g}"
+    detail = f"  ({row['detail']})" if row["detail"] else ""
+    print(f"  {row['log_target']!s:10} {row['target']:42} {fmt_ratio(row['value']):>8} "
+          f"{need:>8}  {verdict}{detail}")
+
+
+# ---------------------------------------------------------------------------- chart
+
+
+def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
+  """Time per element vs size, one panel per (dtype, log_target, reduction)."""
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not importable: no chart", file=sys.stderr)
+    return False
+  modes = sorted(
+      {(r["dtype"], r["log_target"], r["reduction"]) for r in records},
+      key=lambda m: (DTYPES.index(m[0]) if m[0] in DTYPES else 9, m[1], REDUCTIONS.index(m[2])),
+  )
+  ncols = min(4, len(modes))
+  nrows = -(-len(modes) // ncols)
+  fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False,
+                           sharex=True)
+  colors = {KLDIV: "C0", KLDIV_OPTAX_API: "C4", WHERE: "C1", OPTAX: "C2", TORCH: "C3"}
+  limit_style = {LIMITS[0]: ":", LIMITS[1]: "-.", LIMITS[2]: (0, (1, 3))}
+  for ax, mode in zip(axes.flat, modes):
+    rs = [r for r in records if (r["dtype"], r["log_target"], r["reduction"]) == mode]
+    for name, color in colors.items():
+      for op, style in (("fwd", "-"), ("vg_x", "--")):
+        pts = sorted((r["elements"], r["ns_per_element"]) for r in rs
+                     if r["contender"] == name and r["op"] == op)
+        if pts:
+          ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=f"{SHORT[name]} {op}")
+    for name, style in limit_style.items():
+      pts = sorted((r["elements"], r["ns_per_element"]) for r in rs if r["contender"] == name)
+      if pts:
+        ax.plot(*zip(*pts), linestyle=style, color="0.35", marker="x", ms=3,
+                label=f"limit {SHORT[name]}")
+    dtype, lt, red = mode
+    ax.set_title(f"{dtype}, log_target={lt}, {red}", fontsize=9)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+  for ax in axes.flat[len(modes):]:
+    ax.set_visible(False)
+  for ax in axes[-1]:
+    ax.set_xlabel("elements")
+  for ax in axes[:, 0]:
+    ax.set_ylabel("ns / element (median)")
+  handles, labels = axes.flat[0].get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8)
+  fig.suptitle(title, fontsize=10)
+  fig.tight_layout(rect=(0, 0.08, 1, 0.95))
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help="a few small sizes, few repeats")
+  p.add_argument("--sizes", type=parse_sizes, default=None,
+                 help="comma-separated log2 sizes or element counts (default 16,19,22,25)")
+  p.add_argument("--repeats", type=int, default=None, help="repeats for every size")
+  p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+  p.add_argument("--dtypes", default=",".join(DTYPES))
+  p.add_argument("--reductions", default=",".join(REDUCTIONS))
+  p.add_argument("--log-target", choices=("both", "true", "false"), default="both")
+  p.add_argument("--ops", default=",".join(OPS))
+  p.add_argument("--no-torch", action="store_true", help="leave torch out")
+  p.add_argument("--seed", type=int, default=0)
+  return p
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+  sizes = args.sizes or [2**k for k in (QUICK_LOG2_SIZES if args.quick else DEFAULT_LOG2_SIZES)]
+  dtypes = [d.strip() for d in args.dtypes.split(",")]
+  reductions = [r.strip() for r in args.reductions.split(",")]
+  ops = [o.strip() for o in args.ops.split(",")]
+  log_targets = {"both": [False, True], "true": [True], "false": [False]}[args.log_target]
+  for value, allowed, what in ((dtypes, DTYPES, "dtype"), (reductions, REDUCTIONS, "reduction"),
+                               (ops, OPS, "op")):
+    bad = sorted(set(value) - set(allowed))
+    if bad:
+      raise SystemExit(f"bench_core: unknown {what} {bad}; expected some of {list(allowed)}")
+  torch = None if args.no_torch else torch_module()
+  machine = machine_info()
+  print(f"core: {describe_machine(machine)}")
+  if torch is None:
+    print("core: torch not used (not importable or --no-torch)")
+  print(TABLE_HEADER)
+  records: list[dict[str, Any]] = []
+  for elements in sizes:
+    shape = shape_for(elements)
+    repeats = args.repeats or default_repeats(elements, args.quick)
+    for dtype in dtypes:
+      for lt in log_targets:
+        data = make_data(shape, dtype, lt, args.seed)
+        for reduction in reductions:
+          tdata = None if torch is None else torch_thunks(torch, *data, dtype, reduction, lt)
+          for op in ops:
+            rs = run_case(data, tdata, elements, shape, dtype, lt, reduction, op, repeats)
+            records.extend(rs)
+            print(table_row(rs), flush=True)
+        del data, tdata
+  targets = evaluate_targets(records)
+  print_targets(targets)
+  return {
+      "section": "core",
+      "machine": machine,
+      "settings": {
+          "sizes": sizes,
+          "shapes": [list(shape_for(n)) for n in sizes],
+          "dtypes": dtypes,
+          "reductions": reductions,
+          "log_targets": log_targets,
+          "ops": ops,
+          "repeats": {str(n): args.repeats or default_repeats(n, args.quick) for n in sizes},
+          "quick": args.quick,
+          "seed": args.seed,
+          "torch": torch is not None,
+          "zero_fraction": ZERO_FRACTION,
+      },
+      "notes": NOTES,
+      "records": records,
+      "targets": targets,
+  }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+  result = run(args)
+  out = Path(args.out)
+  write_json(out / "core.json", result)
+  m = result["machine"]
+  title = (f"kldiv_jax core benchmark: {m['cpu_model']} ({m['cpu_cores']} cores), "
+           f"{m['backend']} [{m['device_kind']}], jax {m['versions']['jax']}")
+  charted = plot(result["records"], out / "core.png", title)
+  print(f"core: wrote {out / 'core.json'}" + (f" and {out / 'core.png'}" if charted else ""))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

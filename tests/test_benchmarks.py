@@ -1,0 +1,123 @@
+"""Smoke tests of the benchmark suite (``benchmarks/run.py``) on tiny sizes."""
+
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+RECORD_KEYS = {
+    "elements", "shape", "dtype", "log_target", "reduction", "op", "contender", "kind",
+    "median_ms", "times_ms", "ns_per_element", "repeats", "temp_bytes", "output_bytes",
+    "ratio_vs_where", "ratio_vs_optax",
+}
+
+
+@pytest.fixture(scope="module")
+def core_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  cmd = [
+      sys.executable, str(BENCH / "run.py"), "--quick", "--sections", "core", "--sizes", "10",
+      "--repeats", "2", "--out", str(out), "--dtypes", "float32", "--reductions", "batchmean",
+      "--log-target", "true", "--no-torch",  # torch's import alone takes seconds
+  ]
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return out, proc.stdout, json.loads((out / "core.json").read_text())
+
+
+def test_core_json_has_expected_keys(core_run):
+  out, _, result = core_run
+  assert result["section"] == "core"
+  machine = result["machine"]
+  for key in ("cpu_model", "cpu_cores", "backend", "device_kind", "versions"):
+    assert machine[key] not in (None, "")
+  assert {"jax", "jaxlib", "optax"} <= set(machine["versions"])
+  assert result["settings"]["sizes"] == [1024]
+  assert (out / "core.png").stat().st_size > 0
+
+
+def test_core_records_cover_every_op_and_contender(core_run):
+  _, _, result = core_run
+  records = result["records"]
+  assert all(RECORD_KEYS <= set(r) for r in records)
+  seen = {(r["log_target"], r["op"], r["contender"]) for r in records}
+  for lt in (True,):
+    for op in ("fwd", "vg_x", "vg_xt"):
+      for name in ("kldiv_jax", "where_guarded", "optax"):
+        assert (lt, op, name) in seen
+    for name in ("limit_read2", "limit_read2_write1", "limit_transcendental"):
+      assert (lt, "fwd", name) in seen
+  for r in records:
+    assert len(r["times_ms"]) == 2 and r["median_ms"] > 0
+    if r["contender"] != "torch_cpu":
+      assert r["temp_bytes"] is not None and r["output_bytes"] is not None
+    if r["contender"] == "where_guarded":
+      assert r["ratio_vs_where"] == pytest.approx(1.0)
+
+
+def test_core_prints_table_and_targets(core_run):
+  _, stdout, result = core_run
+  assert "k/where" in stdout and "Targets (issue 3)" in stdout
+  rows = result["targets"]["rows"]
+  assert result["targets"]["flagship"] is False
+  assert {r["target"] for r in rows} >= {"fwd / where_guarded", "vg_x / optax"}
+  assert all(r["pass"] in (True, False, None) for r in rows)
+
+
+def test_torch_contender_runs_every_op():
+  torch = pytest.importorskip("torch")
+  sys.path.insert(0, str(BENCH))
+  try:
+    import bench_core
+  finally:
+    sys.path.remove(str(BENCH))
+  x, t, g = bench_core.make_data((4, 16), "bfloat16", False, seed=0)
+  for reduction in ("batchmean", "none"):
+    thunks = bench_core.torch_thunks(torch, x, t, g, "bfloat16", reduction, False)
+    loss = thunks["fwd"]()
+    assert loss.dtype == torch.bfloat16 and torch.isfinite(loss).all()
+    _, grads = thunks["vg_xt"]()
+    assert len(grads) == 2 and grads[0].shape == (4, 16)
+
+
+def _record(lt, op, name, ms, temp=0):
+  return {"dtype": "float32", "reduction": "batchmean", "kind": "contender",
+          "shape": [4096, 8192], "elements": 2**25, "log_target": lt, "op": op,
+          "contender": name, "median_ms": ms, "temp_bytes": temp}
+
+
+def test_targets_pass_and_fail_at_the_flagship():
+  sys.path.insert(0, str(BENCH))
+  try:
+    import bench_core
+  finally:
+    sys.path.remove(str(BENCH))
+  records = []
+  for op in ("fwd", "vg_x", "vg_xt"):
+    records += [_record(False, op, "kldiv_jax", 10.0, temp=8), _record(False, op, "where_guarded", 50.0, temp=16),
+                _record(False, op, "optax", 9.5, temp=8), _record(False, op, "torch_cpu", 30.0)]
+  targets = bench_core.evaluate_targets(records)
+  assert targets["flagship"] is True
+  verdict = {r["target"]: r["pass"] for r in targets["rows"]}
+  assert verdict["fwd / where_guarded"] is True  # 0.2 <= 0.4
+  assert verdict["fwd / optax"] is True  # 1.05 <= 1.1
+  assert verdict["torch fwd+bwd / vg_x (speed-up)"] is False  # 3x < 4x
+  assert verdict["XLA temp bytes fwd / where_guarded"] is True
+  assert bench_core.shape_for(2**25) == (4096, 8192)
+
+
+def test_runner_calls_entry_points_of_either_signature(monkeypatch):
+  monkeypatch.syspath_prepend(str(BENCH))
+  import run
+
+  seen = []
+  with_argv = types.SimpleNamespace(__name__="a", main=lambda argv: seen.append(argv) or 0)
+  no_argv = types.SimpleNamespace(__name__="b", main=lambda: seen.append(sys.argv[1:]) or 3)
+  assert run.call_main(with_argv, ["--quick"]) == 0
+  assert run.call_main(no_argv, ["--out", "x"]) == 3
+  assert seen == [["--quick"], ["--out", "x"]]
