@@ -12,6 +12,7 @@ Every section times its contenders the same way:
 """
 
 import contextlib
+import gc
 import importlib.metadata
 import json
 import os
@@ -111,19 +112,27 @@ def round_robin(
   """Times each thunk ``repeats`` times, interleaved; returns seconds per call per thunk.
 
   Each thunk must block until its work is done (``compile_jax``'s thunks do).
+  Python's garbage collector is off while timing, as in ``timeit``.
   """
   names = list(thunks)
   for _ in range(warmup):
     for name in names:
       thunks[name]()
   times: dict[str, list[float]] = {name: [] for name in names}
-  for rep in range(repeats):
-    shift = rep % len(names) if names else 0
-    for name in names[shift:] + names[:shift]:
-      fn = thunks[name]
-      start = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - start)
+  gc.collect()
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    for rep in range(repeats):
+      shift = rep % len(names) if names else 0
+      for name in names[shift:] + names[:shift]:
+        fn = thunks[name]
+        start = time.perf_counter()
+        fn()
+        times[name].append(time.perf_counter() - start)
+  finally:
+    if was_enabled:
+      gc.enable()
   return times
 
 
