@@ -7,6 +7,7 @@ with finite values and gradients at zero-probability targets.
 from importlib.metadata import PackageNotFoundError, version
 
 from kldiv_jax._distill import distillation_loss as distillation_loss
+from kldiv_jax._fused import fused_linear_kl_div as fused_linear_kl_div
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
 from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits
@@ -16,6 +17,7 @@ from kldiv_jax._optax import kl_divergence as kl_divergence
 from kldiv_jax._optax import kl_divergence_with_log_targets as kl_divergence_with_log_targets
 from kldiv_jax._pointwise import kl_div_pointwise as kl_div_pointwise
 from kldiv_jax._rl import kl_estimate as kl_estimate
+from kldiv_jax._topk import kl_div_from_topk as kl_div_from_topk
 from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
 
@@ -28,11 +30,13 @@ __all__ = [
     "KLDivLoss",
     "convex_kl_divergence",
     "distillation_loss",
+    "fused_linear_kl_div",
     "gaussian_kl",
     "generalized_jsd",
     "generalized_kl_divergence",
     "kl_div",
     "kl_div_from_logits",
+    "kl_div_from_topk",
     "kl_div_pointwise",
     "kl_divergence",
     "kl_divergence_with_log_targets",

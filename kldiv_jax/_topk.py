@@ -1,0 +1,234 @@
+"""KL divergence against a teacher stored as its top-k tokens (offline distillation).
+
+Distillation datasets store, per token, the teacher's ``k`` most likely token
+ids and their log-probabilities instead of a full-vocabulary row. The student
+still normalises over its full vocabulary; only ``k`` of its log-probabilities
+are gathered, so the forward pass writes no ``[..., vocab]`` array besides the
+logits' cast (the softmax statistics are reductions).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kldiv_jax._checks import check_float, compute_dtype
+from kldiv_jax._pointwise import kl_log_kernel
+
+
+def _check_temperature(name: str, temperature: object) -> tuple[object, bool]:
+  """Returns ``(temperature, is_static)``; a static temperature must be positive."""
+  if isinstance(temperature, (int, float, np.number, np.ndarray)) and not isinstance(
+    temperature, bool
+  ):
+    value = np.asarray(temperature)
+    if value.ndim != 0:
+      raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
+    if not np.issubdtype(value.dtype, np.number) or np.iscomplexobj(value):
+      raise TypeError(f"{name}: temperature must be a real number; got {temperature!r}.")
+    if not (np.isfinite(value) and value > 0):
+      raise ValueError(f"{name}: temperature must be positive and finite; got {temperature!r}.")
+    return float(value), True
+  value = jnp.asarray(temperature)
+  if value.ndim != 0:
+    raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise TypeError(f"{name}: temperature must be a floating scalar; got dtype {value.dtype}.")
+  return value, False
+
+
+def _divide(z: jax.Array, temperature, is_static: bool) -> jax.Array:
+  """``z / T``; for a traced ``T``, ``-inf`` entries are selected around the division.
+
+  (``d(-inf / T)/dT`` is ``inf``, and ``inf * 0`` would poison the gradient
+  wrt ``T``.)
+  """
+  if is_static:
+    return z / temperature if temperature != 1.0 else z
+  finite = z != -jnp.inf
+  return jnp.where(finite, jnp.where(finite, z, 0.0) / temperature, -jnp.inf)
+
+
+def _logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
+  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row."""
+  m = jnp.max(x, axis=axis, keepdims=True)
+  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  return jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+
+
+def _check_shapes(name, logits, indices, log_probs):
+  if logits.ndim == 0:
+    raise ValueError(f"{name}: logits must have a class axis, shape [..., vocab]; got a scalar.")
+  if indices.shape != log_probs.shape:
+    raise ValueError(
+      f"{name}: topk_indices and topk_log_probs must have the same shape [..., k]; "
+      f"got {indices.shape} and {log_probs.shape}."
+    )
+  if indices.ndim != logits.ndim or indices.shape[:-1] != logits.shape[:-1]:
+    raise ValueError(
+      f"{name}: topk_indices must have shape logits.shape[:-1] + (k,) = "
+      f"{logits.shape[:-1]} + (k,); got {indices.shape} for logits of shape {logits.shape}."
+    )
+  k, vocab = indices.shape[-1], logits.shape[-1]
+  if not 1 <= k <= vocab:
+    raise ValueError(
+      f"{name}: the number of top-k entries must be in [1, vocab] = [1, {vocab}]; got k = {k}."
+    )
+
+
+def _split_mask(name, where, batch_shape, slot_shape):
+  """``(example_mask, slot_mask)`` from ``where`` (one of them ``None``)."""
+  if where is None:
+    return None, None
+  w = jnp.asarray(where)
+  if w.dtype != jnp.bool_:
+    raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
+  target, kind = (slot_shape, "slot") if w.ndim == len(slot_shape) else (batch_shape, "example")
+  try:
+    ok = jnp.broadcast_shapes(w.shape, target) == tuple(target)
+  except ValueError:
+    ok = False
+  if w.ndim > len(slot_shape) or not ok:
+    raise ValueError(
+      f"{name}: where has shape {w.shape}; expected a per-example mask broadcastable "
+      f"to logits.shape[:-1] = {batch_shape} or a per-slot mask broadcastable to "
+      f"topk_indices.shape = {slot_shape}."
+    )
+  w = jnp.broadcast_to(w, target)
+  return (w, None) if kind == "example" else (None, w)
+
+
+def kl_div_from_topk(
+  logits: jax.typing.ArrayLike,
+  topk_indices: jax.typing.ArrayLike,
+  topk_log_probs: jax.typing.ArrayLike,
+  *,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Per-example forward KL from a top-k teacher to the student's full softmax.
+
+  The teacher is given by its top-k token ids ``i_j`` and log-probabilities
+  ``l_j`` (at temperature 1, over the full vocabulary, as distillation
+  pipelines store them). The teacher is *renormalised over its top-k
+  support* at temperature ``T``; the student is the full-vocabulary softmax:
+
+  .. math::
+
+     p_j = \frac{e^{l_j / T}}{\sum_{j'} e^{l_{j'} / T}}, \qquad
+     \log q_i = \frac{z_i}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
+     \mathrm{KL} = \sum_{j=1}^{k} p_j \,(\log p_j - \log q_{i_j}).
+
+  Since ``l_j = s_j - log sum_v exp(s_v)`` for the teacher's logits ``s``,
+  ``p`` is exactly ``softmax(s / T)`` restricted to the top-k tokens and
+  renormalised, and the result is the true KL divergence between that
+  truncated teacher and the student: ``>= 0``, and 0 iff the student puts
+  all its mass on the top-k tokens in the teacher's proportions. With
+  ``k = vocab`` it is the full KL ``KL(softmax(s / T) || softmax(z / T))``.
+
+  Why renormalise: the alternative, ``sum_j exp(l_j) (l_j - log q_{i_j})``
+  with the rest of the teacher's mass ignored, is not a divergence (it can
+  be negative, and its minimiser over ``q`` is not the teacher), it is not
+  defined for ``T != 1`` without choosing a normalisation anyway, and its
+  scale depends on how much mass the top-k lists happen to cover. A third
+  option, lumping the missing mass into one "rest" class, needs the
+  student's tail mass too; the renormalised form is what TRL/Liger-style
+  offline top-k distillation uses and is exactly a KL.
+
+  Gradient wrt the logits: ``(q - scatter(p)) / T`` per example (``q``
+  over the full vocabulary, ``p`` scattered onto the top-k ids), obtained by
+  autodiff of the log-sum-exp and the gather (second derivatives work). The
+  teacher's log-probabilities are differentiable too.
+
+  Masking:
+
+  * ``where`` of the per-example shape ``logits.shape[:-1]`` (or
+    broadcastable to it, with fewer dimensions than ``topk_indices``): a
+    masked example gives 0 with zero gradients, whatever its logits hold.
+  * ``where`` of the rank of ``topk_indices`` (broadcastable to its shape):
+    a per-slot mask, e.g. for padded top-k lists. Masked slots leave the
+    teacher's support (the rest is renormalised).
+  * A slot whose log-probability is ``-inf`` has no mass either (finite
+    values and gradients; ``exp(-inf) * -inf`` is guarded). An example
+    whose slots are all masked or ``-inf`` gives 0.
+
+  Indices: a masked or ``-inf`` slot may hold any id (padding such as -1 or
+  -100 is ignored). At a slot with mass, an id outside ``[0, vocab)``
+  (negative ids included: they are *not* wrapped) gathers NaN (``jnp``'s
+  ``mode="fill"``), so the example's value is NaN rather than silently
+  clamped or wrapped. Ids with mass should be distinct, as top-k produces;
+  duplicates are not merged. A top-k id whose student logit is ``-inf``
+  gives ``+inf`` (the true value).
+
+  Args:
+    logits: student logits ``[..., vocab]`` (bf16/f16 are computed in float32).
+    topk_indices: integer teacher token ids ``[..., k]``, same leading shape.
+    topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
+    temperature: positive softmax temperature ``T``, for the teacher and the
+      student alike; a Python number is checked at trace time, a traced
+      scalar is allowed (schedules) and differentiable. No ``T**2`` factor is
+      applied.
+    where: optional boolean per-example ``[...]`` or per-slot ``[..., k]`` mask.
+
+  Returns:
+    The KL per example, shape ``logits.shape[:-1]``, in the promoted dtype of
+    ``logits`` and ``topk_log_probs``.
+
+  Raises:
+    TypeError: non-floating logits or log-probabilities, non-integer indices,
+      a non-boolean ``where``.
+    ValueError: mismatched shapes, ``k`` not in ``[1, vocab]``, a non-positive
+      or non-scalar static temperature, a ``where`` of an incompatible shape.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import kl_div_from_topk
+    >>> logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
+    >>> ids = jnp.array([[0, 2]])
+    >>> lp = jnp.log(jnp.array([[0.6, 0.2]]))  # renormalised: [0.75, 0.25]
+    >>> kl_div_from_topk(logits, ids, lp)
+    Array([0.3778...], dtype=float32)
+    >>> kl_div_from_topk(logits, ids, lp, temperature=2.0)
+    Array([0.4965...], dtype=float32)
+  """
+  name = "kl_div_from_topk"
+  out_dtype = check_float(name, "logits and topk_log_probs", logits, topk_log_probs)
+  z = jnp.asarray(logits)
+  lp = jnp.asarray(topk_log_probs)
+  idx = jnp.asarray(topk_indices)
+  if not jnp.issubdtype(idx.dtype, jnp.integer):
+    raise TypeError(
+      f"{name}: topk_indices must be an integer array of token ids; got dtype {idx.dtype}."
+    )
+  _check_shapes(name, z, idx, lp)
+  temperature, is_static = _check_temperature(name, temperature)
+  example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
+
+  cdt = compute_dtype(out_dtype)
+  if not is_static:
+    temperature = jnp.asarray(temperature).astype(cdt)
+  z = z.astype(cdt)
+  lp = lp.astype(cdt)
+  if example is not None:
+    # Selected away (never multiplied), so NaN/inf in a masked row cannot leak.
+    z = jnp.where(example[..., None], z, 0.0)
+    lp = jnp.where(example[..., None], lp, 0.0)
+
+  # Teacher: log-softmax over the slots with mass; -inf elsewhere.
+  keep = lp != -jnp.inf
+  if slot is not None:
+    keep = keep & slot
+  t = jnp.where(keep, _divide(jnp.where(keep, lp, 0.0), temperature, is_static), -jnp.inf)
+  lse_t = _logsumexp(t)
+  log_p = jnp.where(keep, t - jnp.where(jnp.isfinite(lse_t), lse_t, 0.0), -jnp.inf)
+
+  # Student: full-vocabulary log-sum-exp, log-probabilities gathered at the ids.
+  x = _divide(z, temperature, is_static)
+  lse_s = _logsumexp(x)
+  picked = jnp.take_along_axis(x, idx, axis=-1, mode="fill", wrap_negative_indices=False)
+  log_q = jnp.where(keep, picked - lse_s, 0.0)
+
+  kl = jnp.sum(kl_log_kernel(log_q, log_p), axis=-1)
+  if example is not None:
+    kl = jnp.where(example, kl, 0.0)
+  return kl.astype(out_dtype)

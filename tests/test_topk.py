@@ -1,0 +1,388 @@
+"""Tests for ``kl_div_from_topk`` against a float64 NumPy reference.
+
+The reference renormalises the teacher over its top-k slots with mass at
+temperature ``T`` and compares it with the student's full-vocabulary softmax,
+one example at a time with explicit loops (no shared code with the library).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import TOLERANCES
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+from kldiv_jax import kl_div_from_logits, kl_div_from_topk
+
+# Jitted once per shape: one compilation instead of one per eager op keeps the file fast.
+topk = jax.jit(kl_div_from_topk, static_argnames=("temperature",))
+
+
+def _log_softmax64(x):
+  x = np.asarray(x, np.float64)
+  m = np.max(x)
+  return x - (m + np.log(np.sum(np.exp(x - m))))
+
+
+def reference(logits, ids, log_probs, temperature=1.0, slot_mask=None):
+  """float64 per-example KL(renormalised top-k teacher || student)."""
+  logits = np.asarray(logits, np.float64)
+  ids = np.asarray(ids)
+  log_probs = np.asarray(log_probs, np.float64)
+  batch = logits.shape[:-1]
+  out = np.zeros(batch)
+  for b in np.ndindex(*batch):
+    log_q = _log_softmax64(logits[b] / temperature)
+    keep = np.isfinite(log_probs[b])
+    if slot_mask is not None:
+      keep &= np.broadcast_to(slot_mask, ids.shape)[b]
+    if not keep.any():
+      continue
+    log_p = _log_softmax64(log_probs[b][keep] / temperature)
+    out[b] = np.sum(np.exp(log_p) * (log_p - log_q[ids[b][keep]]))
+  return out
+
+
+def reference_grad(logits, ids, log_probs, temperature, cotangent):
+  """(q - scatter(p)) / T per example, times the cotangent (float64)."""
+  logits = np.asarray(logits, np.float64)
+  grad = np.zeros_like(logits)
+  for b in np.ndindex(*logits.shape[:-1]):
+    q = np.exp(_log_softmax64(logits[b] / temperature))
+    p = np.exp(_log_softmax64(np.asarray(log_probs[b], np.float64) / temperature))
+    scattered = np.zeros_like(q)
+    np.add.at(scattered, np.asarray(ids[b]), p)
+    grad[b] = cotangent[b] * (q - scattered) / temperature
+  return grad
+
+
+def make_case(rng, batch, vocab, k, dtype=np.float32):
+  """Student logits, and a teacher's top-k ids (distinct, best first) and log-probs."""
+  logits = rng.normal(scale=2.0, size=(*batch, vocab)).astype(dtype)
+  teacher = rng.normal(scale=2.0, size=(*batch, vocab))
+  ids = np.argsort(-teacher, axis=-1)[..., :k].astype(np.int32)
+  log_probs = np.take_along_axis(
+    teacher - np.log(np.sum(np.exp(teacher), axis=-1, keepdims=True)), ids, axis=-1
+  ).astype(dtype)
+  return logits, ids, log_probs, teacher
+
+
+@pytest.mark.parametrize("batch", [(), (4,), (2, 3)])
+@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.5])
+def test_matches_float64_reference_float32(batch, k, temperature, rng):
+  logits, ids, lp, _ = make_case(rng, batch, 7, k)
+  out = topk(logits, ids, lp, temperature=temperature)
+  assert out.shape == batch and out.dtype == jnp.float32
+  np.testing.assert_allclose(out, reference(logits, ids, lp, temperature), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 3.0])
+def test_matches_float64_reference_float64(temperature, rng, x64):
+  logits, ids, lp, _ = make_case(rng, (5,), 11, 4, np.float64)
+  out = topk(logits, ids, lp, temperature=temperature)
+  assert out.dtype == jnp.float64
+  np.testing.assert_allclose(out, reference(logits, ids, lp, temperature), *TOLERANCES["float64"])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_k_equal_vocab_is_full_kl(temperature, rng, x64):
+  logits, ids, lp, teacher = make_case(rng, (6,), 9, 9, np.float64)
+  # Full KL(softmax(s / T) || softmax(z / T)), directly in NumPy.
+  expected = []
+  for z, s in zip(logits, teacher):
+    log_p, log_q = _log_softmax64(s / temperature), _log_softmax64(z / temperature)
+    expected.append(np.sum(np.exp(log_p) * (log_p - log_q)))
+  out = topk(logits, ids, lp, temperature=temperature)
+  np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+  # The order of the slots does not matter.
+  perm = rng.permutation(9)
+  np.testing.assert_allclose(
+    topk(logits, ids[:, perm], lp[:, perm], temperature=temperature),
+    expected,
+    rtol=1e-12,
+    atol=1e-12,
+  )
+  # And it agrees with the logits loss given the teacher's full logits.
+  np.testing.assert_allclose(
+    kl_div_from_logits(logits, teacher, temperature=temperature), expected, rtol=1e-10, atol=1e-12
+  )
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_gradient_is_q_minus_scattered_p(temperature, rng, x64):
+  logits, ids, lp, _ = make_case(rng, (2, 3), 8, 3, np.float64)
+  cot = rng.normal(size=(2, 3))
+  grad = jax.grad(lambda z: jnp.sum(cot * topk(z, ids, lp, temperature=temperature)))(logits)
+  expected = reference_grad(logits, ids, lp, temperature, cot)
+  np.testing.assert_allclose(grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_float32_matches_formula(rng):
+  logits, ids, lp, _ = make_case(rng, (16,), 50, 5)
+  grad = jax.jit(jax.grad(lambda z: jnp.sum(topk(z, ids, lp, temperature=2.0))))(logits)
+  expected = reference_grad(logits, ids, lp, 2.0, np.ones(16))
+  np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_check_grads(rng, x64):
+  logits, ids, lp, _ = make_case(rng, (3,), 6, 4, np.float64)
+  lp[0, -1] = -np.inf
+  f = jax.jit(lambda z, w: kl_div_from_topk(z, ids, w, temperature=1.3))
+  check_grads(f, (logits, lp), order=2, modes=("fwd", "rev"))
+  # First order wrt a traced temperature too.
+  g = jax.jit(lambda z, w, t: kl_div_from_topk(z, ids, w, temperature=t))
+  check_grads(g, (logits, lp, 1.3), order=1, modes=("fwd", "rev"))
+
+
+def test_hessian_wrt_logits_finite_with_inf_slots(rng):
+  logits, ids, lp, _ = make_case(rng, (2,), 5, 3)
+  lp[0, 1:] = -np.inf
+  h = jax.hessian(lambda z: jnp.sum(topk(z, ids, lp)))(logits)
+  assert h.shape == (2, 5, 2, 5)
+  assert np.all(np.isfinite(h))
+
+
+def test_jit_vmap_equal_batched(rng):
+  logits, ids, lp, _ = make_case(rng, (4, 3), 10, 4)
+  batched = topk(logits, ids, lp, temperature=1.5)
+  vm = jax.vmap(lambda z, i, w: topk(z, i, w, temperature=1.5))(logits, ids, lp)
+  np.testing.assert_allclose(vm, batched, rtol=1e-6, atol=1e-7)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def f(z, i, w, t):
+    return kl_div_from_topk(z, i, w, temperature=t)
+
+  np.testing.assert_allclose(f(logits, ids, lp, 1.5), batched, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(f(logits + 1.0, ids, lp, 1.5), batched, rtol=1e-5, atol=1e-6)
+
+
+def test_traced_temperature_equals_static(rng):
+  logits, ids, lp, _ = make_case(rng, (5,), 8, 3)
+  lp[0, 2] = -np.inf
+  static = topk(logits, ids, lp, temperature=2.0)
+  traced = jax.jit(lambda t: kl_div_from_topk(logits, ids, lp, temperature=t))(jnp.float32(2.0))
+  np.testing.assert_allclose(traced, static, rtol=1e-6)
+  g = jax.jit(jax.grad(lambda t: jnp.sum(kl_div_from_topk(logits, ids, lp, temperature=t))))(2.0)
+  assert np.isfinite(g)
+
+
+def test_temperature_derivative_matches_finite_difference(rng, x64):
+  logits, ids, lp, _ = make_case(rng, (3,), 7, 3, np.float64)
+  lp[1, 0] = -np.inf
+  logits[2, 5] = -np.inf  # a masked vocabulary entry outside the top-k
+  ids[2] = [0, 1, 2]
+  f = lambda t: np.sum(reference(logits, ids, lp, t))  # noqa: E731
+  eps = 1e-6
+  fd = (f(1.7 + eps) - f(1.7 - eps)) / (2 * eps)
+  g = jax.jit(jax.grad(lambda t: jnp.sum(kl_div_from_topk(logits, ids, lp, temperature=t))))(1.7)
+  np.testing.assert_allclose(g, fd, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_logits(dtype, rng):
+  logits, ids, lp, _ = make_case(rng, (8,), 32, 4)
+  z = jnp.asarray(logits, dtype)
+  out = topk(z, ids, jnp.asarray(lp, dtype), temperature=2.0)
+  assert out.dtype == dtype
+  expected = reference(np.asarray(z, np.float64), ids, np.asarray(jnp.asarray(lp, dtype)), 2.0)
+  rtol, _ = TOLERANCES[dtype]
+  np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=rtol, atol=1e-3)
+  # Half-precision logits with float32 teacher log-probs: float32 result.
+  assert topk(z, ids, lp).dtype == jnp.float32
+  grad = jax.grad(lambda z: jnp.sum(topk(z, ids, lp, temperature=2.0)))(z)
+  assert grad.dtype == dtype
+  expected_grad = reference_grad(np.asarray(z, np.float64), ids, lp, 2.0, np.ones(8))
+  np.testing.assert_allclose(np.asarray(grad, np.float64), expected_grad, rtol=0, atol=4e-3)
+
+
+def test_inf_slots_equal_dropping_them(rng):
+  logits, ids, lp, _ = make_case(rng, (4,), 12, 5)
+  lp_inf = lp.copy()
+  lp_inf[:, 3:] = -np.inf
+  ids_pad = ids.copy()
+  ids_pad[:, 3:] = -1  # padding ids at slots without mass are ignored
+  out = topk(logits, ids_pad, lp_inf, temperature=1.5)
+  np.testing.assert_allclose(out, topk(logits, ids[:, :3], lp[:, :3], temperature=1.5), rtol=1e-6)
+  np.testing.assert_allclose(out, reference(logits, ids[:, :3], lp[:, :3], 1.5), rtol=2e-6)
+  g_z, g_lp = jax.grad(lambda z, w: jnp.sum(topk(z, ids_pad, w, temperature=1.5)), argnums=(0, 1))(
+    logits, lp_inf
+  )
+  assert np.all(np.isfinite(g_z)) and np.all(np.isfinite(g_lp))
+  np.testing.assert_array_equal(g_lp[:, 3:], 0.0)
+  np.testing.assert_allclose(
+    g_z, reference_grad(logits, ids[:, :3], lp[:, :3], 1.5, np.ones(4)), rtol=1e-5, atol=1e-6
+  )
+
+
+@pytest.mark.parametrize("shape", ["full", "broadcast"])
+def test_slot_mask_equals_dropping_slots(shape, rng):
+  logits, ids, lp, _ = make_case(rng, (3,), 10, 4)
+  if shape == "full":
+    slot = np.array([[True, True, False, True]] * 3)
+  else:
+    slot = np.array([[True, True, False, True]])  # broadcasts over the batch
+  lp_bad = lp.copy()
+  lp_bad[:, 2] = np.nan  # masked slots may hold anything
+  ids_bad = ids.copy()
+  ids_bad[:, 2] = 10_000
+  out = topk(logits, ids_bad, lp_bad, where=slot)
+  keep = [0, 1, 3]
+  np.testing.assert_allclose(out, reference(logits, ids[:, keep], lp[:, keep]), rtol=2e-6)
+  g_z, g_lp = jax.grad(lambda z, w: jnp.sum(topk(z, ids_bad, w, where=slot)), (0, 1))(
+    logits, lp_bad
+  )
+  assert np.all(np.isfinite(g_z))
+  np.testing.assert_array_equal(g_lp[:, 2], 0.0)
+
+
+def test_all_slots_masked_gives_zero(rng):
+  logits, ids, lp, _ = make_case(rng, (3,), 6, 2)
+  lp[0] = -np.inf
+  slot = np.array([[True, True], [False, False], [True, True]])
+  f = lambda z, w: topk(z, ids, w, where=slot)  # noqa: E731
+  out = f(logits, lp)
+  assert out[0] == 0.0 and out[1] == 0.0
+  np.testing.assert_allclose(out[2], reference(logits[2:], ids[2:], lp[2:])[0], rtol=2e-6)
+  g_z, g_lp = jax.grad(lambda z, w: jnp.sum(f(z, w)), (0, 1))(logits, lp)
+  np.testing.assert_array_equal(g_z[:2], 0.0)
+  np.testing.assert_array_equal(g_lp[:2], 0.0)
+
+
+def test_example_mask(rng):
+  logits, ids, lp, _ = make_case(rng, (2, 3), 7, 3)
+  mask = np.array([[True, False, True], [False, True, True]])
+  bad_logits = logits.copy()
+  bad_logits[~mask] = np.nan  # masked examples may hold anything
+  bad_lp = lp.copy()
+  bad_lp[~mask] = np.inf
+  out = topk(bad_logits, ids, bad_lp, where=mask)
+  expected = np.where(mask, reference(logits, ids, lp), 0.0)
+  np.testing.assert_allclose(out, expected, rtol=2e-6, atol=1e-7)
+  grad = jax.grad(lambda z: jnp.sum(topk(z, ids, bad_lp, where=mask)))(bad_logits)
+  np.testing.assert_array_equal(grad[~mask], 0.0)
+  np.testing.assert_allclose(
+    grad[mask], reference_grad(logits, ids, lp, 1.0, mask.astype(float))[mask], rtol=1e-5, atol=1e-6
+  )
+  # A per-example mask broadcasts over leading dimensions.
+  row = np.array([True, False, True])
+  np.testing.assert_allclose(
+    topk(logits, ids, lp, where=row),
+    np.where(row, reference(logits, ids, lp), 0.0),
+    rtol=2e-6,
+    atol=1e-7,
+  )
+
+
+def test_zero_iff_student_is_truncated_teacher(rng):
+  logits, ids, lp, _ = make_case(rng, (3,), 8, 3)
+  # Student: the teacher's top-k log-probs at the ids (+ any constant), -inf elsewhere.
+  student = np.full_like(logits, -np.inf)
+  np.put_along_axis(student, ids, lp + 0.7, axis=-1)
+  out = topk(student, ids, lp, temperature=1.7)
+  np.testing.assert_allclose(out, 0.0, atol=1e-6)
+  grad = jax.grad(lambda z: jnp.sum(topk(z, ids, lp, temperature=1.7)))(student)
+  np.testing.assert_allclose(grad, 0.0, atol=1e-6)
+  # Mass on a top-k id the student rules out: the true value, +inf.
+  student[0, ids[0, 0]] = -np.inf
+  assert topk(student, ids, lp)[0] == np.inf
+
+
+_traced_t = jax.jit(lambda z, i, w, t: kl_div_from_topk(z, i, w, temperature=t))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+  seed=st.integers(0, 2**32 - 1),
+  vocab=st.integers(1, 9),
+  temperature=st.floats(0.25, 4.0),
+  data=st.data(),
+)
+def test_nonnegative_and_matches_reference(seed, vocab, temperature, data):
+  k = data.draw(st.integers(1, vocab))
+  rng = np.random.default_rng(seed)
+  logits, ids, lp, _ = make_case(rng, (3,), vocab, k)
+  out = np.asarray(_traced_t(logits, ids, lp, temperature))
+  assert np.all(out >= -1e-6)
+  np.testing.assert_allclose(out, reference(logits, ids, lp, temperature), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad_id", [8, 100, -1, -9])
+def test_out_of_range_ids_with_mass_give_nan(bad_id, rng):
+  logits, ids, lp, _ = make_case(rng, (2,), 8, 3)
+  ids[1, 1] = bad_id
+  out = np.asarray(kl_div_from_topk(logits, ids, lp))
+  assert np.isfinite(out[0]) and np.isnan(out[1])
+
+
+def _args(rng):
+  logits, ids, lp, _ = make_case(rng, (2,), 5, 3)
+  return logits, ids, lp
+
+
+def test_error_integer_logits(rng):
+  logits, ids, lp = _args(rng)
+  with pytest.raises(TypeError, match="Integral inputs not supported"):
+    kl_div_from_topk(logits.astype(np.int32), ids, lp)
+  with pytest.raises(TypeError, match="Integral inputs not supported"):
+    kl_div_from_topk(logits, ids, lp.astype(np.int32))
+
+
+def test_error_non_integer_indices(rng):
+  logits, ids, lp = _args(rng)
+  with pytest.raises(TypeError, match="topk_indices must be an integer array"):
+    kl_div_from_topk(logits, ids.astype(np.float32), lp)
+
+
+@pytest.mark.parametrize(
+  ("ids_shape", "lp_shape", "match"),
+  [
+    ((2, 3), (2, 2), "same shape"),
+    ((3, 3), (3, 3), r"logits.shape\[:-1\]"),
+    ((3,), (3,), r"logits.shape\[:-1\]"),
+    ((2, 6), (2, 6), r"k = 6"),
+  ],
+)
+def test_error_shapes(ids_shape, lp_shape, match):
+  logits = np.zeros((2, 5), np.float32)
+  with pytest.raises(ValueError, match=match):
+    kl_div_from_topk(logits, np.zeros(ids_shape, np.int32), np.zeros(lp_shape, np.float32))
+
+
+def test_error_scalar_logits():
+  with pytest.raises(ValueError, match="class axis"):
+    kl_div_from_topk(1.0, np.zeros((1,), np.int32), np.zeros((1,), np.float32))
+
+
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf"), np.float32(0)])
+def test_error_bad_static_temperature(temperature, rng):
+  logits, ids, lp = _args(rng)
+  with pytest.raises(ValueError, match="temperature must be positive"):
+    kl_div_from_topk(logits, ids, lp, temperature=temperature)
+
+
+def test_error_non_scalar_temperature(rng):
+  logits, ids, lp = _args(rng)
+  with pytest.raises(ValueError, match="temperature must be a scalar"):
+    kl_div_from_topk(logits, ids, lp, temperature=np.ones(2))
+  with pytest.raises(ValueError, match="temperature must be a scalar"):
+    kl_div_from_topk(logits, ids, lp, temperature=jnp.ones(2))
+
+
+@pytest.mark.parametrize(
+  ("where", "error"),
+  [
+    (np.ones((3,), bool), ValueError),
+    (np.ones((2, 4), bool), ValueError),
+    (np.ones((1, 2, 3), bool), ValueError),
+    (np.ones((2,), np.float32), TypeError),
+  ],
+)
+def test_error_bad_where(where, error, rng):
+  logits, ids, lp = _args(rng)
+  with pytest.raises(error, match="where"):
+    kl_div_from_topk(logits, ids, lp, where=where)
