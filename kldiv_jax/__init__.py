@@ -7,6 +7,7 @@ with finite values and gradients at zero-probability targets.
 from importlib.metadata import PackageNotFoundError, version
 
 from kldiv_jax._distill import distillation_loss as distillation_loss
+from kldiv_jax._fused import fused_linear_kl_div as fused_linear_kl_div
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
 from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits
@@ -29,6 +30,7 @@ __all__ = [
     "KLDivLoss",
     "convex_kl_divergence",
     "distillation_loss",
+    "fused_linear_kl_div",
     "gaussian_kl",
     "generalized_jsd",
     "generalized_kl_divergence",

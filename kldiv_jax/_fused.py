@@ -1,0 +1,298 @@
+"""Chunked fused-linear distillation loss: logits never materialised for all tokens.
+
+The student's and the teacher's logits are ``hidden @ weight (+ bias)``; for
+a 128k vocabulary they take gigabytes per side. Here the tokens are processed
+``chunk_size`` at a time: each chunk's logits are computed, reduced to the
+chunk's loss and its gradient wrt the student's logits, and that gradient is
+folded straight into the gradients wrt ``hidden``, ``weight`` and ``bias``
+(the approach of Liger Kernel's fused-linear losses). The forward pass thus
+computes the gradients too, and the backward pass only scales them by the
+cotangent: no recomputation, and memory of one chunk's logits plus the
+gradients themselves.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kldiv_jax._checks import check_choice, check_float, compute_dtype
+from kldiv_jax._distill import DIVERGENCES
+from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
+
+# Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
+_CHUNK_ELEMENTS = 1 << 22
+# Vocabulary columns per block of the weight-gradient update.
+_GRAD_W_BLOCK = 4096
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
+  """A power of two near ``2**22 / vocab_size`` tokens, within ``[1, num_tokens]``."""
+  size = max(1, _CHUNK_ELEMENTS // max(vocab_size, 1))
+  size = 1 << (size.bit_length() - 1)
+  return max(1, min(size, num_tokens))
+
+
+def _matmul(a, w, b):
+  out = lax.dot_general(
+    a, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )
+  return out if b is None else out + b.astype(jnp.float32)
+
+
+def _chunk_divergence(z, y, temperature, beta, mask, *, divergence, static_beta):
+  """Per-token divergence of one chunk of ``[tokens, vocab]`` float32 logits.
+
+  ``static_beta`` is the Python ``beta`` when it was static, else ``None``.
+  """
+  masks = (mask,)
+  if divergence == "forward_kl":
+    return kl_kernel(z, y, temperature, masks)
+  if divergence == "reverse_kl":
+    return kl_kernel(y, z, temperature, masks)
+  if static_beta is not None:
+    return gjsd_kernel(z, y, temperature, masks, static_beta, True)
+  return gjsd_kernel(z, y, temperature, masks, beta, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
+  return _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale)[0]
+
+
+def _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
+  divergence, static_beta, chunk = static
+  n = h.shape[0]
+  div = functools.partial(_chunk_divergence, divergence=divergence, static_beta=static_beta)
+
+  def chunk_grads(hc, thc, mc):
+    z = _matmul(hc, w, b)
+    y = lax.stop_gradient(_matmul(thc, tw, tb))
+    loss, vjp = jax.vjp(lambda z: jnp.sum(div(z, y, temperature, beta, mc)), z)
+    (dz,) = vjp(jnp.ones((), loss.dtype))
+    gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return loss, gh, dz, jnp.sum(dz, axis=0)
+
+  def add_weight_grad(grad_w, hc, dz):
+    # grad_w += hc^T dz, a block of vocabulary columns at a time: a dot writes
+    # a fresh buffer, so a whole [H, V] product would be a second [H, V] array.
+    block = min(w.shape[1], _GRAD_W_BLOCK)
+    num_blocks, rest = divmod(w.shape[1], block)
+
+    def one(j, grad_w, width):
+      cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
+      gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
+
+    grad_w = lax.fori_loop(0, num_blocks, lambda k, g: one(k * block, g, block), grad_w)
+    if rest:
+      grad_w = one(num_blocks * block, grad_w, rest)
+    return grad_w
+
+  loss = jnp.zeros((), jnp.float32)
+  grad_h = jnp.zeros(h.shape, jnp.float32)
+  grad_w = jnp.zeros(w.shape, jnp.float32)
+  grad_b = jnp.zeros(w.shape[1:], jnp.float32)
+
+  def body(i, carry):
+    loss, grad_h, grad_w, grad_b = carry
+    start = i * chunk
+    rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, axis=0)  # noqa: E731
+    hc = rows(h)
+    part, gh, dz, gb = chunk_grads(hc, rows(th), rows(mask))
+    grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
+    return loss + part, grad_h, add_weight_grad(grad_w, hc, dz), grad_b + gb
+
+  carry = (loss, grad_h, grad_w, grad_b)
+  num_full = n // chunk
+  if num_full:
+    carry = lax.fori_loop(0, num_full, body, carry)
+  loss, grad_h, grad_w, grad_b = carry
+  tail = num_full * chunk
+  if tail < n:  # the uneven last chunk, with static shapes
+    part, gh, dz, gb = chunk_grads(h[tail:], th[tail:], mask[tail:])
+    loss, grad_b = loss + part, grad_b + gb
+    grad_w = add_weight_grad(grad_w, h[tail:], dz)
+    grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, tail, axis=0)
+  return loss * scale, (grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, beta))
+
+
+def _fused_bwd(static, residuals, g):
+  grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, beta) = residuals
+  s = (g * scale).astype(jnp.float32)
+  zeros = lambda a: None if a is None else jnp.zeros_like(a)  # noqa: E731
+  return (
+    (grad_h * s).astype(h.dtype),
+    (grad_w * s).astype(w.dtype),
+    None if b is None else (grad_b * s).astype(b.dtype),
+    zeros(th),
+    zeros(tw),
+    zeros(tb),
+    zeros(temperature),
+    zeros(beta),
+    None,
+    jnp.zeros_like(scale),
+  )
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _check_linear(name, what, hidden, weight, bias):
+  if np.ndim(weight) != 2:
+    raise ValueError(f"{name}: {what} weight must be [hidden, vocab]; got shape {np.shape(weight)}.")
+  if np.ndim(hidden) < 1 or np.shape(hidden)[-1] != np.shape(weight)[0]:
+    raise ValueError(
+      f"{name}: {what} hidden [..., H] and weight [H, V] disagree on H; got shapes "
+      f"{np.shape(hidden)} and {np.shape(weight)}."
+    )
+  if bias is not None and tuple(np.shape(bias)) != (np.shape(weight)[1],):
+    raise ValueError(
+      f"{name}: {what} bias must have shape ({np.shape(weight)[1]},); got {np.shape(bias)}."
+    )
+  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
+  check_float(name, f"{what} hidden, weight and bias", *arrays)
+
+
+def fused_linear_kl_div(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  target_hidden: jax.typing.ArrayLike,
+  target_weight: jax.typing.ArrayLike,
+  *,
+  bias: jax.typing.ArrayLike | None = None,
+  target_bias: jax.typing.ArrayLike | None = None,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  divergence: str = "forward_kl",
+  beta: float | jax.typing.ArrayLike = 0.5,
+  scale_by_temperature_squared: bool = True,
+  where: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+) -> jax.Array:
+  r"""Distillation loss from hidden states and LM heads, chunked over tokens.
+
+  With student logits :math:`s = h W + b` and teacher logits
+  :math:`t = h_T W_T + b_T`, the distillation term of
+  :func:`distillation_loss` (no labels):
+
+  .. math::
+
+     L = \frac{1}{N} \sum_{\text{tokens}} T^2\,
+         D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
+
+  with :math:`D` ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"`` (with
+  ``beta``), :math:`T^2` unless ``scale_by_temperature_squared=False``, and
+  :math:`N` the number of tokens ``where`` selects (at least 1), or
+  ``normalizer``. Equal to ``distillation_loss(hidden @ weight + bias,
+  target_hidden @ target_weight + target_bias, ...)`` in value and gradients,
+  but the ``[tokens, vocab]`` logits exist only ``chunk_size`` tokens at a
+  time: the forward pass computes each chunk's gradients and folds them into
+  the gradients wrt ``hidden``, ``weight`` and ``bias`` at once (as Liger
+  Kernel's fused-linear losses do); the backward pass scales them.
+
+  The teacher (``target_*``) receives no gradient, nor do ``temperature``
+  and ``beta`` (zeros). Reverse mode only (``jax.grad``, ``value_and_grad``);
+  use :func:`distillation_loss` on materialised logits for ``jvp`` or
+  Hessians. Matmuls accumulate in float32 (``preferred_element_type``);
+  gradients come back in the inputs' dtypes.
+
+  Args:
+    hidden: the student's hidden states ``[..., H]``.
+    weight: the student's LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
+    target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
+    target_weight: the teacher's LM head ``[H_T, V]``.
+    bias: optional student bias ``[V]``.
+    target_bias: optional teacher bias ``[V]``.
+    temperature: positive softmax temperature (a traced scalar is allowed).
+    divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
+    beta: the ``"jsd"`` mixture weight in ``[0, 1]``.
+    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
+    where: a token mask of shape ``hidden.shape[:-1]``.
+    normalizer: the denominator instead of the number of selected tokens
+      (a global token count for gradient accumulation).
+    chunk_size: tokens per chunk; ``None`` picks a power of two giving about
+      ``2**22`` logits per chunk and side. The last chunk may be smaller.
+    axis_name: the mesh axis over which the vocabulary is sharded, when
+      called inside ``jax.shard_map`` with ``weight``/``bias`` split along V.
+
+  Returns:
+    A scalar, in the promoted dtype of ``hidden`` and ``weight``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import distillation_loss, fused_linear_kl_div
+    >>> k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
+    >>> th, tw = jax.random.normal(k3, (6, 5)), jax.random.normal(k4, (5, 10))
+    >>> fused = fused_linear_kl_div(h, w, th, tw, temperature=2.0, chunk_size=4)
+    >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, temperature=2.0)))
+    True
+
+  References:
+    Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM Training*
+    (2024), arXiv:2410.10989.
+  """
+  name = "fused_linear_kl_div"
+  check_choice(name, "divergence", divergence, DIVERGENCES)
+  beta, beta_static = check_unit_interval(name, "beta", beta)
+  temperature, _ = check_temperature(name, temperature)
+  _check_linear(name, "student", hidden, weight, bias)
+  _check_linear(name, "teacher", target_hidden, target_weight, target_bias)
+  token_shape = tuple(np.shape(hidden)[:-1])
+  if tuple(np.shape(target_hidden)[:-1]) != token_shape:
+    raise ValueError(
+      f"{name}: hidden and target_hidden must have the same tokens; got shapes "
+      f"{np.shape(hidden)} and {np.shape(target_hidden)}."
+    )
+  if np.shape(weight)[1] != np.shape(target_weight)[1]:
+    raise ValueError(
+      f"{name}: weight and target_weight must have the same vocabulary size; got shapes "
+      f"{np.shape(weight)} and {np.shape(target_weight)}."
+    )
+  if axis_name is not None:
+    raise NotImplementedError(f"{name}: axis_name is not supported yet.")
+  out_dtype = jnp.result_type(hidden, weight) if bias is None else jnp.result_type(hidden, weight, bias)
+  cdt = compute_dtype(out_dtype)
+  h = jnp.asarray(hidden).reshape(-1, np.shape(hidden)[-1])
+  th = jnp.asarray(target_hidden).reshape(-1, np.shape(target_hidden)[-1])
+  n = h.shape[0]
+  if where is None:
+    mask = jnp.ones((n, 1), jnp.bool_)
+  else:
+    w_arr = jnp.asarray(where)
+    if w_arr.dtype != jnp.bool_:
+      raise TypeError(f"{name}: where must be a boolean mask; got dtype {w_arr.dtype}.")
+    if w_arr.shape != token_shape:
+      raise ValueError(
+        f"{name}: where must be a token mask of shape {token_shape}; got {w_arr.shape}."
+      )
+    mask = w_arr.reshape(n, 1)
+  if chunk_size is None:
+    chunk = default_chunk_size(n, np.shape(weight)[1])
+  else:
+    if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1:
+      raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
+    chunk = int(min(chunk_size, max(n, 1)))
+  if normalizer is None:
+    denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
+  else:
+    denominator = jnp.asarray(normalizer).astype(cdt)
+    if denominator.ndim != 0:
+      raise ValueError(f"{name}: normalizer must be a scalar; got shape {denominator.shape}.")
+  t = jnp.asarray(temperature, cdt)
+  scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
+  if n == 0:
+    return jnp.zeros((), out_dtype)
+  b_arr = None if bias is None else jnp.asarray(bias)
+  tb_arr = None if target_bias is None else jnp.asarray(target_bias)
+  static = (divergence, beta if beta_static else None, chunk)
+  beta_arr = jnp.asarray(beta, cdt)
+  loss = _fused(
+    static, h, jnp.asarray(weight), b_arr, th, jnp.asarray(target_weight), tb_arr,
+    t, beta_arr, mask, scale,
+  )
+  return loss.astype(out_dtype)
