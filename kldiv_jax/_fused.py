@@ -39,7 +39,7 @@ def _matmul(a, w, b):
   out = lax.dot_general(
     a, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
   )
-  return out if b is None else out + b.astype(jnp.float32)
+  return out if b is None else out + b.astype(jnp.float32)[None, :]
 
 
 def _chunk_divergence(z, y, temperature, beta, mask, *, divergence, static_beta):
