@@ -48,15 +48,19 @@ def is_zero(tangent: object) -> bool:
   return isinstance(tangent, SymbolicZero)
 
 
-def map_rows(fn, arrays, num_rows):
+def map_rows(fn, arrays, num_rows, num_classes=None):
   """``fn(*arrays)`` for per-row statistics, over blocks of rows on CPU.
 
   ``arrays`` have rows on axis 0 (``num_rows`` of them, or 1 to broadcast);
   ``fn`` returns a tuple of ``[rows, 1]`` arrays. Off CPU, or when one block
   holds every row, ``fn`` runs once. The last block is shifted back to end
   at the last row (it recomputes a few rows rather than padding a copy).
+  ``num_classes`` sets the rows per block (default: the arrays' class axis;
+  the vocabulary-parallel kernels pass the global one, so that a device's
+  blocks shrink with its slice of the classes).
   """
-  num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
+  if num_classes is None:
+    num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
   block = max(1, _BLOCK_ELEMENTS // max(num_classes, 1))
   if num_rows <= block or jax.default_backend() != "cpu":
     return fn(*arrays)
@@ -66,20 +70,21 @@ def map_rows(fn, arrays, num_rows):
       return a
     return lax.dynamic_slice_in_dim(a, start, block, axis=0)
 
-  shapes = jax.eval_shape(
-    fn,
-    *[
-      jax.ShapeDtypeStruct((1 if a.shape[0] == 1 else block, *a.shape[1:]), a.dtype) for a in arrays
-    ],
+  # The first block seeds the outputs: inside jax.shard_map a loop carry must
+  # vary over the same mesh axes as the values written into it, and
+  # ``full_like`` keeps those of the block's results.
+  first = fn(*[rows(a, 0) for a in arrays])
+  init = tuple(
+    lax.dynamic_update_slice_in_dim(lax.full_like(r, 0, shape=(num_rows, *r.shape[1:])), r, 0, axis=0)
+    for r in first
   )
-  init = tuple(jnp.zeros((num_rows, *s.shape[1:]), s.dtype) for s in shapes)
 
   def body(i, outs):
     start = jnp.minimum(i * block, num_rows - block)
     res = fn(*[rows(a, start) for a in arrays])
     return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
 
-  return lax.fori_loop(0, -(-num_rows // block), body, init)
+  return lax.fori_loop(1, -(-num_rows // block), body, init)
 
 
 def scaled(z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...]):
@@ -409,6 +414,13 @@ def _temperature_array(temperature, cdt):
   return jnp.asarray(temperature).astype(cdt)
 
 
+def _vocab_parallel():
+  """The vocabulary-parallel kernels (imported late: that module imports this one)."""
+  from kldiv_jax import _vocab_parallel
+
+  return _vocab_parallel
+
+
 def kl_div_from_logits(
   logits: jax.typing.ArrayLike,
   target_logits: jax.typing.ArrayLike,
@@ -417,6 +429,7 @@ def kl_div_from_logits(
   direction: str = "forward",
   axis: Axis = -1,
   where: jax.typing.ArrayLike | None = None,
+  axis_name: str | None = None,
 ) -> jax.Array:
   r"""Per-example KL divergence between two softmax distributions given as logits.
 
@@ -468,6 +481,19 @@ def kl_div_from_logits(
       output's shape: a per-example mask (tokens); a masked example gives 0
       and zero gradients. A mask whose shape equals the output's is taken per
       example.
+    axis_name: for vocabulary parallelism: the name of a mesh axis over which
+      the class axis is split, when called inside ``jax.shard_map``. Each
+      device then passes its slice of the classes of ``logits``,
+      ``target_logits`` and an element ``where`` (a per-example ``where``
+      whole); the row max is combined with ``lax.pmax`` and the sums over
+      classes with ``lax.psum``, so only per-example scalars cross devices.
+      Values and gradients equal the unsharded computation and the result is
+      replicated over ``axis_name``. For example, on a mesh with axes
+      ``("data", "vocab")``, ``jax.shard_map(lambda s, t:
+      kl_div_from_logits(s, t, axis_name="vocab"), mesh=mesh,
+      in_specs=P("data", "vocab"), out_specs=P("data"))`` takes logits
+      ``[batch, vocab]`` split over both axes and gives the ``[batch]``
+      divergences split over ``"data"``. ``None`` (default): no collectives.
 
   Returns:
     The divergence per example, shape ``[...]`` (the inputs without
@@ -490,12 +516,16 @@ def kl_div_from_logits(
   name = "kl_div_from_logits"
   check_choice(name, "direction", direction, DIRECTIONS)
   temperature, _ = check_temperature(name, temperature)
+  if axis_name is not None:
+    _vocab_parallel().check_axis_name(name, axis_name)
   rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
   if rows.empty:
     return jnp.zeros(rows.out_shape, rows.out_dtype)
   t = _temperature_array(temperature, rows.cdt)
   z, y = (rows.z, rows.y) if direction == "forward" else (rows.y, rows.z)
-  return rows.finish(kl_kernel(z, y, t, rows.masks))
+  if axis_name is None:
+    return rows.finish(kl_kernel(z, y, t, rows.masks))
+  return rows.finish(_vocab_parallel().kl_kernel(axis_name, z, y, t, rows.masks))
 
 
 def generalized_jsd(
@@ -506,6 +536,7 @@ def generalized_jsd(
   temperature: float | jax.typing.ArrayLike = 1.0,
   axis: Axis = -1,
   where: jax.typing.ArrayLike | None = None,
+  axis_name: str | None = None,
 ) -> jax.Array:
   r"""Per-example generalized Jensen-Shannon divergence from logits (TRL's GKD loss).
 
@@ -541,6 +572,12 @@ def generalized_jsd(
     axis: the class axis (or axes).
     where: an element (class) mask or a per-example mask, as in
       :func:`kl_div_from_logits`.
+    axis_name: the mesh axis over which the class axis is split inside
+      ``jax.shard_map`` (vocabulary parallelism), as in
+      :func:`kl_div_from_logits`: e.g. ``jax.shard_map(lambda s, t:
+      generalized_jsd(s, t, beta=0.5, axis_name="vocab"), mesh=mesh,
+      in_specs=P(None, "vocab"), out_specs=P())``. Values and gradients equal
+      the unsharded ones; the result is replicated over ``axis_name``.
 
   Returns:
     The divergence per example, shape ``[...]``, in the promoted input dtype.
@@ -563,8 +600,13 @@ def generalized_jsd(
   name = "generalized_jsd"
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, _ = check_temperature(name, temperature)
+  if axis_name is not None:
+    _vocab_parallel().check_axis_name(name, axis_name)
   rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
   if rows.empty:
     return jnp.zeros(rows.out_shape, rows.out_dtype)
   t = _temperature_array(temperature, rows.cdt)
-  return rows.finish(gjsd_kernel(rows.z, rows.y, t, rows.masks, beta, beta_static))
+  if axis_name is None:
+    return rows.finish(gjsd_kernel(rows.z, rows.y, t, rows.masks, beta, beta_static))
+  vp = _vocab_parallel()
+  return rows.finish(vp.gjsd_kernel(axis_name, rows.z, rows.y, t, rows.masks, beta, beta_static))
