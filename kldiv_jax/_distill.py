@@ -1,10 +1,13 @@
 """Knowledge-distillation loss from student and teacher logits (Hinton et al.)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kldiv_jax import _vocab_parallel as vocab_parallel
 from kldiv_jax._checks import check_choice
 from kldiv_jax._logits import (
   check_temperature,
@@ -107,6 +110,7 @@ def distillation_loss(
   ignore_index: int = -100,
   where: jax.typing.ArrayLike | None = None,
   normalizer: float | jax.typing.ArrayLike | None = None,
+  axis_name: str | None = None,
 ) -> jax.Array:
   r"""Knowledge-distillation loss: softened teacher divergence plus label cross entropy.
 
@@ -154,6 +158,18 @@ def distillation_loss(
       logits (a masked vocabulary; a token with every class masked is left
       out).
     normalizer: the denominator instead of the number of valid tokens.
+    axis_name: the mesh axis over which the vocabulary (class axis) is split
+      inside ``jax.shard_map`` (vocabulary parallelism), as in
+      :func:`kl_div_from_logits`: each device passes its slice of the classes
+      of both logits (and of a class ``where``), ``labels`` whole; a label
+      picks its logit on the device that holds it. Only per-token scalars
+      cross devices; value and gradients equal the unsharded ones and the
+      result is replicated over ``axis_name``. On a ``("data", "vocab")``
+      mesh, ``jax.shard_map(lambda s, t, y: lax.psum(distillation_loss(s, t,
+      y, normalizer=n, axis_name="vocab"), "data"), mesh=mesh,
+      in_specs=(P("data", "vocab"), P("data", "vocab"), P("data")),
+      out_specs=P())``, with ``n`` the global number of valid tokens, is the
+      loss of the whole batch.
 
   Returns:
     A scalar, in the promoted logits dtype.
@@ -176,6 +192,8 @@ def distillation_loss(
   alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, t_static = check_temperature(name, temperature)
+  if axis_name is not None:
+    vocab_parallel.check_axis_name(name, axis_name)
   rows = prepare(
     name, "student_logits and teacher_logits", student_logits, teacher_logits, -1, where
   )
@@ -184,7 +202,12 @@ def distillation_loss(
   masks = rows.masks
   valid = jnp.ones((rows.z.shape[0], 1), jnp.bool_)
   for m in masks:
-    valid = valid & (m if m.shape[1] == 1 else jnp.any(m, axis=1, keepdims=True))
+    if m.shape[1] == 1:
+      valid = valid & m
+    elif axis_name is None:
+      valid = valid & jnp.any(m, axis=1, keepdims=True)
+    else:
+      valid = valid & vocab_parallel.any_class(m, axis_name)
   if labels is not None:
     labels = _check_labels(name, labels, rows.out_shape).astype(jnp.int32).reshape(-1, 1)
     labelled = labels != ignore_index
@@ -195,21 +218,29 @@ def distillation_loss(
     total = jnp.zeros((), cdt)
   else:
     t = jnp.asarray(temperature).astype(cdt)
+    kl, gjsd, ce_rows = kl_kernel, gjsd_kernel, ce_kernel
+    if axis_name is not None:
+      kl, gjsd, ce_rows = (
+        functools.partial(k, axis_name)
+        for k in (vocab_parallel.kl_kernel, vocab_parallel.gjsd_kernel, vocab_parallel.ce_kernel)
+      )
     if divergence == "forward_kl":
-      div = kl_kernel(rows.z, rows.y, t, masks)
+      div = kl(rows.z, rows.y, t, masks)
     elif divergence == "reverse_kl":
-      div = kl_kernel(rows.y, rows.z, t, masks)
+      div = kl(rows.y, rows.z, t, masks)
     else:
-      div = gjsd_kernel(rows.z, rows.y, t, masks, beta, beta_static)
+      div = gjsd(rows.z, rows.y, t, masks, beta, beta_static)
     if scale_by_temperature_squared:
       div = div * (temperature**2 if t_static else t * t)
     if labels is None:
       per_row = div
     else:
       num_classes = rows.z.shape[1]
+      if axis_name is not None:
+        num_classes *= lax.axis_size(axis_name)
       in_range = (labels >= 0) & (labels < num_classes)
       safe = jnp.where(in_range, labels, 0)
-      ce = ce_kernel(rows.z, safe, masks)
+      ce = ce_rows(rows.z, safe, masks)
       ce = jnp.where(labelled[:, 0] & ~in_range[:, 0], jnp.nan, ce)
       if alpha_static and alpha == 1.0:
         per_row = div
