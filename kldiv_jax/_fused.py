@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kldiv_jax import _vocab_parallel as vocab_parallel
 from kldiv_jax._checks import check_choice, check_float, compute_dtype
 from kldiv_jax._distill import DIVERGENCES
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
@@ -35,26 +36,29 @@ def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
   return max(1, min(size, num_tokens))
 
 
-def _matmul(a, w, b):
-  out = lax.dot_general(
-    a, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-  )
-  return out if b is None else out + b.astype(jnp.float32)[None, :]
+def _matmul(a, w, b, dtype):
+  out = lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=dtype)
+  return out if b is None else out + b.astype(dtype)[None, :]
 
 
-def _chunk_divergence(z, y, temperature, beta, mask, *, divergence, static_beta):
+def _chunk_divergence(z, y, temperature, beta, mask, *, divergence, static_beta, axis_name):
   """Per-token divergence of one chunk of ``[tokens, vocab]`` float32 logits.
 
-  ``static_beta`` is the Python ``beta`` when it was static, else ``None``.
+  ``static_beta`` is the Python ``beta`` when it was static, else ``None``;
+  with ``axis_name``, the chunk holds this device's slice of the vocabulary.
   """
   masks = (mask,)
+  kl, gjsd = kl_kernel, gjsd_kernel
+  if axis_name is not None:
+    kl = functools.partial(vocab_parallel.kl_kernel, axis_name)
+    gjsd = functools.partial(vocab_parallel.gjsd_kernel, axis_name)
   if divergence == "forward_kl":
-    return kl_kernel(z, y, temperature, masks)
+    return kl(z, y, temperature, masks)
   if divergence == "reverse_kl":
-    return kl_kernel(y, z, temperature, masks)
+    return kl(y, z, temperature, masks)
   if static_beta is not None:
-    return gjsd_kernel(z, y, temperature, masks, static_beta, True)
-  return gjsd_kernel(z, y, temperature, masks, beta, False)
+    return gjsd(z, y, temperature, masks, static_beta, True)
+  return gjsd(z, y, temperature, masks, beta, False)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -63,27 +67,34 @@ def _fused(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
 
 
 def _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
-  divergence, static_beta, chunk = static
+  divergence, static_beta, chunk, axis_name = static
   n = h.shape[0]
-  div = functools.partial(_chunk_divergence, divergence=divergence, static_beta=static_beta)
+  div = functools.partial(
+    _chunk_divergence, divergence=divergence, static_beta=static_beta, axis_name=axis_name
+  )
+  acc = scale.dtype  # float32, or float64 for float64 inputs
 
   def chunk_grads(hc, thc, mc):
-    z = _matmul(hc, w, b)
-    y = lax.stop_gradient(_matmul(thc, tw, tb))
+    z = _matmul(hc, w, b, acc)
+    y = lax.stop_gradient(_matmul(thc, tw, tb, acc))
     loss, vjp = jax.vjp(lambda z: jnp.sum(div(z, y, temperature, beta, mc)), z)
-    (dz,) = vjp(jnp.ones((), loss.dtype))
-    gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    (dz,) = vjp(jnp.ones_like(loss))
+    gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+    if axis_name is not None:  # each device holds a slice of the head: sum the parts
+      gh = lax.psum(gh, axis_name)
     return loss, gh, dz, jnp.sum(dz, axis=0)
 
   def add_weight_grad(grad_w, hc, dz):
     # grad_w += hc^T dz, a block of vocabulary columns at a time: a dot writes
     # a fresh buffer, so a whole [H, V] product would be a second [H, V] array.
-    block = min(w.shape[1], _GRAD_W_BLOCK)
+    # Vocabulary parallel: a device's slice of the unsharded call's blocks.
+    shards = 1 if axis_name is None else lax.axis_size(axis_name)
+    block = min(w.shape[1], max(1, _GRAD_W_BLOCK // shards))
     num_blocks, rest = divmod(w.shape[1], block)
 
     def one(j, grad_w, width):
       cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
-      gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=acc)
       return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
 
     grad_w = lax.fori_loop(0, num_blocks, lambda k, g: one(k * block, g, block), grad_w)
@@ -91,10 +102,13 @@ def _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
       grad_w = one(num_blocks * block, grad_w, rest)
     return grad_w
 
-  loss = jnp.zeros((), jnp.float32)
-  grad_h = jnp.zeros(h.shape, jnp.float32)
-  grad_w = jnp.zeros(w.shape, jnp.float32)
-  grad_b = jnp.zeros(w.shape[1:], jnp.float32)
+  # ``full_like``: inside jax.shard_map, loop carries keep the mesh axes their
+  # values vary over (the loss those of the tokens, the head's gradients the
+  # head's, see fused_linear_kl_div).
+  loss = _token_zero(h, th, mask).astype(acc)
+  grad_h = lax.full_like(h, 0, acc)
+  grad_w = lax.full_like(w, 0, acc)
+  grad_b = lax.full_like(w, 0, acc, shape=w.shape[1:])
 
   def body(i, carry):
     loss, grad_h, grad_w, grad_b = carry
@@ -121,7 +135,7 @@ def _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
 
 def _fused_bwd(static, residuals, g):
   grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, beta) = residuals
-  s = (g * scale).astype(jnp.float32)
+  s = (g * scale).astype(scale.dtype)
   zeros = lambda a: None if a is None else jnp.zeros_like(a)  # noqa: E731
   return (
     (grad_h * s).astype(h.dtype),
@@ -138,6 +152,14 @@ def _fused_bwd(static, residuals, g):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _token_zero(*token_arrays):
+  """A scalar 0 that varies over the mesh axes of the token arrays (inside ``jax.shard_map``)."""
+  zero = jnp.zeros((), jnp.float32)
+  for a in token_arrays:
+    zero = zero + lax.full_like(a, 0, jnp.float32, shape=())
+  return zero
 
 
 def _check_linear(name, what, hidden, weight, bias):
@@ -254,7 +276,7 @@ def fused_linear_kl_div(
       f"{np.shape(weight)} and {np.shape(target_weight)}."
     )
   if axis_name is not None:
-    raise NotImplementedError(f"{name}: axis_name is not supported yet.")
+    num_shards = vocab_parallel.check_axis_name(name, axis_name)
   out_dtype = jnp.result_type(hidden, weight) if bias is None else jnp.result_type(hidden, weight, bias)
   cdt = compute_dtype(out_dtype)
   h = jnp.asarray(hidden).reshape(-1, np.shape(hidden)[-1])
@@ -272,7 +294,10 @@ def fused_linear_kl_div(
       )
     mask = w_arr.reshape(n, 1)
   if chunk_size is None:
-    chunk = default_chunk_size(n, np.shape(weight)[1])
+    # The global vocabulary: a vocabulary-parallel call makes the unsharded
+    # call's chunks, each device holding a slice of their logits.
+    vocab_size = np.shape(weight)[1] * (1 if axis_name is None else num_shards)
+    chunk = default_chunk_size(n, vocab_size)
   else:
     if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1:
       raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
@@ -289,10 +314,20 @@ def fused_linear_kl_div(
     return jnp.zeros((), out_dtype)
   b_arr = None if bias is None else jnp.asarray(bias)
   tb_arr = None if target_bias is None else jnp.asarray(target_bias)
-  static = (divergence, beta if beta_static else None, chunk)
+  w_arr = jnp.asarray(weight)
+  # Inside jax.shard_map with the tokens split (over "data", say), the head's
+  # gradient in the custom VJP varies over the tokens' mesh axes, and must have
+  # the head's type: adding a 0 that varies like the tokens makes the head vary
+  # alike, and autodiff then sums its gradient over those axes. Outside
+  # shard_map it is a no-op, which XLA folds away.
+  zero = _token_zero(h, th, mask)
+  w_arr = w_arr + zero.astype(w_arr.dtype)
+  if b_arr is not None:
+    b_arr = b_arr + zero.astype(b_arr.dtype)
+  static = (divergence, beta if beta_static else None, chunk, axis_name)
   beta_arr = jnp.asarray(beta, cdt)
   loss = _fused(
-    static, h, jnp.asarray(weight), b_arr, th, jnp.asarray(target_weight), tb_arr,
+    static, h, w_arr, b_arr, th, jnp.asarray(target_weight), tb_arr,
     t, beta_arr, mask, scale,
   )
   return loss.astype(out_dtype)
