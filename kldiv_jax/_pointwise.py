@@ -46,6 +46,15 @@ def _zero_mass(x: jax.Array, t: jax.Array, zero: float) -> jax.Array:
 
 
 @jax.custom_jvp
+def _zero_minus(x: jax.Array) -> jax.Array:
+  """Zeros of ``x``'s shape whose derivative wrt ``x`` is -1 (``x = -inf`` too)."""
+  return jnp.zeros_like(x)
+
+
+_zero_minus.defjvp(lambda primals, tangents: (jnp.zeros_like(primals[0]), -tangents[0]))
+
+
+@jax.custom_jvp
 def kl_prob_kernel(x: jax.Array, t: jax.Array) -> jax.Array:
   r"""``t (log t - x)``, with ``0`` where ``t == 0`` (``x = -inf`` included).
 
@@ -63,10 +72,12 @@ def _kl_prob_kernel_jvp(primals, tangents):
   tangent = jnp.zeros_like(out)
   if not isinstance(dt, SymbolicZero):
     # d/dt = log t + 1 - x, and 0 at zero mass (double where: the rule is
-    # differentiated again for second derivatives).
+    # differentiated again for second derivatives). At zero mass the 0 has
+    # d/dx = -1, so the Hessian stays symmetric (d/dx of d/dt = d/dt of
+    # d/dx = -1, torch's mixed partial).
     mask = _zero_mass(x, t, 0.0)
     safe_t = jnp.where(mask, 1.0, t)
-    tangent = jnp.where(mask, 0.0, jnp.log(safe_t) + 1.0 - x) * dt
+    tangent = jnp.where(mask, _zero_minus(x), jnp.log(safe_t) + 1.0 - x) * dt
   if not isinstance(dx, SymbolicZero):
     tangent = tangent - t * dx  # d/dx = -t, already 0 at zero mass.
   return out, tangent

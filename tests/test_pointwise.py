@@ -416,3 +416,13 @@ def test_complex_inputs_rejected():
 def test_non_broadcastable_shapes_name_both():
   with pytest.raises(ValueError, match=r"\(3, 5\).*\(5, 3\)"):
     kl_div_pointwise(jnp.ones((3, 5)), jnp.ones((5, 3)))
+
+
+@pytest.mark.parametrize("x", [-1.0, -jnp.inf])
+def test_hessian_symmetric_at_zero_mass(x):
+  # Closed form: d2/dx2 = 0, d2/dxdt = -1 (torch's mixed partial, also at
+  # t = 0), and d2/dt2 pinned to 0 at zero mass; the matrix is symmetric.
+  f = lambda a, b: kl_div_pointwise(a, b).sum()  # noqa: E731
+  h = jax.hessian(f, argnums=(0, 1))(jnp.array([x]), jnp.array([0.0]))
+  got = np.array([[float(h[i][j][0, 0]) for j in range(2)] for i in range(2)])
+  np.testing.assert_array_equal(got, [[0.0, -1.0], [-1.0, 0.0]])
