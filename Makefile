@@ -6,7 +6,7 @@
 #   make test      the test suite (live torch parity when torch is installed)
 #   make lint      ruff (installed into the venv on first use)
 #   make bench     benchmarks/run.py
-#   make fixtures  regenerate tests/fixtures from torch (needs torch)
+#   make fixtures  regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #
 # VENV=path selects another environment (.ci/run uses a fresh one).
 
@@ -38,7 +38,9 @@ lint: venv
 bench: venv
 	$(PY) benchmarks/run.py
 
+# The golden fixtures come from torch 2.13 (CPU), the version the reference measured.
 fixtures: venv
+	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install 'torch==2.13.0'
 	$(PY) tests/fixtures/make_torch_fixtures.py
 
 clean:
