@@ -21,6 +21,7 @@ from jax import lax
 from kldiv_jax import _vocab_parallel as vocab_parallel
 from kldiv_jax._checks import check_choice, check_float, compute_dtype
 from kldiv_jax._distill import DIVERGENCES
+from kldiv_jax._distill import _check_normalizer as check_normalizer
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
@@ -305,9 +306,7 @@ def fused_linear_kl_div(
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
   else:
-    denominator = jnp.asarray(normalizer).astype(cdt)
-    if denominator.ndim != 0:
-      raise ValueError(f"{name}: normalizer must be a scalar; got shape {denominator.shape}.")
+    denominator = jnp.asarray(check_normalizer(name, normalizer)).astype(cdt)
   t = jnp.asarray(temperature, cdt)
   scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
   if n == 0:
