@@ -2,15 +2,21 @@
 
 Distillation datasets store, per token, the teacher's ``k`` most likely token
 ids and their log-probabilities instead of a full-vocabulary row. The student
-still normalises over its full vocabulary; only ``k`` of its log-probabilities
-are gathered, so the forward pass writes no ``[..., vocab]`` array besides the
-logits' cast (the softmax statistics are reductions).
+still normalises over its full vocabulary, but only through a log-sum-exp
+(a reduction) and a gather of ``k`` logits: no ``[..., vocab]``
+log-probabilities are written. The log-sum-exp has a ``custom_jvp`` that
+recomputes the softmax in its tangent, so reverse mode saves no
+``[..., vocab]`` residual either: for float32 logits on CPU the compiled
+``value_and_grad`` writes the gradient and nothing else of that size
+(bf16/f16 logits add one float32 copy of the logits, which XLA:CPU's reduction
+needs).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import check_float, compute_dtype
 from kldiv_jax._pointwise import kl_log_kernel
@@ -54,6 +60,39 @@ def _logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
   m = jnp.max(x, axis=axis, keepdims=True)
   m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   return jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+
+
+@jax.custom_jvp
+def _full_logsumexp(z: jax.Array, scale: jax.Array) -> jax.Array:
+  """``log sum exp(z * scale)`` over the last axis, ``[..., 1]``, in ``scale``'s dtype.
+
+  ``z`` is the raw logits (any float dtype, cast inside every fusion that
+  reads it) and ``scale = 1 / T``. The max is taken on the raw logits, so no
+  upcast copy is written. The rule recomputes the softmax in the tangent
+  instead of saving it: reverse mode writes no ``[..., vocab]`` residual.
+  """
+  m = jnp.max(z, axis=-1, keepdims=True).astype(scale.dtype) * scale
+  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  return jnp.log(jnp.sum(jnp.exp(z.astype(scale.dtype) * scale - m), axis=-1, keepdims=True)) + m
+
+
+def _full_logsumexp_jvp(primals, tangents):
+  z, scale = primals
+  dz, dscale = tangents
+  lse = _full_logsumexp(z, scale)
+  x = z.astype(scale.dtype) * scale
+  # d lse = sum_v softmax_v d(x_v), x = z * scale; 0 * -inf guarded at masked logits.
+  q = jnp.exp(x - jnp.where(jnp.isfinite(lse), lse, 0.0))
+  tangent = jnp.zeros_like(lse)
+  if not isinstance(dz, SymbolicZero):
+    tangent = tangent + jnp.sum(q * dz.astype(q.dtype), axis=-1, keepdims=True) * scale
+  if not isinstance(dscale, SymbolicZero):
+    zq = jnp.where(q > 0, z.astype(q.dtype), 0.0) * q
+    tangent = tangent + jnp.sum(zq, axis=-1, keepdims=True) * dscale
+  return lse, tangent
+
+
+_full_logsumexp.defjvp(_full_logsumexp_jvp, symbolic_zeros=True)
 
 
 def _check_shapes(name, logits, indices, log_probs):
@@ -136,9 +175,11 @@ def kl_div_from_topk(
   offline top-k distillation uses and is exactly a KL.
 
   Gradient wrt the logits: ``(q - scatter(p)) / T`` per example (``q``
-  over the full vocabulary, ``p`` scattered onto the top-k ids), obtained by
-  autodiff of the log-sum-exp and the gather (second derivatives work). The
-  teacher's log-probabilities are differentiable too.
+  over the full vocabulary, ``p`` scattered onto the top-k ids); the softmax
+  ``q`` is recomputed in the backward pass rather than stored. Forward mode
+  and second derivatives work (``jax.hessian`` wrt the logits). The
+  teacher's log-probabilities and a traced temperature are differentiable
+  too.
 
   Masking:
 
@@ -207,7 +248,6 @@ def kl_div_from_topk(
   cdt = compute_dtype(out_dtype)
   if not is_static:
     temperature = jnp.asarray(temperature).astype(cdt)
-  z = z.astype(cdt)
   lp = lp.astype(cdt)
   if example is not None:
     # Selected away (never multiplied), so NaN/inf in a masked row cannot leak.
@@ -223,9 +263,10 @@ def kl_div_from_topk(
   log_p = jnp.where(keep, t - jnp.where(jnp.isfinite(lse_t), lse_t, 0.0), -jnp.inf)
 
   # Student: full-vocabulary log-sum-exp, log-probabilities gathered at the ids.
-  x = _divide(z, temperature, is_static)
-  lse_s = _logsumexp(x)
-  picked = jnp.take_along_axis(x, idx, axis=-1, mode="fill", wrap_negative_indices=False)
+  scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
+  lse_s = _full_logsumexp(z, scale)
+  picked = jnp.take_along_axis(z, idx, axis=-1, mode="fill", wrap_negative_indices=False)
+  picked = _divide(picked.astype(cdt), temperature, is_static)
   log_q = jnp.where(keep, picked - lse_s, 0.0)
 
   kl = jnp.sum(kl_log_kernel(log_q, log_p), axis=-1)

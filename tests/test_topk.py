@@ -386,3 +386,16 @@ def test_error_bad_where(where, error, rng):
   logits, ids, lp = _args(rng)
   with pytest.raises(error, match="where"):
     kl_div_from_topk(logits, ids, lp, where=where)
+
+
+def test_value_and_grad_writes_no_vocab_sized_temporary():
+  # float32: the compiled value_and_grad writes the gradient (its output) and no
+  # other [tokens, vocab] buffer (XLA's temp allocation stays below one of them).
+  n, vocab, k = 256, 4096, 8
+  f = jax.jit(jax.value_and_grad(lambda z, i, w: jnp.mean(kl_div_from_topk(z, i, w))))
+  compiled = f.lower(
+    jax.ShapeDtypeStruct((n, vocab), jnp.float32),
+    jax.ShapeDtypeStruct((n, k), jnp.int32),
+    jax.ShapeDtypeStruct((n, k), jnp.float32),
+  ).compile()
+  assert compiled.memory_analysis().temp_size_in_bytes < n * vocab * 4 // 2
