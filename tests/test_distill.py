@@ -1,0 +1,256 @@
+"""distillation_loss: against torch's textbook Hinton loss, masks, accumulation, errors.
+
+The reference is the usual PyTorch distillation code (``log_softmax`` +
+``F.kl_div`` at temperature T, ``F.cross_entropy`` with ``ignore_index``),
+run with torch autograd in float64; the JSD is TRL's formula.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TOLERANCES
+from jax.test_util import check_grads
+from test_logits import torch_trl_gjsd
+
+from kldiv_jax import distillation_loss
+
+B, S, C = 2, 3, 6
+
+
+def torch_distillation(s, t, labels, temperature, alpha, divergence, beta=0.5, scale=True,
+                       valid=None):
+  """Hinton et al.'s loss as PyTorch training code writes it, per valid token."""
+  if divergence == "forward_kl":
+    div = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1),
+                   reduction="none", log_target=True).sum(-1)
+  elif divergence == "reverse_kl":
+    div = F.kl_div(F.log_softmax(t / temperature, -1), F.log_softmax(s / temperature, -1),
+                   reduction="none", log_target=True).sum(-1)
+  else:
+    div = torch_trl_gjsd(s, t, beta, temperature)
+  if scale:
+    div = div * temperature**2
+  if valid is None:
+    valid = torch.ones(div.shape, dtype=torch.bool)
+  if labels is None:
+    per_token = div
+  else:
+    ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                         reduction="none").reshape(labels.shape)
+    per_token = alpha * div + (1 - alpha) * ce
+    valid = valid & (labels != -100)
+  return per_token[valid].sum() / valid.sum().clamp_min(1)
+
+
+def torch_value_and_grads(s, t, labels, **kwargs):
+  st = torch.tensor(s, dtype=torch.float64, requires_grad=True)
+  tt = torch.tensor(t, dtype=torch.float64, requires_grad=True)
+  lt = None if labels is None else torch.tensor(np.asarray(labels), dtype=torch.int64)
+  if "valid" in kwargs:
+    kwargs["valid"] = torch.tensor(kwargs["valid"])
+  out = torch_distillation(st, tt, lt, **kwargs)
+  out.backward()
+  return out.item(), st.grad.numpy(), tt.grad.numpy()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _value_and_grads(static, s, t, labels, dynamic):
+  return jax.value_and_grad(
+      lambda s, t: distillation_loss(s, t, labels, **dict(static), **dynamic), argnums=(0, 1)
+  )(s, t)
+
+
+def value_and_grads(s, t, labels, *, dynamic=None, **static):
+  """Jitted loss and gradients wrt both logits (one compile per static options/shape)."""
+  out, (gs, gt) = _value_and_grads(tuple(sorted(static.items())), s, t, labels, dynamic or {})
+  return out, gs, gt
+
+
+def _data(rng, shape=(B, S, C)):
+  s = rng.normal(size=shape) * 2.0
+  t = rng.normal(size=shape) * 2.0
+  labels = rng.integers(0, shape[-1], size=shape[:-1])
+  labels.flat[[1, labels.size - 2]] = -100
+  return s, t, labels
+
+
+def _assert_close(ours, ref, rtol=1e-10):
+  for a, b in zip(ours, ref):
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-14)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+def test_matches_torch(x64, rng, divergence, temperature):
+  s, t, labels = _data(rng)
+  kwargs = {"alpha": 0.3, "divergence": divergence, "beta": 0.4}
+  ours = value_and_grads(s, t, labels, dynamic={"temperature": temperature}, **kwargs)
+  ref = torch_value_and_grads(s, t, labels, temperature=temperature, **kwargs)
+  _assert_close(ours, ref)
+
+
+def test_without_temperature_squared(x64, rng):
+  s, t, labels = _data(rng)
+  ours = value_and_grads(s, t, labels, temperature=3.0, scale_by_temperature_squared=False)
+  ref = torch_value_and_grads(s, t, labels, temperature=3.0, alpha=0.5,
+                              divergence="forward_kl", scale=False)
+  _assert_close(ours, ref)
+
+
+def test_without_labels_is_the_distillation_term_over_where(x64, rng):
+  s, t, _ = _data(rng)
+  where = rng.uniform(size=(B, S)) > 0.3
+  ours = value_and_grads(s, t, None, temperature=2.0, dynamic={"where": where})
+  ref = torch_value_and_grads(s, t, None, temperature=2.0, alpha=0.5, divergence="forward_kl",
+                              valid=where)
+  _assert_close(ours, ref)
+
+
+def test_where_and_ignore_index_equal_dropping_tokens(x64, rng):
+  s, t, labels = _data(rng)
+  where = np.array([[True, True, False], [True, True, True]])
+  ours = value_and_grads(s, t, labels, temperature=2.0, dynamic={"where": where})
+  keep = where & (labels != -100)
+  sub = value_and_grads(s[keep], t[keep], labels[keep], temperature=2.0)
+  np.testing.assert_allclose(ours[0], sub[0], rtol=1e-12)
+  for g, g_sub in zip(ours[1:], sub[1:]):
+    np.testing.assert_allclose(g[keep], g_sub, rtol=1e-12)
+    np.testing.assert_array_equal(g[~keep], 0.0)
+
+
+def test_all_ignored_gives_zero_without_nan(rng):
+  s, t, labels = _data(rng)
+  out, gs, gt = value_and_grads(s, t, np.full_like(labels, -100))
+  assert out == 0.0
+  np.testing.assert_array_equal(gs, 0.0)
+  np.testing.assert_array_equal(gt, 0.0)
+
+
+@jax.jit
+def _accumulated(s, t, labels, normalizer):
+  def loss(s, t, labels):
+    return distillation_loss(s, t, labels, temperature=2.0, alpha=0.7, normalizer=normalizer)
+
+  full = jax.grad(lambda s: distillation_loss(s, t, labels, temperature=2.0, alpha=0.7))(s)
+  parts = [jax.grad(loss)(s[i : i + 1], t[i : i + 1], labels[i : i + 1]) for i in range(2)]
+  values = [loss(s[i : i + 1], t[i : i + 1], labels[i : i + 1]) for i in range(2)]
+  whole = distillation_loss(s, t, labels, temperature=2.0, alpha=0.7)
+  return full, jnp.concatenate(parts), whole, values[0] + values[1]
+
+
+def test_normalizer_makes_accumulation_match_one_batch(x64, rng):
+  s, t, labels = _data(rng)
+  labels[0] = -100  # micro-batches with different token counts: 0 and 2 valid
+  labels[1, 0] = 2
+  normalizer = np.sum(labels != -100)
+  full, accumulated, whole, summed = _accumulated(s, t, labels, normalizer)
+  np.testing.assert_allclose(accumulated, full, rtol=1e-12, atol=1e-16)
+  np.testing.assert_allclose(summed, whole, rtol=1e-12)
+
+
+@jax.jit
+def _alphas(s, t, labels, alpha):
+  def loss(**kw):
+    return distillation_loss(s, t, labels, temperature=2.0, **kw)
+
+  return loss(alpha=1.0), loss(alpha=0.0), loss(alpha=alpha), loss(alpha=0.25)
+
+
+def test_alpha_endpoints_and_traced_alpha(x64, rng):
+  s, t, labels = _data(rng)
+  only_kd, only_ce, traced, static = _alphas(s, t, labels, 0.25)
+  valid = labels != -100
+  lq = torch.log_softmax(torch.tensor(s[valid] / 2.0), -1)
+  lp = torch.log_softmax(torch.tensor(t[valid] / 2.0), -1)
+  kd = 4.0 * F.kl_div(lq, lp, reduction="batchmean", log_target=True).item()
+  ce = F.cross_entropy(torch.tensor(s[valid]), torch.tensor(labels[valid])).item()
+  np.testing.assert_allclose(only_kd, kd, rtol=1e-12)
+  np.testing.assert_allclose(only_ce, ce, rtol=1e-12)
+  np.testing.assert_allclose(traced, static, rtol=1e-14)
+  np.testing.assert_allclose(static, 0.25 * kd + 0.75 * ce, rtol=1e-12)
+
+
+def test_invalid_labels_and_masked_classes(rng):
+  s, t, labels = _data(rng)
+  bad = labels.copy()
+  bad[0, 0] = C  # out of range: NaN, not a silent wrong value
+  assert np.isnan(value_and_grads(s, t, bad)[0])
+  masked = s.copy()
+  masked[0, 0, labels[0, 0]] = -np.inf  # the label has no mass: +inf
+  assert value_and_grads(masked, t, labels)[0] == np.inf
+
+
+def test_vocabulary_mask_equals_dropping_classes(x64, rng):
+  s, t, labels = _data(rng)
+  keep = np.array([True, True, False, True, True, False])
+  labels = np.where(labels == 2, 0, np.where(labels == 5, 1, labels))
+  ours = value_and_grads(s, t, labels, temperature=2.0, dynamic={"where": keep})
+  remap = np.cumsum(keep) - 1
+  sub = value_and_grads(s[..., keep], t[..., keep], np.where(labels >= 0, remap[np.maximum(labels, 0)], labels),
+                        temperature=2.0)
+  np.testing.assert_allclose(ours[0], sub[0], rtol=1e-12)
+  for g, g_sub in zip(ours[1:], sub[1:]):
+    np.testing.assert_allclose(g[..., keep], g_sub, rtol=1e-12)
+    np.testing.assert_array_equal(g[..., ~keep], 0.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_gradient_error(rng, dtype):
+  s, t, labels = _data(rng, shape=(2, 4, 32))
+  s16, t16 = jnp.asarray(s, dtype), jnp.asarray(t, dtype)
+  out, gs, gt = value_and_grads(s16, t16, labels, temperature=2.0, divergence="jsd")
+  assert out.dtype == dtype and gs.dtype == dtype and gt.dtype == dtype
+  ref = torch_value_and_grads(np.asarray(s16, np.float64), np.asarray(t16, np.float64), labels,
+                              temperature=2.0, alpha=0.5, divergence="jsd")
+  rtol, _ = TOLERANCES[jnp.dtype(dtype).name]
+  np.testing.assert_allclose(np.float64(out), ref[0], rtol=rtol)
+  for g, r in zip((gs, gt), ref[1:]):
+    np.testing.assert_allclose(np.asarray(g, np.float64), r, rtol=rtol,
+                               atol=rtol * np.max(np.abs(r)))
+
+
+def test_check_grads_and_vmap(x64, rng):
+  s, t, labels = _data(rng, shape=(2, 2, 4))
+
+  def loss(s, t):
+    return distillation_loss(s, t, labels, temperature=1.5, alpha=0.4, divergence="reverse_kl")
+
+  check_grads(jax.jit(loss), (s, t), order=2, modes=("fwd", "rev"))
+  per_sequence = jax.jit(jax.vmap(
+      lambda s, t, y: distillation_loss(s, t, y, temperature=1.5, alpha=0.4,
+                                        divergence="reverse_kl")))(s, t, labels)
+  for i in range(2):
+    ref = torch_value_and_grads(s[i], t[i], labels[i], temperature=1.5, alpha=0.4,
+                                divergence="reverse_kl")[0]
+    np.testing.assert_allclose(per_sequence[i], ref, rtol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"divergence": "kl"}, ValueError, "divergence must be one of"),
+        ({"alpha": 1.5}, ValueError, r"alpha must be a number in \[0, 1\]"),
+        ({"beta": -0.5}, ValueError, r"beta must be a number in \[0, 1\]"),
+        ({"temperature": 0}, ValueError, "temperature must be positive"),
+        ({"normalizer": 0}, ValueError, "normalizer must be a positive"),
+        ({"labels": np.zeros((2, 3), np.float32)}, TypeError, "integer array"),
+        ({"labels": np.zeros((3, 2), np.int32)}, ValueError, "labels must have"),
+        ({"where": np.ones((2, 4), np.bool_)}, ValueError, "where has shape"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+  labels = kwargs.pop("labels", np.zeros((2, 3), np.int32))
+  with pytest.raises(error, match=match):
+    distillation_loss(jnp.zeros((2, 3, 5)), jnp.zeros((2, 3, 5)), labels, **kwargs)
+
+
+def test_bad_shapes_and_dtypes():
+  with pytest.raises(ValueError, match="same number of classes"):
+    distillation_loss(jnp.zeros((2, 5)), jnp.zeros((2, 4)))
+  with pytest.raises(TypeError, match="Integral inputs not supported"):
+    distillation_loss(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 5)))
