@@ -239,8 +239,22 @@ def fused_linear_kl_div(
       (a global token count for gradient accumulation).
     chunk_size: tokens per chunk; ``None`` picks a power of two giving about
       ``2**22`` logits per chunk and side. The last chunk may be smaller.
-    axis_name: the mesh axis over which the vocabulary is sharded, when
-      called inside ``jax.shard_map`` with ``weight``/``bias`` split along V.
+    axis_name: for vocabulary parallelism: the name of a mesh axis over which
+      the V axis of ``weight``, ``bias``, ``target_weight`` and
+      ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
+      states whole on that axis). Each device computes its slice of every
+      chunk's logits; the softmax statistics are combined with ``lax.pmax``
+      and ``lax.psum`` (per-token scalars only), the gradient wrt ``hidden``
+      is summed over the axis, the gradients wrt ``weight`` and ``bias`` stay
+      local slices. Values and gradients equal the unsharded call's, with
+      the same chunks (``chunk_size=None`` uses the global vocabulary), so a
+      device holds ``1/num_shards`` of each chunk's logits; the result is
+      replicated over ``axis_name``. E.g. ``jax.shard_map(lambda h, w, th,
+      tw: fused_linear_kl_div(h, w, th, tw, axis_name="vocab"), mesh=mesh,
+      in_specs=(P(), P(None, "vocab"), P(), P(None, "vocab")),
+      out_specs=P())``; with the tokens also split over ``"data"``, pass the
+      global token count as ``normalizer`` and ``lax.psum`` the result over
+      ``"data"``.
 
   Returns:
     A scalar, in the promoted dtype of ``hidden`` and ``weight``.
