@@ -7,9 +7,10 @@ still normalises over its full vocabulary, but only through a log-sum-exp
 log-probabilities are written. The log-sum-exp has a ``custom_jvp`` that
 recomputes the softmax in its tangent, so reverse mode saves no
 ``[..., vocab]`` residual either: for float32 logits on CPU the compiled
-``value_and_grad`` writes the gradient and nothing else of that size
-(bf16/f16 logits add one float32 copy of the logits, which XLA:CPU's reduction
-needs).
+``value_and_grad`` writes the gradient and nothing else of that size.
+bf16/f16 logits currently cost two float32 ``[..., vocab]`` temporaries on
+XLA:CPU (an upcast copy for the reduction and the float32 gradient before its
+cast back).
 """
 
 import jax
