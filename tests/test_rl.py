@@ -1,0 +1,155 @@
+"""kl_estimate: Schulman's k1/k2/k3 against float64 and exact-decimal references."""
+
+import decimal
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from kldiv_jax import kl_estimate
+from kldiv_jax._rl import exp_minus_one_minus
+
+decimal.getcontext().prec = 60
+
+
+def exact_exp_minus_one_minus(x):
+  """e^x - 1 - x to 60 digits (Python's decimal), as float64."""
+  d = decimal.Decimal(float(x))
+  return float(d.exp() - 1 - d)
+
+
+@functools.partial(jax.jit, static_argnames=("estimator", "clip"))
+def estimate_and_grads(logp, ref, where=None, *, estimator="k3", clip=None):
+  def f(a, b):
+    out = kl_estimate(a, b, estimator=estimator, clip=clip, where=where)
+    return jnp.sum(out), out
+
+  (_, out), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(logp, ref)
+  return out, *grads
+
+
+def test_estimators_match_float64_formulas(x64, rng):
+  logp = np.log(rng.dirichlet(np.ones(8)))
+  ref = np.log(rng.dirichlet(np.ones(8)))
+  delta = logp - ref
+  expected = {
+      "k1": (delta, np.ones(8)),
+      "k2": (0.5 * delta**2, delta),
+      "k3": (np.exp(-delta) - 1 + delta, 1 - np.exp(-delta)),
+  }
+  for estimator, (value, d_logp) in expected.items():
+    out, g_logp, g_ref = estimate_and_grads(logp, ref, estimator=estimator)
+    np.testing.assert_allclose(out, value, rtol=1e-13, atol=1e-16)
+    np.testing.assert_allclose(g_logp, d_logp, rtol=1e-13, atol=1e-16)
+    np.testing.assert_allclose(g_ref, -d_logp, rtol=1e-13, atol=1e-16)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_k3_has_no_cancellation_near_zero(x64, dtype):
+  x = np.concatenate([-np.logspace(-12, 1.5, 40), [0.0], np.logspace(-12, 1.5, 40)])
+  exact = np.array([exact_exp_minus_one_minus(v) for v in x.astype(dtype)])
+  out = jax.jit(exp_minus_one_minus)(x.astype(dtype))
+  assert out.dtype == dtype
+  rtol = 4 * np.finfo(dtype).eps
+  np.testing.assert_allclose(np.asarray(out, np.float64), exact, rtol=rtol, atol=0)
+  # The naive expm1(x) - x loses these digits (so the test can fail).
+  naive = np.expm1(x.astype(dtype)) - x.astype(dtype)
+  assert np.max(np.abs(naive - exact) / np.maximum(exact, 1e-300)) > 1e3 * rtol
+  # Derivative e^x - 1, also accurate near 0.
+  grad = jax.jit(jax.vmap(jax.grad(exp_minus_one_minus)))(x.astype(dtype))
+  np.testing.assert_allclose(np.asarray(grad, np.float64), np.expm1(x.astype(dtype), dtype=np.float64),
+                             rtol=rtol, atol=np.finfo(dtype).tiny)
+
+
+def test_infinite_log_ratios():
+  out = exp_minus_one_minus(jnp.array([jnp.inf, -jnp.inf, 100.0, -100.0, jnp.nan]))
+  assert out[0] == jnp.inf and out[1] == jnp.inf and out[2] == jnp.inf
+  np.testing.assert_allclose(out[3], 99.0)
+  assert np.isnan(out[4])
+  # A sampled token the reference forbids: k3 is +inf, the true penalty.
+  assert kl_estimate(jnp.log(0.5), -jnp.inf) == jnp.inf
+
+
+def test_unbiased_estimators_average_to_the_kl(x64):
+  rng = np.random.default_rng(3)
+  pi = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+  pi_ref = np.array([0.3, 0.3, 0.2, 0.1, 0.1])
+  kl = np.sum(pi * np.log(pi / pi_ref))
+  tokens = rng.choice(5, size=200_000, p=pi)
+  logp, ref = np.log(pi)[tokens], np.log(pi_ref)[tokens]
+  for estimator in ("k1", "k3"):
+    samples = np.asarray(estimate_and_grads(logp, ref, estimator=estimator)[0])
+    stderr = samples.std() / np.sqrt(samples.size)
+    assert abs(samples.mean() - kl) < 4 * stderr, estimator
+  k3 = np.asarray(estimate_and_grads(logp, ref, estimator="k3")[0])
+  assert np.all(k3 >= 0)
+
+
+def test_clip_bounds_the_log_ratio(x64):
+  logp = np.log(np.array([0.9, 0.5, 0.01, 0.3]))
+  ref = np.log(np.array([0.1, 0.5, 0.5, 0.2]))
+  delta = logp - ref  # [2.197, 0, -3.91, 0.405]
+  for clip, (low, high) in [(1.0, (-1.0, 1.0)), ((-0.5, 2.0), (-0.5, 2.0))]:
+    out, g_logp, g_ref = estimate_and_grads(logp, ref, estimator="k3", clip=clip)
+    clipped = np.clip(delta, low, high)
+    np.testing.assert_allclose(out, np.exp(-clipped) - 1 + clipped, rtol=1e-13, atol=1e-16)
+    inside = (delta > low) & (delta < high)
+    np.testing.assert_allclose(g_logp, np.where(inside, 1 - np.exp(-delta), 0.0), atol=1e-16)
+    np.testing.assert_allclose(g_ref, -g_logp, atol=1e-16)
+
+
+def test_where_masks_tokens_with_garbage():
+  logp = jnp.array([[-0.5, -jnp.inf, -1.0], [-0.2, -0.3, jnp.nan]])
+  ref = jnp.array([[-0.7, -0.1, -jnp.inf], [-0.2, -0.9, 0.0]])
+  where = jnp.array([[True, False, False], [True, True, False]])
+  for estimator in ("k1", "k2", "k3"):
+    out, g_logp, g_ref = estimate_and_grads(logp, ref, where, estimator=estimator)
+    np.testing.assert_array_equal(out[~where], 0.0)
+    np.testing.assert_array_equal(g_logp[~where], 0.0)
+    np.testing.assert_array_equal(g_ref[~where], 0.0)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(g_logp))
+
+
+def test_broadcasting_dtype_and_vmap(rng):
+  logp = jnp.asarray(np.log(rng.uniform(0.1, 1, size=(3, 4))), jnp.bfloat16)
+  ref = jnp.asarray(np.log(rng.uniform(0.1, 1, size=(4,))), jnp.float32)
+  out = jax.jit(kl_estimate)(logp, ref)
+  assert out.shape == (3, 4) and out.dtype == jnp.float32
+  out16 = jax.jit(kl_estimate)(logp, ref.astype(jnp.bfloat16))
+  assert out16.dtype == jnp.bfloat16
+  np.testing.assert_allclose(jax.vmap(kl_estimate, in_axes=(0, None))(logp, ref), out,
+                             rtol=1e-6)
+
+
+def test_check_grads(x64, rng):
+  logp = np.log(rng.uniform(0.1, 1, size=5))
+  ref = np.log(rng.uniform(0.1, 1, size=5))
+  ref[0] = logp[0] + 1e-3  # the series branch
+
+  def f(a, b):
+    return sum(kl_estimate(a, b, estimator=e) for e in ("k1", "k2", "k3"))
+
+  check_grads(jax.jit(f), (logp, ref), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"estimator": "k4"}, ValueError, "estimator must be one of"),
+        ({"clip": (1.0, -1.0)}, ValueError, "low <= high"),
+        ({"clip": -1.0}, ValueError, "low <= high"),
+        ({"clip": (1.0,)}, ValueError, "pair"),
+        ({"where": np.ones((3,), np.bool_)}, ValueError, "where has shape"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    kl_estimate(jnp.zeros((2, 4)), jnp.zeros((2, 4)), **kwargs)
+
+
+def test_integer_inputs_raise():
+  with pytest.raises(TypeError, match="Integral inputs not supported"):
+    kl_estimate(jnp.zeros(3, jnp.int32), jnp.zeros(3))
