@@ -1,0 +1,224 @@
+"""Sharding benchmarks (issue 5): per-device memory of the vocabulary-parallel losses.
+
+``vocab_parallel_memory()`` compiles (without running) ``value_and_grad`` of
+``kl_div_from_logits`` and of ``fused_linear_kl_div`` twice: on one device,
+and inside ``jax.shard_map`` on 8 simulated CPU devices with the vocabulary
+split over the mesh axis ``"vocab"`` (``axis_name="vocab"``). It reports XLA's
+compiled memory analysis of both (temp, argument and output bytes) and the
+collectives of the sharded HLO (the issue-5 target: per-device temp at most
+0.2x the single-device program's, and no all-gather of a vocabulary-sized
+buffer).
+
+For an SPMD program, ``memory_analysis()`` describes the program one device
+runs: its argument bytes are those of one device's shards (logits and heads
+split 8 ways, hidden states whole; the table checks it, column ``per-dev``),
+so the figures are per device.
+
+The device count of the CPU backend is fixed when JAX starts, so this module
+sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` before it imports
+JAX; ``main`` re-runs itself in a subprocess when JAX was imported before
+(``benchmarks/run.py`` runs sections in one process).
+
+  python benchmarks/bench_sharding.py            # kl [4096, 32768]; fused N=2048 H=512 V=32768
+  python benchmarks/bench_sharding.py --quick    # kl [512, 8192]; fused N=512 H=128 V=8192
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+NUM_DEVICES = 8
+_FLAG = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
+if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+  sys.path.insert(0, str(HERE.parent))
+
+SHAPES = {
+  False: {"kl": (4096, 32768), "fused": (2048, 512, 32768)},
+  True: {"kl": (512, 8192), "fused": (512, 128, 8192)},
+}
+TARGET = 0.2
+_COLLECTIVE = re.compile(
+  r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|"
+  r"reduce-scatter|all-gather-start|all-reduce-start)\("
+)
+
+
+def _memory(compiled: Any) -> dict[str, int]:
+  stats = compiled.memory_analysis()
+  return {
+    "temp_bytes": int(stats.temp_size_in_bytes),
+    "argument_bytes": int(stats.argument_size_in_bytes),
+    "output_bytes": int(stats.output_size_in_bytes),
+  }
+
+
+def _collectives(hlo: str) -> list[list[str]]:
+  return [[m.group(2), m.group(1).strip()] for m in _COLLECTIVE.finditer(hlo)]
+
+
+def _last_dims(shape_text: str) -> set[int]:
+  """The last dimension of each array in an HLO result shape (a tuple has several)."""
+  return {int(s.split(",")[-1]) for s in re.findall(r"\[([\d,]*)\]", shape_text) if s}
+
+
+def _elements(shape_text: str) -> int:
+  """Elements of the largest array in an HLO result shape (a tuple has several)."""
+  shapes = re.findall(r"\[([\d,]*)\]", shape_text)
+  return max((int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes), default=0)
+
+
+def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
+  """Compiled per-device memory of the vocabulary-parallel losses vs one device.
+
+  Returns ``{"devices", "rows": [{"program", "shape", "single", "sharded",
+  "temp_ratio", "total_ratio", "per_device", "all_gathers",
+  "largest_collective", "vocab_sized_collective"}]}``, bytes in the
+  ``single``/``sharded`` dicts (``temp_bytes``, ``argument_bytes``,
+  ``output_bytes``). ``total_ratio`` compares argument + output + temp.
+  """
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import kldiv_jax as kd
+
+  if jax.device_count() < NUM_DEVICES:
+    raise RuntimeError(
+      f"vocab_parallel_memory needs {NUM_DEVICES} devices; JAX sees {jax.device_count()} "
+      f"(set XLA_FLAGS={_FLAG} before JAX starts)."
+    )
+  mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("vocab",))
+
+  def spec(shape, sharding=None):
+    s = None if sharding is None else NamedSharding(mesh, sharding)
+    return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=s)
+
+  def row(program, shape, single_fn, single_args, sharded_fn, sharded_args, vocab):
+    single = jax.jit(single_fn).lower(*single_args).compile()
+    sharded = jax.jit(sharded_fn).lower(*sharded_args).compile()
+    ms, mp = _memory(single), _memory(sharded)
+    collectives = _collectives(sharded.as_text())
+    local_vocab = vocab // NUM_DEVICES
+    total = lambda m: m["temp_bytes"] + m["argument_bytes"] + m["output_bytes"]  # noqa: E731
+    return {
+      "program": program,
+      "shape": shape,
+      "single": ms,
+      "sharded": mp,
+      "temp_ratio": mp["temp_bytes"] / max(ms["temp_bytes"], 1),
+      "total_ratio": total(mp) / max(total(ms), 1),
+      # memory_analysis describes one device's program: its arguments are the shards.
+      "per_device": mp["argument_bytes"] == sum(
+        int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in sharded_args
+      ),
+      "all_gathers": [c for c in collectives if "all-gather" in c[0]],
+      "largest_collective": max((c[1] for c in collectives), key=_elements, default=""),
+      # The class axis is the last one of the logits, of their per-row statistics
+      # ([rows, 1]) and of any slice of them a collective would carry.
+      "vocab_sized_collective": any(
+        _last_dims(c[1]) & {vocab, local_vocab} for c in collectives
+      ),
+    }
+
+  shapes = SHAPES[quick]
+  rows = []
+
+  n, v = shapes["kl"]
+
+  def kl(axis_name):
+    return lambda a, b: jnp.sum(kd.kl_div_from_logits(a, b, temperature=2.0, axis_name=axis_name))
+
+  sharded_kl = jax.shard_map(kl("vocab"), mesh=mesh, in_specs=P(None, "vocab"), out_specs=P())
+  rows.append(row(
+    "kl_div_from_logits value_and_grad", f"[{n}, {v}]",
+    jax.value_and_grad(kl(None)), (spec((n, v)), spec((n, v))),
+    jax.value_and_grad(sharded_kl), (spec((n, v), P(None, "vocab")),) * 2, v,
+  ))
+
+  n, h, v = shapes["fused"]
+
+  def fused(axis_name):
+    return lambda a, w, ta, tw: kd.fused_linear_kl_div(
+      a, w, ta, tw, temperature=2.0, axis_name=axis_name
+    )
+
+  in_specs = (P(), P(None, "vocab"), P(), P(None, "vocab"))
+  sharded_fused = jax.shard_map(fused("vocab"), mesh=mesh, in_specs=in_specs, out_specs=P())
+  arg_shapes = [(n, h), (h, v), (n, h), (h, v)]
+  rows.append(row(
+    "fused_linear_kl_div value_and_grad (hidden, weight)", f"N={n} H={h} V={v}",
+    jax.value_and_grad(fused(None), argnums=(0, 1)), [spec(s) for s in arg_shapes],
+    jax.value_and_grad(sharded_fused, argnums=(0, 1)),
+    [spec(s, p) for s, p in zip(arg_shapes, in_specs)], v,
+  ))
+  return {"devices": NUM_DEVICES, "target_temp_ratio": TARGET, "rows": rows}
+
+
+def _mib(n: int) -> str:
+  return f"{n / 2**20:8.2f}"
+
+
+def print_table(result: dict[str, Any]) -> None:
+  print(f"vocabulary-parallel memory, {result['devices']} simulated CPU devices, float32, "
+        "compiled (not run); MiB per device")
+  head = (f"{'program':52} {'shape':22} {'temp 1':>8} {'temp 8':>8} {'ratio':>6} "
+          f"{'arg+out+temp 1':>15} {'... 8':>8} {'ratio':>6} {'per-dev':>7} {'gather':>6}")
+  print(head)
+  print("-" * len(head))
+  for r in result["rows"]:
+    s, p = r["single"], r["sharded"]
+    tot = lambda m: m["temp_bytes"] + m["argument_bytes"] + m["output_bytes"]  # noqa: E731
+    print(f"{r['program']:52} {r['shape']:22} {_mib(s['temp_bytes'])} {_mib(p['temp_bytes'])} "
+          f"{r['temp_ratio']:6.3f} {_mib(tot(s)):>15} {_mib(tot(p))} {r['total_ratio']:6.3f} "
+          f"{'yes' if r['per_device'] else 'NO':>7} {len(r['all_gathers']):6d}")
+  for r in result["rows"]:
+    ok = r["temp_ratio"] <= result["target_temp_ratio"] and not r["all_gathers"] and not r[
+      "vocab_sized_collective"]
+    print(f"  {'PASS' if ok else 'FAIL'} {r['program']}: temp {r['temp_ratio']:.3f}x "
+          f"(target <= {result['target_temp_ratio']}x), {len(r['all_gathers'])} all-gathers, "
+          f"largest collective {r['largest_collective']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help="smaller shapes")
+  p.add_argument("--out", type=Path, default=None, help="directory for sharding.json")
+  p.add_argument("--repeats", type=int, default=None, help="ignored (nothing is timed)")
+  args = p.parse_args(sys.argv[1:] if argv is None else argv)
+  import jax
+
+  if jax.device_count() < NUM_DEVICES:  # JAX started before this module set XLA_FLAGS
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FLAG}".strip()
+    cmd = [sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])]
+    return subprocess.run(cmd, env=env, check=False).returncode
+  result = vocab_parallel_memory(quick=args.quick)
+  print_table(result)
+  if args.out is not None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "sharding.json"
+    path.write_text(json.dumps({"vocab_parallel_memory": result}, indent=2))
+    print(f"sharding: wrote {path}")
+  ok = all(
+    r["temp_ratio"] <= TARGET and not r["all_gathers"] and not r["vocab_sized_collective"]
+    for r in result["rows"]
+  )
+  return 0 if ok else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
