@@ -8,9 +8,12 @@ from kldiv_jax._checks import check_choice, promote_and_broadcast, split_where
 
 ESTIMATORS = ("k1", "k2", "k3")
 
-# Taylor coefficients 1/n! of e^x - 1 - x, n = 2..19, highest first: for
-# |x| < 1 the remainder is below float64 rounding (2/20! < 1e-18).
-_SERIES = tuple(1.0 / float(np.prod(np.arange(1, n + 1))) for n in range(19, 1, -1))
+# Taylor coefficients 1/n! of e^x - 1 - x, highest first, to the degree whose
+# remainder for |x| < 1 is below the dtype's rounding (2/(n+1)! < eps / 4).
+_SERIES = {
+  degree: tuple(1.0 / float(np.prod(np.arange(1, n + 1))) for n in range(degree, 1, -1))
+  for degree in (11, 19)
+}
 
 
 def exp_minus_one_minus(x: jax.Array) -> jax.Array:
@@ -18,13 +21,13 @@ def exp_minus_one_minus(x: jax.Array) -> jax.Array:
 
   ``expm1(x) - x`` loses relative precision where ``|x| < 1`` (about
   ``2 eps / |x|``: the result is near ``x**2 / 2``); there a Taylor
-  polynomial to ``x**19`` is used instead, accurate to a few ulps in float32
-  and float64 alike.
+  polynomial (to ``x**11`` in float32, ``x**19`` in float64) is used
+  instead, accurate to a few ulps.
   """
   small = jnp.abs(x) < 1.0
   xs = jnp.where(small, x, 0.0)
   series = jnp.zeros_like(xs)
-  for c in _SERIES:
+  for c in _SERIES[11 if jnp.finfo(x.dtype).bits <= 32 else 19]:
     series = series * xs + c
   series = series * xs * xs
   big = jnp.where(small | (x == jnp.inf), 1.0, x)
