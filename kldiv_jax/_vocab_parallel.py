@@ -70,9 +70,13 @@ def _map_blocks(fn, arrays, axis_name):
 
 
 def _global_max(local: jax.Array, axis_name: str) -> jax.Array:
-  """``pmax`` of local row maxes; 0 where the row has no finite max; no gradient."""
-  m = lax.pmax(local, axis_name)
-  return lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  """``pmax`` of local row maxes; 0 where the row has no finite max; no gradient.
+
+  The gradient is stopped before the ``pmax``, which has no derivative rule
+  (second derivatives differentiate the kernels' rules, which call this).
+  """
+  m = lax.pmax(lax.stop_gradient(local), axis_name)
+  return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
 def _maxes(temperature, masks, axis_name, z, y=None):

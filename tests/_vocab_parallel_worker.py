@@ -15,17 +15,17 @@ collectives. Prints one JSON object as the last line of stdout:
 
 ``{"devices": 8, "results": [{"case", "mesh", "value_err", "grad_errs",
 "nonfinite_match", "collectives", "message"}, ...], "controls": [...],
-"memory": [...]}``
+"second_order": [...], "memory": [...]}``
 
 Errors are ``max |sharded - unsharded| / (atol + rtol |unsharded|)`` over
 finite entries (``<= 1`` passes), with ``atol = 1e-6``, ``rtol = 1e-5``;
 ``nonfinite_match`` says whether the infinities and NaNs sit at the same
 places with the same values. ``collectives`` lists ``[op, result shape]`` for
 every collective in the compiled program. ``controls`` are negative controls
-(a loss called without ``axis_name`` on a shard, which must differ), and
-(and a program that all-gathers the vocabulary, whose collectives the HLO
-check must catch), and ``memory`` the compiled per-device temp bytes of two
-moderate programs.
+(a loss called without ``axis_name`` on a shard, which must differ, and a
+program that all-gathers the vocabulary, whose collectives the HLO check must
+catch); ``second_order`` compares Hessians and JVPs wrt the student's logits;
+``memory`` gives the compiled per-device temp bytes of two moderate programs.
 
 Importing this module has no side effects.
 """
@@ -323,6 +323,45 @@ def negative_controls(jax, jnp, np, kd):
   return out
 
 
+def second_order(jax, jnp, np, kd):
+  """Hessians wrt the student's logits and a JVP, sharded vs unsharded (the (8,) mesh)."""
+  x = _inputs(np)
+  s = np.where(np.isfinite(x["s"]), x["s"], -3.0)[:2, :16].astype(np.float32)
+  t = x["t"][:2, :16].astype(np.float32)  # -inf teacher classes in row 1
+  labels = np.array([3, 14], np.int32)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("vocab",))
+  losses = {
+    "kl[reverse,T=1.5]": lambda a, b, y, axis_name=None: jnp.sum(
+      kd.kl_div_from_logits(a, b, temperature=1.5, direction="reverse", axis_name=axis_name)
+    ),
+    "jsd[beta=0.3]": lambda a, b, y, axis_name=None: jnp.sum(
+      kd.generalized_jsd(a, b, beta=0.3, axis_name=axis_name)
+    ),
+    "distill[forward_kl,labels]": lambda a, b, y, axis_name=None: kd.distillation_loss(
+      a, b, y, temperature=2.0, axis_name=axis_name
+    ),
+  }
+  tangent = np.random.default_rng(3).normal(size=s.shape).astype(np.float32)
+  out = []
+  for name, loss in losses.items():
+    sharded = jax.shard_map(
+      lambda a, b, y, loss=loss: loss(a, b, y, axis_name="vocab"), mesh=mesh,
+      in_specs=(jax_p(None, "vocab"), jax_p(None, "vocab"), jax_p()), out_specs=jax_p(),
+    )
+
+    def both(fn):
+      def run(a, b, y, v):
+        hess = jax.hessian(fn)(a, b, y)
+        return hess, jax.jvp(lambda a: fn(a, b, y), (a,), (v,))[1]
+
+      return jax.jit(run)(s, t, labels, tangent)
+
+    (h_ref, j_ref), (h, j) = both(loss), both(sharded)
+    out.append({"loss": name, "hessian_err": _compare(np, h, h_ref)[0],
+                "jvp_err": _compare(np, j, j_ref)[0]})
+  return out
+
+
 def memory(jax, jnp, np, kd):
   """Per-device compiled temp bytes, vocabulary-parallel over 8 devices vs one device."""
   from jax.sharding import NamedSharding
@@ -388,7 +427,8 @@ def main() -> int:
         traceback.print_exc()
         results.append({"case": name, "mesh": mesh_name, "message": f"{type(err).__name__}: {err}"})
   payload = {"devices": jax.device_count(), "results": results}
-  for key, fn in (("controls", negative_controls), ("memory", memory)):
+  for key, fn in (("controls", negative_controls), ("second_order", second_order),
+                  ("memory", memory)):
     try:
       payload[key] = fn(jax, jnp, np, kd)
     except Exception as err:  # reported, and failed, by the test

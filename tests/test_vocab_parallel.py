@@ -105,6 +105,16 @@ def test_negative_controls(report):
   assert any(worker.VOCAB in {int(d) for d in _dims(res)} for res in gathers), by_axis["all_gather"]
 
 
+def test_second_order(report):
+  """jax.hessian and jax.jvp through the sharded kernels equal the unsharded ones."""
+  assert isinstance(report["second_order"], list), report["second_order"]
+  assert {r["loss"] for r in report["second_order"]} == {
+    "kl[reverse,T=1.5]", "jsd[beta=0.3]", "distill[forward_kl,labels]"
+  }
+  for r in report["second_order"]:
+    assert r["hessian_err"] <= 1.0 and r["jvp_err"] <= 1.0, r
+
+
 def test_per_device_temp_memory(report):
   """Compiled per-device temp bytes, 8-way vocabulary parallel vs one device: at most 0.2x."""
   assert isinstance(report["memory"], list), report["memory"]
