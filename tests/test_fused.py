@@ -1,0 +1,409 @@
+"""Tests for ``fused_linear_kl_div``: chunked == materialised, in value and gradients.
+
+The reference materialises the logits and calls ``distillation_loss`` (no
+labels) on ``hidden @ weight + bias`` and the stopped teacher logits; a float64
+NumPy port of the divergences and finite differences (``check_grads``) check
+the fused function independently of the library's kernels.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from kldiv_jax import distillation_loss, fused_linear_kl_div
+
+F32 = {"rtol": 1e-5, "atol": 1e-6}
+# bf16 inputs, float32 accumulation: the value and the gradients are rounded to
+# bf16 once at the end (relative step 2**-8), against a float32 reference on
+# the same (bf16-rounded) inputs. atol covers elements near zero.
+BF16 = {"rtol": 1.6e-2, "atol": 1e-3}
+
+DIVERGENCES = [
+  pytest.param({"divergence": "forward_kl"}, id="forward_kl"),
+  pytest.param({"divergence": "reverse_kl"}, id="reverse_kl"),
+  pytest.param({"divergence": "jsd", "beta": 0.0}, id="jsd0"),
+  pytest.param({"divergence": "jsd", "beta": 0.3}, id="jsd0.3"),
+  pytest.param({"divergence": "jsd", "beta": 1.0}, id="jsd1"),
+]
+# Fewer cases where a whole divergence x option grid would only add compile time.
+SOME_DIVERGENCES = [DIVERGENCES[0], DIVERGENCES[3]]
+
+
+def make(rng, tokens=(13,), hidden=8, teacher_hidden=None, vocab=37, bias=True, scale=1.5):
+  """Student params ``{h, w, b}`` and teacher ``{th, tw, tb}`` as float32 NumPy arrays."""
+  teacher_hidden = hidden if teacher_hidden is None else teacher_hidden
+  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)  # noqa: E731
+  student = {
+    "h": normal(*tokens, hidden),
+    "w": normal(hidden, vocab) * np.float32(scale / np.sqrt(hidden)),
+    "b": normal(vocab) * np.float32(0.5) if bias else None,
+  }
+  teacher = {
+    "th": normal(*tokens, teacher_hidden),
+    "tw": normal(teacher_hidden, vocab) * np.float32(scale / np.sqrt(teacher_hidden)),
+    "tb": normal(vocab) * np.float32(0.5) if bias else None,
+  }
+  return student, teacher
+
+
+def _logits(h, w, b):
+  z = jnp.matmul(h, w, precision=jax.lax.Precision.HIGHEST)
+  return z if b is None else z + jnp.reshape(b, (1,) * (z.ndim - 1) + (-1,))
+
+
+def materialised(student, teacher, **kw):
+  z = _logits(student["h"], student["w"], student["b"])
+  y = jax.lax.stop_gradient(_logits(teacher["th"], teacher["tw"], teacher["tb"]))
+  return distillation_loss(z, y, **kw)
+
+
+def fused(student, teacher, **kw):
+  return fused_linear_kl_div(
+    student["h"], student["w"], teacher["th"], teacher["tw"],
+    bias=student["b"], target_bias=teacher["tb"], **kw,
+  )
+
+
+@functools.cache
+def value_and_grads(fn, static):
+  """Jitted ``(loss, (student grads, teacher grads))`` of ``fn`` with options ``static``.
+
+  ``static`` is a sorted tuple of items; the jitted function takes the array
+  options (``where``) as a third argument.
+  """
+  loss = lambda s, t, arrays: fn(s, t, **dict(static), **arrays)  # noqa: E731
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def run(fn, student, teacher, **kw):
+  """``value_and_grads`` of ``fn``; equal options share one compilation per shape."""
+  arrays = {k: v for k, v in kw.items() if isinstance(v, np.ndarray)}
+  static = {"divergence": "forward_kl", **{k: v for k, v in kw.items() if k not in arrays}}
+  return value_and_grads(fn, tuple(sorted(static.items())))(student, teacher, arrays)
+
+
+def assert_tree_close(actual, expected, **tol):
+  leaves_a, tree_a = jax.tree.flatten(actual)
+  leaves_e, tree_e = jax.tree.flatten(expected)
+  assert tree_a == tree_e
+  for a, e in zip(leaves_a, leaves_e, strict=True):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(e, np.float32), **tol)
+
+
+def assert_fused_matches(student, teacher, tol=F32, **kw):
+  chunk_size = kw.pop("chunk_size", None)
+  value, (grads, teacher_grads) = run(fused, student, teacher, chunk_size=chunk_size, **kw)
+  ref_value, (ref_grads, _) = run(materialised, student, teacher, **kw)
+  assert np.isfinite(float(value))
+  assert_tree_close(value, ref_value, **tol)
+  assert_tree_close(grads, ref_grads, **tol)
+  for key, g in teacher_grads.items():  # the teacher gets zero gradients
+    if teacher[key] is not None:
+      assert g.shape == np.shape(teacher[key])
+      np.testing.assert_array_equal(g, 0.0)
+  return value, grads
+
+
+def _log_softmax(x):
+  m = np.max(x, axis=-1, keepdims=True)
+  return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def numpy_reference(student, teacher, temperature=1.0, divergence="forward_kl", beta=0.5,
+                    scale_by_temperature_squared=True, where=None):
+  """The fused loss in float64 NumPy from the materialised logits."""
+  f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
+  z = f64(student["h"]) @ f64(student["w"])
+  y = f64(teacher["th"]) @ f64(teacher["tw"])
+  z = z if student["b"] is None else z + f64(student["b"])
+  y = y if teacher["tb"] is None else y + f64(teacher["tb"])
+  log_q, log_p = _log_softmax(z / temperature), _log_softmax(y / temperature)
+  p, q = np.exp(log_p), np.exp(log_q)
+  kl = lambda a, log_a, log_b: np.sum(a * (log_a - log_b), axis=-1)  # noqa: E731
+  if divergence == "forward_kl" or (divergence == "jsd" and beta == 0):
+    per_token = kl(p, log_p, log_q)
+  elif divergence == "reverse_kl" or beta == 1:
+    per_token = kl(q, log_q, log_p)
+  else:
+    log_m = np.log(beta * p + (1 - beta) * q)
+    per_token = beta * kl(p, log_p, log_m) + (1 - beta) * kl(q, log_q, log_m)
+  if scale_by_temperature_squared:
+    per_token = per_token * temperature**2
+  where = np.ones(per_token.shape, bool) if where is None else where
+  return np.sum(per_token[where]) / max(where.sum(), 1)
+
+
+# Values and gradients against the materialised loss. Most tests share the
+# options below (and the shapes of ``make``) so that they share compilations.
+
+OPTIONS = {"chunk_size": 4, "temperature": 2.0}  # 13 tokens: an uneven last chunk
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_matches_materialised(rng, divergence):
+  student, teacher = make(rng)
+  value, grads = assert_fused_matches(student, teacher, **OPTIONS, **divergence)
+  assert value.dtype == jnp.float32
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+  np.testing.assert_allclose(value, numpy_reference(student, teacher, 2.0, **divergence), rtol=2e-6)
+
+
+@pytest.mark.parametrize(
+  "options",
+  [
+    pytest.param({"divergence": "forward_kl"}, id="forward_kl-T1"),
+    pytest.param({"divergence": "jsd", "beta": 0.3, "temperature": 3.0,
+                  "scale_by_temperature_squared": False}, id="jsd0.3-T3_unscaled"),
+  ],
+)
+def test_temperature_options(rng, options):
+  student, teacher = make(rng)
+  assert_fused_matches(student, teacher, chunk_size=4, **options)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 100, None])
+def test_chunk_sizes(rng, chunk_size):
+  # 13 tokens: an uneven last chunk (5), larger than N (100), the default (one chunk here).
+  student, teacher = make(rng)
+  assert_fused_matches(student, teacher, chunk_size=chunk_size, divergence="jsd", beta=0.3)
+
+
+def test_token_mask(rng):
+  student, teacher = make(rng)
+  where = rng.random(13) < 0.6
+  assert 0 < where.sum() < 13
+  kw = {"divergence": "jsd", "beta": 0.3}
+  value, _ = assert_fused_matches(student, teacher, where=where, **OPTIONS, **kw)
+  np.testing.assert_allclose(value, numpy_reference(student, teacher, 2.0, where=where, **kw),
+                             rtol=2e-6)
+
+
+def test_token_mask_equals_dropping_tokens(rng):
+  student, teacher = make(rng)
+  where = rng.random(13) < 0.5
+  value, (grads, _) = run(fused, student, teacher, where=where, **OPTIONS)
+  kept_s = {**student, "h": student["h"][where]}
+  kept_t = {**teacher, "th": teacher["th"][where]}
+  kept_value, (kept_grads, _) = run(fused, kept_s, kept_t, **OPTIONS)
+  np.testing.assert_allclose(value, kept_value, **F32)
+  np.testing.assert_allclose(grads["w"], kept_grads["w"], **F32)
+  np.testing.assert_allclose(grads["b"], kept_grads["b"], **F32)
+  np.testing.assert_allclose(grads["h"][where], kept_grads["h"], **F32)
+  np.testing.assert_array_equal(grads["h"][~where], 0.0)
+
+
+def test_all_tokens_masked_gives_zero(rng):
+  student, teacher = make(rng)
+  value, (grads, _) = run(fused, student, teacher, where=np.zeros(13, bool), **OPTIONS)
+  assert float(value) == 0.0
+  for g in jax.tree.leaves(grads):
+    np.testing.assert_array_equal(g, 0.0)
+
+
+def test_normalizer(rng):
+  student, teacher = make(rng)
+  mask = rng.random(13) < 0.7
+  assert_fused_matches(student, teacher, normalizer=40.0, where=mask, **OPTIONS)
+
+
+def test_normalizer_gradient_accumulation(rng):
+  # Two micro-batches of 6 tokens with the global token count as normalizer sum
+  # to the full batch of 12 (13 tokens, the last one masked out).
+  student, teacher = make(rng)
+  where = np.arange(13) < 12
+  full, (full_grads, _) = run(fused, student, teacher, where=where, **OPTIONS)
+  total, grads = 0.0, None
+  for part in (slice(0, 6), slice(6, 12)):
+    s = {**student, "h": student["h"][part]}
+    t = {**teacher, "th": teacher["th"][part]}
+    value, (g, _) = run(fused, s, t, normalizer=12.0, **OPTIONS)
+    total += float(value)
+    grads = g if grads is None else {k: jnp.concatenate([grads[k], g[k]]) if k == "h"
+                                     else grads[k] + g[k] for k in g}
+  np.testing.assert_allclose(total, full, **F32)
+  full_grads["h"] = full_grads["h"][:12]
+  assert_tree_close(grads, full_grads, **F32)
+
+
+def test_traced_normalizer_temperature_and_beta(rng):
+  student, teacher = make(rng)
+  traced = jax.jit(jax.value_and_grad(
+    lambda s, t, temperature, beta, normalizer: fused(
+      s, t, chunk_size=4, temperature=temperature, beta=beta, normalizer=normalizer,
+      divergence="jsd",
+    )
+  ))
+  for beta in (0.0, 0.3, 1.0):
+    # normalizer = the number of tokens: the static options' mean.
+    value, grads = traced(student, teacher, 2.0, beta, 13.0)
+    ref, (ref_grads, _) = run(materialised, student, teacher, temperature=2.0, divergence="jsd",
+                              beta=beta)
+    np.testing.assert_allclose(value, ref, **F32)
+    assert_tree_close(grads, ref_grads, **F32)
+
+
+def test_multidim_tokens(rng):
+  student, teacher = make(rng, tokens=(3, 5))
+  where = rng.random((3, 5)) < 0.7
+  _, grads = assert_fused_matches(student, teacher, where=where, **OPTIONS)
+  assert grads["h"].shape == (3, 5, 8)
+
+
+def test_teacher_with_other_hidden_size_and_no_bias(rng):
+  student, teacher = make(rng, hidden=6, teacher_hidden=11, bias=False)
+  assert_fused_matches(student, teacher, divergence="reverse_kl", **OPTIONS)
+
+
+def test_bias_on_the_teacher_only(rng):
+  student, teacher = make(rng)
+  assert_fused_matches({**student, "b": None}, teacher, **OPTIONS)
+
+
+def test_masked_vocabulary_through_bias(rng):
+  # A -inf bias entry removes a token from both vocabularies.
+  student, teacher = make(rng)
+  student["b"][[3, 20]] = -np.inf
+  teacher["tb"][[3, 20]] = -np.inf
+  _, grads = assert_fused_matches(student, teacher, **OPTIONS)
+  np.testing.assert_array_equal(grads["w"][:, [3, 20]], 0.0)
+
+
+def test_jit_does_not_retrace(rng):
+  traces = []
+
+  @jax.jit
+  def loss(student, teacher):
+    traces.append(1)
+    return fused(student, teacher, **OPTIONS)
+
+  for _ in range(3):
+    student, teacher = make(rng)
+    np.testing.assert_allclose(loss(student, teacher), run(fused, student, teacher, **OPTIONS)[0],
+                               **F32)
+  assert len(traces) == 1
+
+
+def test_zero_tokens(rng):
+  student, teacher = make(rng, tokens=(0,))
+  value, (grads, _) = run(fused, student, teacher)
+  assert float(value) == 0.0
+  assert grads["h"].shape == (0, 8)
+  np.testing.assert_array_equal(grads["w"], 0.0)
+
+
+# float64: finite differences.
+
+
+@pytest.mark.parametrize("divergence", SOME_DIVERGENCES)
+def test_float64_and_finite_differences(x64, rng, divergence):
+  student, teacher = make(rng, tokens=(5,), hidden=3, teacher_hidden=4, vocab=6)
+  student = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), student)
+  teacher = jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), teacher)
+  kw = {"temperature": 1.5, **divergence}
+  loss = jax.jit(lambda s: fused(s, teacher, chunk_size=2, **kw))
+  value = loss(student)
+  assert value.dtype == jnp.float64
+  np.testing.assert_allclose(value, numpy_reference(student, teacher, **kw), rtol=1e-12)
+  check_grads(loss, (student,), order=1, modes=("rev",))
+
+
+# bf16.
+
+
+@pytest.mark.parametrize("divergence", SOME_DIVERGENCES)
+def test_bf16_against_float32_reference(rng, divergence):
+  student, teacher = make(rng, tokens=(2, 7), vocab=40)
+  bf16 = lambda a: None if a is None else jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+  student16, teacher16 = jax.tree.map(bf16, student), jax.tree.map(bf16, teacher)
+  up = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+  kw = {"temperature": 2.0, **divergence}
+  value, (grads, teacher_grads) = run(fused, student16, teacher16, chunk_size=4, **kw)
+  ref, (ref_grads, _) = run(materialised, jax.tree.map(up, student16),
+                            jax.tree.map(up, teacher16), **kw)
+  assert value.dtype == jnp.bfloat16
+  assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves((grads, teacher_grads)))
+  np.testing.assert_allclose(np.float32(value), ref, **BF16)
+  for key in grads:
+    g, r = np.asarray(grads[key], np.float32), np.asarray(ref_grads[key])
+    np.testing.assert_allclose(g, r, rtol=BF16["rtol"], atol=BF16["atol"] * np.abs(r).max())
+
+
+# Bad input.
+
+
+def _bad_call(student, teacher, **kw):
+  return fused(student, teacher, **kw)
+
+
+@pytest.mark.parametrize(
+  "change, error, match",
+  [
+    ({"w": np.zeros((9, 37), np.float32)}, ValueError, "disagree on H"),
+    ({"w": np.zeros((8, 37, 1), np.float32)}, ValueError, r"\[hidden, vocab\]"),
+    ({"b": np.zeros(36, np.float32)}, ValueError, "bias must have shape"),
+    ({"th": np.zeros((12, 8), np.float32)}, ValueError, "same tokens"),
+    ({"tw": np.zeros((8, 36), np.float32), "tb": None}, ValueError, "same vocabulary size"),
+    ({"tb": np.zeros((1, 37), np.float32)}, ValueError, "bias must have shape"),
+    ({"h": np.zeros((13, 8), np.int32)}, TypeError, "Integral inputs"),
+  ],
+)
+def test_bad_shapes_and_dtypes(rng, change, error, match):
+  student, teacher = make(rng)
+  student = {**student, **{k: v for k, v in change.items() if k in student}}
+  teacher = {**teacher, **{k: v for k, v in change.items() if k in teacher}}
+  with pytest.raises(error, match=match):
+    _bad_call(student, teacher)
+
+
+@pytest.mark.parametrize(
+  "kw, error, match",
+  [
+    ({"divergence": "kl"}, ValueError, "divergence"),
+    ({"divergence": "jsd", "beta": 1.5}, ValueError, "beta"),
+    ({"temperature": 0.0}, ValueError, "temperature"),
+    ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ({"chunk_size": 2.5}, ValueError, "chunk_size"),
+    ({"chunk_size": True}, ValueError, "chunk_size"),
+    ({"where": np.ones(13, np.int32)}, TypeError, "boolean"),
+    ({"where": np.ones((13, 37), bool)}, ValueError, "token mask of shape"),
+    ({"where": np.ones(12, bool)}, ValueError, "token mask of shape"),
+    ({"normalizer": np.ones(2)}, ValueError, "normalizer"),
+    ({"normalizer": 0.0}, ValueError, "normalizer"),
+    ({"normalizer": -3}, ValueError, "normalizer"),
+  ],
+)
+def test_bad_options(rng, kw, error, match):
+  student, teacher = make(rng)
+  with pytest.raises(error, match=match):
+    _bad_call(student, teacher, **kw)
+
+
+# Memory: no [N, V] buffer in the fused computation.
+
+
+def test_no_full_logits_buffer_in_compiled_memory():
+  n, h, v = 4096, 64, 16384
+  full_logits = n * v * 4
+  shapes = {
+    "h": jax.ShapeDtypeStruct((n, h), jnp.float32),
+    "w": jax.ShapeDtypeStruct((h, v), jnp.float32),
+    "b": None,
+  }
+  teacher = {
+    "th": jax.ShapeDtypeStruct((n, h), jnp.float32),
+    "tw": jax.ShapeDtypeStruct((h, v), jnp.float32),
+    "tb": None,
+  }
+
+  def temp_bytes(fn):
+    compiled = jax.jit(jax.value_and_grad(fn)).lower(shapes, teacher).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  fused_bytes = temp_bytes(fused)
+  materialised_bytes = temp_bytes(materialised)
+  assert materialised_bytes > full_logits, materialised_bytes
+  assert fused_bytes < 0.25 * full_logits, (fused_bytes, full_logits)
