@@ -6,6 +6,8 @@ run with torch autograd in float64; the JSD is TRL's formula.
 """
 
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -254,3 +256,16 @@ def test_bad_shapes_and_dtypes():
     distillation_loss(jnp.zeros((2, 5)), jnp.zeros((2, 4)))
   with pytest.raises(TypeError, match="Integral inputs not supported"):
     distillation_loss(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 5)))
+
+
+def readme_snippet(heading: str) -> str:
+  """The first Python block of a README section (the README's snippets must run)."""
+  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
+
+
+def test_readme_snippet_runs():
+  ns: dict = {}
+  exec(readme_snippet("## Knowledge distillation from logits"), ns)
+  assert np.isfinite(ns["hinton"]) and ns["grad"].shape == (4, 16, 1000)
+  assert ns["per_token"].shape == (4, 16) and 0 < ns["gkd"] < np.log(2)

@@ -1,6 +1,8 @@
 """gaussian_kl: against torch.distributions, the VAE formula and exact decimals."""
 
 import decimal
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -109,3 +111,15 @@ def test_bad_input():
     gaussian_kl(jnp.zeros((2, 3)), jnp.zeros((3, 2)))
   with pytest.raises(ValueError, match="where has shape"):
     gaussian_kl(jnp.zeros((2, 3)), jnp.zeros((2, 3)), where=jnp.ones((4,), bool))
+
+
+def readme_snippet(heading: str) -> str:
+  """The first Python block of a README section (the README's snippets must run)."""
+  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
+
+
+def test_readme_snippet_runs():
+  ns: dict = {}
+  exec(readme_snippet("## VAE: the KL term of the ELBO"), ns)
+  assert np.isfinite(ns["loss"]) and ns["grads"]["enc"].shape == (10, 4)

@@ -2,6 +2,8 @@
 
 import decimal
 import functools
+import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -153,3 +155,16 @@ def test_bad_input(kwargs, error, match):
 def test_integer_inputs_raise():
   with pytest.raises(TypeError, match="Integral inputs not supported"):
     kl_estimate(jnp.zeros(3, jnp.int32), jnp.zeros(3))
+
+
+def readme_snippet(heading: str) -> str:
+  """The first Python block of a README section (the README's snippets must run)."""
+  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+  return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
+
+
+def test_readme_snippet_runs():
+  ns: dict = {}
+  exec(readme_snippet("## RL: KL penalty against a reference policy"), ns)
+  # The k3 estimate is close to the exact KL it estimates.
+  np.testing.assert_allclose(ns["estimate"], ns["exact"], rtol=0.3)
