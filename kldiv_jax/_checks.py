@@ -124,3 +124,37 @@ def check_choice(name: str, option: str, value: object, choices: Sequence[str]) 
   if not isinstance(value, str) or value not in choices:
     allowed = ", ".join(repr(c) for c in choices)
     raise ValueError(f"{name}: {option} must be one of {allowed}; got {value!r}.")
+
+
+def _is_static(value: object) -> bool:
+  return isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool)
+
+
+def check_temperature(name: str, temperature: object) -> tuple[float | jax.Array, bool]:
+  """Returns ``(temperature, is_static)``; a static one must be positive."""
+  if _is_static(temperature):
+    value = np.asarray(temperature)
+    if value.ndim != 0 or not np.issubdtype(value.dtype, np.number):
+      raise ValueError(f"{name}: temperature must be a scalar; got {temperature!r}.")
+    if not float(value) > 0 or not np.isfinite(float(value)):
+      raise ValueError(f"{name}: temperature must be positive and finite; got {temperature!r}.")
+    return float(value), True
+  value = jnp.asarray(temperature)
+  if value.ndim != 0:
+    raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
+  if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
+    raise TypeError(f"{name}: temperature must be a real number; got dtype {value.dtype}.")
+  return value, False
+
+
+def check_unit_interval(name: str, option: str, value: object) -> tuple[float | jax.Array, bool]:
+  """Returns ``(value, is_static)``; a static one must lie in ``[0, 1]``."""
+  if _is_static(value):
+    arr = np.asarray(value)
+    if arr.ndim != 0 or not 0.0 <= float(arr) <= 1.0:
+      raise ValueError(f"{name}: {option} must be a number in [0, 1]; got {value!r}.")
+    return float(arr), True
+  arr = jnp.asarray(value)
+  if arr.ndim != 0:
+    raise ValueError(f"{name}: {option} must be a scalar; got shape {arr.shape}.")
+  return arr, False

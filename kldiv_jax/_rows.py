@@ -1,0 +1,181 @@
+"""Rows of logits: layout as ``[rows, classes]`` and blocked per-row statistics.
+
+The machinery shared by the logits kernels (``_logits``, ``_distill`` and the
+vocabulary-parallel ones): validation and layout of a pair of logits with
+their masks (:func:`prepare`), temperature scaling with ``-inf`` and masked
+classes (:func:`scaled`), ``stop_gradient``-max row statistics
+(:func:`row_stats`, :func:`normalizer`), and :func:`map_rows`, which on CPU
+computes per-row statistics over blocks of rows: XLA's CPU reductions do not
+fuse an ``exp`` producer, and materialising full-size temporaries costs more
+than the arithmetic.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from kldiv_jax._checks import (
+  Axis,
+  broadcast_shapes,
+  check_float,
+  compute_dtype,
+  normalize_axis,
+  split_where,
+)
+
+# Elements per block of rows for the CPU row statistics (512 KiB of float32).
+_BLOCK_ELEMENTS = 1 << 17
+
+
+def is_zero(tangent: object) -> bool:
+  """Whether a ``symbolic_zeros`` tangent is a symbolic zero."""
+  return isinstance(tangent, SymbolicZero)
+
+
+def map_rows(fn, arrays, num_rows, num_classes=None):
+  """``fn(*arrays)`` for per-row statistics, over blocks of rows on CPU.
+
+  ``arrays`` have rows on axis 0 (``num_rows`` of them, or 1 to broadcast);
+  ``fn`` returns a tuple of ``[rows, 1]`` arrays. Off CPU, or when one block
+  holds every row, ``fn`` runs once. The last block is shifted back to end
+  at the last row (it recomputes a few rows rather than padding a copy).
+  ``num_classes`` sets the rows per block (default: the arrays' class axis;
+  the vocabulary-parallel kernels pass the global one, so that a device's
+  blocks shrink with its slice of the classes).
+  """
+  if num_classes is None:
+    num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
+  block = max(1, _BLOCK_ELEMENTS // max(num_classes, 1))
+  if num_rows <= block or jax.default_backend() != "cpu":
+    return fn(*arrays)
+
+  def rows(a, start):
+    if a.shape[0] == 1:
+      return a
+    return lax.dynamic_slice_in_dim(a, start, block, axis=0)
+
+  # The first block seeds the outputs: inside jax.shard_map a loop carry must
+  # vary over the same mesh axes as the values written into it, and
+  # ``full_like`` keeps those of the block's results.
+  first = fn(*[rows(a, 0) for a in arrays])
+  init = tuple(
+    lax.dynamic_update_slice_in_dim(lax.full_like(r, 0, shape=(num_rows, *r.shape[1:])), r, 0, axis=0)
+    for r in first
+  )
+
+  def body(i, outs):
+    start = jnp.minimum(i * block, num_rows - block)
+    res = fn(*[rows(a, start) for a in arrays])
+    return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
+
+  return lax.fori_loop(1, -(-num_rows // block), body, init)
+
+
+def scaled(z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...]):
+  """``(z / T, keep)`` in the compute dtype, ``-inf`` where ``z`` is or a mask is off.
+
+  ``-inf`` logits are selected around the division: ``-inf / T`` has a NaN
+  derivative wrt ``T``. NaN logits are kept (and propagate).
+  """
+  z = z.astype(temperature.dtype)
+  keep = z != -jnp.inf
+  for m in masks:
+    keep = keep & m
+  return jnp.where(keep, jnp.where(keep, z, 0.0) / temperature, -jnp.inf), keep
+
+
+def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(m, exp(x - m), sum)`` over the last axis, ``m`` a ``stop_gradient`` max.
+
+  ``m`` is 0 for rows without a finite max, so an all ``-inf`` row gives
+  ``exp = 0`` and sum 0, never NaN. ``m`` and the sum keep their axis.
+  """
+  m = jnp.max(x, axis=-1, keepdims=True)
+  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  e = jnp.exp(x - m)
+  return m, e, jnp.sum(e, axis=-1, keepdims=True)
+
+
+def normalizer(s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(s > 0, 1/s or 0, log s or 0)`` for row sums ``s``, safe for autodiff."""
+  has = s > 0
+  safe = jnp.where(has, s, 1.0)
+  return has, jnp.where(has, 1.0 / safe, 0.0), jnp.log(safe)
+
+
+class Rows:
+  """Logits laid out as ``[rows, classes]`` with their masks and output shape."""
+
+  def __init__(self, z, y, masks, out_shape, out_dtype):
+    self.z, self.y, self.masks = z, y, masks
+    self.out_shape, self.out_dtype = out_shape, out_dtype
+    self.cdt = compute_dtype(out_dtype)
+
+  @property
+  def empty(self) -> bool:
+    return self.z.shape[0] == 0 or self.z.shape[1] == 0
+
+  def finish(self, per_row: jax.Array) -> jax.Array:
+    return per_row.reshape(self.out_shape).astype(self.out_dtype)
+
+
+def prepare(
+  name: str,
+  what: str,
+  logits: jax.typing.ArrayLike,
+  target_logits: jax.typing.ArrayLike,
+  axis: Axis,
+  where: jax.typing.ArrayLike | None,
+) -> Rows:
+  """Validates a pair of logits and lays them out as ``[rows, classes]``.
+
+  Class axes go last and are flattened into one; the logits keep their
+  dtype (the kernels upcast). ``where`` becomes a mask of shape
+  ``[rows or 1, classes or 1]``, not broadcast further (broadcasting a
+  vocabulary mask to every row would cost a full-size temporary).
+  """
+  out_dtype = check_float(name, what, logits, target_logits)
+  ls, ts = tuple(np.shape(logits)), tuple(np.shape(target_logits))
+  ndim = max(len(ls), len(ts))
+  if ndim == 0:
+    raise ValueError(f"{name}: logits need a class axis; got scalars.")
+  axes = normalize_axis(name, axis, ndim)
+  if not axes:
+    raise ValueError(f"{name}: axis must name at least one class axis; got {axis!r}.")
+  padded = [(1,) * (ndim - len(s)) + s for s in (ls, ts)]
+  for a in axes:
+    if padded[0][a] != padded[1][a]:
+      raise ValueError(
+        f"{name}: {what} must have the same number of classes along axis {a}; "
+        f"got shapes {ls} and {ts}."
+      )
+  shape = broadcast_shapes(name, ls, ts)
+  element, example = split_where(name, where, shape, axes)
+  batch_axes = tuple(i for i in range(ndim) if i not in axes)
+  out_shape = tuple(shape[i] for i in batch_axes)
+  num_rows = int(np.prod(out_shape, dtype=np.int64))
+  num_classes = int(np.prod([shape[a] for a in axes], dtype=np.int64))
+
+  def layout(a, full):
+    a = jnp.asarray(a)
+    a = a.reshape((1,) * (ndim - a.ndim) + a.shape)
+    rows_full = any(a.shape[i] != 1 for i in batch_axes) if full is None else full
+    cols_full = any(a.shape[i] != 1 for i in axes) if full is None else full
+    target = tuple(
+      d if (i in axes and cols_full) or (i not in axes and rows_full) else 1
+      for i, d in enumerate(shape)
+    )
+    a = jnp.broadcast_to(a, target)
+    if axes != tuple(range(ndim - len(axes), ndim)):
+      a = jnp.transpose(a, batch_axes + axes)
+    return a.reshape((num_rows if rows_full else 1, num_classes if cols_full else 1))
+
+  masks = ()
+  if element is not None:
+    masks = (layout(where, None),)
+  elif example is not None:
+    masks = (example.reshape(num_rows, 1),)
+  z, y = layout(logits, True), layout(target_logits, True)
+  return Rows(z, y, masks, out_shape, out_dtype)
