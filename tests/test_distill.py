@@ -9,6 +9,7 @@ import functools
 import re
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,6 +176,26 @@ def test_alpha_endpoints_and_traced_alpha(x64, rng):
   np.testing.assert_allclose(only_ce, ce, rtol=1e-12)
   np.testing.assert_allclose(traced, static, rtol=1e-14)
   np.testing.assert_allclose(static, 0.25 * kd + 0.75 * ce, rtol=1e-12)
+
+
+def test_traced_schedules_do_not_retrace(rng):
+  s, t, labels = _data(rng)
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(s, t, labels, temperature, alpha, beta, normalizer):
+    return jax.value_and_grad(distillation_loss)(
+        s, t, labels, temperature=temperature, alpha=alpha, divergence="jsd", beta=beta,
+        normalizer=normalizer)
+
+  first = step(s, t, labels, 1.0, 0.5, 0.5, 4.0)
+  second = step(s, t, labels, 3.0, 0.2, 0.9, 4.0)  # new values: no retrace
+  assert first[0] != second[0]
+  ref = torch_value_and_grads(s, t, labels, temperature=3.0, alpha=0.2, divergence="jsd",
+                              beta=0.9)
+  assert np.sum(labels != -100) == 4  # the normalizer passed: the mean over valid tokens
+  np.testing.assert_allclose(second[0], ref[0], rtol=2e-5)
 
 
 def test_invalid_labels_and_masked_classes(rng):
