@@ -5,6 +5,8 @@ Same outputs as optax wherever optax is finite; finite where optax gives NaN
 per-example mask.
 """
 
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -14,17 +16,28 @@ from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
 
 def masked_sum(
     name: str,
-    terms: jax.Array,
+    terms: jax.Array | Callable[..., jax.Array],
     axis: Axis,
     where: jax.typing.ArrayLike | None,
+    inputs: Sequence[tuple[jax.Array, float]] = (),
 ) -> jax.Array:
   """Sums ``terms`` over ``axis`` under an element or per-example ``where``.
 
   Masked elements are selected away (never multiplied), so a NaN or ``inf``
-  there cannot leak into the result; a masked-out example gives 0.
+  there cannot leak into the result; a masked-out example gives 0. With
+  ``inputs`` (pairs of an array and a harmless fill value), ``terms`` is a
+  function of those arrays, called after the masked entries are replaced by
+  the fills: a NaN under the mask then cannot reach the gradients either.
   """
-  axes = normalize_axis(name, axis, terms.ndim)
-  element, example = split_where(name, where, terms.shape, axes)
+  shape = inputs[0][0].shape if inputs else terms.shape
+  axes = normalize_axis(name, axis, len(shape))
+  element, example = split_where(name, where, shape, axes)
+  if inputs:
+    keep = element
+    if example is not None:
+      keep = jnp.broadcast_to(jnp.expand_dims(example, axes), shape)
+    arrays = [a if keep is None else jnp.where(keep, a, fill) for a, fill in inputs]
+    terms = terms(*arrays)
   if element is not None:
     terms = jnp.where(element, terms, 0.0)
   out = jnp.sum(terms, axis=axes)
@@ -33,9 +46,10 @@ def masked_sum(
   return out
 
 
-def _per_example(name, what, kernel, log_predictions, targets, axis, where):
+def _per_example(name, what, kernel, zero_mass, log_predictions, targets, axis, where):
   (x, t), out_dtype = promote_and_broadcast(name, what, log_predictions, targets)
-  return masked_sum(name, kernel(x, t), axis, where).astype(out_dtype)
+  out = masked_sum(name, kernel, axis, where, inputs=((x, 0.0), (t, zero_mass)))
+  return out.astype(out_dtype)
 
 
 def kl_divergence(
@@ -75,7 +89,7 @@ def kl_divergence(
     Array([0.6931472, 0.       ], dtype=float32)
   """
   return _per_example(
-      "kl_divergence", "log_predictions and targets", kl_prob_kernel,
+      "kl_divergence", "log_predictions and targets", kl_prob_kernel, 0.0,
       log_predictions, targets, axis, where,
   )
 
@@ -105,7 +119,7 @@ def kl_divergence_with_log_targets(
   """
   return _per_example(
       "kl_divergence_with_log_targets", "log_predictions and log_targets",
-      kl_log_kernel, log_predictions, log_targets, axis, where,
+      kl_log_kernel, -jnp.inf, log_predictions, log_targets, axis, where,
   )
 
 
@@ -137,8 +151,8 @@ def generalized_kl_divergence(
   (x, t), out_dtype = promote_and_broadcast(
       name, "log_predictions and targets", log_predictions, targets
   )
-  terms = kl_prob_kernel(x, t) + (jnp.exp(x) - t)
-  return masked_sum(name, terms, axis, where).astype(out_dtype)
+  terms = lambda x, t: kl_prob_kernel(x, t) + (jnp.exp(x) - t)  # noqa: E731
+  return masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0))).astype(out_dtype)
 
 
 convex_kl_divergence = generalized_kl_divergence

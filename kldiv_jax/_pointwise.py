@@ -16,7 +16,12 @@ guards below use only ``max``, ``+`` and ``*`` (and IEEE overflow) instead:
 * ``c = (Lc + BIG) * -HUGE`` overflows to ``-inf`` whenever ``t > 0`` and is
   ``-0`` at ``t = 0``; ``x' = max(x, c)`` is therefore ``x`` wherever ``t > 0``
   (``-inf`` included, giving the true ``+inf``) and finite at ``t = 0``, so
-  ``t * Lc - t * x'`` is exactly +0 there instead of ``0 * inf = NaN``.
+  ``t * (Lc - x')`` is exactly 0 there instead of ``0 * inf = NaN``.
+
+That zero is ``-0.0`` (0 times a negative number). Sums do not show it (a
+reduction starts from +0); the unreduced outputs go through
+:func:`positive_zero`, one cheap select in a loop that writes the array
+anyway.
 
 The derivative rules use the ordinary double ``where`` (they write an array
 anyway, and must stay differentiable for second derivatives).
@@ -24,6 +29,7 @@ anyway, and must stay differentiable for second derivatives).
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import promote_and_broadcast
@@ -38,6 +44,12 @@ def _guards(x: jax.Array, log_t: jax.Array) -> tuple[jax.Array, jax.Array]:
   lc = jnp.maximum(log_t, -_BIG)
   huge = jnp.finfo(x.dtype).max
   return lc, jnp.maximum(x, (lc + _BIG) * -huge)
+
+
+def positive_zero(a: jax.Array) -> jax.Array:
+  """``a`` with ``-0.0`` turned into ``+0.0``, derivatives untouched (unreduced outputs)."""
+  # -0 + +0 = +0; the addend is 0 everywhere and carries no derivative.
+  return a + lax.stop_gradient(jnp.where(a == 0, -a, 0.0))
 
 
 def _zero_mass(x: jax.Array, t: jax.Array, zero: float) -> jax.Array:
@@ -62,7 +74,7 @@ def kl_prob_kernel(x: jax.Array, t: jax.Array) -> jax.Array:
   gives NaN, as does a NaN (or ``+inf``) ``x``.
   """
   lc, xc = _guards(x, jnp.log(t))
-  return t * lc - t * xc  # torch's form; +0 (not -0) at zero mass
+  return t * (lc - xc)
 
 
 def _kl_prob_kernel_jvp(primals, tangents):
@@ -90,8 +102,7 @@ kl_prob_kernel.defjvp(_kl_prob_kernel_jvp, symbolic_zeros=True)
 def kl_log_kernel(x: jax.Array, t: jax.Array) -> jax.Array:
   r"""``exp(t) (t - x)``, with ``0`` where ``t == -inf`` (``x = -inf`` included)."""
   tc, xc = _guards(x, t)
-  p = jnp.exp(tc)
-  return p * tc - p * xc  # +0 (not -0) at zero mass
+  return jnp.exp(tc) * (tc - xc)
 
 
 def _kl_log_kernel_jvp(primals, tangents):
@@ -157,4 +168,4 @@ def kl_div_pointwise(
       "kl_div_pointwise", "input and target", input, target
   )
   kernel = kl_log_kernel if log_target else kl_prob_kernel
-  return kernel(x, t).astype(out_dtype)
+  return positive_zero(kernel(x, t)).astype(out_dtype)

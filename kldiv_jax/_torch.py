@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from kldiv_jax._checks import check_choice, promote_and_broadcast
-from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
+from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel, positive_zero
 
 REDUCTIONS = ("none", "mean", "sum", "batchmean")
 
@@ -111,7 +111,9 @@ def kl_div(
   (x, t), out_dtype = promote_and_broadcast("kl_div", "input and target", input, target)
   kernel = kl_log_kernel if log_target else kl_prob_kernel
   loss = kernel(x, t)
-  if mode == "sum":
+  if mode == "none":
+    loss = positive_zero(loss)
+  elif mode == "sum":
     loss = jnp.sum(loss)
   elif mode == "mean":
     loss = jnp.mean(loss) if loss.size else jnp.array(jnp.nan, loss.dtype)
