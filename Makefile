@@ -36,7 +36,7 @@ lint: venv
 	$(PY) -m ruff check .
 
 bench: venv
-	$(PY) benchmarks/run.py
+	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
 # The golden fixtures come from torch 2.13 (CPU), the version the reference measured.
 fixtures: venv

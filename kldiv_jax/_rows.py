@@ -34,12 +34,25 @@ def is_zero(tangent: object) -> bool:
   return isinstance(tangent, SymbolicZero)
 
 
+def _per_device_code() -> bool:
+  """Whether the arrays being traced live on one device.
+
+  True with a single device, or inside ``jax.shard_map`` (manual axes: the
+  arrays are per-device blocks). Under ``jax.jit`` with several devices the
+  inputs may be sharded along the rows, and XLA cannot partition the row
+  loop: it would all-gather every row onto every device. There the plain
+  computation is left to XLA's partitioner instead.
+  """
+  return jax.device_count() == 1 or bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def map_rows(fn, arrays, num_rows, num_classes=None):
   """``fn(*arrays)`` for per-row statistics, over blocks of rows on CPU.
 
   ``arrays`` have rows on axis 0 (``num_rows`` of them, or 1 to broadcast);
-  ``fn`` returns a tuple of ``[rows, 1]`` arrays. Off CPU, or when one block
-  holds every row, ``fn`` runs once. The last block is shifted back to end
+  ``fn`` returns a tuple of ``[rows, 1]`` arrays. Off CPU, when one block
+  holds every row, or under ``jax.jit`` with several devices (see
+  :func:`_per_device_code`), ``fn`` runs once. The last block is shifted back to end
   at the last row (it recomputes a few rows rather than padding a copy).
   ``num_classes`` sets the rows per block (default: the arrays' class axis;
   the vocabulary-parallel kernels pass the global one, so that a device's
@@ -48,7 +61,7 @@ def map_rows(fn, arrays, num_rows, num_classes=None):
   if num_classes is None:
     num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
   block = max(1, _BLOCK_ELEMENTS // max(num_classes, 1))
-  if num_rows <= block or jax.default_backend() != "cpu":
+  if num_rows <= block or jax.default_backend() != "cpu" or not _per_device_code():
     return fn(*arrays)
 
   def rows(a, start):
