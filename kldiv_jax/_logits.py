@@ -24,7 +24,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._checks import Axis, check_choice, check_temperature, check_unit_interval
-from kldiv_jax._rows import Rows, is_zero, map_rows, normalizer, prepare, row_stats, scaled
+from kldiv_jax._rows import (
+  Rows,
+  is_zero,
+  logit_tangents,
+  map_rows,
+  normalizer,
+  prepare,
+  row_stats,
+  scaled,
+)
 
 # Re-exported for the modules built on these kernels (_distill, _fused, _vocab_parallel).
 __all__ = [
@@ -34,10 +43,6 @@ __all__ = [
 ]
 
 DIRECTIONS = ("forward", "reverse")
-
-
-def _tangent_sum(g: jax.Array, dx: jax.Array) -> jax.Array:
-  return jnp.sum(g * dx.astype(g.dtype), axis=-1, keepdims=True)
 
 
 # KL(softmax(y / T) || softmax(z / T)) per row: z is the "input" side.
@@ -85,22 +90,13 @@ def _kl_kernel_jvp(primals, tangents):
   p = jnp.exp(v - mv) * inv_sv
   # d/du = q - p; d/dv = p (log p - log q - KL), 0 on rows where KL = +inf.
   g_u = q - p
-  tangent = jnp.zeros_like(kl)
-  if not is_zero(dz):
-    tangent = tangent + _tangent_sum(g_u / temperature, dz)
+  g_v = None
   if not (is_zero(dy) and is_zero(dtemp)):
     finite = kl != jnp.inf
     pos = (p > 0) & finite
     diff = jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
     g_v = jnp.where(pos, p * (diff + log_ratio - jnp.where(finite, kl, 0.0)), 0.0)
-    if not is_zero(dy):
-      tangent = tangent + _tangent_sum(g_v / temperature, dy)
-    if not is_zero(dtemp):
-      # du/dT = -u/T on kept classes, 0 on the others.
-      u0 = jnp.where(keep_u, u, 0.0)
-      v0 = jnp.where(keep_v, v, 0.0)
-      d_t = -(jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True)) / temperature
-      tangent = tangent + d_t * dtemp
+  tangent = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
   return kl[:, 0], tangent[:, 0]
 
 
@@ -165,15 +161,9 @@ def _jsd_kernel_jvp(primals, tangents):
     # d/du = (1 - beta) q (log q - log m - KL(q || m)); d/dv likewise with p.
     g_u = (1.0 - beta) * q * (a_q - kl_qm)
     g_v = beta * p * (a_p - kl_pm)
-    if not is_zero(dz):
-      tangent = tangent + _tangent_sum(g_u / temperature, dz)
-    if not is_zero(dy):
-      tangent = tangent + _tangent_sum(g_v / temperature, dy)
-    if not is_zero(dtemp):
-      u0 = jnp.where(keep_u, u, 0.0)
-      v0 = jnp.where(keep_v, v, 0.0)
-      d_t = -(jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True)) / temperature
-      tangent = tangent + d_t * dtemp
+    tangent = tangent + logit_tangents(
+      temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v
+    )
   if not is_zero(dbeta):
     # d/dbeta = KL(p || m) - KL(q || m).
     tangent = tangent + (kl_pm - kl_qm) * dbeta

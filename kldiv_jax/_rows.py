@@ -192,3 +192,31 @@ def prepare(
     masks = (example.reshape(num_rows, 1),)
   z, y = layout(logits, True), layout(target_logits, True)
   return Rows(z, y, masks, out_shape, out_dtype)
+
+
+def row_sum(g: jax.Array, dx: jax.Array) -> jax.Array:
+  """``sum(g * dx)`` over the class axis, kept: a tangent contracted per row."""
+  return jnp.sum(g * dx.astype(g.dtype), axis=-1, keepdims=True)
+
+
+def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v):
+  """Per-row tangent of a divergence of ``softmax(u)``, ``softmax(v)`` (``[rows, 1]``).
+
+  ``tangents`` are ``(dz, dy, dtemp)`` for the raw logits ``z``, ``y`` and
+  the temperature, where ``u = z / T`` and ``v = y / T``; ``g_u``, ``g_v``
+  are the derivatives wrt ``u`` and ``v`` (``g_v`` may be ``None`` when
+  ``dy`` and ``dtemp`` are symbolic zeros, which are skipped). Sums over the
+  classes held here: the vocabulary-parallel kernels ``psum`` the result.
+  """
+  dz, dy, dtemp = tangents
+  out = jnp.zeros((u.shape[0], 1), g_u.dtype)
+  if not is_zero(dz):
+    out = out + row_sum(g_u / temperature, dz)
+  if not is_zero(dy):
+    out = out + row_sum(g_v / temperature, dy)
+  if not is_zero(dtemp):
+    # du/dT = -u/T on kept classes, 0 on the others.
+    u0 = jnp.where(keep_u, u, 0.0)
+    v0 = jnp.where(keep_v, v, 0.0)
+    out = out - jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True) / temperature * dtemp
+  return out

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._logits import _log_terms, is_zero, map_rows, normalizer, scaled
+from kldiv_jax._rows import logit_tangents, row_sum
 
 
 def check_axis_name(name: str, axis_name: object) -> int:
@@ -92,10 +93,6 @@ def _maxes(temperature, masks, axis_name, z, y=None):
   return tuple(_global_max(m, axis_name) for m in local)
 
 
-def _local_sum(g: jax.Array, dx: jax.Array) -> jax.Array:
-  return jnp.sum(g * dx.astype(g.dtype), axis=-1, keepdims=True)
-
-
 # KL(softmax(y / T) || softmax(z / T)) per row, as kl_kernel.
 
 
@@ -142,21 +139,13 @@ def _kl_kernel_jvp(axis_name, primals, tangents):
   p = jnp.exp(v - mv) * inv_sv
   # d/du = q - p; d/dv = p (log p - log q - KL), 0 on rows where KL = +inf.
   g_u = q - p
-  local = jnp.zeros(kl.shape, kl.dtype)
-  if not is_zero(dz):
-    local = local + _local_sum(g_u / temperature, dz)
+  g_v = None
   if not (is_zero(dy) and is_zero(dtemp)):
     finite = kl != jnp.inf
     pos = (p > 0) & finite
     diff = jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
     g_v = jnp.where(pos, p * (diff + log_ratio - jnp.where(finite, kl, 0.0)), 0.0)
-    if not is_zero(dy):
-      local = local + _local_sum(g_v / temperature, dy)
-    if not is_zero(dtemp):
-      u0 = jnp.where(keep_u, u, 0.0)
-      v0 = jnp.where(keep_v, v, 0.0)
-      d_t = -(jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True)) / temperature
-      local = local + d_t * dtemp
+  local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
   return kl[:, 0], lax.psum(local, axis_name)[:, 0]
 
 
@@ -216,16 +205,7 @@ def _jsd_kernel_jvp(axis_name, primals, tangents):
     # d/du = (1 - beta) q (log q - log m - KL(q || m)); d/dv likewise with p.
     g_u = (1.0 - beta) * q * (a_q - kl_qm)
     g_v = beta * p * (a_p - kl_pm)
-    local = jnp.zeros_like(jsd)
-    if not is_zero(dz):
-      local = local + _local_sum(g_u / temperature, dz)
-    if not is_zero(dy):
-      local = local + _local_sum(g_v / temperature, dy)
-    if not is_zero(dtemp):
-      u0 = jnp.where(keep_u, u, 0.0)
-      v0 = jnp.where(keep_v, v, 0.0)
-      d_t = -(jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True)) / temperature
-      local = local + d_t * dtemp
+    local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
     tangent = tangent + lax.psum(local, axis_name)
   if not is_zero(dbeta):
     # d/dbeta = KL(p || m) - KL(q || m), per row (already global).
@@ -306,7 +286,7 @@ def _ce_kernel_jvp(axis_name, primals, tangents):
   hit = _hit(local_labels, u.shape)
   # d/dz = softmax(z) - onehot(label), on rows with mass.
   g = jnp.where(inv_s > 0, jnp.exp(u - m) * inv_s - hit.astype(ce.dtype), 0.0)
-  return ce[:, 0], lax.psum(_local_sum(g, dz), axis_name)[:, 0]
+  return ce[:, 0], lax.psum(row_sum(g, dz), axis_name)[:, 0]
 
 
 ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
