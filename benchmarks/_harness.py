@@ -8,6 +8,14 @@ Every section times its contenders the same way:
   starting contender rotating) so that noise from a shared machine hits all of them
   alike; each call is timed with ``time.perf_counter`` around the call and
   ``jax.block_until_ready`` of its result;
+* each timed call is preceded by one untimed call of the same contender (steady
+  state, as in a training loop). XLA:CPU releases an execution's large temporary
+  buffers after ``block_until_ready`` returns, so without this the unmapping of
+  one contender's temporaries (hundreds of MiB for the straightforward versions)
+  runs during the next contender's timed call: the first is under-charged and the
+  second over-charged. Measured on the logits section's ``kl`` group, this shifted
+  the ratio by 0.15-0.2 against kldiv_jax. ``BENCH_SETTLE=0`` in the environment
+  times without the untimed call, to compare;
 * the reported figure is the median over repeats.
 """
 
@@ -67,6 +75,7 @@ def machine_info() -> dict[str, Any]:
           for name in ("jax", "jaxlib", "optax", "torch", "numpy", "kldiv_jax")
       },
       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+      "settled_timing": settling(),
   }
 
 
@@ -76,6 +85,7 @@ def describe_machine(info: dict[str, Any]) -> str:
   return (
       f"{info['cpu_model']} ({info['cpu_cores']} cores), backend {info['backend']} "
       f"[{info['device_kind']} x{info['device_count']}]; {versions}"
+      + ("" if info.get("settled_timing", True) else "; BENCH_SETTLE=0 (plain round-robin)")
   )
 
 
@@ -106,14 +116,25 @@ def compile_jax(fn: Callable[..., Any], *args: Any) -> tuple[Callable[[], Any], 
   return call, info
 
 
+def settling() -> bool:
+  """Whether timed calls follow an untimed call of the same thunk (``BENCH_SETTLE``, default 1)."""
+  return os.environ.get("BENCH_SETTLE", "1") != "0"
+
+
 def round_robin(
-    thunks: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+    thunks: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1,
+    settle: bool | None = None,
 ) -> dict[str, list[float]]:
   """Times each thunk ``repeats`` times, interleaved; returns seconds per call per thunk.
 
   Each thunk must block until its work is done (``compile_jax``'s thunks do).
-  Python's garbage collector is off while timing, as in ``timeit``.
+  With ``settle`` (default :func:`settling`), every timed call follows an
+  untimed call of the same thunk, so that each is charged for its own deferred
+  deallocations and for no other thunk's (see the module docstring). Python's garbage collector is off while timing, as in
+  ``timeit``.
   """
+  if settle is None:
+    settle = settling()
   names = list(thunks)
   for _ in range(warmup):
     for name in names:
@@ -127,6 +148,8 @@ def round_robin(
       shift = rep % len(names) if names else 0
       for name in names[shift:] + names[:shift]:
         fn = thunks[name]
+        if settle:
+          fn()
         start = time.perf_counter()
         fn()
         times[name].append(time.perf_counter() - start)
