@@ -131,12 +131,18 @@ def _is_static(value: object) -> bool:
 
 
 def check_temperature(name: str, temperature: object) -> tuple[float | jax.Array, bool]:
-  """Returns ``(temperature, is_static)``; a static one must be positive."""
+  """Returns ``(temperature, is_static)``; a static one must be positive and finite.
+
+  A static temperature is a Python or NumPy real scalar; anything else is
+  traced and must be a real scalar (its value is not checked).
+  """
   if _is_static(temperature):
     value = np.asarray(temperature)
-    if value.ndim != 0 or not np.issubdtype(value.dtype, np.number):
-      raise ValueError(f"{name}: temperature must be a scalar; got {temperature!r}.")
-    if not float(value) > 0 or not np.isfinite(float(value)):
+    if value.ndim != 0:
+      raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
+    if not np.issubdtype(value.dtype, np.number) or np.iscomplexobj(value):
+      raise TypeError(f"{name}: temperature must be a real number; got {temperature!r}.")
+    if not (np.isfinite(value) and value > 0):
       raise ValueError(f"{name}: temperature must be positive and finite; got {temperature!r}.")
     return float(value), True
   value = jnp.asarray(temperature)

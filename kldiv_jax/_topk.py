@@ -15,33 +15,11 @@ cast back).
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from kldiv_jax._checks import check_float, compute_dtype
+from kldiv_jax._checks import check_float, check_temperature, compute_dtype
 from kldiv_jax._pointwise import kl_log_kernel
-
-
-def _check_temperature(name: str, temperature: object) -> tuple[object, bool]:
-  """Returns ``(temperature, is_static)``; a static temperature must be positive."""
-  if isinstance(temperature, (int, float, np.number, np.ndarray)) and not isinstance(
-    temperature, bool
-  ):
-    value = np.asarray(temperature)
-    if value.ndim != 0:
-      raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
-    if not np.issubdtype(value.dtype, np.number) or np.iscomplexobj(value):
-      raise TypeError(f"{name}: temperature must be a real number; got {temperature!r}.")
-    if not (np.isfinite(value) and value > 0):
-      raise ValueError(f"{name}: temperature must be positive and finite; got {temperature!r}.")
-    return float(value), True
-  value = jnp.asarray(temperature)
-  if value.ndim != 0:
-    raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
-  if not jnp.issubdtype(value.dtype, jnp.floating):
-    raise TypeError(f"{name}: temperature must be a floating scalar; got dtype {value.dtype}.")
-  return value, False
 
 
 def _divide(z: jax.Array, temperature, is_static: bool) -> jax.Array:
@@ -243,7 +221,7 @@ def kl_div_from_topk(
       f"{name}: topk_indices must be an integer array of token ids; got dtype {idx.dtype}."
     )
   _check_shapes(name, z, idx, lp)
-  temperature, is_static = _check_temperature(name, temperature)
+  temperature, is_static = check_temperature(name, temperature)
   example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
 
   cdt = compute_dtype(out_dtype)
