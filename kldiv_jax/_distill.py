@@ -21,15 +21,12 @@ from kldiv_jax._logits import (
   row_stats,
   scaled,
 )
+from kldiv_jax._rows import ce_grad, label_hit, row_sum
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
 # Cross entropy -log softmax(z)[label] per row, at temperature 1.
-
-
-def _hit(labels, shape):
-  return lax.broadcasted_iota(labels.dtype, shape, 1) == labels
 
 
 def _ce_rows(z, labels, masks):
@@ -38,7 +35,7 @@ def _ce_rows(z, labels, masks):
   def stats(z, labels, *masks):
     u, _ = scaled(z, one, masks)
     m, _, s = row_stats(u)
-    return m, s, jnp.sum(jnp.where(_hit(labels, u.shape), u, 0.0), axis=-1, keepdims=True)
+    return m, s, jnp.sum(jnp.where(label_hit(labels, u.shape), u, 0.0), axis=-1, keepdims=True)
 
   m, s, picked = map_rows(stats, (z, labels, *masks), z.shape[0])
   has, inv_s, log_s = normalizer(s)
@@ -61,11 +58,7 @@ def _ce_kernel_jvp(primals, tangents):
   ce, (m, inv_s) = _ce_rows(z, labels, masks)
   if is_zero(dz):
     return ce[:, 0], jnp.zeros_like(ce[:, 0])
-  u, _ = scaled(z, jnp.ones((), ce.dtype), masks)
-  hit = _hit(labels, u.shape)
-  # d/dz = softmax(z) - onehot(label), on rows with mass.
-  g = jnp.where(inv_s > 0, jnp.exp(u - m) * inv_s - hit.astype(ce.dtype), 0.0)
-  return ce[:, 0], jnp.sum(g * dz.astype(g.dtype), axis=-1)
+  return ce[:, 0], row_sum(ce_grad(z, labels, masks, m, inv_s), dz)[:, 0]
 
 
 ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)

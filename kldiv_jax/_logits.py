@@ -37,9 +37,10 @@ from kldiv_jax._rows import (
 
 # Re-exported for the modules built on these kernels (_distill, _fused, _vocab_parallel).
 __all__ = [
-  "DIRECTIONS", "Rows", "check_temperature", "check_unit_interval", "generalized_jsd",
-  "gjsd_kernel", "is_zero", "jsd_kernel", "kl_div_from_logits", "kl_kernel", "map_rows",
-  "normalizer", "prepare", "row_stats", "scaled",
+  "DIRECTIONS", "Rows", "beta_tangent", "check_temperature", "check_unit_interval",
+  "generalized_jsd", "gjsd", "gjsd_kernel", "is_zero", "jsd_kernel", "jsd_tangent",
+  "kl_div_from_logits", "kl_from_sums", "kl_kernel", "kl_tangent", "map_rows", "normalizer",
+  "prepare", "row_stats", "scaled",
 ]
 
 DIRECTIONS = ("forward", "reverse")
@@ -61,13 +62,44 @@ def _kl_stats(temperature, masks):
   return fn
 
 
-def _kl_rows(z, y, temperature, masks):
-  mu, su, mv, sv, a = map_rows(_kl_stats(temperature, masks), (z, y, *masks), z.shape[0])
+def kl_from_sums(mu, su, mv, sv, a):
+  """``(KL, stats for kl_tangent)`` per row from the row maxes and sums (``[rows, 1]``).
+
+  ``su``, ``sv`` are the sums of ``exp(u - mu)``, ``exp(v - mv)`` and ``a``
+  that of ``exp(v - mv) * ((v - mv) - (u - mu))`` over the classes with mass.
+  """
   _, inv_su, log_su = normalizer(su)
   has_v, inv_sv, log_sv = normalizer(sv)
   log_ratio = log_su - log_sv
   kl = jnp.where(has_v, inv_sv * a + log_ratio, 0.0)
   return kl, (mu, inv_su, mv, inv_sv, log_ratio)
+
+
+def _kl_rows(z, y, temperature, masks):
+  return kl_from_sums(*map_rows(_kl_stats(temperature, masks), (z, y, *masks), z.shape[0]))
+
+
+def kl_tangent(z, y, temperature, masks, tangents, kl, stats):
+  """The tangent of :func:`kl_kernel` per row (``[rows, 1]``), over the classes held here.
+
+  ``kl`` and ``stats`` come from :func:`kl_from_sums`; ``tangents`` are
+  ``(dz, dy, dtemp)``. The vocabulary-parallel kernel ``psum``s the result.
+  """
+  mu, inv_su, mv, inv_sv, log_ratio = stats
+  _, dy, dtemp = tangents
+  u, keep_u = scaled(z, temperature, masks)
+  v, keep_v = scaled(y, temperature, masks)
+  q = jnp.exp(u - mu) * inv_su
+  p = jnp.exp(v - mv) * inv_sv
+  # d/du = q - p; d/dv = p (log p - log q - KL), 0 on rows where KL = +inf.
+  g_u = q - p
+  g_v = None
+  if not (is_zero(dy) and is_zero(dtemp)):
+    finite = kl != jnp.inf
+    pos = (p > 0) & finite
+    diff = jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
+    g_v = jnp.where(pos, p * (diff + log_ratio - jnp.where(finite, kl, 0.0)), 0.0)
+  return logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v)
 
 
 @jax.custom_jvp
@@ -82,22 +114,8 @@ def kl_kernel(z, y, temperature, masks):
 
 def _kl_kernel_jvp(primals, tangents):
   z, y, temperature, masks = primals
-  dz, dy, dtemp, _ = tangents
-  kl, (mu, inv_su, mv, inv_sv, log_ratio) = _kl_rows(z, y, temperature, masks)
-  u, keep_u = scaled(z, temperature, masks)
-  v, keep_v = scaled(y, temperature, masks)
-  q = jnp.exp(u - mu) * inv_su
-  p = jnp.exp(v - mv) * inv_sv
-  # d/du = q - p; d/dv = p (log p - log q - KL), 0 on rows where KL = +inf.
-  g_u = q - p
-  g_v = None
-  if not (is_zero(dy) and is_zero(dtemp)):
-    finite = kl != jnp.inf
-    pos = (p > 0) & finite
-    diff = jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
-    g_v = jnp.where(pos, p * (diff + log_ratio - jnp.where(finite, kl, 0.0)), 0.0)
-  tangent = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
-  return kl[:, 0], tangent[:, 0]
+  kl, stats = _kl_rows(z, y, temperature, masks)
+  return kl[:, 0], kl_tangent(z, y, temperature, masks, tangents[:3], kl, stats)[:, 0]
 
 
 kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
@@ -142,58 +160,73 @@ def jsd_kernel(z, y, temperature, beta, masks):
   return (beta * kl_pm + (1.0 - beta) * kl_qm)[:, 0]
 
 
+def jsd_tangent(z, y, temperature, beta, masks, tangents, stats, kl_qm, kl_pm):
+  """The tangent of :func:`jsd_kernel` per row (``[rows, 1]``), over the classes held here.
+
+  ``stats`` are ``(mu, mv, inv_su, log_su, inv_sv, log_sv)`` and ``kl_qm``,
+  ``kl_pm`` the row divergences to the mixture; ``tangents`` are ``(dz, dy,
+  dtemp)``. Without the ``beta`` term (:func:`beta_tangent`), which is per row
+  already: the vocabulary-parallel kernel ``psum``s this part only.
+  """
+  mu, mv, inv_su, log_su, inv_sv, log_sv = stats
+  dz, dy, dtemp = tangents
+  if is_zero(dz) and is_zero(dy) and is_zero(dtemp):
+    return jnp.zeros_like(kl_qm)
+  u, keep_u = scaled(z, temperature, masks)
+  v, keep_v = scaled(y, temperature, masks)
+  q = jnp.exp(u - mu) * inv_su
+  p = jnp.exp(v - mv) * inv_sv
+  a_q, a_p = _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta)
+  # d/du = (1 - beta) q (log q - log m - KL(q || m)); d/dv likewise with p.
+  g_u = (1.0 - beta) * q * (a_q - kl_qm)
+  g_v = beta * p * (a_p - kl_pm)
+  return logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v)
+
+
+def beta_tangent(dbeta, kl_qm, kl_pm):
+  """The ``beta`` part of the JSD tangent per row: ``d/dbeta = KL(p || m) - KL(q || m)``."""
+  return jnp.zeros_like(kl_qm) if is_zero(dbeta) else (kl_pm - kl_qm) * dbeta
+
+
 def _jsd_kernel_jvp(primals, tangents):
   z, y, temperature, beta, masks = primals
-  dz, dy, dtemp, dbeta, _ = tangents
   mu, su, mv, sv, kl_qm, kl_pm = map_rows(
     _jsd_stats(temperature, beta, masks), (z, y, *masks), z.shape[0]
   )
   jsd = beta * kl_pm + (1.0 - beta) * kl_qm
-  tangent = jnp.zeros_like(jsd)
-  if not (is_zero(dz) and is_zero(dy) and is_zero(dtemp)):
-    _, inv_su, log_su = normalizer(su)
-    _, inv_sv, log_sv = normalizer(sv)
-    u, keep_u = scaled(z, temperature, masks)
-    v, keep_v = scaled(y, temperature, masks)
-    q = jnp.exp(u - mu) * inv_su
-    p = jnp.exp(v - mv) * inv_sv
-    a_q, a_p = _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta)
-    # d/du = (1 - beta) q (log q - log m - KL(q || m)); d/dv likewise with p.
-    g_u = (1.0 - beta) * q * (a_q - kl_qm)
-    g_v = beta * p * (a_p - kl_pm)
-    tangent = tangent + logit_tangents(
-      temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v
-    )
-  if not is_zero(dbeta):
-    # d/dbeta = KL(p || m) - KL(q || m).
-    tangent = tangent + (kl_pm - kl_qm) * dbeta
-  return jsd[:, 0], tangent[:, 0]
+  _, inv_su, log_su = normalizer(su)
+  _, inv_sv, log_sv = normalizer(sv)
+  stats = (mu, mv, inv_su, log_su, inv_sv, log_sv)
+  tangent = jsd_tangent(z, y, temperature, beta, masks, tangents[:3], stats, kl_qm, kl_pm)
+  return jsd[:, 0], (tangent + beta_tangent(tangents[3], kl_qm, kl_pm))[:, 0]
 
 
 jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
 
 
-def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
-  """TRL's generalized JSD per row, endpoints included.
+def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
+  """TRL's generalized JSD per row, endpoints included, from the kernels given.
 
-  ``beta == 0`` is ``KL(p || q)`` and ``beta == 1`` is ``KL(q || p)`` (TRL's
-  special cases); a traced ``beta`` selects the branch at run time and gives
-  NaN outside ``[0, 1]``.
+  ``kl(z, y, t, masks)`` and ``jsd(z, y, t, beta, masks)`` are the KL and
+  interior-JSD kernels (unsharded or vocabulary-parallel). ``beta == 0`` is
+  ``KL(p || q)`` and ``beta == 1`` is ``KL(q || p)`` (TRL's special cases); a
+  traced ``beta`` selects the branch at run time and gives NaN outside
+  ``[0, 1]``.
   """
   if beta_static:
     if beta == 0:
-      return kl_kernel(z, y, temperature, masks)
+      return kl(z, y, temperature, masks)
     if beta == 1:
-      return kl_kernel(y, z, temperature, masks)
-    return jsd_kernel(z, y, temperature, jnp.asarray(beta, temperature.dtype), masks)
+      return kl(y, z, temperature, masks)
+    return jsd(z, y, temperature, jnp.asarray(beta, temperature.dtype), masks)
   b = jnp.asarray(beta).astype(temperature.dtype)
   index = jnp.where(b == 0, 0, jnp.where(b == 1, 1, 2))
   out = lax.switch(
     index,
     [
-      lambda z, y, t, b, m: kl_kernel(z, y, t, m),
-      lambda z, y, t, b, m: kl_kernel(y, z, t, m),
-      jsd_kernel,
+      lambda z, y, t, b, m: kl(z, y, t, m),
+      lambda z, y, t, b, m: kl(y, z, t, m),
+      jsd,
     ],
     z,
     y,
@@ -202,6 +235,11 @@ def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
     masks,
   )
   return jnp.where((b >= 0) & (b <= 1), out, jnp.nan)
+
+
+def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
+  """TRL's generalized JSD per row, endpoints included (see :func:`gjsd`)."""
+  return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, beta_static)
 
 
 def _temperature_array(temperature, cdt):

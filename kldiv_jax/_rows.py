@@ -199,6 +199,23 @@ def row_sum(g: jax.Array, dx: jax.Array) -> jax.Array:
   return jnp.sum(g * dx.astype(g.dtype), axis=-1, keepdims=True)
 
 
+def label_hit(labels: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Whether each class of ``[rows, classes]`` is its row's label (``labels`` ``[rows, 1]``)."""
+  return lax.broadcasted_iota(labels.dtype, shape, 1) == labels
+
+
+def ce_grad(z, labels, masks, m, inv_s):
+  """``d CE / dz``: ``softmax(z) - onehot(label)`` per class, 0 on rows without mass.
+
+  ``m`` and ``inv_s`` are the row max and inverse sum of exponentials of the
+  (masked) logits, ``labels`` index the classes of ``z`` (local ones for the
+  vocabulary-parallel kernel, where a label on another device hits nothing).
+  """
+  u, _ = scaled(z, jnp.ones((), inv_s.dtype), masks)
+  hit = label_hit(labels, u.shape).astype(inv_s.dtype)
+  return jnp.where(inv_s > 0, jnp.exp(u - m) * inv_s - hit, 0.0)
+
+
 def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v):
   """Per-row tangent of a divergence of ``softmax(u)``, ``softmax(v)`` (``[rows, 1]``).
 

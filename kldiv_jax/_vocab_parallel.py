@@ -30,8 +30,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._logits import _log_terms, is_zero, map_rows, normalizer, scaled
-from kldiv_jax._rows import logit_tangents, row_sum
+from kldiv_jax._logits import (
+  _log_terms,
+  beta_tangent,
+  gjsd,
+  is_zero,
+  jsd_tangent,
+  kl_from_sums,
+  kl_tangent,
+  map_rows,
+  normalizer,
+  scaled,
+)
+from kldiv_jax._rows import ce_grad, label_hit, row_sum
 
 
 def check_axis_name(name: str, axis_name: object) -> int:
@@ -110,11 +121,7 @@ def _kl_rows(axis_name, z, y, temperature, masks):
     return su, sv, jnp.sum(ev * diff, axis=-1, keepdims=True)
 
   su, sv, a = lax.psum(_map_blocks(fn, (z, y, mu, mv, *masks), axis_name), axis_name)
-  _, inv_su, log_su = normalizer(su)
-  has_v, inv_sv, log_sv = normalizer(sv)
-  log_ratio = log_su - log_sv
-  kl = jnp.where(has_v, inv_sv * a + log_ratio, 0.0)
-  return kl, (mu, inv_su, mv, inv_sv, log_ratio)
+  return kl_from_sums(mu, su, mv, sv, a)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -129,23 +136,10 @@ def kl_kernel(axis_name, z, y, temperature, masks):
 
 def _kl_kernel_jvp(axis_name, primals, tangents):
   z, y, temperature, masks = primals
-  dz, dy, dtemp, _ = tangents
-  kl, (mu, inv_su, mv, inv_sv, log_ratio) = _kl_rows(axis_name, z, y, temperature, masks)
-  if is_zero(dz) and is_zero(dy) and is_zero(dtemp):
+  kl, stats = _kl_rows(axis_name, z, y, temperature, masks)
+  if all(is_zero(t) for t in tangents[:3]):
     return kl[:, 0], jnp.zeros_like(kl[:, 0])
-  u, keep_u = scaled(z, temperature, masks)
-  v, keep_v = scaled(y, temperature, masks)
-  q = jnp.exp(u - mu) * inv_su
-  p = jnp.exp(v - mv) * inv_sv
-  # d/du = q - p; d/dv = p (log p - log q - KL), 0 on rows where KL = +inf.
-  g_u = q - p
-  g_v = None
-  if not (is_zero(dy) and is_zero(dtemp)):
-    finite = kl != jnp.inf
-    pos = (p > 0) & finite
-    diff = jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
-    g_v = jnp.where(pos, p * (diff + log_ratio - jnp.where(finite, kl, 0.0)), 0.0)
-  local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
+  local = kl_tangent(z, y, temperature, masks, tangents[:3], kl, stats)
   return kl[:, 0], lax.psum(local, axis_name)[:, 0]
 
 
@@ -190,26 +184,13 @@ def jsd_kernel(axis_name, z, y, temperature, beta, masks):
 
 def _jsd_kernel_jvp(axis_name, primals, tangents):
   z, y, temperature, beta, masks = primals
-  dz, dy, dtemp, dbeta, _ = tangents
-  kl_qm, kl_pm, (mu, mv, inv_su, log_su, inv_sv, log_sv) = _jsd_rows(
-    axis_name, z, y, temperature, beta, masks
-  )
+  kl_qm, kl_pm, stats = _jsd_rows(axis_name, z, y, temperature, beta, masks)
   jsd = beta * kl_pm + (1.0 - beta) * kl_qm
-  tangent = jnp.zeros_like(jsd)
-  if not (is_zero(dz) and is_zero(dy) and is_zero(dtemp)):
-    u, keep_u = scaled(z, temperature, masks)
-    v, keep_v = scaled(y, temperature, masks)
-    q = jnp.exp(u - mu) * inv_su
-    p = jnp.exp(v - mv) * inv_sv
-    a_q, a_p = _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta)
-    # d/du = (1 - beta) q (log q - log m - KL(q || m)); d/dv likewise with p.
-    g_u = (1.0 - beta) * q * (a_q - kl_qm)
-    g_v = beta * p * (a_p - kl_pm)
-    local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
+  # The beta term is per row already (global): only the class sums are psum-ed.
+  tangent = beta_tangent(tangents[3], kl_qm, kl_pm)
+  if not all(is_zero(t) for t in tangents[:3]):
+    local = jsd_tangent(z, y, temperature, beta, masks, tangents[:3], stats, kl_qm, kl_pm)
     tangent = tangent + lax.psum(local, axis_name)
-  if not is_zero(dbeta):
-    # d/dbeta = KL(p || m) - KL(q || m), per row (already global).
-    tangent = tangent + (kl_pm - kl_qm) * dbeta
   return jsd[:, 0], tangent[:, 0]
 
 
@@ -218,35 +199,12 @@ jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
 
 def gjsd_kernel(axis_name, z, y, temperature, masks, beta, beta_static):
   """TRL's generalized JSD per row, endpoints included, as :func:`kldiv_jax._logits.gjsd_kernel`."""
-  if beta_static:
-    if beta == 0:
-      return kl_kernel(axis_name, z, y, temperature, masks)
-    if beta == 1:
-      return kl_kernel(axis_name, y, z, temperature, masks)
-    return jsd_kernel(axis_name, z, y, temperature, jnp.asarray(beta, temperature.dtype), masks)
-  b = jnp.asarray(beta).astype(temperature.dtype)
-  index = jnp.where(b == 0, 0, jnp.where(b == 1, 1, 2))
-  out = lax.switch(
-    index,
-    [
-      lambda z, y, t, b, m: kl_kernel(axis_name, z, y, t, m),
-      lambda z, y, t, b, m: kl_kernel(axis_name, y, z, t, m),
-      functools.partial(jsd_kernel, axis_name),
-    ],
-    z,
-    y,
-    temperature,
-    b,
-    masks,
-  )
-  return jnp.where((b >= 0) & (b <= 1), out, jnp.nan)
+  kl = functools.partial(kl_kernel, axis_name)
+  jsd = functools.partial(jsd_kernel, axis_name)
+  return gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static)
 
 
 # Cross entropy -log softmax(z)[label] per row, at temperature 1, as ce_kernel.
-
-
-def _hit(local_labels, shape):
-  return lax.broadcasted_iota(local_labels.dtype, shape, 1) == local_labels
 
 
 def _ce_rows(axis_name, z, labels, masks):
@@ -258,7 +216,7 @@ def _ce_rows(axis_name, z, labels, masks):
     u, _ = scaled(z, one, masks)
     s = jnp.sum(jnp.exp(u - m), axis=-1, keepdims=True)
     # The label's logit, on the device that holds it; 0 elsewhere.
-    picked = jnp.sum(jnp.where(_hit(local_labels, u.shape), u, 0.0), axis=-1, keepdims=True)
+    picked = jnp.sum(jnp.where(label_hit(local_labels, u.shape), u, 0.0), axis=-1, keepdims=True)
     return s, picked
 
   s, picked = lax.psum(_map_blocks(fn, (z, local_labels, m, *masks), axis_name), axis_name)
@@ -282,10 +240,7 @@ def _ce_kernel_jvp(axis_name, primals, tangents):
   ce, (m, inv_s, local_labels) = _ce_rows(axis_name, z, labels, masks)
   if is_zero(dz):
     return ce[:, 0], jnp.zeros_like(ce[:, 0])
-  u, _ = scaled(z, jnp.ones((), ce.dtype), masks)
-  hit = _hit(local_labels, u.shape)
-  # d/dz = softmax(z) - onehot(label), on rows with mass.
-  g = jnp.where(inv_s > 0, jnp.exp(u - m) * inv_s - hit.astype(ce.dtype), 0.0)
+  g = ce_grad(z, local_labels, masks, m, inv_s)
   return ce[:, 0], lax.psum(row_sum(g, dz), axis_name)[:, 0]
 
 
