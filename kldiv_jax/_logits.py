@@ -242,15 +242,28 @@ def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
   return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, beta_static)
 
 
-def _temperature_array(temperature, cdt):
-  return jnp.asarray(temperature).astype(cdt)
-
-
 def _vocab_parallel():
   """The vocabulary-parallel kernels (imported late: that module imports this one)."""
   from kldiv_jax import _vocab_parallel
 
   return _vocab_parallel
+
+
+def _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run):
+  """The shared body of the per-example logit losses.
+
+  Checks the temperature and ``axis_name``, lays the logits out as rows
+  (:func:`prepare`) and returns ``run(rows, t)``, per row, in the output's
+  shape and dtype; ``t`` is the temperature as a compute-dtype scalar. Empty
+  inputs give zeros.
+  """
+  temperature, _ = check_temperature(name, temperature)
+  if axis_name is not None:
+    _vocab_parallel().check_axis_name(name, axis_name)
+  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  if rows.empty:
+    return jnp.zeros(rows.out_shape, rows.out_dtype)
+  return rows.finish(run(rows, jnp.asarray(temperature).astype(rows.cdt)))
 
 
 def kl_div_from_logits(
@@ -347,17 +360,14 @@ def kl_div_from_logits(
   """
   name = "kl_div_from_logits"
   check_choice(name, "direction", direction, DIRECTIONS)
-  temperature, _ = check_temperature(name, temperature)
-  if axis_name is not None:
-    _vocab_parallel().check_axis_name(name, axis_name)
-  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
-  if rows.empty:
-    return jnp.zeros(rows.out_shape, rows.out_dtype)
-  t = _temperature_array(temperature, rows.cdt)
-  z, y = (rows.z, rows.y) if direction == "forward" else (rows.y, rows.z)
-  if axis_name is None:
-    return rows.finish(kl_kernel(z, y, t, rows.masks))
-  return rows.finish(_vocab_parallel().kl_kernel(axis_name, z, y, t, rows.masks))
+
+  def run(rows, t):
+    z, y = (rows.z, rows.y) if direction == "forward" else (rows.y, rows.z)
+    if axis_name is None:
+      return kl_kernel(z, y, t, rows.masks)
+    return _vocab_parallel().kl_kernel(axis_name, z, y, t, rows.masks)
+
+  return _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run)
 
 
 def generalized_jsd(
@@ -431,14 +441,10 @@ def generalized_jsd(
   """
   name = "generalized_jsd"
   beta, beta_static = check_unit_interval(name, "beta", beta)
-  temperature, _ = check_temperature(name, temperature)
-  if axis_name is not None:
-    _vocab_parallel().check_axis_name(name, axis_name)
-  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
-  if rows.empty:
-    return jnp.zeros(rows.out_shape, rows.out_dtype)
-  t = _temperature_array(temperature, rows.cdt)
-  if axis_name is None:
-    return rows.finish(gjsd_kernel(rows.z, rows.y, t, rows.masks, beta, beta_static))
-  vp = _vocab_parallel()
-  return rows.finish(vp.gjsd_kernel(axis_name, rows.z, rows.y, t, rows.masks, beta, beta_static))
+
+  def run(rows, t):
+    if axis_name is None:
+      return gjsd_kernel(rows.z, rows.y, t, rows.masks, beta, beta_static)
+    return _vocab_parallel().gjsd_kernel(axis_name, rows.z, rows.y, t, rows.masks, beta, beta_static)
+
+  return _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run)
