@@ -62,20 +62,19 @@ def machine_info() -> dict[str, Any]:
   """What the numbers were measured on: CPU, cores, devices and library versions."""
   device = jax.devices()[0]
   return {
-      "cpu_model": cpu_model(),
-      "cpu_cores": core_count(),
-      "cpu_count_os": os.cpu_count(),
-      "platform": platform.platform(),
-      "python": platform.python_version(),
-      "backend": jax.default_backend(),
-      "device_kind": device.device_kind,
-      "device_count": jax.device_count(),
-      "versions": {
-          name: _version(name)
-          for name in ("jax", "jaxlib", "optax", "torch", "numpy", "kldiv_jax")
-      },
-      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-      "settled_timing": settling(),
+    "cpu_model": cpu_model(),
+    "cpu_cores": core_count(),
+    "cpu_count_os": os.cpu_count(),
+    "platform": platform.platform(),
+    "python": platform.python_version(),
+    "backend": jax.default_backend(),
+    "device_kind": device.device_kind,
+    "device_count": jax.device_count(),
+    "versions": {
+      name: _version(name) for name in ("jax", "jaxlib", "optax", "torch", "numpy", "kldiv_jax")
+    },
+    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    "settled_timing": settling(),
   }
 
 
@@ -83,9 +82,9 @@ def describe_machine(info: dict[str, Any]) -> str:
   """One line naming the machine, for terminal output."""
   versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items() if v)
   return (
-      f"{info['cpu_model']} ({info['cpu_cores']} cores), backend {info['backend']} "
-      f"[{info['device_kind']} x{info['device_count']}]; {versions}"
-      + ("" if info.get("settled_timing", True) else "; BENCH_SETTLE=0 (plain round-robin)")
+    f"{info['cpu_model']} ({info['cpu_cores']} cores), backend {info['backend']} "
+    f"[{info['device_kind']} x{info['device_count']}]; {versions}"
+    + ("" if info.get("settled_timing", True) else "; BENCH_SETTLE=0 (plain round-robin)")
   )
 
 
@@ -98,8 +97,8 @@ def memory_stats(compiled: Any) -> dict[str, int | None]:
   if stats is None:
     return {"temp_bytes": None, "output_bytes": None}
   return {
-      "temp_bytes": int(stats.temp_size_in_bytes),
-      "output_bytes": int(stats.output_size_in_bytes),
+    "temp_bytes": int(stats.temp_size_in_bytes),
+    "output_bytes": int(stats.output_size_in_bytes),
   }
 
 
@@ -122,8 +121,10 @@ def settling() -> bool:
 
 
 def round_robin(
-    thunks: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1,
-    settle: bool | None = None,
+  thunks: dict[str, Callable[[], Any]],
+  repeats: int,
+  warmup: int = 1,
+  settle: bool | None = None,
 ) -> dict[str, list[float]]:
   """Times each thunk ``repeats`` times, interleaved; returns seconds per call per thunk.
 

@@ -69,29 +69,29 @@ OPTAX = "optax"
 TORCH = "torch_cpu"
 LIMITS = ("limit_read2", "limit_read2_write1", "limit_transcendental")
 SHORT = {
-    KLDIV: "kldiv",
-    KLDIV_OPTAX_API: "k.optax",
-    WHERE: "where",
-    OPTAX: "optax",
-    TORCH: "torch",
-    "limit_read2": "rd2",
-    "limit_read2_write1": "rd2wr1",
-    "limit_transcendental": "transc",
+  KLDIV: "kldiv",
+  KLDIV_OPTAX_API: "k.optax",
+  WHERE: "where",
+  OPTAX: "optax",
+  TORCH: "torch",
+  "limit_read2": "rd2",
+  "limit_read2_write1": "rd2wr1",
+  "limit_transcendental": "transc",
 }
 
 NOTES = [
-    "Times are medians over repeats of jitted, warm calls, timed round-robin with "
-    "block_until_ready; torch is timed with perf_counter around the call.",
-    "vg_x / vg_xt: value_and_grad wrt the input / both arguments; for reduction='none' "
-    "the loss array and its VJP with a fixed random cotangent.",
-    "optax has no elementwise KL: for reduction='none' its per-element formula "
-    "(copied from optax.losses) is timed under the name 'optax'.",
-    "Limits (timed with the forward pass): limit_read2 = sum(x*t), limit_read2_write1 = "
-    "x*t, limit_transcendental = sum(log t) (sum(exp t) for log targets).",
-    "temp/output bytes: XLA compiled memory analysis of each jitted contender.",
-    "Data: inputs log_softmax of N(0,1) logits; targets softmax of N(0,1) logits with "
-    f"{ZERO_FRACTION:.0%} entries set to exactly 0 and renormalised (log targets: log of "
-    "those, -inf at the zeros). Seeded.",
+  "Times are medians over repeats of jitted, warm calls, timed round-robin with "
+  "block_until_ready; torch is timed with perf_counter around the call.",
+  "vg_x / vg_xt: value_and_grad wrt the input / both arguments; for reduction='none' "
+  "the loss array and its VJP with a fixed random cotangent.",
+  "optax has no elementwise KL: for reduction='none' its per-element formula "
+  "(copied from optax.losses) is timed under the name 'optax'.",
+  "Limits (timed with the forward pass): limit_read2 = sum(x*t), limit_read2_write1 = "
+  "x*t, limit_transcendental = sum(log t) (sum(exp t) for log targets).",
+  "temp/output bytes: XLA compiled memory analysis of each jitted contender.",
+  "Data: inputs log_softmax of N(0,1) logits; targets softmax of N(0,1) logits with "
+  f"{ZERO_FRACTION:.0%} entries set to exactly 0 and renormalised (log targets: log of "
+  "those, -inf at the zeros). Seeded.",
 ]
 
 
@@ -105,7 +105,7 @@ def shape_for(elements: int) -> tuple[int, int]:
 
 
 def make_data(
-    shape: tuple[int, int], dtype: str, log_target: bool, seed: int
+  shape: tuple[int, int], dtype: str, log_target: bool, seed: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(x, t, g)``: log-probabilities, targets with exact zeros, a cotangent."""
 
@@ -150,17 +150,13 @@ def optax_terms(x: jax.Array, t: jax.Array, log_target: bool) -> jax.Array:
 def contenders(reduction: str, log_target: bool, rows: int) -> dict[str, Callable]:
   """The jitted contenders of one mode, each ``f(x, t) -> loss``."""
   out: dict[str, Callable] = {
-      KLDIV: lambda x, t: kldiv_jax.kl_div(x, t, reduction=reduction, log_target=log_target),
-      WHERE: lambda x, t: _reduce(where_guarded_terms(x, t, log_target), reduction, rows),
+    KLDIV: lambda x, t: kldiv_jax.kl_div(x, t, reduction=reduction, log_target=log_target),
+    WHERE: lambda x, t: _reduce(where_guarded_terms(x, t, log_target), reduction, rows),
   }
   if reduction == "none":
     out[OPTAX] = lambda x, t: optax_terms(x, t, log_target)
   else:
-    ox = (
-        optax.losses.kl_divergence_with_log_targets
-        if log_target
-        else optax.losses.kl_divergence
-    )
+    ox = optax.losses.kl_divergence_with_log_targets if log_target else optax.losses.kl_divergence
     kx = kldiv_jax.kl_divergence_with_log_targets if log_target else kldiv_jax.kl_divergence
     out[OPTAX] = lambda x, t: jnp.sum(ox(x, t)) / rows
     out[KLDIV_OPTAX_API] = lambda x, t: jnp.sum(kx(x, t)) / rows
@@ -189,9 +185,9 @@ def limits(log_target: bool) -> dict[str, Callable]:
   f32 = jnp.float32
   transc = jnp.exp if log_target else jnp.log
   return {
-      "limit_read2": lambda x, t: jnp.sum(x.astype(f32) * t.astype(f32)),
-      "limit_read2_write1": lambda x, t: x * t,
-      "limit_transcendental": lambda x, t: jnp.sum(transc(t.astype(f32))),
+    "limit_read2": lambda x, t: jnp.sum(x.astype(f32) * t.astype(f32)),
+    "limit_read2_write1": lambda x, t: x * t,
+    "limit_transcendental": lambda x, t: jnp.sum(transc(t.astype(f32))),
   }
 
 
@@ -261,15 +257,15 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def run_case(
-    data,
-    torch_data,
-    elements,
-    shape,
-    dtype,
-    log_target,
-    reduction,
-    op,
-    repeats,
+  data,
+  torch_data,
+  elements,
+  shape,
+  dtype,
+  log_target,
+  reduction,
+  op,
+  repeats,
 ) -> list[dict[str, Any]]:
   """Times one (case, op) group round-robin; returns its records."""
   x, t, g = data
@@ -290,7 +286,8 @@ def run_case(
   med = {name: median_ms(ts) for name, ts in times.items()}
   records = []
   for name, ts in times.items():
-    records.append({
+    records.append(
+      {
         "elements": elements,
         "log2_elements": int(np.log2(elements)),
         "shape": list(shape),
@@ -310,16 +307,17 @@ def run_case(
         "compile_s": info[name]["compile_s"],
         "ratio_vs_where": ratio(med[name], med.get(WHERE)),
         "ratio_vs_optax": ratio(med[name], med.get(OPTAX)),
-    })
+      }
+    )
   return records
 
 
 TABLE_HEADER = (
-    f"{'shape':>12} {'dtype':8} {'lt':>2} {'reduction':9} {'op':5} |"
-    f" {'kldiv':>8} {'k.optax':>8} {'where':>8} {'optax':>8} {'torch':>8} ms |"
-    f" {'k/where':>7} {'k/optax':>7} {'torch/k':>7} |"
-    f" {'temp k':>7} {'temp w':>7} {'temp o':>7} {'out k':>7} |"
-    f" {'rd2':>7} {'rd2wr1':>7} {'transc':>7} ms"
+  f"{'shape':>12} {'dtype':8} {'lt':>2} {'reduction':9} {'op':5} |"
+  f" {'kldiv':>8} {'k.optax':>8} {'where':>8} {'optax':>8} {'torch':>8} ms |"
+  f" {'k/where':>7} {'k/optax':>7} {'torch/k':>7} |"
+  f" {'temp k':>7} {'temp w':>7} {'temp o':>7} {'out k':>7} |"
+  f" {'rd2':>7} {'rd2wr1':>7} {'transc':>7} ms"
 )
 
 
@@ -337,13 +335,13 @@ def table_row(records: list[dict[str, Any]]) -> str:
   torch_ratio = ratio(by[TORCH]["median_ms"], k) if TORCH in by else None
   shape = "x".join(map(str, r0["shape"]))
   return (
-      f"{shape:>12} {r0['dtype']:8} {'T' if r0['log_target'] else 'F':>2} "
-      f"{r0['reduction']:9} {r0['op']:5} |"
-      f" {ms(KLDIV):>8} {ms(KLDIV_OPTAX_API):>8} {ms(WHERE):>8} {ms(OPTAX):>8} {ms(TORCH):>8}    |"
-      f" {fmt_ratio(by[KLDIV]['ratio_vs_where']):>7} {fmt_ratio(by[KLDIV]['ratio_vs_optax']):>7}"
-      f" {fmt_ratio(torch_ratio):>7} |"
-      f" {mem(KLDIV):>7} {mem(WHERE):>7} {mem(OPTAX):>7} {mem(KLDIV, 'output_bytes'):>7} |"
-      f" {ms(LIMITS[0]):>7} {ms(LIMITS[1]):>7} {ms(LIMITS[2]):>7}"
+    f"{shape:>12} {r0['dtype']:8} {'T' if r0['log_target'] else 'F':>2} "
+    f"{r0['reduction']:9} {r0['op']:5} |"
+    f" {ms(KLDIV):>8} {ms(KLDIV_OPTAX_API):>8} {ms(WHERE):>8} {ms(OPTAX):>8} {ms(TORCH):>8}    |"
+    f" {fmt_ratio(by[KLDIV]['ratio_vs_where']):>7} {fmt_ratio(by[KLDIV]['ratio_vs_optax']):>7}"
+    f" {fmt_ratio(torch_ratio):>7} |"
+    f" {mem(KLDIV):>7} {mem(WHERE):>7} {mem(OPTAX):>7} {mem(KLDIV, 'output_bytes'):>7} |"
+    f" {ms(LIMITS[0]):>7} {ms(LIMITS[1]):>7} {ms(LIMITS[2]):>7}"
   )
 
 
@@ -357,8 +355,9 @@ def evaluate_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
   float32 ``batchmean`` case stands in, flagged ``flagship: False``.
   """
   cands = [
-      r for r in records
-      if r["dtype"] == "float32" and r["reduction"] == "batchmean" and r["kind"] == "contender"
+    r
+    for r in records
+    if r["dtype"] == "float32" and r["reduction"] == "batchmean" and r["kind"] == "contender"
   ]
   if not cands:
     return {"shape": None, "flagship": False, "rows": []}
@@ -370,7 +369,8 @@ def evaluate_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
 
   def add(lt, name, value, threshold, sense, detail=""):
     ok = None if value is None else (value <= threshold if sense == "<=" else value >= threshold)
-    rows.append({
+    rows.append(
+      {
         "log_target": lt,
         "target": name,
         "value": value,
@@ -378,7 +378,8 @@ def evaluate_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
         "sense": sense,
         "pass": ok,
         "detail": detail,
-    })
+      }
+    )
 
   def med(lt, op, name):
     r = by.get((lt, op, name))
@@ -395,9 +396,19 @@ def evaluate_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
       k, w = by.get((lt, op, KLDIV)), by.get((lt, op, WHERE))
       kb = None if k is None else k["temp_bytes"]
       wb = None if w is None else w["temp_bytes"]
-      value = ratio(kb, wb) if wb else (None if kb is None or wb is None else (0.0 if kb == 0 else float("inf")))
-      add(lt, f"XLA temp bytes {op} / where_guarded", value, 1.0, "<=",
-          f"{fmt_bytes(kb)} vs {fmt_bytes(wb)}")
+      value = (
+        ratio(kb, wb)
+        if wb
+        else (None if kb is None or wb is None else (0.0 if kb == 0 else float("inf")))
+      )
+      add(
+        lt,
+        f"XLA temp bytes {op} / where_guarded",
+        value,
+        1.0,
+        "<=",
+        f"{fmt_bytes(kb)} vs {fmt_bytes(wb)}",
+      )
   return {"shape": shape, "flagship": bool(flagship), "rows": rows}
 
 
@@ -413,8 +424,10 @@ def print_targets(targets: dict[str, Any]) -> None:
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
     need = f"{row['sense']} {row['threshold']:g}"
     detail = f"  ({row['detail']})" if row["detail"] else ""
-    print(f"  {row['log_target']!s:10} {row['target']:42} {fmt_ratio(row['value']):>8} "
-          f"{need:>8}  {verdict}{detail}")
+    print(
+      f"  {row['log_target']!s:10} {row['target']:42} {fmt_ratio(row['value']):>8} "
+      f"{need:>8}  {verdict}{detail}"
+    )
 
 
 # ---------------------------------------------------------------------------- chart
@@ -431,34 +444,39 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
     print("matplotlib not importable: no chart", file=sys.stderr)
     return False
   modes = sorted(
-      {(r["dtype"], r["log_target"], r["reduction"]) for r in records},
-      key=lambda m: (DTYPES.index(m[0]) if m[0] in DTYPES else 9, m[1], REDUCTIONS.index(m[2])),
+    {(r["dtype"], r["log_target"], r["reduction"]) for r in records},
+    key=lambda m: (DTYPES.index(m[0]) if m[0] in DTYPES else 9, m[1], REDUCTIONS.index(m[2])),
   )
   ncols = min(4, len(modes))
   nrows = -(-len(modes) // ncols)
-  fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False,
-                           sharex=True)
+  fig, axes = plt.subplots(
+    nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False, sharex=True
+  )
   colors = {KLDIV: "C0", KLDIV_OPTAX_API: "C4", WHERE: "C1", OPTAX: "C2", TORCH: "C3"}
   limit_style = {LIMITS[0]: ":", LIMITS[1]: "-.", LIMITS[2]: (0, (1, 3))}
   for ax, mode in zip(axes.flat, modes):
     rs = [r for r in records if (r["dtype"], r["log_target"], r["reduction"]) == mode]
     for name, color in colors.items():
       for op, style in (("fwd", "-"), ("vg_x", "--")):
-        pts = sorted((r["elements"], r["ns_per_element"]) for r in rs
-                     if r["contender"] == name and r["op"] == op)
+        pts = sorted(
+          (r["elements"], r["ns_per_element"])
+          for r in rs
+          if r["contender"] == name and r["op"] == op
+        )
         if pts:
           ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=f"{SHORT[name]} {op}")
     for name, style in limit_style.items():
       pts = sorted((r["elements"], r["ns_per_element"]) for r in rs if r["contender"] == name)
       if pts:
-        ax.plot(*zip(*pts), linestyle=style, color="0.35", marker="x", ms=3,
-                label=f"limit {SHORT[name]}")
+        ax.plot(
+          *zip(*pts), linestyle=style, color="0.35", marker="x", ms=3, label=f"limit {SHORT[name]}"
+        )
     dtype, lt, red = mode
     ax.set_title(f"{dtype}, log_target={lt}, {red}", fontsize=9)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-  for ax in axes.flat[len(modes):]:
+  for ax in axes.flat[len(modes) :]:
     ax.set_visible(False)
   for ax in axes[-1]:
     ax.set_xlabel("elements")
@@ -480,8 +498,12 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true", help="a few small sizes, few repeats")
-  p.add_argument("--sizes", type=parse_sizes, default=None,
-                 help="comma-separated log2 sizes or element counts (default 16,19,22,25)")
+  p.add_argument(
+    "--sizes",
+    type=parse_sizes,
+    default=None,
+    help="comma-separated log2 sizes or element counts (default 16,19,22,25)",
+  )
   p.add_argument("--repeats", type=int, default=None, help="repeats for every size")
   p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
   p.add_argument("--dtypes", default=",".join(DTYPES))
@@ -499,8 +521,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   reductions = [r.strip() for r in args.reductions.split(",")]
   ops = [o.strip() for o in args.ops.split(",")]
   log_targets = {"both": [False, True], "true": [True], "false": [False]}[args.log_target]
-  for value, allowed, what in ((dtypes, DTYPES, "dtype"), (reductions, REDUCTIONS, "reduction"),
-                               (ops, OPS, "op")):
+  for value, allowed, what in (
+    (dtypes, DTYPES, "dtype"),
+    (reductions, REDUCTIONS, "reduction"),
+    (ops, OPS, "op"),
+  ):
     bad = sorted(set(value) - set(allowed))
     if bad:
       raise SystemExit(f"bench_core: unknown {what} {bad}; expected some of {list(allowed)}")
@@ -528,24 +553,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
   targets = evaluate_targets(records)
   print_targets(targets)
   return {
-      "section": "core",
-      "machine": machine,
-      "settings": {
-          "sizes": sizes,
-          "shapes": [list(shape_for(n)) for n in sizes],
-          "dtypes": dtypes,
-          "reductions": reductions,
-          "log_targets": log_targets,
-          "ops": ops,
-          "repeats_override": args.repeats,  # None: default_repeats; each record has its own
-          "quick": args.quick,
-          "seed": args.seed,
-          "torch": torch is not None,
-          "zero_fraction": ZERO_FRACTION,
-      },
-      "notes": NOTES,
-      "records": records,
-      "targets": targets,
+    "section": "core",
+    "machine": machine,
+    "settings": {
+      "sizes": sizes,
+      "shapes": [list(shape_for(n)) for n in sizes],
+      "dtypes": dtypes,
+      "reductions": reductions,
+      "log_targets": log_targets,
+      "ops": ops,
+      "repeats_override": args.repeats,  # None: default_repeats; each record has its own
+      "quick": args.quick,
+      "seed": args.seed,
+      "torch": torch is not None,
+      "zero_fraction": ZERO_FRACTION,
+    },
+    "notes": NOTES,
+    "records": records,
+    "targets": targets,
   }
 
 
@@ -555,8 +580,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   out = Path(args.out)
   write_json(out / "core.json", result)
   m = result["machine"]
-  title = (f"kldiv_jax core benchmark: {m['cpu_model']} ({m['cpu_cores']} cores), "
-           f"{m['backend']} [{m['device_kind']}], jax {m['versions']['jax']}")
+  title = (
+    f"kldiv_jax core benchmark: {m['cpu_model']} ({m['cpu_cores']} cores), "
+    f"{m['backend']} [{m['device_kind']}], jax {m['versions']['jax']}"
+  )
   charted = plot(result["records"], out / "core.png", title)
   print(f"core: wrote {out / 'core.json'}" + (f" and {out / 'core.png'}" if charted else ""))
   return 0

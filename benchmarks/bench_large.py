@@ -100,8 +100,12 @@ def random_args(tokens: int, hidden: int, vocab: int, seed: int) -> tuple[jax.Ar
 def measure_memory(shape: tuple[int, int, int]) -> dict[str, Any]:
   tokens, hidden, vocab = shape
   args = abstract_args(*shape)
-  out: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "vocab": vocab,
-                         "logits_bytes": tokens * vocab * 4}
+  out: dict[str, Any] = {
+    "tokens": tokens,
+    "hidden": hidden,
+    "vocab": vocab,
+    "logits_bytes": tokens * vocab * 4,
+  }
   for name, fn in CONTENDERS.items():
     compiled = jax.jit(value_and_grad(fn)).lower(*args).compile()
     out[name] = memory_stats(compiled)
@@ -152,22 +156,28 @@ def targets(memory: dict[str, Any], time: dict[str, Any], quick: bool) -> list[d
 
 def print_report(result: dict[str, Any]) -> None:
   memory, time = result["memory"], result["time"]
-  print(f"\nXLA compiled memory of value_and_grad, N={memory['tokens']} H={memory['hidden']} "
-        f"V={memory['vocab']} float32 (one side's logits: {fmt_bytes(memory['logits_bytes'])})")
+  print(
+    f"\nXLA compiled memory of value_and_grad, N={memory['tokens']} H={memory['hidden']} "
+    f"V={memory['vocab']} float32 (one side's logits: {fmt_bytes(memory['logits_bytes'])})"
+  )
   print(f"  {'contender':14} {'temp':>10} {'output':>10}")
   for name in CONTENDERS:
     m = memory[name]
     print(f"  {name:14} {fmt_bytes(m['temp_bytes']):>10} {fmt_bytes(m['output_bytes']):>10}")
-  print(f"\nvalue_and_grad time, N={time['tokens']} H={time['hidden']} V={time['vocab']} float32, "
-        f"median of {time['repeats']} (round-robin)")
+  print(
+    f"\nvalue_and_grad time, N={time['tokens']} H={time['hidden']} V={time['vocab']} float32, "
+    f"median of {time['repeats']} (round-robin)"
+  )
   print(f"  {'contender':14} {'median ms':>10} {'temp':>10}  times ms")
   for name in CONTENDERS:
     t = time[name]
     times = ", ".join(fmt_ms(x) for x in t["times_ms"])
     print(f"  {name:14} {fmt_ms(t['median_ms']):>10} {fmt_bytes(t['temp_bytes']):>10}  {times}")
   print(f"  loss relative difference fused vs materialised: {time['loss_relative_difference']:.1e}")
-  print("\ntargets" + (" (--quick: small shapes, not the issue's)" if result["settings"]["quick"]
-                       else ""))
+  print(
+    "\ntargets"
+    + (" (--quick: small shapes, not the issue's)" if result["settings"]["quick"] else "")
+  )
   for t in result["targets"]:
     met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
     print(f"  {t['target']:34} {t['shape']:24} {fmt_ratio(t['value']):>6} <= {t['limit']:<5} {met}")
@@ -177,8 +187,12 @@ def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
   p.add_argument("--repeats", type=int, default=None, help="timed calls per contender (default 3)")
-  p.add_argument("--out", type=Path, default=None,
-                 help="directory for large.json (default: benchmarks/results when run as a script)")
+  p.add_argument(
+    "--out",
+    type=Path,
+    default=None,
+    help="directory for large.json (default: benchmarks/results when run as a script)",
+  )
   p.add_argument("--seed", type=int, default=0)
   return p
 

@@ -75,7 +75,7 @@ def trl_jsd(temperature: float, beta: float) -> Callable[..., jax.Array]:
     student = jax.nn.log_softmax(s / temperature, axis=-1)
     teacher = jax.nn.log_softmax(t / temperature, axis=-1)
     mixture = jax.nn.logsumexp(
-        jnp.stack([student + jnp.log1p(-beta), teacher + jnp.log(beta)]), axis=0
+      jnp.stack([student + jnp.log1p(-beta), teacher + jnp.log(beta)]), axis=0
     )
     # F.kl_div(mixture, x, reduction="none", log_target=True) = exp(x) * (x - mixture)
     kl_teacher = jnp.exp(teacher) * (teacher - mixture)
@@ -104,24 +104,24 @@ def naive_distill(temperature: float, alpha: float) -> Callable[..., jax.Array]:
 def contenders(temperature: float) -> dict[str, dict[str, Callable[..., jax.Array]]]:
   """Per group, the baseline (first) and kldiv_jax: scalar losses of (s, t[, labels])."""
   return {
-      "kl": {
-          "straightforward": naive_kl(temperature),
-          "kldiv_jax": lambda s, t: jnp.mean(
-              kldiv_jax.kl_div_from_logits(s, t, temperature=temperature)
-          ),
-      },
-      "jsd": {
-          "trl_port": trl_jsd(temperature, 0.5),
-          "kldiv_jax": lambda s, t: jnp.mean(
-              kldiv_jax.generalized_jsd(s, t, beta=0.5, temperature=temperature)
-          ),
-      },
-      "distill": {
-          "straightforward": naive_distill(temperature, 0.5),
-          "kldiv_jax": lambda s, t, labels: kldiv_jax.distillation_loss(
-              s, t, labels, temperature=temperature, alpha=0.5
-          ),
-      },
+    "kl": {
+      "straightforward": naive_kl(temperature),
+      "kldiv_jax": lambda s, t: jnp.mean(
+        kldiv_jax.kl_div_from_logits(s, t, temperature=temperature)
+      ),
+    },
+    "jsd": {
+      "trl_port": trl_jsd(temperature, 0.5),
+      "kldiv_jax": lambda s, t: jnp.mean(
+        kldiv_jax.generalized_jsd(s, t, beta=0.5, temperature=temperature)
+      ),
+    },
+    "distill": {
+      "straightforward": naive_distill(temperature, 0.5),
+      "kldiv_jax": lambda s, t, labels: kldiv_jax.distillation_loss(
+        s, t, labels, temperature=temperature, alpha=0.5
+      ),
+    },
   }
 
 
@@ -154,20 +154,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     base_ms, base_temp = median_ms(times[baseline]), infos[baseline]["temp_bytes"]
     for name in fns:
       ms = median_ms(times[name])
-      records.append({
-          "group": group, "contender": name, "shape": list(shape), "dtype": "float32",
-          "temperature": args.temperature, "median_ms": ms,
-          "times_ms": [1e3 * t for t in times[name]], "repeats": repeats,
-          "temp_bytes": infos[name]["temp_bytes"], "output_bytes": infos[name]["output_bytes"],
-          "compile_s": infos[name]["compile_s"], "baseline": baseline,
-          "time_ratio": ratio(ms, base_ms), "temp_ratio": ratio(infos[name]["temp_bytes"],
-                                                                base_temp),
-      })
+      records.append(
+        {
+          "group": group,
+          "contender": name,
+          "shape": list(shape),
+          "dtype": "float32",
+          "temperature": args.temperature,
+          "median_ms": ms,
+          "times_ms": [1e3 * t for t in times[name]],
+          "repeats": repeats,
+          "temp_bytes": infos[name]["temp_bytes"],
+          "output_bytes": infos[name]["output_bytes"],
+          "compile_s": infos[name]["compile_s"],
+          "baseline": baseline,
+          "time_ratio": ratio(ms, base_ms),
+          "temp_ratio": ratio(infos[name]["temp_bytes"], base_temp),
+        }
+      )
   return {
-      "section": "logits", "machine": machine_info(),
-      "settings": {"shape": list(shape), "temperature": args.temperature, "repeats": repeats,
-                   "seed": args.seed, "full_size": shape == FULL_SHAPE},
-      "records": records, "targets": evaluate_targets(records, shape == FULL_SHAPE),
+    "section": "logits",
+    "machine": machine_info(),
+    "settings": {
+      "shape": list(shape),
+      "temperature": args.temperature,
+      "repeats": repeats,
+      "seed": args.seed,
+      "full_size": shape == FULL_SHAPE,
+    },
+    "records": records,
+    "targets": evaluate_targets(records, shape == FULL_SHAPE),
   }
 
 
@@ -175,27 +191,39 @@ def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str
   rows = []
   for group, (time_target, temp_target) in TARGETS.items():
     ours = next(r for r in records if r["group"] == group and r["contender"] == "kldiv_jax")
-    for what, target, value in (("time", time_target, ours["time_ratio"]),
-                                ("temp bytes", temp_target, ours["temp_ratio"])):
+    for what, target, value in (
+      ("time", time_target, ours["time_ratio"]),
+      ("temp bytes", temp_target, ours["temp_ratio"]),
+    ):
       if target is None:
         continue
-      rows.append({"target": f"{group} {what} / {ours['baseline']}", "limit": target,
-                   "value": value, "pass": None if value is None else value <= target})
+      rows.append(
+        {
+          "target": f"{group} {what} / {ours['baseline']}",
+          "limit": target,
+          "value": value,
+          "pass": None if value is None else value <= target,
+        }
+      )
   return {"full_size": full_size, "rows": rows}
 
 
 def print_report(result: dict[str, Any]) -> None:
   print(describe_machine(result["machine"]))
   s = result["settings"]
-  print(f"value_and_grad wrt the student's logits, shape {tuple(s['shape'])} float32, "
-        f"T = {s['temperature']}, median of {s['repeats']}")
+  print(
+    f"value_and_grad wrt the student's logits, shape {tuple(s['shape'])} float32, "
+    f"T = {s['temperature']}, median of {s['repeats']}"
+  )
   header = f"{'group':8} {'contender':16} {'ms':>9} {'ratio':>6} {'temp':>9} {'ratio':>6}"
   print(header)
   print("-" * len(header))
   for r in result["records"]:
-    print(f"{r['group']:8} {r['contender']:16} {fmt_ms(r['median_ms']):>9} "
-          f"{fmt_ratio(r['time_ratio']):>6} {fmt_bytes(r['temp_bytes']):>9} "
-          f"{fmt_ratio(r['temp_ratio']):>6}")
+    print(
+      f"{r['group']:8} {r['contender']:16} {fmt_ms(r['median_ms']):>9} "
+      f"{fmt_ratio(r['time_ratio']):>6} {fmt_bytes(r['temp_bytes']):>9} "
+      f"{fmt_ratio(r['temp_ratio']):>6}"
+    )
   targets = result["targets"]
   note = "" if targets["full_size"] else " (indicative only: not the (4096, 8192) size)"
   print(f"Targets (issue 4){note}:")

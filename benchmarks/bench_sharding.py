@@ -134,16 +134,15 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
       "temp_ratio": mp["temp_bytes"] / max(ms["temp_bytes"], 1),
       "total_ratio": total(mp) / max(total(ms), 1),
       # memory_analysis describes one device's program: its arguments are the shards.
-      "per_device": mp["argument_bytes"] == sum(
+      "per_device": mp["argument_bytes"]
+      == sum(
         int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in sharded_args
       ),
       "all_gathers": [c for c in collectives if "all-gather" in c[0]],
       "largest_collective": max((c[1] for c in collectives), key=_elements, default=""),
       # The class axis is the last one of the logits, of their per-row statistics
       # ([rows, 1]) and of any slice of them a collective would carry.
-      "vocab_sized_collective": any(
-        _last_dims(c[1]) & {vocab, local_vocab} for c in collectives
-      ),
+      "vocab_sized_collective": any(_last_dims(c[1]) & {vocab, local_vocab} for c in collectives),
     }
 
   shapes = SHAPES[quick]
@@ -155,11 +154,17 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
     return lambda a, b: jnp.sum(kd.kl_div_from_logits(a, b, temperature=2.0, axis_name=axis_name))
 
   sharded_kl = jax.shard_map(kl("vocab"), mesh=mesh, in_specs=P(None, "vocab"), out_specs=P())
-  rows.append(row(
-    "kl_div_from_logits value_and_grad", f"[{n}, {v}]",
-    jax.value_and_grad(kl(None)), (spec((n, v)), spec((n, v))),
-    jax.value_and_grad(sharded_kl), (spec((n, v), P(None, "vocab")),) * 2, v,
-  ))
+  rows.append(
+    row(
+      "kl_div_from_logits value_and_grad",
+      f"[{n}, {v}]",
+      jax.value_and_grad(kl(None)),
+      (spec((n, v)), spec((n, v))),
+      jax.value_and_grad(sharded_kl),
+      (spec((n, v), P(None, "vocab")),) * 2,
+      v,
+    )
+  )
 
   n, h, v = shapes["fused"]
 
@@ -171,12 +176,17 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
   in_specs = (P(), P(None, "vocab"), P(), P(None, "vocab"))
   sharded_fused = jax.shard_map(fused("vocab"), mesh=mesh, in_specs=in_specs, out_specs=P())
   arg_shapes = [(n, h), (h, v), (n, h), (h, v)]
-  rows.append(row(
-    "fused_linear_kl_div value_and_grad (hidden, weight)", f"N={n} H={h} V={v}",
-    jax.value_and_grad(fused(None), argnums=(0, 1)), [spec(s) for s in arg_shapes],
-    jax.value_and_grad(sharded_fused, argnums=(0, 1)),
-    [spec(s, p) for s, p in zip(arg_shapes, in_specs)], v,
-  ))
+  rows.append(
+    row(
+      "fused_linear_kl_div value_and_grad (hidden, weight)",
+      f"N={n} H={h} V={v}",
+      jax.value_and_grad(fused(None), argnums=(0, 1)),
+      [spec(s) for s in arg_shapes],
+      jax.value_and_grad(sharded_fused, argnums=(0, 1)),
+      [spec(s, p) for s, p in zip(arg_shapes, in_specs)],
+      v,
+    )
+  )
   return {"devices": NUM_DEVICES, "target_temp_ratio": TARGET, "rows": rows}
 
 
@@ -185,24 +195,35 @@ def _mib(n: int) -> str:
 
 
 def print_table(result: dict[str, Any]) -> None:
-  print(f"vocabulary-parallel memory, {result['devices']} simulated CPU devices, float32, "
-        "compiled (not run); MiB per device")
-  head = (f"{'program':52} {'shape':22} {'temp 1':>8} {'temp 8':>8} {'ratio':>6} "
-          f"{'arg+out+temp 1':>15} {'... 8':>8} {'ratio':>6} {'per-dev':>7} {'gather':>6}")
+  print(
+    f"vocabulary-parallel memory, {result['devices']} simulated CPU devices, float32, "
+    "compiled (not run); MiB per device"
+  )
+  head = (
+    f"{'program':52} {'shape':22} {'temp 1':>8} {'temp 8':>8} {'ratio':>6} "
+    f"{'arg+out+temp 1':>15} {'... 8':>8} {'ratio':>6} {'per-dev':>7} {'gather':>6}"
+  )
   print(head)
   print("-" * len(head))
   for r in result["rows"]:
     s, p = r["single"], r["sharded"]
     tot = lambda m: m["temp_bytes"] + m["argument_bytes"] + m["output_bytes"]  # noqa: E731
-    print(f"{r['program']:52} {r['shape']:22} {_mib(s['temp_bytes'])} {_mib(p['temp_bytes'])} "
-          f"{r['temp_ratio']:6.3f} {_mib(tot(s)):>15} {_mib(tot(p))} {r['total_ratio']:6.3f} "
-          f"{'yes' if r['per_device'] else 'NO':>7} {len(r['all_gathers']):6d}")
+    print(
+      f"{r['program']:52} {r['shape']:22} {_mib(s['temp_bytes'])} {_mib(p['temp_bytes'])} "
+      f"{r['temp_ratio']:6.3f} {_mib(tot(s)):>15} {_mib(tot(p))} {r['total_ratio']:6.3f} "
+      f"{'yes' if r['per_device'] else 'NO':>7} {len(r['all_gathers']):6d}"
+    )
   for r in result["rows"]:
-    ok = r["temp_ratio"] <= result["target_temp_ratio"] and not r["all_gathers"] and not r[
-      "vocab_sized_collective"]
-    print(f"  {'PASS' if ok else 'FAIL'} {r['program']}: temp {r['temp_ratio']:.3f}x "
-          f"(target <= {result['target_temp_ratio']}x), {len(r['all_gathers'])} all-gathers, "
-          f"largest collective {r['largest_collective']}")
+    ok = (
+      r["temp_ratio"] <= result["target_temp_ratio"]
+      and not r["all_gathers"]
+      and not r["vocab_sized_collective"]
+    )
+    print(
+      f"  {'PASS' if ok else 'FAIL'} {r['program']}: temp {r['temp_ratio']:.3f}x "
+      f"(target <= {result['target_temp_ratio']}x), {len(r['all_gathers'])} all-gathers, "
+      f"largest collective {r['largest_collective']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
   if jax.device_count() < NUM_DEVICES:  # JAX started before this module set XLA_FLAGS
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FLAG}".strip()
-    cmd = [sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])]
+    cmd = [
+      sys.executable,
+      str(Path(__file__).resolve()),
+      *(argv if argv is not None else sys.argv[1:]),
+    ]
     return subprocess.run(cmd, env=env, check=False).returncode
   result = vocab_parallel_memory(quick=args.quick)
   print_table(result)

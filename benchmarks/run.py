@@ -86,16 +86,23 @@ def run_section(name: str, args: argparse.Namespace, extra: list[str]) -> tuple[
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--quick", action="store_true", help="a few small sizes, few repeats")
-  p.add_argument("--sizes", default=None,
-                 help="core sizes: comma-separated log2 exponents or element counts")
+  p.add_argument(
+    "--sizes", default=None, help="core sizes: comma-separated log2 exponents or element counts"
+  )
   p.add_argument("--repeats", type=int, default=None, help="repeats per timing (all sizes)")
   p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
-  p.add_argument("--sections", default=None,
-                 help=f"comma-separated sections (available: {','.join(available_sections())})")
+  p.add_argument(
+    "--sections",
+    default=None,
+    help=f"comma-separated sections (available: {','.join(available_sections())})",
+  )
   args, extra = p.parse_known_args(argv)
   available = available_sections()
-  sections = available if args.sections is None else [
-      s.strip() for s in args.sections.split(",") if s.strip()]
+  sections = (
+    available
+    if args.sections is None
+    else [s.strip() for s in args.sections.split(",") if s.strip()]
+  )
   unknown = [s for s in sections if s not in available]
   if unknown:
     p.error(f"unknown section(s) {unknown}; available: {available}")

@@ -51,8 +51,8 @@ def init_mlp(key: jax.Array, sizes: Sequence[int]) -> Params:
   keys = jax.random.split(key, len(sizes) - 1)
   init = jax.nn.initializers.he_normal()
   return [
-      (init(k, (n_in, n_out), jnp.float32), jnp.zeros((n_out,), jnp.float32))
-      for k, n_in, n_out in zip(keys, sizes[:-1], sizes[1:])
+    (init(k, (n_in, n_out), jnp.float32), jnp.zeros((n_out,), jnp.float32))
+    for k, n_in, n_out in zip(keys, sizes[:-1], sizes[1:])
   ]
 
 
@@ -70,9 +70,8 @@ def num_params(params: Params) -> int:
 
 # --- losses ------------------------------------------------------------------
 
-def label_loss(
-    logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array
-) -> jax.Array:
+
+def label_loss(logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array) -> jax.Array:
   """Cross-entropy with the labels only (``teacher_logits`` unused)."""
   del teacher_logits
   return optax.losses.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -81,7 +80,7 @@ def label_loss(
 def kl_from_teacher(logits: jax.Array, teacher_logits: jax.Array) -> jax.Array:
   """Mean over examples of KL(softmax(teacher) || softmax(model)), at T = 1."""
   return kldiv_jax.kl_divergence_with_log_targets(
-      jax.nn.log_softmax(logits), jax.nn.log_softmax(teacher_logits)
+    jax.nn.log_softmax(logits), jax.nn.log_softmax(teacher_logits)
   ).mean()
 
 
@@ -125,14 +124,14 @@ def evaluate(params: Params, x: jax.Array, labels: jax.Array, teacher_logits: ja
 
 
 def train(
-    name: str,
-    sizes: Sequence[int],
-    objective: Objective,
-    data: dict[str, jax.Array],
-    *,
-    epochs: int,
-    learning_rate: float,
-    key: jax.Array,
+  name: str,
+  sizes: Sequence[int],
+  objective: Objective,
+  data: dict[str, jax.Array],
+  *,
+  epochs: int,
+  learning_rate: float,
+  key: jax.Array,
 ) -> tuple[Params, dict[str, list[float]]]:
   """Trains an MLP of ``sizes`` on ``objective``; returns it and its curves."""
   init_key, key = jax.random.split(key)
@@ -145,7 +144,7 @@ def train(
   bar = tqdm(range(epochs), desc=f"{name:<19}", unit="epoch", ncols=90)
   for i in bar:
     params, opt_state, loss = epoch(
-        params, opt_state, epoch_keys[i], data["x_train"], data["teacher_train"], data["y_train"]
+      params, opt_state, epoch_keys[i], data["x_train"], data["teacher_train"], data["y_train"]
     )
     ce, accuracy, kl = evaluate(params, data["x_test"], data["y_test"], data["teacher_test"])
     history["train_loss"].append(float(loss))
@@ -163,22 +162,22 @@ def load_data(seed: int) -> dict[str, jax.Array]:
   digits = load_digits()
   x = (digits.data / 16.0).astype(np.float32)
   x_train, x_test, y_train, y_test = train_test_split(
-      x, digits.target, test_size=0.3, random_state=seed, stratify=digits.target
+    x, digits.target, test_size=0.3, random_state=seed, stratify=digits.target
   )
   return {
-      "x_train": jnp.asarray(x_train),
-      "x_test": jnp.asarray(x_test),
-      "y_train": jnp.asarray(y_train, jnp.int32),
-      "y_test": jnp.asarray(y_test, jnp.int32),
+    "x_train": jnp.asarray(x_train),
+    "x_test": jnp.asarray(x_test),
+    "y_train": jnp.asarray(y_train, jnp.int32),
+    "y_test": jnp.asarray(y_test, jnp.int32),
   }
 
 
 def plot(histories: dict[str, dict[str, list[float]]], out: Path) -> None:
   fig, axes = plt.subplots(1, 3, figsize=(14, 4), constrained_layout=True)
   titles = {
-      "train_loss": "training objective",
-      "test_ce": "test cross-entropy",
-      "test_kl": "test KL(teacher ‖ model)",
+    "train_loss": "training objective",
+    "test_ce": "test cross-entropy",
+    "test_kl": "test KL(teacher ‖ model)",
   }
   colors = {name: f"C{i}" for i, name in enumerate(histories)}
   for ax, (key, title) in zip(axes, titles.items()):
@@ -202,8 +201,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   parser.add_argument("--epochs", type=int, default=60, help="student epochs (default 60)")
   parser.add_argument("--teacher-epochs", type=int, default=20, help="teacher epochs (default 20)")
   parser.add_argument(
-      "--temperatures", type=str, default="1,2,4",
-      help="comma-separated softmax temperatures T, one distilled student each",
+    "--temperatures",
+    type=str,
+    default="1,2,4",
+    help="comma-separated softmax temperatures T, one distilled student each",
   )
   parser.add_argument("--alpha", type=float, default=0.9, help="weight of the KL term in [0, 1]")
   parser.add_argument("--seed", type=int, default=0, help="seed of the split, inits and batches")
@@ -222,10 +223,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   data = load_data(args.seed)
   n_train, n_test = data["x_train"].shape[0], data["x_test"].shape[0]
   print(
-      f"digits: {n_train} train / {n_test} test images, teacher {TEACHER_SIZES}, "
-      f"students {STUDENT_SIZES}, T={','.join(f'{t:g}' for t in temperatures)}, "
-      f"alpha={args.alpha:g}, "
-      f"seed={args.seed}, {jax.default_backend()}"
+    f"digits: {n_train} train / {n_test} test images, teacher {TEACHER_SIZES}, "
+    f"students {STUDENT_SIZES}, T={','.join(f'{t:g}' for t in temperatures)}, "
+    f"alpha={args.alpha:g}, "
+    f"seed={args.seed}, {jax.default_backend()}"
   )
   # Both students share one key: same initial weights and batch order, so the
   # loss is the only difference between them.
@@ -237,8 +238,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   data["teacher_train"] = jnp.zeros((n_train, 10), jnp.float32)
   data["teacher_test"] = jnp.zeros((n_test, 10), jnp.float32)
   teacher, teacher_hist = train(
-      "teacher", TEACHER_SIZES, label_loss, data,
-      epochs=args.teacher_epochs, learning_rate=1e-3, key=key_teacher,
+    "teacher",
+    TEACHER_SIZES,
+    label_loss,
+    data,
+    epochs=args.teacher_epochs,
+    learning_rate=1e-3,
+    key=key_teacher,
   )
   data["teacher_train"] = mlp(teacher, data["x_train"])
   data["teacher_test"] = mlp(teacher, data["x_test"])
@@ -248,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     def objective(student_logits, teacher_logits, labels):
       # alpha T^2 KL(teacher_T || student_T) + (1 - alpha) CE, mean over the batch.
       return kldiv_jax.distillation_loss(
-          student_logits, teacher_logits, labels, temperature=temperature, alpha=args.alpha
+        student_logits, teacher_logits, labels, temperature=temperature, alpha=args.alpha
       )
 
     return objective
@@ -259,8 +265,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   runs += [(f"student (KD, T={t:g})", distill(t)) for t in temperatures]
   for name, objective in runs:
     students[name], histories[name] = train(
-        name, STUDENT_SIZES, objective, data,
-        epochs=args.epochs, learning_rate=1e-2, key=key_student,
+      name,
+      STUDENT_SIZES,
+      objective,
+      data,
+      epochs=args.epochs,
+      learning_rate=1e-2,
+      key=key_student,
     )
   plot(histories, args.out)
 

@@ -99,7 +99,9 @@ def make_losses(mesh: jax.sharding.Mesh, temperature: float) -> dict[str, Callab
       return jax.lax.psum(loss, token_axes)
 
     sharded = jax.shard_map(
-      local, mesh=mesh, in_specs=(token_spec, head_spec, token_spec, head_spec, P()),
+      local,
+      mesh=mesh,
+      in_specs=(token_spec, head_spec, token_spec, head_spec, P()),
       out_specs=P(),
     )
 
@@ -163,11 +165,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       "(XLA_FLAGS=--xla_force_host_platform_device_count=8)."
     )
   # Auto axes: XLA's partitioner propagates the shardings of the inputs.
-  mesh = jax.make_mesh((2, 4), ("data", "vocab"), devices=jax.devices()[:8],
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  print(f"mesh {dict(mesh.shape)} of {jax.devices()[0].platform} devices; "
-        f"batch {args.batch}x{args.seq} tokens, vocab {args.vocab}, hidden {args.hidden}, "
-        f"T={args.temperature}")
+  mesh = jax.make_mesh(
+    (2, 4),
+    ("data", "vocab"),
+    devices=jax.devices()[:8],
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
+  print(
+    f"mesh {dict(mesh.shape)} of {jax.devices()[0].platform} devices; "
+    f"batch {args.batch}x{args.seq} tokens, vocab {args.vocab}, hidden {args.hidden}, "
+    f"T={args.temperature}"
+  )
 
   k_student, k_teacher, k_data = jax.random.split(jax.random.key(args.seed), 3)
   # On the host: each version puts its own copy on the devices (the train step
@@ -207,10 +215,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
       losses.append(float(loss))
     seconds = time.perf_counter() - start
     head_shards = len({str(s.index) for s in params["head"].addressable_shards})
-    results[name] = {"losses": losses, "memory": memory(compiled), "seconds": seconds,
-                     "head_shards": head_shards}
-    print(f"\n{name}: loss per step " + " ".join(f"{x:.4f}" for x in losses)
-          + f"  ({seconds:.2f} s for {args.steps} steps; LM head in {head_shards} slice(s))")
+    results[name] = {
+      "losses": losses,
+      "memory": memory(compiled),
+      "seconds": seconds,
+      "head_shards": head_shards,
+    }
+    print(
+      f"\n{name}: loss per step "
+      + " ".join(f"{x:.4f}" for x in losses)
+      + f"  ({seconds:.2f} s for {args.steps} steps; LM head in {head_shards} slice(s))"
+    )
 
   print("\nper-device memory of the compiled train step (XLA memory analysis):")
   print(f"  {'version':22} {'arguments':>12} {'outputs':>12} {'temporaries':>12}")
@@ -224,8 +239,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
   for r in results.values():
     gap = float(np.max(np.abs(np.asarray(r["losses"]) - reference) / reference))
     r["max_relative_gap_vs_materialised"] = gap
-  gaps = ", ".join(f"{n}: {r['max_relative_gap_vs_materialised']:.1e}"
-                   for n, r in results.items() if n != "materialised")
+  gaps = ", ".join(
+    f"{n}: {r['max_relative_gap_vs_materialised']:.1e}"
+    for n, r in results.items()
+    if n != "materialised"
+  )
   print(f"\nlargest relative loss difference from the materialised version: {gaps}")
   return results
 

@@ -28,14 +28,14 @@ def check_float(name: str, what: str, *arrays: jax.typing.ArrayLike) -> jnp.dtyp
   for dt in dtypes:
     if jnp.issubdtype(dt, jnp.complexfloating):
       raise TypeError(
-          f"{name}: Complex inputs not supported. Expected floating {what}; "
-          f"got dtypes {', '.join(str(d) for d in dtypes)}."
+        f"{name}: Complex inputs not supported. Expected floating {what}; "
+        f"got dtypes {', '.join(str(d) for d in dtypes)}."
       )
     if not jnp.issubdtype(dt, jnp.floating):
       raise TypeError(
-          f"{name}: Integral inputs not supported. Expected floating {what}; "
-          f"got dtypes {', '.join(str(d) for d in dtypes)}. "
-          "Cast with .astype(jnp.float32) first."
+        f"{name}: Integral inputs not supported. Expected floating {what}; "
+        f"got dtypes {', '.join(str(d) for d in dtypes)}. "
+        "Cast with .astype(jnp.float32) first."
       )
   return jnp.result_type(*arrays)
 
@@ -47,13 +47,13 @@ def broadcast_shapes(name: str, *shapes: Sequence[int]) -> tuple[int, ...]:
   except ValueError:
     pretty = " and ".join(str(tuple(s)) for s in shapes)
     raise ValueError(
-        f"{name}: shapes {pretty} cannot be broadcast together; the arrays "
-        "must have equal sizes or size 1 in each trailing dimension."
+      f"{name}: shapes {pretty} cannot be broadcast together; the arrays "
+      "must have equal sizes or size 1 in each trailing dimension."
     ) from None
 
 
 def promote_and_broadcast(
-    name: str, what: str, *arrays: jax.typing.ArrayLike
+  name: str, what: str, *arrays: jax.typing.ArrayLike
 ) -> tuple[list[jax.Array], jnp.dtype]:
   """Casts ``arrays`` to their common compute dtype and broadcast shape.
 
@@ -78,8 +78,8 @@ def normalize_axis(name: str, axis: Axis, ndim: int) -> tuple[int, ...]:
       raise TypeError(f"{name}: axis must be an int, a tuple of ints or None; got {axis!r}.")
     if not -ndim <= a < ndim:
       raise ValueError(
-          f"{name}: axis {a} is out of range for inputs of rank {ndim}; "
-          f"expected an axis in [{-ndim}, {ndim - 1}]."
+        f"{name}: axis {a} is out of range for inputs of rank {ndim}; "
+        f"expected an axis in [{-ndim}, {ndim - 1}]."
       )
     out.append(int(a) % ndim)
   if len(set(out)) != len(out):
@@ -88,7 +88,7 @@ def normalize_axis(name: str, axis: Axis, ndim: int) -> tuple[int, ...]:
 
 
 def split_where(
-    name: str, where: jax.typing.ArrayLike | None, shape: tuple[int, ...], axes: tuple[int, ...]
+  name: str, where: jax.typing.ArrayLike | None, shape: tuple[int, ...], axes: tuple[int, ...]
 ) -> tuple[jax.Array | None, jax.Array | None]:
   """Interprets a ``where`` mask as an element mask or a per-example mask.
 
@@ -112,9 +112,9 @@ def split_where(
     full = None
   if full != tuple(shape):
     raise ValueError(
-        f"{name}: where has shape {w.shape}, which neither broadcasts to the "
-        f"inputs' shape {tuple(shape)} (an element mask) nor equals the "
-        f"per-example output shape {out_shape}."
+      f"{name}: where has shape {w.shape}, which neither broadcasts to the "
+      f"inputs' shape {tuple(shape)} (an element mask) nor equals the "
+      f"per-example output shape {out_shape}."
     )
   return jnp.broadcast_to(w, shape), None
 

@@ -165,7 +165,9 @@ def _token_zero(*token_arrays):
 
 def _check_linear(name, what, hidden, weight, bias):
   if np.ndim(weight) != 2:
-    raise ValueError(f"{name}: {what} weight must be [hidden, vocab]; got shape {np.shape(weight)}.")
+    raise ValueError(
+      f"{name}: {what} weight must be [hidden, vocab]; got shape {np.shape(weight)}."
+    )
   if np.ndim(hidden) < 1 or np.shape(hidden)[-1] != np.shape(weight)[0]:
     raise ValueError(
       f"{name}: {what} hidden [..., H] and weight [H, V] disagree on H; got shapes "
@@ -292,7 +294,9 @@ def fused_linear_kl_div(
     )
   if axis_name is not None:
     num_shards = vocab_parallel.check_axis_name(name, axis_name)
-  out_dtype = jnp.result_type(hidden, weight) if bias is None else jnp.result_type(hidden, weight, bias)
+  out_dtype = (
+    jnp.result_type(hidden, weight) if bias is None else jnp.result_type(hidden, weight, bias)
+  )
   cdt = compute_dtype(out_dtype)
   h = jnp.asarray(hidden).reshape(-1, np.shape(hidden)[-1])
   th = jnp.asarray(target_hidden).reshape(-1, np.shape(target_hidden)[-1])
@@ -314,7 +318,11 @@ def fused_linear_kl_div(
     vocab_size = np.shape(weight)[1] * (1 if axis_name is None else num_shards)
     chunk = default_chunk_size(n, vocab_size)
   else:
-    if not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1:
+    if (
+      not isinstance(chunk_size, (int, np.integer))
+      or isinstance(chunk_size, bool)
+      or chunk_size < 1
+    ):
       raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
     chunk = int(min(chunk_size, max(n, 1)))
   if normalizer is None:
@@ -340,7 +348,16 @@ def fused_linear_kl_div(
   static = (divergence, beta if beta_static else None, chunk, axis_name)
   beta_arr = jnp.asarray(beta, cdt)
   loss = _fused(
-    static, h, w_arr, b_arr, th, jnp.asarray(target_weight), tb_arr,
-    t, beta_arr, mask, scale,
+    static,
+    h,
+    w_arr,
+    b_arr,
+    th,
+    jnp.asarray(target_weight),
+    tb_arr,
+    t,
+    beta_arr,
+    mask,
+    scale,
   )
   return loss.astype(out_dtype)

@@ -37,10 +37,26 @@ from kldiv_jax._rows import (
 
 # Re-exported for the modules built on these kernels (_distill, _fused, _vocab_parallel).
 __all__ = [
-  "DIRECTIONS", "Rows", "beta_tangent", "check_temperature", "check_unit_interval",
-  "generalized_jsd", "gjsd", "gjsd_kernel", "is_zero", "jsd_kernel", "jsd_tangent",
-  "kl_div_from_logits", "kl_from_sums", "kl_kernel", "kl_tangent", "map_rows", "normalizer",
-  "prepare", "row_stats", "scaled",
+  "DIRECTIONS",
+  "Rows",
+  "beta_tangent",
+  "check_temperature",
+  "check_unit_interval",
+  "generalized_jsd",
+  "gjsd",
+  "gjsd_kernel",
+  "is_zero",
+  "jsd_kernel",
+  "jsd_tangent",
+  "kl_div_from_logits",
+  "kl_from_sums",
+  "kl_kernel",
+  "kl_tangent",
+  "map_rows",
+  "normalizer",
+  "prepare",
+  "row_stats",
+  "scaled",
 ]
 
 DIRECTIONS = ("forward", "reverse")
@@ -445,6 +461,8 @@ def generalized_jsd(
   def run(rows, t):
     if axis_name is None:
       return gjsd_kernel(rows.z, rows.y, t, rows.masks, beta, beta_static)
-    return _vocab_parallel().gjsd_kernel(axis_name, rows.z, rows.y, t, rows.masks, beta, beta_static)
+    return _vocab_parallel().gjsd_kernel(
+      axis_name, rows.z, rows.y, t, rows.masks, beta, beta_static
+    )
 
   return _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run)

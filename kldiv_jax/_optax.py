@@ -15,11 +15,11 @@ from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
 
 
 def masked_sum(
-    name: str,
-    terms: jax.Array | Callable[..., jax.Array],
-    axis: Axis,
-    where: jax.typing.ArrayLike | None,
-    inputs: Sequence[tuple[jax.Array, float]] = (),
+  name: str,
+  terms: jax.Array | Callable[..., jax.Array],
+  axis: Axis,
+  where: jax.typing.ArrayLike | None,
+  inputs: Sequence[tuple[jax.Array, float]] = (),
 ) -> jax.Array:
   """Sums ``terms`` over ``axis`` under an element or per-example ``where``.
 
@@ -53,10 +53,10 @@ def _per_example(name, what, kernel, zero_mass, log_predictions, targets, axis, 
 
 
 def kl_divergence(
-    log_predictions: jax.typing.ArrayLike,
-    targets: jax.typing.ArrayLike,
-    axis: Axis = -1,
-    where: jax.typing.ArrayLike | None = None,
+  log_predictions: jax.typing.ArrayLike,
+  targets: jax.typing.ArrayLike,
+  axis: Axis = -1,
+  where: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
   r"""Per-example KL divergence ``KL(targets || predictions)``, as optax's.
 
@@ -89,16 +89,22 @@ def kl_divergence(
     Array([0.6931472, 0.       ], dtype=float32)
   """
   return _per_example(
-      "kl_divergence", "log_predictions and targets", kl_prob_kernel, 0.0,
-      log_predictions, targets, axis, where,
+    "kl_divergence",
+    "log_predictions and targets",
+    kl_prob_kernel,
+    0.0,
+    log_predictions,
+    targets,
+    axis,
+    where,
   )
 
 
 def kl_divergence_with_log_targets(
-    log_predictions: jax.typing.ArrayLike,
-    log_targets: jax.typing.ArrayLike,
-    axis: Axis = -1,
-    where: jax.typing.ArrayLike | None = None,
+  log_predictions: jax.typing.ArrayLike,
+  log_targets: jax.typing.ArrayLike,
+  axis: Axis = -1,
+  where: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
   r"""Per-example KL divergence with targets in log-space, as optax's.
 
@@ -118,16 +124,22 @@ def kl_divergence_with_log_targets(
     Array(0.6931472, dtype=float32)
   """
   return _per_example(
-      "kl_divergence_with_log_targets", "log_predictions and log_targets",
-      kl_log_kernel, -jnp.inf, log_predictions, log_targets, axis, where,
+    "kl_divergence_with_log_targets",
+    "log_predictions and log_targets",
+    kl_log_kernel,
+    -jnp.inf,
+    log_predictions,
+    log_targets,
+    axis,
+    where,
   )
 
 
 def generalized_kl_divergence(
-    log_predictions: jax.typing.ArrayLike,
-    targets: jax.typing.ArrayLike,
-    axis: Axis = -1,
-    where: jax.typing.ArrayLike | None = None,
+  log_predictions: jax.typing.ArrayLike,
+  targets: jax.typing.ArrayLike,
+  axis: Axis = -1,
+  where: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
   r"""Generalized KL divergence for unnormalised measures, as optax's.
 
@@ -149,7 +161,7 @@ def generalized_kl_divergence(
   """
   name = "generalized_kl_divergence"
   (x, t), out_dtype = promote_and_broadcast(
-      name, "log_predictions and targets", log_predictions, targets
+    name, "log_predictions and targets", log_predictions, targets
   )
   terms = lambda x, t: kl_prob_kernel(x, t) + (jnp.exp(x) - t)  # noqa: E731
   return masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0))).astype(out_dtype)

@@ -126,10 +126,10 @@ kl_log_kernel.defjvp(_kl_log_kernel_jvp, symbolic_zeros=True)
 
 
 def kl_div_pointwise(
-    input: jax.typing.ArrayLike,  # noqa: A002 - torch's name
-    target: jax.typing.ArrayLike,
-    *,
-    log_target: bool = False,
+  input: jax.typing.ArrayLike,  # noqa: A002 - torch's name
+  target: jax.typing.ArrayLike,
+  *,
+  log_target: bool = False,
 ) -> jax.Array:
   r"""Elementwise Kullback-Leibler term, as torch's ``reduction='none'``.
 
@@ -164,8 +164,6 @@ def kl_div_pointwise(
     >>> kl_div_pointwise(x, jnp.array([0.5, 0.0]))
     Array([0.3465736, 0.       ], dtype=float32)
   """
-  (x, t), out_dtype = promote_and_broadcast(
-      "kl_div_pointwise", "input and target", input, target
-  )
+  (x, t), out_dtype = promote_and_broadcast("kl_div_pointwise", "input and target", input, target)
   kernel = kl_log_kernel if log_target else kl_prob_kernel
   return positive_zero(kernel(x, t)).astype(out_dtype)

@@ -74,7 +74,9 @@ def map_rows(fn, arrays, num_rows, num_classes=None):
   # ``full_like`` keeps those of the block's results.
   first = fn(*[rows(a, 0) for a in arrays])
   init = tuple(
-    lax.dynamic_update_slice_in_dim(lax.full_like(r, 0, shape=(num_rows, *r.shape[1:])), r, 0, axis=0)
+    lax.dynamic_update_slice_in_dim(
+      lax.full_like(r, 0, shape=(num_rows, *r.shape[1:])), r, 0, axis=0
+    )
     for r in first
   )
 

@@ -19,10 +19,10 @@ from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel, positive_zero
 REDUCTIONS = ("none", "mean", "sum", "batchmean")
 
 _MEAN_WARNING = (
-    "reduction: 'mean' divides the total loss by both the batch size and the "
-    "support size.'batchmean' divides only by the batch size, and aligns with "
-    "the KL div math definition.'mean' will be changed to behave the same as "
-    "'batchmean' in the next major release."
+  "reduction: 'mean' divides the total loss by both the batch size and the "
+  "support size.'batchmean' divides only by the batch size, and aligns with "
+  "the KL div math definition.'mean' will be changed to behave the same as "
+  "'batchmean' in the next major release."
 )
 
 
@@ -37,21 +37,20 @@ def legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
   else:
     reduction = "sum"
   warnings.warn(
-      "size_average and reduce args will be deprecated, please use "
-      f"reduction='{reduction}' instead.",
-      UserWarning,
-      stacklevel=3,
+    f"size_average and reduce args will be deprecated, please use reduction='{reduction}' instead.",
+    UserWarning,
+    stacklevel=3,
   )
   return reduction
 
 
 def kl_div(
-    input: jax.typing.ArrayLike,  # noqa: A002 - torch's name
-    target: jax.typing.ArrayLike,
-    size_average: bool | None = None,
-    reduce: bool | None = None,
-    reduction: str = "mean",
-    log_target: bool = False,
+  input: jax.typing.ArrayLike,  # noqa: A002 - torch's name
+  target: jax.typing.ArrayLike,
+  size_average: bool | None = None,
+  reduce: bool | None = None,
+  reduction: str = "mean",
+  log_target: bool = False,
 ) -> jax.Array:
   r"""Kullback-Leibler divergence loss with ``torch.nn.functional.kl_div``'s semantics.
 
@@ -168,9 +167,9 @@ class KLDivLoss:
     object.__setattr__(self, "log_target", bool(self.log_target))
 
   def __call__(
-      self,
-      input: jax.typing.ArrayLike,  # noqa: A002 - torch's name
-      target: jax.typing.ArrayLike,
+    self,
+    input: jax.typing.ArrayLike,  # noqa: A002 - torch's name
+    target: jax.typing.ArrayLike,
   ) -> jax.Array:
     """The loss of ``input`` (log-probabilities) against ``target``."""
     return kl_div(input, target, reduction=self.reduction, log_target=self.log_target)

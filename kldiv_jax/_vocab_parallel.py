@@ -48,7 +48,9 @@ from kldiv_jax._rows import ce_grad, label_hit, row_sum
 def check_axis_name(name: str, axis_name: object) -> int:
   """Returns the size of mesh axis ``axis_name``; raises if it is not bound."""
   if not isinstance(axis_name, str):
-    raise TypeError(f"{name}: axis_name must be a str (a mesh axis name) or None; got {axis_name!r}.")
+    raise TypeError(
+      f"{name}: axis_name must be a str (a mesh axis name) or None; got {axis_name!r}."
+    )
   try:
     return int(lax.axis_size(axis_name))
   except NameError as err:

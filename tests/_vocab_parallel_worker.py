@@ -38,7 +38,11 @@ import traceback
 
 NUM_DEVICES = 8
 ATOL, RTOL = 1e-6, 1e-5
-MESHES = {"8": ((8,), ("vocab",)), "2x4": ((2, 4), ("data", "vocab")), "4x2": ((4, 2), ("data", "vocab"))}
+MESHES = {
+  "8": ((8,), ("vocab",)),
+  "2x4": ((2, 4), ("data", "vocab")),
+  "4x2": ((4, 2), ("data", "vocab")),
+}
 BATCH, VOCAB = 8, 32  # 8 rows split over "data" (2 or 4), 32 classes over "vocab" (8, 4 or 2)
 HIDDEN, TEACHER_HIDDEN = 5, 3  # fused: neither a vocabulary size, for the HLO check
 COLLECTIVE_RE = re.compile(
@@ -104,9 +108,7 @@ def _cases(np, kd):
   """Case name -> :class:`Case`. ``specs(data)`` gives the in_specs, ``data``
   the batch mesh axis (None on the 1-D mesh)."""
   x = _inputs(np)
-  s, t, class_mask, row_mask, labels = (
-    x["s"], x["t"], x["class_mask"], x["row_mask"], x["labels"]
-  )
+  s, t, class_mask, row_mask, labels = (x["s"], x["t"], x["class_mask"], x["row_mask"], x["labels"])
   P = jax_p
   logits = lambda data: P(data, "vocab")  # noqa: E731
   classes = lambda data: P(None, "vocab")  # noqa: E731
@@ -116,38 +118,53 @@ def _cases(np, kd):
 
   def per_example(name, loss, extra, extra_specs, argnums=(0, 1), meshes=ALL):
     cases[name] = Case(
-      loss, (s, t, *extra), lambda d: (logits(d), logits(d), *[f(d) for f in extra_specs]),
-      argnums, meshes, True,
+      loss,
+      (s, t, *extra),
+      lambda d: (logits(d), logits(d), *[f(d) for f in extra_specs]),
+      argnums,
+      meshes,
+      True,
     )
 
   kl, jsd = kd.kl_div_from_logits, kd.generalized_jsd
   per_example(
     "kl[forward,T=2,-inf,class_mask]",
     lambda a, b, m, axis_name=None: kl(a, b, temperature=2.0, where=m, axis_name=axis_name),
-    (class_mask,), (classes,),
+    (class_mask,),
+    (classes,),
   )
   per_example(
     "kl[reverse,traced_T,row_where]",
     lambda a, b, T, m, axis_name=None: kl(
       a, b, temperature=T, direction="reverse", where=m, axis_name=axis_name
     ),
-    (np.float32(1.7), row_mask), (scalar, rows), argnums=(0, 1, 2),
+    (np.float32(1.7), row_mask),
+    (scalar, rows),
+    argnums=(0, 1, 2),
   )
   per_example(
     "jsd[beta=0.3,T=1.5]",
     lambda a, b, axis_name=None: jsd(a, b, beta=0.3, temperature=1.5, axis_name=axis_name),
-    (), (),
+    (),
+    (),
   )
   per_example(  # TRL's endpoints: forward and reverse KL
     "jsd[beta=0]+jsd[beta=1,class_mask]/2",
-    lambda a, b, m, axis_name=None: jsd(a, b, beta=0.0, axis_name=axis_name)
-    + 0.5 * jsd(a, b, beta=1.0, where=m, axis_name=axis_name),
-    (class_mask,), (classes,), meshes=TWO,
+    lambda a, b, m, axis_name=None: (
+      jsd(a, b, beta=0.0, axis_name=axis_name)
+      + 0.5 * jsd(a, b, beta=1.0, where=m, axis_name=axis_name)
+    ),
+    (class_mask,),
+    (classes,),
+    meshes=TWO,
   )
   per_example(
     "jsd[traced_beta=0.7]",
     lambda a, b, beta, axis_name=None: jsd(a, b, beta=beta, axis_name=axis_name),
-    (np.float32(0.7),), (scalar,), argnums=(0, 1, 2), meshes=("8",),
+    (np.float32(0.7),),
+    (scalar,),
+    argnums=(0, 1, 2),
+    meshes=("8",),
   )
 
   # distillation_loss: finite logits (the cross entropy of a label without
@@ -162,8 +179,12 @@ def _cases(np, kd):
 
   def scalar_case(name, loss, extra, extra_specs, meshes=ALL):
     cases[name] = Case(
-      loss, (sf, tf, *extra), lambda d: (logits(d), logits(d), *[f(d) for f in extra_specs]),
-      (0, 1), meshes, False,
+      loss,
+      (sf, tf, *extra),
+      lambda d: (logits(d), logits(d), *[f(d) for f in extra_specs]),
+      (0, 1),
+      meshes,
+      False,
     )
 
   scalar_case(
@@ -171,28 +192,46 @@ def _cases(np, kd):
     lambda a, b, y, axis_name=None: distill(
       a, b, y, temperature=2.0, alpha=0.4, normalizer=valid, axis_name=axis_name
     ),
-    (labels,), (rows,),
+    (labels,),
+    (rows,),
   )
   scalar_case(
     "distill[reverse_kl,labels,class_mask,normalizer]",
     lambda a, b, y, m, axis_name=None: distill(
-      a, b, y, divergence="reverse_kl", temperature=1.5, where=m, normalizer=valid,
+      a,
+      b,
+      y,
+      divergence="reverse_kl",
+      temperature=1.5,
+      where=m,
+      normalizer=valid,
       axis_name=axis_name,
     ),
-    (labels, mask_with_labels), (rows, classes), meshes=TWO,
+    (labels, mask_with_labels),
+    (rows, classes),
+    meshes=TWO,
   )
   scalar_case(
     "distill[jsd,row_where,no_labels,normalizer]",
     lambda a, b, m, axis_name=None: distill(
-      a, b, divergence="jsd", beta=0.3, where=m, normalizer=float(row_mask.sum()),
+      a,
+      b,
+      divergence="jsd",
+      beta=0.3,
+      where=m,
+      normalizer=float(row_mask.sum()),
       axis_name=axis_name,
     ),
-    (row_mask,), (rows,), meshes=("8", "4x2"),
+    (row_mask,),
+    (rows,),
+    meshes=("8", "4x2"),
   )
   scalar_case(
     "distill[forward_kl,labels,mean]",
     lambda a, b, y, axis_name=None: distill(a, b, y, temperature=3.0, axis_name=axis_name),
-    (labels,), (rows,), meshes=("8",),
+    (labels,),
+    (rows,),
+    meshes=("8",),
   )
 
   f = _fused_inputs(np)
@@ -212,12 +251,23 @@ def _cases(np, kd):
 
     cases[name] = Case(loss, args, specs, (0, 1, 2), meshes, False)
 
-  fused_case("fused[forward_kl,T=2,chunk=3,normalizer]", ALL, temperature=2.0, chunk_size=3,
-             normalizer=n_where)
+  fused_case(
+    "fused[forward_kl,T=2,chunk=3,normalizer]",
+    ALL,
+    temperature=2.0,
+    chunk_size=3,
+    normalizer=n_where,
+  )
   fused_case("fused[jsd,beta=0.3,normalizer]", TWO, divergence="jsd", beta=0.3, normalizer=n_where)
-  fused_case("fused[reverse_kl,chunk=1,T=0.5,no_T2,normalizer]", ("8", "4x2"),
-             divergence="reverse_kl", chunk_size=1, temperature=0.5,
-             scale_by_temperature_squared=False, normalizer=n_where)
+  fused_case(
+    "fused[reverse_kl,chunk=1,T=0.5,no_T2,normalizer]",
+    ("8", "4x2"),
+    divergence="reverse_kl",
+    chunk_size=1,
+    temperature=0.5,
+    scale_by_temperature_squared=False,
+    normalizer=n_where,
+  )
   fused_case("fused[forward_kl,mean]", ("8",))
   return cases
 
@@ -345,8 +395,10 @@ def second_order(jax, jnp, np, kd):
   out = []
   for name, loss in losses.items():
     sharded = jax.shard_map(
-      lambda a, b, y, loss=loss: loss(a, b, y, axis_name="vocab"), mesh=mesh,
-      in_specs=(jax_p(None, "vocab"), jax_p(None, "vocab"), jax_p()), out_specs=jax_p(),
+      lambda a, b, y, loss=loss: loss(a, b, y, axis_name="vocab"),
+      mesh=mesh,
+      in_specs=(jax_p(None, "vocab"), jax_p(None, "vocab"), jax_p()),
+      out_specs=jax_p(),
     )
 
     def both(fn):
@@ -357,8 +409,9 @@ def second_order(jax, jnp, np, kd):
       return jax.jit(run)(s, t, labels, tangent)
 
     (h_ref, j_ref), (h, j) = both(loss), both(sharded)
-    out.append({"loss": name, "hessian_err": _compare(np, h, h_ref)[0],
-                "jvp_err": _compare(np, j, j_ref)[0]})
+    out.append(
+      {"loss": name, "hessian_err": _compare(np, h, h_ref)[0], "jvp_err": _compare(np, j, j_ref)[0]}
+    )
   return out
 
 
@@ -393,18 +446,26 @@ def memory(jax, jnp, np, kd):
   n, h, v = 512, 128, 16384
 
   def fused(axis_name):
-    return lambda a, w, ta, tw: kd.fused_linear_kl_div(a, w, ta, tw, temperature=2.0, axis_name=axis_name)
+    return lambda a, w, ta, tw: kd.fused_linear_kl_div(
+      a, w, ta, tw, temperature=2.0, axis_name=axis_name
+    )
 
-  single = temp(jax.value_and_grad(fused(None), argnums=(0, 1)), spec((n, h)), spec((h, v)),
-                spec((n, h)), spec((h, v)))
+  single = temp(
+    jax.value_and_grad(fused(None), argnums=(0, 1)),
+    spec((n, h)),
+    spec((h, v)),
+    spec((n, h)),
+    spec((h, v)),
+  )
   in_specs = (P(), P(None, "vocab"), P(), P(None, "vocab"))
   sharded_fn = jax.shard_map(fused("vocab"), mesh=mesh, in_specs=in_specs, out_specs=P())
   sharded = temp(
     jax.value_and_grad(sharded_fn, argnums=(0, 1)),
     *[spec(s, sp) for s, sp in zip([(n, h), (h, v), (n, h), (h, v)], in_specs)],
   )
-  rows.append({"program": f"fused_linear_kl_div N={n} H={h} V={v}", "single": single,
-               "sharded": sharded})
+  rows.append(
+    {"program": f"fused_linear_kl_div N={n} H={h} V={v}", "single": single, "sharded": sharded}
+  )
   return rows
 
 
@@ -427,8 +488,11 @@ def main() -> int:
         traceback.print_exc()
         results.append({"case": name, "mesh": mesh_name, "message": f"{type(err).__name__}: {err}"})
   payload = {"devices": jax.device_count(), "results": results}
-  for key, fn in (("controls", negative_controls), ("second_order", second_order),
-                  ("memory", memory)):
+  for key, fn in (
+    ("controls", negative_controls),
+    ("second_order", second_order),
+    ("memory", memory),
+  ):
     try:
       payload[key] = fn(jax, jnp, np, kd)
     except Exception as err:  # reported, and failed, by the test

@@ -12,10 +12,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # torch's tolerances per dtype (rtol, atol).
 TOLERANCES = {
-    "float64": (1e-7, 1e-7),
-    "float32": (1.3e-6, 1e-5),
-    "float16": (1e-3, 1e-5),
-    "bfloat16": (1.6e-2, 1e-5),
+  "float64": (1e-7, 1e-7),
+  "float32": (1.3e-6, 1e-5),
+  "float16": (1e-3, 1e-5),
+  "bfloat16": (1.6e-2, 1e-5),
 }
 
 

@@ -11,9 +11,22 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 RECORD_KEYS = {
-    "elements", "shape", "dtype", "log_target", "reduction", "op", "contender", "kind",
-    "median_ms", "times_ms", "ns_per_element", "repeats", "temp_bytes", "output_bytes",
-    "ratio_vs_where", "ratio_vs_optax",
+  "elements",
+  "shape",
+  "dtype",
+  "log_target",
+  "reduction",
+  "op",
+  "contender",
+  "kind",
+  "median_ms",
+  "times_ms",
+  "ns_per_element",
+  "repeats",
+  "temp_bytes",
+  "output_bytes",
+  "ratio_vs_where",
+  "ratio_vs_optax",
 }
 
 
@@ -21,9 +34,24 @@ RECORD_KEYS = {
 def core_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench")
   cmd = [
-      sys.executable, str(BENCH / "run.py"), "--quick", "--sections", "core", "--sizes", "10",
-      "--repeats", "2", "--out", str(out), "--dtypes", "float32", "--reductions", "batchmean",
-      "--log-target", "true", "--no-torch",  # torch's import alone takes seconds
+    sys.executable,
+    str(BENCH / "run.py"),
+    "--quick",
+    "--sections",
+    "core",
+    "--sizes",
+    "10",
+    "--repeats",
+    "2",
+    "--out",
+    str(out),
+    "--dtypes",
+    "float32",
+    "--reductions",
+    "batchmean",
+    "--log-target",
+    "true",
+    "--no-torch",  # torch's import alone takes seconds
   ]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -86,9 +114,18 @@ def test_torch_contender_runs_every_op():
 
 
 def _record(lt, op, name, ms, temp=0):
-  return {"dtype": "float32", "reduction": "batchmean", "kind": "contender",
-          "shape": [4096, 8192], "elements": 2**25, "log_target": lt, "op": op,
-          "contender": name, "median_ms": ms, "temp_bytes": temp}
+  return {
+    "dtype": "float32",
+    "reduction": "batchmean",
+    "kind": "contender",
+    "shape": [4096, 8192],
+    "elements": 2**25,
+    "log_target": lt,
+    "op": op,
+    "contender": name,
+    "median_ms": ms,
+    "temp_bytes": temp,
+  }
 
 
 def test_targets_pass_and_fail_at_the_flagship():
@@ -99,8 +136,12 @@ def test_targets_pass_and_fail_at_the_flagship():
     sys.path.remove(str(BENCH))
   records = []
   for op in ("fwd", "vg_x", "vg_xt"):
-    records += [_record(False, op, "kldiv_jax", 10.0, temp=8), _record(False, op, "where_guarded", 50.0, temp=16),
-                _record(False, op, "optax", 9.5, temp=8), _record(False, op, "torch_cpu", 30.0)]
+    records += [
+      _record(False, op, "kldiv_jax", 10.0, temp=8),
+      _record(False, op, "where_guarded", 50.0, temp=16),
+      _record(False, op, "optax", 9.5, temp=8),
+      _record(False, op, "torch_cpu", 30.0),
+    ]
   targets = bench_core.evaluate_targets(records)
   assert targets["flagship"] is True
   verdict = {r["target"]: r["pass"] for r in targets["rows"]}

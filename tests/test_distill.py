@@ -25,15 +25,24 @@ from kldiv_jax import distillation_loss
 B, S, C = 2, 3, 6
 
 
-def torch_distillation(s, t, labels, temperature, alpha, divergence, beta=0.5, scale=True,
-                       valid=None):
+def torch_distillation(
+  s, t, labels, temperature, alpha, divergence, beta=0.5, scale=True, valid=None
+):
   """Hinton et al.'s loss as PyTorch training code writes it, per valid token."""
   if divergence == "forward_kl":
-    div = F.kl_div(F.log_softmax(s / temperature, -1), F.log_softmax(t / temperature, -1),
-                   reduction="none", log_target=True).sum(-1)
+    div = F.kl_div(
+      F.log_softmax(s / temperature, -1),
+      F.log_softmax(t / temperature, -1),
+      reduction="none",
+      log_target=True,
+    ).sum(-1)
   elif divergence == "reverse_kl":
-    div = F.kl_div(F.log_softmax(t / temperature, -1), F.log_softmax(s / temperature, -1),
-                   reduction="none", log_target=True).sum(-1)
+    div = F.kl_div(
+      F.log_softmax(t / temperature, -1),
+      F.log_softmax(s / temperature, -1),
+      reduction="none",
+      log_target=True,
+    ).sum(-1)
   else:
     div = torch_trl_gjsd(s, t, beta, temperature)
   if scale:
@@ -43,8 +52,9 @@ def torch_distillation(s, t, labels, temperature, alpha, divergence, beta=0.5, s
   if labels is None:
     per_token = div
   else:
-    ce = F.cross_entropy(s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=-100,
-                         reduction="none").reshape(labels.shape)
+    ce = F.cross_entropy(
+      s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
+    ).reshape(labels.shape)
     per_token = alpha * div + (1 - alpha) * ce
     valid = valid & (labels != -100)
   return per_token[valid].sum() / valid.sum().clamp_min(1)
@@ -64,7 +74,7 @@ def torch_value_and_grads(s, t, labels, **kwargs):
 @functools.partial(jax.jit, static_argnums=0)
 def _value_and_grads(static, s, t, labels, dynamic):
   return jax.value_and_grad(
-      lambda s, t: distillation_loss(s, t, labels, **dict(static), **dynamic), argnums=(0, 1)
+    lambda s, t: distillation_loss(s, t, labels, **dict(static), **dynamic), argnums=(0, 1)
   )(s, t)
 
 
@@ -100,8 +110,9 @@ def test_matches_torch(x64, rng, divergence, temperature):
 def test_without_temperature_squared(x64, rng):
   s, t, labels = _data(rng)
   ours = value_and_grads(s, t, labels, temperature=3.0, scale_by_temperature_squared=False)
-  ref = torch_value_and_grads(s, t, labels, temperature=3.0, alpha=0.5,
-                              divergence="forward_kl", scale=False)
+  ref = torch_value_and_grads(
+    s, t, labels, temperature=3.0, alpha=0.5, divergence="forward_kl", scale=False
+  )
   _assert_close(ours, ref)
 
 
@@ -109,8 +120,9 @@ def test_without_labels_is_the_distillation_term_over_where(x64, rng):
   s, t, _ = _data(rng)
   where = rng.uniform(size=(B, S)) > 0.3
   ours = value_and_grads(s, t, None, temperature=2.0, dynamic={"where": where})
-  ref = torch_value_and_grads(s, t, None, temperature=2.0, alpha=0.5, divergence="forward_kl",
-                              valid=where)
+  ref = torch_value_and_grads(
+    s, t, None, temperature=2.0, alpha=0.5, divergence="forward_kl", valid=where
+  )
   _assert_close(ours, ref)
 
 
@@ -186,14 +198,20 @@ def test_traced_schedules_do_not_retrace(rng):
   @chex.assert_max_traces(n=1)
   def step(s, t, labels, temperature, alpha, beta, normalizer):
     return jax.value_and_grad(distillation_loss)(
-        s, t, labels, temperature=temperature, alpha=alpha, divergence="jsd", beta=beta,
-        normalizer=normalizer)
+      s,
+      t,
+      labels,
+      temperature=temperature,
+      alpha=alpha,
+      divergence="jsd",
+      beta=beta,
+      normalizer=normalizer,
+    )
 
   first = step(s, t, labels, 1.0, 0.5, 0.5, 4.0)
   second = step(s, t, labels, 3.0, 0.2, 0.9, 4.0)  # new values: no retrace
   assert first[0] != second[0]
-  ref = torch_value_and_grads(s, t, labels, temperature=3.0, alpha=0.2, divergence="jsd",
-                              beta=0.9)
+  ref = torch_value_and_grads(s, t, labels, temperature=3.0, alpha=0.2, divergence="jsd", beta=0.9)
   assert np.sum(labels != -100) == 4  # the normalizer passed: the mean over valid tokens
   np.testing.assert_allclose(second[0], ref[0], rtol=2e-5)
 
@@ -214,8 +232,12 @@ def test_vocabulary_mask_equals_dropping_classes(x64, rng):
   labels = np.where(labels == 2, 0, np.where(labels == 5, 1, labels))
   ours = value_and_grads(s, t, labels, temperature=2.0, dynamic={"where": keep})
   remap = np.cumsum(keep) - 1
-  sub = value_and_grads(s[..., keep], t[..., keep], np.where(labels >= 0, remap[np.maximum(labels, 0)], labels),
-                        temperature=2.0)
+  sub = value_and_grads(
+    s[..., keep],
+    t[..., keep],
+    np.where(labels >= 0, remap[np.maximum(labels, 0)], labels),
+    temperature=2.0,
+  )
   np.testing.assert_allclose(ours[0], sub[0], rtol=1e-12)
   for g, g_sub in zip(ours[1:], sub[1:]):
     np.testing.assert_allclose(g[..., keep], g_sub, rtol=1e-12)
@@ -228,13 +250,20 @@ def test_low_precision_gradient_error(rng, dtype):
   s16, t16 = jnp.asarray(s, dtype), jnp.asarray(t, dtype)
   out, gs, gt = value_and_grads(s16, t16, labels, temperature=2.0, divergence="jsd")
   assert out.dtype == dtype and gs.dtype == dtype and gt.dtype == dtype
-  ref = torch_value_and_grads(np.asarray(s16, np.float64), np.asarray(t16, np.float64), labels,
-                              temperature=2.0, alpha=0.5, divergence="jsd")
+  ref = torch_value_and_grads(
+    np.asarray(s16, np.float64),
+    np.asarray(t16, np.float64),
+    labels,
+    temperature=2.0,
+    alpha=0.5,
+    divergence="jsd",
+  )
   rtol, _ = TOLERANCES[jnp.dtype(dtype).name]
   np.testing.assert_allclose(np.float64(out), ref[0], rtol=rtol)
   for g, r in zip((gs, gt), ref[1:]):
-    np.testing.assert_allclose(np.asarray(g, np.float64), r, rtol=rtol,
-                               atol=rtol * np.max(np.abs(r)))
+    np.testing.assert_allclose(
+      np.asarray(g, np.float64), r, rtol=rtol, atol=rtol * np.max(np.abs(r))
+    )
 
 
 def test_check_grads_and_vmap(x64, rng):
@@ -244,27 +273,32 @@ def test_check_grads_and_vmap(x64, rng):
     return distillation_loss(s, t, labels, temperature=1.5, alpha=0.4, divergence="reverse_kl")
 
   check_grads(jax.jit(loss), (s, t), order=2, modes=("fwd", "rev"))
-  per_sequence = jax.jit(jax.vmap(
-      lambda s, t, y: distillation_loss(s, t, y, temperature=1.5, alpha=0.4,
-                                        divergence="reverse_kl")))(s, t, labels)
+  per_sequence = jax.jit(
+    jax.vmap(
+      lambda s, t, y: distillation_loss(
+        s, t, y, temperature=1.5, alpha=0.4, divergence="reverse_kl"
+      )
+    )
+  )(s, t, labels)
   for i in range(2):
-    ref = torch_value_and_grads(s[i], t[i], labels[i], temperature=1.5, alpha=0.4,
-                                divergence="reverse_kl")[0]
+    ref = torch_value_and_grads(
+      s[i], t[i], labels[i], temperature=1.5, alpha=0.4, divergence="reverse_kl"
+    )[0]
     np.testing.assert_allclose(per_sequence[i], ref, rtol=1e-12)
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"divergence": "kl"}, ValueError, "divergence must be one of"),
-        ({"alpha": 1.5}, ValueError, r"alpha must be a number in \[0, 1\]"),
-        ({"beta": -0.5}, ValueError, r"beta must be a number in \[0, 1\]"),
-        ({"temperature": 0}, ValueError, "temperature must be positive"),
-        ({"normalizer": 0}, ValueError, "normalizer must be a positive"),
-        ({"labels": np.zeros((2, 3), np.float32)}, TypeError, "integer array"),
-        ({"labels": np.zeros((3, 2), np.int32)}, ValueError, "labels must have"),
-        ({"where": np.ones((2, 4), np.bool_)}, ValueError, "where has shape"),
-    ],
+  ("kwargs", "error", "match"),
+  [
+    ({"divergence": "kl"}, ValueError, "divergence must be one of"),
+    ({"alpha": 1.5}, ValueError, r"alpha must be a number in \[0, 1\]"),
+    ({"beta": -0.5}, ValueError, r"beta must be a number in \[0, 1\]"),
+    ({"temperature": 0}, ValueError, "temperature must be positive"),
+    ({"normalizer": 0}, ValueError, "normalizer must be a positive"),
+    ({"labels": np.zeros((2, 3), np.float32)}, TypeError, "integer array"),
+    ({"labels": np.zeros((3, 2), np.int32)}, ValueError, "labels must have"),
+    ({"where": np.ones((2, 4), np.bool_)}, ValueError, "where has shape"),
+  ],
 )
 def test_bad_input(kwargs, error, match):
   labels = kwargs.pop("labels", np.zeros((2, 3), np.int32))

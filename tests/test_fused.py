@@ -63,8 +63,13 @@ def materialised(student, teacher, **kw):
 
 def fused(student, teacher, **kw):
   return fused_linear_kl_div(
-    student["h"], student["w"], teacher["th"], teacher["tw"],
-    bias=student["b"], target_bias=teacher["tb"], **kw,
+    student["h"],
+    student["w"],
+    teacher["th"],
+    teacher["tw"],
+    bias=student["b"],
+    target_bias=teacher["tb"],
+    **kw,
   )
 
 
@@ -113,8 +118,15 @@ def _log_softmax(x):
   return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
 
 
-def numpy_reference(student, teacher, temperature=1.0, divergence="forward_kl", beta=0.5,
-                    scale_by_temperature_squared=True, where=None):
+def numpy_reference(
+  student,
+  teacher,
+  temperature=1.0,
+  divergence="forward_kl",
+  beta=0.5,
+  scale_by_temperature_squared=True,
+  where=None,
+):
   """The fused loss in float64 NumPy from the materialised logits."""
   f64 = lambda a: None if a is None else np.asarray(a, np.float64)  # noqa: E731
   z = f64(student["h"]) @ f64(student["w"])
@@ -156,8 +168,10 @@ def test_matches_materialised(rng, divergence):
   "options",
   [
     pytest.param({"divergence": "forward_kl"}, id="forward_kl-T1"),
-    pytest.param({"divergence": "jsd", "beta": 0.3, "temperature": 3.0,
-                  "scale_by_temperature_squared": False}, id="jsd0.3-T3_unscaled"),
+    pytest.param(
+      {"divergence": "jsd", "beta": 0.3, "temperature": 3.0, "scale_by_temperature_squared": False},
+      id="jsd0.3-T3_unscaled",
+    ),
   ],
 )
 def test_temperature_options(rng, options):
@@ -178,8 +192,9 @@ def test_token_mask(rng):
   assert 0 < where.sum() < 13
   kw = {"divergence": "jsd", "beta": 0.3}
   value, _ = assert_fused_matches(student, teacher, where=where, **OPTIONS, **kw)
-  np.testing.assert_allclose(value, numpy_reference(student, teacher, 2.0, where=where, **kw),
-                             rtol=2e-6)
+  np.testing.assert_allclose(
+    value, numpy_reference(student, teacher, 2.0, where=where, **kw), rtol=2e-6
+  )
 
 
 def test_token_mask_equals_dropping_tokens(rng):
@@ -222,8 +237,11 @@ def test_normalizer_gradient_accumulation(rng):
     t = {**teacher, "th": teacher["th"][part]}
     value, (g, _) = run(fused, s, t, normalizer=12.0, **OPTIONS)
     total += float(value)
-    grads = g if grads is None else {k: jnp.concatenate([grads[k], g[k]]) if k == "h"
-                                     else grads[k] + g[k] for k in g}
+    grads = (
+      g
+      if grads is None
+      else {k: jnp.concatenate([grads[k], g[k]]) if k == "h" else grads[k] + g[k] for k in g}
+    )
   np.testing.assert_allclose(total, full, **F32)
   full_grads["h"] = full_grads["h"][:12]
   assert_tree_close(grads, full_grads, **F32)
@@ -231,17 +249,25 @@ def test_normalizer_gradient_accumulation(rng):
 
 def test_traced_normalizer_temperature_and_beta(rng):
   student, teacher = make(rng)
-  traced = jax.jit(jax.value_and_grad(
-    lambda s, t, temperature, beta, normalizer: fused(
-      s, t, chunk_size=4, temperature=temperature, beta=beta, normalizer=normalizer,
-      divergence="jsd",
+  traced = jax.jit(
+    jax.value_and_grad(
+      lambda s, t, temperature, beta, normalizer: fused(
+        s,
+        t,
+        chunk_size=4,
+        temperature=temperature,
+        beta=beta,
+        normalizer=normalizer,
+        divergence="jsd",
+      )
     )
-  ))
+  )
   for beta in (0.0, 0.3, 1.0):
     # normalizer = the number of tokens: the static options' mean.
     value, grads = traced(student, teacher, 2.0, beta, 13.0)
-    ref, (ref_grads, _) = run(materialised, student, teacher, temperature=2.0, divergence="jsd",
-                              beta=beta)
+    ref, (ref_grads, _) = run(
+      materialised, student, teacher, temperature=2.0, divergence="jsd", beta=beta
+    )
     np.testing.assert_allclose(value, ref, **F32)
     assert_tree_close(grads, ref_grads, **F32)
 
@@ -282,8 +308,9 @@ def test_jit_does_not_retrace(rng):
 
   for _ in range(3):
     student, teacher = make(rng)
-    np.testing.assert_allclose(loss(student, teacher), run(fused, student, teacher, **OPTIONS)[0],
-                               **F32)
+    np.testing.assert_allclose(
+      loss(student, teacher), run(fused, student, teacher, **OPTIONS)[0], **F32
+    )
   assert len(traces) == 1
 
 
@@ -322,8 +349,9 @@ def test_bf16_against_float32_reference(rng, divergence):
   up = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
   kw = {"temperature": 2.0, **divergence}
   value, (grads, teacher_grads) = run(fused, student16, teacher16, chunk_size=4, **kw)
-  ref, (ref_grads, _) = run(materialised, jax.tree.map(up, student16),
-                            jax.tree.map(up, teacher16), **kw)
+  ref, (ref_grads, _) = run(
+    materialised, jax.tree.map(up, student16), jax.tree.map(up, teacher16), **kw
+  )
   assert value.dtype == jnp.bfloat16
   assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves((grads, teacher_grads)))
   np.testing.assert_allclose(np.float32(value), ref, **BF16)

@@ -146,10 +146,10 @@ def test_kl_matches_torch(x64, rng, direction, temperature):
   z, y = _pair(rng)
   w = rng.uniform(0.5, 1.5, size=4)
   val, gz, gy = value_and_grads(
-      kl_div_from_logits, z, y, w, direction=direction, dynamic={"temperature": temperature}
+    kl_div_from_logits, z, y, w, direction=direction, dynamic={"temperature": temperature}
   )
   t_val, t_gz, t_gy = torch_value_and_grads(
-      lambda a, b: torch_kl(a, b, temperature, direction), z, y, w
+    lambda a, b: torch_kl(a, b, temperature, direction), z, y, w
   )
   np.testing.assert_allclose(val, np_kl_from_logits(z, y, temperature, direction), rtol=1e-12)
   np.testing.assert_allclose(val, t_val, rtol=1e-12, atol=1e-14)
@@ -160,8 +160,9 @@ def test_kl_matches_torch(x64, rng, direction, temperature):
 def test_forward_gradient_is_q_minus_p_over_t(x64, rng):
   z, y = _pair(rng)
   w = np.ones(4)
-  _, gz, _ = value_and_grads(kl_div_from_logits, z, y, w, direction="forward",
-                             dynamic={"temperature": 2.0})
+  _, gz, _ = value_and_grads(
+    kl_div_from_logits, z, y, w, direction="forward", dynamic={"temperature": 2.0}
+  )
   q = np.exp(np_log_softmax(z / 2.0))
   p = np.exp(np_log_softmax(y / 2.0))
   np.testing.assert_allclose(gz, (q - p) / 2.0, rtol=1e-12, atol=1e-15)
@@ -173,10 +174,10 @@ def test_gjsd_matches_trl(x64, rng, beta, temperature):
   z, y = _pair(rng)
   w = rng.uniform(0.5, 1.5, size=4)
   val, gz, gy = value_and_grads(
-      generalized_jsd, z, y, w, beta=beta, dynamic={"temperature": temperature}
+    generalized_jsd, z, y, w, beta=beta, dynamic={"temperature": temperature}
   )
   t_val, t_gz, t_gy = torch_value_and_grads(
-      lambda a, b: torch_trl_gjsd(a, b, beta, temperature), z, y, w
+    lambda a, b: torch_trl_gjsd(a, b, beta, temperature), z, y, w
   )
   np.testing.assert_allclose(val, np_trl_gjsd(z, y, beta, temperature), rtol=1e-11, atol=1e-15)
   np.testing.assert_allclose(val, t_val, rtol=1e-11, atol=1e-15)
@@ -207,9 +208,9 @@ def _all_divergences(z, y, t):
   # One program for the three kernels keeps the (compile-bound) check cheap; a
   # wrong derivative in any term fails it.
   return (
-      kl_div_from_logits(z, y, temperature=t)
-      + 2.0 * kl_div_from_logits(z, y, temperature=t, direction="reverse")
-      + 3.0 * generalized_jsd(z, y, beta=0.35, temperature=t)
+    kl_div_from_logits(z, y, temperature=t)
+    + 2.0 * kl_div_from_logits(z, y, temperature=t, direction="reverse")
+    + 3.0 * generalized_jsd(z, y, beta=0.35, temperature=t)
   )
 
 
@@ -223,11 +224,13 @@ def _second_order(ours, ref, z, y, s):
   """Hessians wrt both logits, gradient wrt the scalar ``s``, a jvp: ours and ref."""
   out = []
   for f in (ours, ref):
-    out.append((
+    out.append(
+      (
         jax.hessian(f, argnums=(0, 1))(z, y, s),
         jax.grad(f, argnums=2)(z, y, s),
         jax.jvp(lambda a, f=f: f(a, y, s), (z,), (y,))[1],
-    ))
+      )
+    )
   return out
 
 
@@ -250,8 +253,9 @@ def _jsd_ref_sum(z, y, b):
 
 
 @pytest.mark.parametrize(
-    "pair", [_kl_sum("forward"), _kl_sum("reverse"), (_jsd_sum, _jsd_ref_sum)],
-    ids=["forward", "reverse", "jsd"],
+  "pair",
+  [_kl_sum("forward"), _kl_sum("reverse"), (_jsd_sum, _jsd_ref_sum)],
+  ids=["forward", "reverse", "jsd"],
 )
 def test_second_order_matches_autodiff_of_reference(x64, rng, pair):
   z, y = _pair(rng, shape=(2, 5))
@@ -264,18 +268,22 @@ def test_second_order_matches_autodiff_of_reference(x64, rng, pair):
 
 
 def test_neg_inf_logits_conventions(x64):
-  z = np.array([
+  z = np.array(
+    [
       [0.0, 1.0, -INF, 2.0],  # both -inf at class 2
       [0.5, -INF, 1.0, 0.0],  # student -inf where the teacher has mass
       [0.0, -INF, 1.0, 2.0],  # student -inf where the teacher has none
       [-INF, -INF, -INF, -INF],  # student without mass
-  ])
-  y = np.array([
+    ]
+  )
+  y = np.array(
+    [
       [1.0, 0.0, -INF, 0.5],
       [0.0, 1.0, 2.0, 0.0],
       [1.0, -INF, 0.0, -1.0],
       [0.0, 1.0, 2.0, 3.0],
-  ])
+    ]
+  )
   w = np.ones(4)
   fwd, gz, gy = value_and_grads(kl_div_from_logits, z, y, w, direction="forward")
   rev = value_and_grads(kl_div_from_logits, z, y, w, direction="reverse")[0]
@@ -289,7 +297,7 @@ def test_neg_inf_logits_conventions(x64):
   assert np.all(np.isfinite(gz)) and np.all(np.isfinite(gy))
   # Where the KL is finite, the gradients equal those without the -inf classes.
   gz0, gy0 = jax.jit(jax.grad(lambda a, b: jnp.sum(ref_kl(a, b)), argnums=(0, 1)))(
-      z[0, drop], y[0, drop]
+    z[0, drop], y[0, drop]
   )
   np.testing.assert_allclose(gz[0, drop], gz0, rtol=1e-12)
   np.testing.assert_allclose(gy[0, drop], gy0, rtol=1e-12)
@@ -351,8 +359,9 @@ def test_per_example_mask_zeroes_garbage_and_nan_propagates(fn):
   out, gz, gy = value_and_grads(fn, z, y, jnp.ones(4), dynamic={"where": where})
   assert out[1] == 0.0 and np.isnan(out[3])
   rows = np.array([0, 2])
-  np.testing.assert_allclose(out[rows], value_and_grads(fn, z[rows], y[rows], jnp.ones(2))[0],
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    out[rows], value_and_grads(fn, z[rows], y[rows], jnp.ones(2))[0], rtol=1e-6
+  )
   np.testing.assert_array_equal(gz[1], 0.0)
   np.testing.assert_array_equal(gy[1], 0.0)
   assert np.all(np.isfinite(gz[:3])) and np.all(np.isfinite(gy[:3]))
@@ -363,14 +372,15 @@ def test_traced_temperature_with_neg_inf_logits_has_finite_gradient(x64):
   y = np.array([1.0, -INF, 0.0, 0.5])
   keep = np.isfinite(z)
   g_kl, g_jsd, ref_kl_t, ref_jsd_t = jax.jit(
-      lambda z, y, t: [
-          jax.grad(f)(t) for f in (
-              lambda t: kl_div_from_logits(z, y, temperature=t),
-              lambda t: _jsd_tb(z, y, t, 0.5),
-              lambda t: kl_div_from_logits(z[keep], y[keep], temperature=t),
-              lambda t: _jsd_tb(z[keep], y[keep], t, 0.5),
-          )
-      ]
+    lambda z, y, t: [
+      jax.grad(f)(t)
+      for f in (
+        lambda t: kl_div_from_logits(z, y, temperature=t),
+        lambda t: _jsd_tb(z, y, t, 0.5),
+        lambda t: kl_div_from_logits(z[keep], y[keep], temperature=t),
+        lambda t: _jsd_tb(z[keep], y[keep], t, 0.5),
+      )
+    ]
   )(z, y, 2.0)
   np.testing.assert_allclose(g_kl, ref_kl_t, rtol=1e-12)
   np.testing.assert_allclose(g_jsd, ref_jsd_t, rtol=1e-12)
@@ -394,17 +404,18 @@ def test_axis_and_broadcasting(x64, rng):
   kl = jax.jit(kl_div_from_logits, static_argnames="axis")
   jsd = jax.jit(generalized_jsd, static_argnames="axis")
   np.testing.assert_allclose(
-      kl(z, y, axis=1), np_kl_from_logits(np.moveaxis(z, 1, -1), np.moveaxis(y, 1, -1)),
-      rtol=1e-12,
+    kl(z, y, axis=1),
+    np_kl_from_logits(np.moveaxis(z, 1, -1), np.moveaxis(y, 1, -1)),
+    rtol=1e-12,
   )
   np.testing.assert_allclose(
-      jsd(z, y, axis=(1, 2)), np_trl_gjsd(z.reshape(3, 20), y.reshape(3, 20), 0.5), rtol=1e-12
+    jsd(z, y, axis=(1, 2)), np_trl_gjsd(z.reshape(3, 20), y.reshape(3, 20), 0.5), rtol=1e-12
   )
   np.testing.assert_allclose(
-      kl(z, y[0, 0]), np_kl_from_logits(z, np.broadcast_to(y[0, 0], z.shape)), rtol=1e-12
+    kl(z, y[0, 0]), np_kl_from_logits(z, np.broadcast_to(y[0, 0], z.shape)), rtol=1e-12
   )
   np.testing.assert_allclose(
-      kl(z, y, axis=None), np_kl_from_logits(z.reshape(-1), y.reshape(-1)), rtol=1e-12
+    kl(z, y, axis=None), np_kl_from_logits(z.reshape(-1), y.reshape(-1)), rtol=1e-12
   )
 
 
@@ -433,9 +444,9 @@ def _blocked_program(z, y, keep, keep_rows, v):
 
   out = []
   for fn, kw in [
-      (kl_div_from_logits, {}),
-      (kl_div_from_logits, {"where": keep_rows}),
-      (generalized_jsd, {"where": keep}),
+    (kl_div_from_logits, {}),
+    (kl_div_from_logits, {"where": keep_rows}),
+    (generalized_jsd, {"where": keep}),
   ]:
     out.append(fn(z, y, temperature=1.5, **kw))
     out.append(jax.grad(functools.partial(loss, fn), argnums=(0, 1))(z, y, **kw))
@@ -497,13 +508,13 @@ def test_traced_beta_selects_trl_endpoints(x64, rng):
 
 
 @pytest.mark.parametrize(
-    ("fn", "dtype"),
-    [
-        (kl_div_from_logits, jnp.bfloat16),
-        (kl_div_from_logits, jnp.float16),
-        (kl_div_from_logits, jnp.float32),
-        (generalized_jsd, jnp.bfloat16),
-    ],
+  ("fn", "dtype"),
+  [
+    (kl_div_from_logits, jnp.bfloat16),
+    (kl_div_from_logits, jnp.float16),
+    (kl_div_from_logits, jnp.float32),
+    (generalized_jsd, jnp.bfloat16),
+  ],
 )
 def test_low_precision_dtype_and_gradient_error(rng, dtype, fn):
   z, y = (jnp.asarray(a, dtype) for a in _pair(rng, shape=(4, 32)))
@@ -518,8 +529,9 @@ def test_low_precision_dtype_and_gradient_error(rng, dtype, fn):
   rtol, _ = TOLERANCES[jnp.dtype(dtype).name]
   np.testing.assert_allclose(np.asarray(out, np.float64), r_out, rtol=rtol, atol=rtol * 1e-2)
   for g, r in ((gz, r_gz), (gy, r_gy)):
-    np.testing.assert_allclose(np.asarray(g, np.float64), r, rtol=rtol,
-                               atol=rtol * np.max(np.abs(r)))
+    np.testing.assert_allclose(
+      np.asarray(g, np.float64), r, rtol=rtol, atol=rtol * np.max(np.abs(r))
+    )
 
 
 def _ref_jsd_half(z, y, temperature):
@@ -539,17 +551,17 @@ def test_mixed_dtypes_promote(rng):
 @jax.jit
 def _properties(z, y, shift, t):
   return (
-      kl_div_from_logits(z, y, temperature=t),
-      generalized_jsd(z, y, temperature=t),
-      kl_div_from_logits(z, z + shift, temperature=t),
+    kl_div_from_logits(z, y, temperature=t),
+    generalized_jsd(z, y, temperature=t),
+    kl_div_from_logits(z, z + shift, temperature=t),
   )
 
 
 @settings(max_examples=30, deadline=None)
 @given(
-    st.lists(st.floats(-20, 20), min_size=5, max_size=5),
-    st.floats(-5, 5),
-    st.floats(0.2, 5.0),
+  st.lists(st.floats(-20, 20), min_size=5, max_size=5),
+  st.floats(-5, 5),
+  st.floats(0.2, 5.0),
 )
 def test_kl_nonnegative_and_shift_invariant(values, shift, temperature):
   z = np.asarray(values, np.float32)
@@ -562,17 +574,17 @@ def test_kl_nonnegative_and_shift_invariant(values, shift, temperature):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"direction": "backward"}, ValueError, "direction must be one of"),
-        ({"temperature": 0.0}, ValueError, "temperature must be positive"),
-        ({"temperature": -1}, ValueError, "temperature must be positive"),
-        ({"temperature": np.array([1.0, 2.0])}, ValueError, "scalar"),
-        ({"temperature": jnp.array([1.0, 2.0])}, ValueError, "scalar"),
-        ({"where": np.ones((2, 4), np.bool_)}, ValueError, "where has shape"),
-        ({"where": np.ones((2, 3))}, TypeError, "boolean"),
-        ({"axis": 2}, ValueError, "out of range"),
-    ],
+  ("kwargs", "error", "match"),
+  [
+    ({"direction": "backward"}, ValueError, "direction must be one of"),
+    ({"temperature": 0.0}, ValueError, "temperature must be positive"),
+    ({"temperature": -1}, ValueError, "temperature must be positive"),
+    ({"temperature": np.array([1.0, 2.0])}, ValueError, "scalar"),
+    ({"temperature": jnp.array([1.0, 2.0])}, ValueError, "scalar"),
+    ({"where": np.ones((2, 4), np.bool_)}, ValueError, "where has shape"),
+    ({"where": np.ones((2, 3))}, TypeError, "boolean"),
+    ({"axis": 2}, ValueError, "out of range"),
+  ],
 )
 def test_bad_input_kl(kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -29,18 +29,18 @@ def optax_convex(*args, **kwargs):
 
 # (ours, optax's, whether the second argument is in log-space)
 PAIRS = {
-    "kl_divergence": (kldiv_jax.kl_divergence, optax.losses.kl_divergence, False),
-    "kl_divergence_with_log_targets": (
-        kldiv_jax.kl_divergence_with_log_targets,
-        optax.losses.kl_divergence_with_log_targets,
-        True,
-    ),
-    "generalized_kl_divergence": (
-        kldiv_jax.generalized_kl_divergence,
-        optax.losses.generalized_kl_divergence,
-        False,
-    ),
-    "convex_kl_divergence": (kldiv_jax.convex_kl_divergence, optax_convex, False),
+  "kl_divergence": (kldiv_jax.kl_divergence, optax.losses.kl_divergence, False),
+  "kl_divergence_with_log_targets": (
+    kldiv_jax.kl_divergence_with_log_targets,
+    optax.losses.kl_divergence_with_log_targets,
+    True,
+  ),
+  "generalized_kl_divergence": (
+    kldiv_jax.generalized_kl_divergence,
+    optax.losses.generalized_kl_divergence,
+    False,
+  ),
+  "convex_kl_divergence": (kldiv_jax.convex_kl_divergence, optax_convex, False),
 }
 ALL_NAMES = list(PAIRS)
 # convex_kl_divergence is generalized_kl_divergence (checked below), so the
@@ -78,12 +78,12 @@ def value_and_grad_x(fn, x, t, **kwargs):
 AXES = [-1, 0, 1, (0, 2), (-1, -2), None]
 # (axis, where-mask shape) for element masks, broadcast against [2, 3, 4] inputs.
 ELEMENT_MASKS = [
-    (-1, (2, 3, 4)),
-    (-1, (1, 1, 4)),
-    (-1, (3, 4)),
-    (0, (2, 3, 4)),
-    ((0, 2), (2, 1, 4)),
-    (None, (2, 3, 4)),
+  (-1, (2, 3, 4)),
+  (-1, (1, 1, 4)),
+  (-1, (3, 4)),
+  (0, (2, 3, 4)),
+  ((0, 2), (2, 1, 4)),
+  (None, (2, 3, 4)),
 ]
 
 
@@ -94,6 +94,7 @@ def values_and_grads(fn, x, t, cases):
   def run(x, t, masks):
     out = {}
     for i, ((axis, _), where) in enumerate(zip(cases, masks)):
+
       def total(a, axis=axis, where=where):
         return jnp.sum(fn(a, t, axis=axis, where=where))
 
@@ -141,7 +142,9 @@ def test_element_where_equals_dropping_elements(name, rng, x64):
   for i in range(3):
     kept = ours(jnp.asarray(x[i][where[i]]), jnp.asarray(t[i][where[i]]))
     np.testing.assert_allclose(out[i], kept, rtol=1e-12, atol=1e-15)
-    np.testing.assert_allclose(out[i], np_terms(name, x[i], t[i])[where[i]].sum(), rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(
+      out[i], np_terms(name, x[i], t[i])[where[i]].sum(), rtol=1e-12, atol=1e-15
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -152,7 +155,9 @@ def test_axis_equals_moveaxis(name, rng):
 
   @jax.jit
   def both(x, t):
-    return [(ours(x, t, axis=k), ours(jnp.moveaxis(x, k, -1), jnp.moveaxis(t, k, -1))) for k in axes]
+    return [
+      (ours(x, t, axis=k), ours(jnp.moveaxis(x, k, -1), jnp.moveaxis(t, k, -1))) for k in axes
+    ]
 
   for axis, (out, moved) in zip(axes, both(x, t)):
     np.testing.assert_allclose(out, moved, rtol=1e-6, atol=1e-7, err_msg=f"axis={axis}")
@@ -266,7 +271,9 @@ def test_per_example_where_token_mask(name, rng, x64):
   gx, gt = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(x), jnp.asarray(t_in))
   np.testing.assert_array_equal(np.asarray(gx)[~mask], 0.0)
   np.testing.assert_array_equal(np.asarray(gt)[~mask], 0.0)
-  gx_kept = jax.jit(jax.grad(lambda a: jnp.mean(ours(a, jnp.asarray(t_in[mask])))))(jnp.asarray(x[mask]))
+  gx_kept = jax.jit(jax.grad(lambda a: jnp.mean(ours(a, jnp.asarray(t_in[mask])))))(
+    jnp.asarray(x[mask])
+  )
   np.testing.assert_allclose(np.asarray(gx)[mask], gx_kept, rtol=1e-12)
 
 
@@ -277,7 +284,9 @@ def test_fully_masked_example_gives_zero(name, rng):
   where = jnp.array([True, False, True])
   out = ours(x, t, where=where)
   assert out[1] == 0.0
-  np.testing.assert_allclose(np.asarray(out)[[0, 2]], np_terms(name, x, t).sum(-1)[[0, 2]], rtol=2e-6)
+  np.testing.assert_allclose(
+    np.asarray(out)[[0, 2]], np_terms(name, x, t).sum(-1)[[0, 2]], rtol=2e-6
+  )
   # An element mask that removes the whole row is the same.
   elem = jnp.broadcast_to(where[:, None], (3, 4))
   np.testing.assert_allclose(ours(x, t, where=elem), out, rtol=1e-6)
@@ -312,9 +321,9 @@ def test_check_grads_order_2(rng, x64):
   @jax.jit
   def f(a, b, c):
     return (
-        kldiv_jax.kl_divergence(a, b, where=where),
-        kldiv_jax.kl_divergence_with_log_targets(a, c),
-        kldiv_jax.generalized_kl_divergence(a, b, axis=None),
+      kldiv_jax.kl_divergence(a, b, where=where),
+      kldiv_jax.kl_divergence_with_log_targets(a, c),
+      kldiv_jax.generalized_kl_divergence(a, b, axis=None),
     )
 
   check_grads(f, (x, t, log_t), order=2, modes=("fwd", "rev"))

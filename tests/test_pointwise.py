@@ -54,6 +54,7 @@ def np_grads(x, t, log_target=False):
 @functools.partial(jax.jit, static_argnames="log_target")
 def grads(x, t, log_target=False):
   """Reverse-mode elementwise derivatives of kl_div_pointwise."""
+
   def f(a, b):
     return jnp.sum(kl_div_pointwise(a, b, log_target=log_target))
 
@@ -64,25 +65,25 @@ def grads(x, t, log_target=False):
 # The reference table "Where torch is not finite, and what kldiv_jax does".
 # Columns: x, t (probability), value, d/dx, d/dt.
 TABLE_PROB = [
-    (-1.0, 0.0, 0.0, 0.0, 0.0),
-    (-INF, 0.0, 0.0, 0.0, 0.0),
-    (3.0, 0.0, 0.0, 0.0, 0.0),
-    (-INF, 0.5, INF, -0.5, INF),
-    (-1.0, 0.5, 0.5 * (np.log(0.5) + 1.0), -0.5, np.log(0.5) + 2.0),
+  (-1.0, 0.0, 0.0, 0.0, 0.0),
+  (-INF, 0.0, 0.0, 0.0, 0.0),
+  (3.0, 0.0, 0.0, 0.0, 0.0),
+  (-INF, 0.5, INF, -0.5, INF),
+  (-1.0, 0.5, 0.5 * (np.log(0.5) + 1.0), -0.5, np.log(0.5) + 2.0),
 ]
 # Same with the target in log-space.
 TABLE_LOG = [
-    (-1.0, -INF, 0.0, 0.0, 0.0),
-    (-INF, -INF, 0.0, 0.0, 0.0),
-    (3.0, -INF, 0.0, 0.0, 0.0),
-    (-INF, np.log(0.5), INF, -0.5, INF),
-    (-1.0, np.log(0.5), 0.5 * (np.log(0.5) + 1.0), -0.5, 0.5 * (np.log(0.5) + 2.0)),
+  (-1.0, -INF, 0.0, 0.0, 0.0),
+  (-INF, -INF, 0.0, 0.0, 0.0),
+  (3.0, -INF, 0.0, 0.0, 0.0),
+  (-INF, np.log(0.5), INF, -0.5, INF),
+  (-1.0, np.log(0.5), 0.5 * (np.log(0.5) + 1.0), -0.5, 0.5 * (np.log(0.5) + 2.0)),
 ]
 
 
 @pytest.mark.parametrize(
-    ("log_target", "row"),
-    [(False, r) for r in TABLE_PROB] + [(True, r) for r in TABLE_LOG],
+  ("log_target", "row"),
+  [(False, r) for r in TABLE_PROB] + [(True, r) for r in TABLE_LOG],
 )
 def test_reference_table_values_and_both_gradients(log_target, row):
   x, t, value, d_x, d_t = row
@@ -158,8 +159,8 @@ def test_all_zero_rows_with_masked_inputs(log_target):
 
 # NaN propagation: an invalid value is never turned into a finite number.
 @pytest.mark.parametrize(
-    ("x", "t"),
-    [(NAN, 0.5), (NAN, 0.0), (-1.0, NAN), (-INF, NAN), (-1.0, -0.5), (-INF, -0.5)],
+  ("x", "t"),
+  [(NAN, 0.5), (NAN, 0.0), (-1.0, NAN), (-INF, NAN), (-1.0, -0.5), (-INF, -0.5)],
 )
 def test_invalid_values_give_nan_probability_target(x, t):
   xa, ta = jnp.float32(x), jnp.float32(t)
@@ -210,6 +211,7 @@ def test_second_derivatives_finite_at_zero_targets(log_target):
   x = jnp.array([-1.0, -jnp.inf, 2.0, -0.5])
   zero = -jnp.inf if log_target else 0.0
   t = jnp.array([zero, zero, zero, 0.25 if not log_target else np.log(0.25)])
+
   def f(a, b):
     return jnp.sum(kl_div_pointwise(a, b, log_target=log_target))
 
@@ -244,6 +246,7 @@ def test_forward_mode_finite_at_zero_targets(log_target):
   x = jnp.array([-1.0, -jnp.inf, 0.3])
   zero = -jnp.inf if log_target else 0.0
   t = jnp.full((3,), zero)
+
   def f(a, b):
     return kl_div_pointwise(a, b, log_target=log_target)
 
@@ -271,6 +274,7 @@ def test_closed_form_gradients_interior(log_target, rng, x64):
   ex, et = np_grads(x, t_in, log_target)
   np.testing.assert_allclose(gx, ex, rtol=1e-12)
   np.testing.assert_allclose(gt, et, rtol=1e-12)
+
   # d²/dt²: 1/t for probability targets, e^t (t - x + 2) for log targets.
   def f(b):
     return jnp.sum(kl_div_pointwise(jnp.asarray(x), b, log_target=log_target))
@@ -373,15 +377,15 @@ def test_half_precision_computed_in_float32(dtype, log_target, rng):
 
 
 @pytest.mark.parametrize(
-    ("dx", "dt", "expected"),
-    [
-        (jnp.float32, jnp.float32, jnp.float32),
-        (jnp.float16, jnp.float16, jnp.float16),
-        (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
-        (jnp.bfloat16, jnp.float16, jnp.float32),
-        (jnp.float16, jnp.float32, jnp.float32),
-        (jnp.bfloat16, jnp.float32, jnp.float32),
-    ],
+  ("dx", "dt", "expected"),
+  [
+    (jnp.float32, jnp.float32, jnp.float32),
+    (jnp.float16, jnp.float16, jnp.float16),
+    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    (jnp.bfloat16, jnp.float16, jnp.float32),
+    (jnp.float16, jnp.float32, jnp.float32),
+    (jnp.bfloat16, jnp.float32, jnp.float32),
+  ],
 )
 def test_dtype_promotion(dx, dt, expected):
   x = jnp.full((2, 3), -1.0, dx)

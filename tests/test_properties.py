@@ -30,7 +30,7 @@ def _normalise(w):
 
 # Probability vectors over the last axis; targets may have exact zeros.
 weights_with_zeros = hnp.arrays(
-    np.float64, SHAPE, elements=st.one_of(st.just(0.0), st.floats(1e-4, 1.0))
+  np.float64, SHAPE, elements=st.one_of(st.just(0.0), st.floats(1e-4, 1.0))
 )
 positive_weights = hnp.arrays(np.float64, SHAPE, elements=st.floats(1e-3, 1.0))
 targets = weights_with_zeros.map(_normalise)
@@ -71,10 +71,10 @@ def _jitted(reduction, log_target):
 
 @SETTINGS
 @given(
-    p=targets,
-    q=predictions,
-    reduction=st.sampled_from(REDUCTIONS),
-    log_target=st.booleans(),
+  p=targets,
+  q=predictions,
+  reduction=st.sampled_from(REDUCTIONS),
+  log_target=st.booleans(),
 )
 def test_jit_equals_eager(p, q, reduction, log_target):
   x = jnp.log(jnp.asarray(q, jnp.float32))
@@ -130,7 +130,10 @@ def test_log_target_agrees_with_probability_target(p, q):
     np.testing.assert_allclose(v2, v1, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(g2, g1, rtol=1e-12, atol=1e-15)
     np.testing.assert_allclose(
-        kldiv_jax.kl_divergence_with_log_targets(x, log_t), kl_divergence(x, t), rtol=1e-12, atol=1e-15
+      kldiv_jax.kl_divergence_with_log_targets(x, log_t),
+      kl_divergence(x, t),
+      rtol=1e-12,
+      atol=1e-15,
     )
 
 

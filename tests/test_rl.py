@@ -38,9 +38,9 @@ def test_estimators_match_float64_formulas(x64, rng):
   ref = np.log(rng.dirichlet(np.ones(8)))
   delta = logp - ref
   expected = {
-      "k1": (delta, np.ones(8)),
-      "k2": (0.5 * delta**2, delta),
-      "k3": (np.exp(-delta) - 1 + delta, 1 - np.exp(-delta)),
+    "k1": (delta, np.ones(8)),
+    "k2": (0.5 * delta**2, delta),
+    "k3": (np.exp(-delta) - 1 + delta, 1 - np.exp(-delta)),
   }
   for estimator, (value, d_logp) in expected.items():
     out, g_logp, g_ref = estimate_and_grads(logp, ref, estimator=estimator)
@@ -62,8 +62,12 @@ def test_k3_has_no_cancellation_near_zero(x64, dtype):
   assert np.max(np.abs(naive - exact) / np.maximum(exact, 1e-300)) > 1e3 * rtol
   # Derivative e^x - 1, also accurate near 0.
   grad = jax.jit(jax.vmap(jax.grad(exp_minus_one_minus)))(x.astype(dtype))
-  np.testing.assert_allclose(np.asarray(grad, np.float64), np.expm1(x.astype(dtype), dtype=np.float64),
-                             rtol=rtol, atol=np.finfo(dtype).tiny)
+  np.testing.assert_allclose(
+    np.asarray(grad, np.float64),
+    np.expm1(x.astype(dtype), dtype=np.float64),
+    rtol=rtol,
+    atol=np.finfo(dtype).tiny,
+  )
 
 
 def test_infinite_log_ratios():
@@ -122,8 +126,7 @@ def test_broadcasting_dtype_and_vmap(rng):
   assert out.shape == (3, 4) and out.dtype == jnp.float32
   out16 = jax.jit(kl_estimate)(logp, ref.astype(jnp.bfloat16))
   assert out16.dtype == jnp.bfloat16
-  np.testing.assert_allclose(jax.vmap(kl_estimate, in_axes=(0, None))(logp, ref), out,
-                             rtol=1e-6)
+  np.testing.assert_allclose(jax.vmap(kl_estimate, in_axes=(0, None))(logp, ref), out, rtol=1e-6)
 
 
 def test_check_grads(x64, rng):
@@ -138,14 +141,14 @@ def test_check_grads(x64, rng):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"estimator": "k4"}, ValueError, "estimator must be one of"),
-        ({"clip": (1.0, -1.0)}, ValueError, "low <= high"),
-        ({"clip": -1.0}, ValueError, "low <= high"),
-        ({"clip": (1.0,)}, ValueError, "pair"),
-        ({"where": np.ones((3,), np.bool_)}, ValueError, "where has shape"),
-    ],
+  ("kwargs", "error", "match"),
+  [
+    ({"estimator": "k4"}, ValueError, "estimator must be one of"),
+    ({"clip": (1.0, -1.0)}, ValueError, "low <= high"),
+    ({"clip": -1.0}, ValueError, "low <= high"),
+    ({"clip": (1.0,)}, ValueError, "pair"),
+    ({"where": np.ones((3,), np.bool_)}, ValueError, "where has shape"),
+  ],
 )
 def test_bad_input(kwargs, error, match):
   with pytest.raises(error, match=match):

@@ -20,7 +20,9 @@ from jax.test_util import check_grads
 from kldiv_jax import KLDivLoss, kl_div
 
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
-MEAN_WARNING = r"reduction: 'mean' divides the total loss by both the batch size and the support size"
+MEAN_WARNING = (
+  r"reduction: 'mean' divides the total loss by both the batch size and the support size"
+)
 # pytest's filterwarnings spec splits on ':', so match the message's start only.
 ignore_mean_warning = pytest.mark.filterwarnings("ignore:reduction")
 
@@ -107,13 +109,13 @@ def test_batchmean_is_sum_over_batch(log_target, rng, x64):
 
 
 @pytest.mark.parametrize(
-    ("x_shape", "t_shape", "divisor"),
-    [
-        ((1, 5), (4, 5), 1),  # the input's leading dim, not the broadcast one
-        ((5,), (3, 5), 5),
-        ((), (3,), 1),  # no division for a 0-d input
-        ((4, 1), (1, 6), 4),
-    ],
+  ("x_shape", "t_shape", "divisor"),
+  [
+    ((1, 5), (4, 5), 1),  # the input's leading dim, not the broadcast one
+    ((5,), (3, 5), 5),
+    ((), (3,), 1),  # no division for a 0-d input
+    ((4, 1), (1, 6), 4),
+  ],
 )
 def test_batchmean_divides_by_input_leading_dim(x_shape, t_shape, divisor, rng, x64):
   x = -rng.uniform(0.1, 3.0, size=x_shape)
@@ -123,8 +125,8 @@ def test_batchmean_divides_by_input_leading_dim(x_shape, t_shape, divisor, rng, 
 
 
 @pytest.mark.parametrize(
-    ("x_shape", "t_shape"),
-    [((3, 1), (1, 4)), ((4,), (2, 3, 4)), ((2, 1, 3), (5, 1)), ((), (2, 2))],
+  ("x_shape", "t_shape"),
+  [((3, 1), (1, 4)), ((4,), (2, 3, 4)), ((2, 1, 3), (5, 1)), ((), (2, 2))],
 )
 def test_broadcasting_reductions(x_shape, t_shape, rng, x64):
   x = -rng.uniform(0.1, 3.0, size=x_shape)
@@ -167,19 +169,19 @@ def test_zero_targets_and_minus_inf_inputs_reduce_finitely(log_target, x64):
     expected = expected / 2 if reduction == "batchmean" else expected
     np.testing.assert_allclose(out, expected, rtol=1e-12)
     g = jax.grad(kl_div, argnums=(0, 1))(
-        jnp.asarray(x), jnp.asarray(t_in), reduction=reduction, log_target=log_target
+      jnp.asarray(x), jnp.asarray(t_in), reduction=reduction, log_target=log_target
     )
     assert all(np.all(np.isfinite(gi)) for gi in g)
 
 
 @ignore_mean_warning
 @pytest.mark.parametrize(
-    ("shape", "expected"),
-    [
-        ((0,), {"none": (0,), "mean": np.nan, "sum": 0.0, "batchmean": np.nan}),
-        ((0, 5), {"none": (0, 5), "mean": np.nan, "sum": 0.0, "batchmean": np.nan}),
-        ((5, 0), {"none": (5, 0), "mean": np.nan, "sum": 0.0, "batchmean": 0.0}),
-    ],
+  ("shape", "expected"),
+  [
+    ((0,), {"none": (0,), "mean": np.nan, "sum": 0.0, "batchmean": np.nan}),
+    ((0, 5), {"none": (0, 5), "mean": np.nan, "sum": 0.0, "batchmean": np.nan}),
+    ((5, 0), {"none": (5, 0), "mean": np.nan, "sum": 0.0, "batchmean": 0.0}),
+  ],
 )
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_empty_arrays(shape, expected, reduction):
@@ -221,14 +223,14 @@ def test_mean_warns_once_under_jit_at_trace_time():
 
 # (size_average, reduce) -> the reduction torch's legacy_get_string gives.
 LEGACY = [
-    ((True, None), "mean"),
-    ((False, None), "sum"),
-    ((None, True), "mean"),
-    ((None, False), "none"),
-    ((True, True), "mean"),
-    ((False, True), "sum"),
-    ((True, False), "none"),
-    ((False, False), "none"),
+  ((True, None), "mean"),
+  ((False, None), "sum"),
+  ((None, True), "mean"),
+  ((None, False), "none"),
+  ((True, True), "mean"),
+  ((False, True), "sum"),
+  ((True, False), "none"),
+  ((False, False), "none"),
 ]
 
 
@@ -364,9 +366,9 @@ def test_check_grads_order_2(rng, x64):
   @jax.jit
   def f(a, b, c):
     return tuple(
-        kl_div(a, target, reduction=r, log_target=lt)
-        for r in REDUCTIONS
-        for target, lt in ((b, False), (c, True))
+      kl_div(a, target, reduction=r, log_target=lt)
+      for r in REDUCTIONS
+      for target, lt in ((b, False), (c, True))
     )
 
   check_grads(f, (x, t, log_t), order=2, modes=("fwd", "rev"))
@@ -385,6 +387,7 @@ def test_closed_form_gradients(log_target, x_shape, t_shape, rng, x64):
   def derivatives(a, b):
     out = {}
     for r in REDUCTIONS:
+
       def f(a, b, r=r):
         return jnp.sum(kl_div(a, b, reduction=r, log_target=log_target))
 
@@ -405,7 +408,7 @@ def test_closed_form_gradients(log_target, x_shape, t_shape, rng, x64):
     np.testing.assert_allclose(gx, d_x, rtol=1e-12, err_msg=reduction)
     np.testing.assert_allclose(gt, d_t, rtol=1e-12, err_msg=reduction)
     np.testing.assert_allclose(
-        np.reshape(h_tt, (n, n)), np.diag(d_tt.ravel()), rtol=1e-12, err_msg=reduction
+      np.reshape(h_tt, (n, n)), np.diag(d_tt.ravel()), rtol=1e-12, err_msg=reduction
     )
 
 
@@ -472,14 +475,14 @@ def test_half_precision_kept_and_computed_in_float32(dtype, reduction, rng):
 
 
 @pytest.mark.parametrize(
-    ("dx", "dt", "expected"),
-    [
-        (jnp.float16, jnp.float16, jnp.float16),
-        (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
-        (jnp.bfloat16, jnp.float16, jnp.float32),
-        (jnp.float16, jnp.float32, jnp.float32),
-        (jnp.float32, jnp.float64, jnp.float64),
-    ],
+  ("dx", "dt", "expected"),
+  [
+    (jnp.float16, jnp.float16, jnp.float16),
+    (jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    (jnp.bfloat16, jnp.float16, jnp.float32),
+    (jnp.float16, jnp.float32, jnp.float32),
+    (jnp.float32, jnp.float64, jnp.float64),
+  ],
 )
 @pytest.mark.parametrize("reduction", ["none", "sum", "batchmean"])
 def test_type_promotion(dx, dt, expected, reduction, x64):

@@ -50,7 +50,7 @@ from conftest import TOLERANCES
 from kldiv_jax import KLDivLoss, kl_div, kl_div_pointwise
 
 _spec = importlib.util.spec_from_file_location(
-    "make_torch_fixtures", pathlib.Path(__file__).parent / "fixtures" / "make_torch_fixtures.py"
+  "make_torch_fixtures", pathlib.Path(__file__).parent / "fixtures" / "make_torch_fixtures.py"
 )
 mk = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mk)
@@ -59,10 +59,10 @@ REDUCTIONS = mk.REDUCTIONS
 LEGACY = (None, True, False)
 HALF = ("float16", "bfloat16")
 NP_DTYPES = {
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(jnp.bfloat16),
-    "float32": np.dtype(np.float32),
-    "float64": np.dtype(np.float64),
+  "float16": np.dtype(np.float16),
+  "bfloat16": np.dtype(jnp.bfloat16),
+  "float32": np.dtype(np.float32),
+  "float64": np.dtype(np.float64),
 }
 TORCH_OWN_EXAMPLE = -3.6624908251428976  # torch's test_kl_div_with_diff_type
 DERIVATIVES = ("value", "grad_x", "grad_t")
@@ -125,7 +125,7 @@ def _vjp(loss, x, t, cot) -> dict[str, jax.Array]:
 
 # Small programs, compiled once each: XLA's optimisations cost more time than they save.
 @functools.partial(
-    jax.jit, static_argnames="specs", compiler_options={"xla_backend_optimization_level": 0}
+  jax.jit, static_argnames="specs", compiler_options={"xla_backend_optimization_level": 0}
 )
 def _evaluate(arrays: Sequence[tuple[jax.Array, ...]], specs: tuple[Spec, ...]) -> list[dict]:
   """kldiv_jax on every case.
@@ -139,8 +139,11 @@ def _evaluate(arrays: Sequence[tuple[jax.Array, ...]], specs: tuple[Spec, ...]) 
   results = []
   for (x, t, cot), spec in zip(arrays, specs):
     loss = functools.partial(
-        kl_div, size_average=spec.size_average, reduce=spec.reduce,
-        reduction=spec.reduction, log_target=spec.log_target,
+      kl_div,
+      size_average=spec.size_average,
+      reduce=spec.reduce,
+      reduction=spec.reduction,
+      log_target=spec.log_target,
     )
     res = {"kl_div": _vjp(loss, x, t, cot)}
     if spec.hessian:
@@ -162,7 +165,7 @@ def _evaluate(arrays: Sequence[tuple[jax.Array, ...]], specs: tuple[Spec, ...]) 
 
 
 def _ours(
-    cases: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], specs: Sequence[Spec], dtype: str
+  cases: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], specs: Sequence[Spec], dtype: str
 ) -> list[dict[str, dict[str, np.ndarray]]]:
   """``_evaluate`` on NumPy inputs cast to ``dtype``; results in float64 NumPy.
 
@@ -172,14 +175,14 @@ def _ours(
   with _quiet():
     results = _evaluate(arrays, tuple(specs))
   return [
-      {
-          fn: {
-              **{k: np.asarray(v, np.float64) for k, v in res.items()},
-              **{f"{k}_dtype": v.dtype for k, v in res.items()},
-          }
-          for fn, res in case.items()
+    {
+      fn: {
+        **{k: np.asarray(v, np.float64) for k, v in res.items()},
+        **{f"{k}_dtype": v.dtype for k, v in res.items()},
       }
-      for case in results
+      for fn, res in case.items()
+    }
+    for case in results
   ]
 
 
@@ -191,8 +194,12 @@ def _assert_close(ours: dict, ref: dict, dtype: str, keys: Sequence[str], what: 
     if dtype in HALF:
       expected = expected.astype(NP_DTYPES[dtype])
     np.testing.assert_allclose(
-        ours[key], expected.astype(np.float64), rtol=rtol, atol=atol, strict=True,
-        err_msg=f"{what}: {key}",
+      ours[key],
+      expected.astype(np.float64),
+      rtol=rtol,
+      atol=atol,
+      strict=True,
+      err_msg=f"{what}: {key}",
     )
 
 
@@ -344,8 +351,8 @@ def test_live_bad_options_raise_like_torch(torch):
 
 
 @pytest.mark.parametrize(
-    "x_dtype,t_dtype",
-    [("float32", "float64"), ("float64", "float32"), ("bfloat16", "float16"), ("float16", "float32")],
+  "x_dtype,t_dtype",
+  [("float32", "float64"), ("float64", "float32"), ("bfloat16", "float16"), ("float16", "float32")],
 )
 def test_live_mixed_dtypes(x64, torch, rng, x_dtype, t_dtype):
   """Result dtype follows torch's promotion; gradients keep each argument's dtype.
@@ -363,9 +370,9 @@ def test_live_mixed_dtypes(x64, torch, rng, x_dtype, t_dtype):
   out_dtype = str(native.dtype).removeprefix("torch.")
   ref = mk.torch_kl(x, t, np.ones(()), dtype=out_dtype, reduction="sum")
 
-  value, (gx, gt) = jax.value_and_grad(
-      functools.partial(kl_div, reduction="sum"), argnums=(0, 1)
-  )(jnp.asarray(x), jnp.asarray(t))
+  value, (gx, gt) = jax.value_and_grad(functools.partial(kl_div, reduction="sum"), argnums=(0, 1))(
+    jnp.asarray(x), jnp.asarray(t)
+  )
   assert value.dtype == NP_DTYPES[out_dtype]
   assert (gx.dtype, gt.dtype) == (NP_DTYPES[x_dtype], NP_DTYPES[t_dtype])
   assert (str(xt.grad.dtype), str(tt.grad.dtype)) == (f"torch.{x_dtype}", f"torch.{t_dtype}")
@@ -388,8 +395,8 @@ def test_live_torch_own_example(x64, torch, x_dtype, t_dtype):
   t = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
   with _quiet():
     theirs = F.kl_div(
-        torch.tensor(x, dtype=getattr(torch, x_dtype)),
-        torch.tensor(t, dtype=getattr(torch, t_dtype)),
+      torch.tensor(x, dtype=getattr(torch, x_dtype)),
+      torch.tensor(t, dtype=getattr(torch, t_dtype)),
     )
   with pytest.warns(UserWarning, match="reduction: 'mean'"):
     ours = kl_div(jnp.asarray(x, NP_DTYPES[x_dtype]), jnp.asarray(t, NP_DTYPES[t_dtype]))
@@ -406,14 +413,14 @@ def test_live_torch_own_example(x64, torch, x_dtype, t_dtype):
 # (x, t) at zero mass, and torch's non-finite results there. kldiv_jax gives value 0 and
 # zero first and second derivatives at these points.
 DIFFERENCES = {
-    False: (
-        (-1.0, 0.0, ("grad_t", "hess_tt")),
-        (-np.inf, 0.0, ("value", "grad_t", "hess_tt")),
-    ),
-    True: (
-        (-1.0, -np.inf, ("value", "grad_t", "hess_tt")),
-        (-np.inf, -np.inf, ("value", "grad_t", "hess_tt")),
-    ),
+  False: (
+    (-1.0, 0.0, ("grad_t", "hess_tt")),
+    (-np.inf, 0.0, ("value", "grad_t", "hess_tt")),
+  ),
+  True: (
+    (-1.0, -np.inf, ("value", "grad_t", "hess_tt")),
+    (-np.inf, -np.inf, ("value", "grad_t", "hess_tt")),
+  ),
 }
 
 
@@ -455,8 +462,11 @@ def test_live_deliberate_differences(x64, torch, log_target):
     mine = {k: res[k][1:] for k in ("grad_x", "grad_t")} | {"hess": res["hess_tt"][1:, 1:]}
     _assert_close(mine, interior, "float64", ("grad_x", "grad_t", "hess"), what)
     alone = mk.torch_kl(x[1:], t[1:], np.ones(()), reduction="sum", log_target=log_target)
-    expected = {"none": np.array([0.0, *alone["value"].reshape(1)]),
-                "sum": alone["value"], "batchmean": alone["value"] / 2}[spec.reduction]
+    expected = {
+      "none": np.array([0.0, *alone["value"].reshape(1)]),
+      "sum": alone["value"],
+      "batchmean": alone["value"] / 2,
+    }[spec.reduction]
     _assert_close(res, {"value": expected}, "float64", ("value",), what)
 
 
@@ -481,8 +491,11 @@ def test_fixture(request, group):
   specs = [Spec.of(c) for c in cases]
   ours = _ours(arrays, specs, dtype)
   for case, spec, res in zip(cases, specs, ours):
-    ref = {k: ARRAYS[f"{case['id']}.{k}"] for k in DERIVATIVES + HESSIANS
-           if f"{case['id']}.{k}" in ARRAYS}
+    ref = {
+      k: ARRAYS[f"{case['id']}.{k}"]
+      for k in DERIVATIVES + HESSIANS
+      if f"{case['id']}.{k}" in ARRAYS
+    }
     _check_case(res, ref, spec, dtype, f"{case['id']} {_options(spec)}")
 
 
@@ -517,5 +530,6 @@ def test_fixture_file_up_to_date(torch):
     for key in mk.ARRAY_KEYS:
       name = f"{case['id']}.{key}"
       if name in arrays:
-        np.testing.assert_allclose(arrays[name], ARRAYS[name], rtol=rtol, atol=atol,
-                                   strict=True, err_msg=name)
+        np.testing.assert_allclose(
+          arrays[name], ARRAYS[name], rtol=rtol, atol=atol, strict=True, err_msg=name
+        )

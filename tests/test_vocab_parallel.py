@@ -109,7 +109,9 @@ def test_second_order(report):
   """jax.hessian and jax.jvp through the sharded kernels equal the unsharded ones."""
   assert isinstance(report["second_order"], list), report["second_order"]
   assert {r["loss"] for r in report["second_order"]} == {
-    "kl[reverse,T=1.5]", "jsd[beta=0.3]", "distill[forward_kl,labels]"
+    "kl[reverse,T=1.5]",
+    "jsd[beta=0.3]",
+    "distill[forward_kl,labels]",
   }
   for r in report["second_order"]:
     assert r["hessian_err"] <= 1.0 and r["jvp_err"] <= 1.0, r
