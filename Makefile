@@ -1,22 +1,27 @@
-# kldiv_jax: `make demo` and `make test` work on a fresh clone (Python >= 3.10).
+# kldiv_jax: `make demo` and `make test` work on a fresh clone (Python >= 3.11).
 # Each target creates the virtual environment $(VENV) when missing and installs
-# the package (editable) with the `test` and `examples` extras.
+# the package (editable) with the `test` and `examples` extras; the maintainer
+# targets add their own extra (`lint`, `release`, `docs`) on first use.
 #
-#   make demo      knowledge distillation on scikit-learn's digits
-#   make test      the test suite (live torch parity when torch is installed)
-#   make lint      ruff (installed into the venv on first use)
-#   make bench     benchmarks/run.py
-#   make fixtures  regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
+#   make demo       knowledge distillation on scikit-learn's digits
+#   make test       the test suite (live torch parity too when torch is installed)
+#   make lint       ruff check and ruff format --check
+#   make format     ruff format (rewrites files)
+#   make typecheck  pyright over kldiv_jax/
+#   make build      wheel and sdist in dist/, then twine check
+#   make bench      benchmarks/run.py
+#   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #
-# VENV=path selects another environment (.ci/run uses a fresh one).
+# VENV=path selects another environment (.ci/run uses fresh ones).
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kldiv_jax-installed
 PYTEST_ARGS ?= -q -n 2
+DEMO_ARGS ?=
 
-.PHONY: venv demo test lint bench fixtures clean
+.PHONY: venv demo test lint format typecheck build bench fixtures clean
 
 venv: $(STAMP)
 
@@ -25,15 +30,34 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test,examples]'
 	touch $(STAMP)
 
+# An extra installed on first use: $(call extra,NAME).
+extra = test -f $(VENV)/.kldiv_jax-$(1) || { $(PY) -m pip install -e '.[test,examples,$(1)]' && touch $(VENV)/.kldiv_jax-$(1); }
+
 demo: venv
-	$(PY) examples/distill_digits.py
+	$(PY) examples/distill_digits.py $(DEMO_ARGS)
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
-	$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install 'ruff>=0.6'
+	@$(call extra,lint)
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: venv
+	@$(call extra,lint)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+typecheck: venv
+	@$(call extra,lint)
+	$(VENV)/bin/pyright --pythonpath $(PY)
+
+build: venv
+	@$(call extra,release)
+	rm -rf dist
+	$(PY) -m build
+	$(PY) -m twine check --strict dist/*
 
 bench: venv
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
@@ -44,4 +68,4 @@ fixtures: venv
 	$(PY) tests/fixtures/make_torch_fixtures.py
 
 clean:
-	rm -rf examples/output .pytest_cache .hypothesis
+	rm -rf examples/output .pytest_cache .hypothesis dist build
