@@ -1,0 +1,162 @@
+"""The alpha-beta divergence (ABKD), per class, with its limit cases in closed form.
+
+Cichocki, Cruces and Amari, *Generalized Alpha-Beta Divergences and Their
+Application to Robust Nonnegative Matrix Factorization*, Entropy 13 (2011),
+Eq. (4)-(5); used for distillation by ABKD (Wang et al., ICML 2025), whose
+``ab_div`` (``ghwang-s/abkd``, ``distillation_llm/distillm/losses.py``) is the
+general branch here. For ``p`` the teacher's distribution and ``q`` the student's:
+
+.. math::
+
+   f = -\\frac{1}{\\alpha\\beta}\\Big(p^\\alpha q^\\beta - \\frac{\\alpha}{\\alpha+\\beta} p^{\\alpha+\\beta}
+       - \\frac{\\beta}{\\alpha+\\beta} q^{\\alpha+\\beta}\\Big).
+
+The limits ``beta = 0``, ``alpha = 0``, ``alpha + beta = 0`` and ``alpha = beta =
+0`` are Cichocki et al.'s closed forms (the continuous limits). ABKD's own
+limit branches scale them by ``1/alpha`` (resp. ``1/beta``) instead of
+``1/alpha**2``, which is continuous only at ``alpha = 1``; we follow the paper.
+Forward KL is ``(1, 0)``, reverse KL ``(0, 1)`` and ``(1/2, 1/2)`` four times the
+squared Hellinger distance.
+"""
+
+import math
+
+import jax.numpy as jnp
+
+from kldiv_jax._numerics import cases, exp_expm1, is_static, nonzero, select, series, split_small
+
+# # With d = log p - log q, T = p^a q^b and E(c, x) = expm1(c x)/c (x at c = 0):
+#   a_ = p df/dp = (p^s - T)/b = T E(b, d),  b_ = q df/dq = T E(a, -d),  s = a + b,
+# and f = (a_ + b_)/s (Euler). The limits are closed forms: b = 0 gives q^a E_c(a, d)
+# (E_c = dE/dc); s = 0 gives (E(a, d) - d)/a; a = b = 0 gives d^2/2 (both of those).
+
+
+# Taylor coefficients (k = 0, 1, ...) of three expm1-type ratios, used for |x| < 1/2
+# (16 terms: below float64 rounding there); the closed forms, beyond.
+_SERIES = 16
+_G = tuple(1 / math.factorial(k + 2) for k in range(_SERIES))  # (e^x - 1 - x) / x^2
+_H = tuple((k + 1) / math.factorial(k + 2) for k in range(_SERIES))  # (x e^x - e^x + 1) / x^2
+_L = tuple((k + 1) * (k + 2) / math.factorial(k + 3) for k in range(_SERIES))  # see _ab_l
+
+
+def _scaled_expm1(l0, c, x):
+  """``exp(l0) * E(c, x)``: ``exp(l0) expm1(c x) / c``, and ``exp(l0) x`` at ``c = 0``."""
+  if is_static(c) and c == 0:
+    return jnp.exp(l0) * x
+  out = exp_expm1(l0, c * x) / nonzero(c)
+  return out if is_static(c) else jnp.where(c == 0, jnp.exp(l0) * x, out)
+
+
+def _ab_k(c, d, lq):
+  """``q^c E_c(c, d) = (p^c (c d - 1) + q^c) / c^2``; ``d^2 / 2`` at ``c = 0``."""
+  small, xs, xl = split_small(c * d)
+  direct = (jnp.exp(c * lq + xl) * (xl - 1.0) + jnp.exp(c * lq)) / (nonzero(c) ** 2)
+  return jnp.where(small, jnp.exp(c * lq) * d * d * series(xs, _H), direct)
+
+
+def _ab_l(c, d, lq):
+  """``q^c d^2E/dc^2 = (p^c (x^2 - 2x + 2) - 2 q^c) / c^3``, ``x = c d``; ``d^3 / 3`` at 0."""
+  small, xs, xl = split_small(c * d)
+  direct = (jnp.exp(c * lq + xl) * (xl * xl - 2.0 * xl + 2.0) - 2.0 * jnp.exp(c * lq)) / (
+    nonzero(c) ** 3
+  )
+  return jnp.where(small, jnp.exp(c * lq) * d**3 * series(xs, _L), direct)
+
+
+def _ab_g(alpha, d):
+  """``(expm1(alpha d) - alpha d) / alpha^2``: the ``alpha + beta = 0`` case; ``d^2/2`` at 0."""
+  small, xs, xl = split_small(alpha * d)
+  return jnp.where(small, d * d * series(xs, _G), (jnp.expm1(xl) - xl) / (nonzero(alpha) ** 2))
+
+
+def _ab_one_sided(x, y, log_m):
+  """Limits of ``(f, a_absent, b_present, df/dx, df/dy)`` where the side with exponent
+  ``x`` has no mass and the other, exponent ``y``, has log-mass ``log_m``.
+
+  ``f = q^s / (x s)`` if ``x > 0`` and ``s = x + y > 0``, else ``+inf``.
+  """
+  s = x + y
+  finite = (x > 0) & (s > 0)
+  big = jnp.exp(s * log_m) / nonzero(x * s)
+  f = select(finite, big, jnp.inf)
+  absent = select(
+    finite,
+    0.0,
+    select(
+      (x > 0) & (s == 0),
+      -1.0 / nonzero(x),
+      select((x == 0) & (y > 0), -jnp.exp(y * log_m) / nonzero(y), -jnp.inf),
+    ),
+  )
+  present = select(x > 0, jnp.exp(s * log_m) / nonzero(x), jnp.inf)
+  dx = select(finite, big * (log_m - 1.0 / nonzero(x) - 1.0 / nonzero(s)), 0.0)
+  dy = select(finite, big * (log_m - 1.0 / nonzero(s)), 0.0)
+  return tuple(jnp.broadcast_to(v, log_m.shape) for v in (f, absent, present, dx, dy))
+
+
+def _ab_interior(c, alpha, beta):
+  both = (c.p > 0) & (c.q > 0)
+  lp, lq = jnp.where(both, c.lp, 0.0), jnp.where(both, c.lq, 0.0)
+  d = lp - lq
+  log_t = (0.0 if is_static(alpha) and alpha == 0 else alpha * lp) + (
+    0.0 if is_static(beta) and beta == 0 else beta * lq
+  )
+  return both, lp, lq, d, log_t
+
+
+def _ab_sides(c, alpha, beta, interior):
+  """Interior values, with the one-sided limits where a side has no mass and 0 where both."""
+  p0 = (c.p == 0) & (c.q > 0)
+  q0 = (c.p > 0) & (c.q == 0)
+  f0, a0, b0, da0, db0 = _ab_one_sided(alpha, beta, jnp.where(p0, c.lq, 0.0))
+  f1, b1, a1, db1, da1 = _ab_one_sided(beta, alpha, jnp.where(q0, c.lp, 0.0))
+  both = (c.p > 0) & (c.q > 0)
+  sides = ((f0, f1), (a0, a1), (b0, b1), (da0, da1), (db0, db1))
+  return tuple(
+    jnp.where(both, x, jnp.where(p0, s0, jnp.where(q0, s1, 0.0)))
+    for x, (s0, s1) in zip(interior, sides)
+  )
+
+
+def _ab_terms(c, alpha, beta):
+  _, _, lq, d, log_t = _ab_interior(c, alpha, beta)
+  s = alpha + beta
+  a = _scaled_expm1(log_t, beta, d)
+  b = _scaled_expm1(log_t, alpha, -d)
+  f = cases(
+    beta == 0,
+    lambda: _ab_k(alpha, d, lq),
+    lambda: cases(s == 0, lambda: _ab_g(alpha, d), lambda: (a + b) / nonzero(s)),
+  )
+  return f, a, b
+
+
+def alpha_beta(c, params):
+  alpha, beta = params
+  f, a, b = _ab_terms(c, alpha, beta)
+  zero = jnp.zeros_like(f)
+  return _ab_sides(c, alpha, beta, (f, a, b, zero, zero))[:3]
+
+
+def alpha_beta_partials(c, params):
+  # f = q^s (E(s, d) - E(alpha, d)) / beta, so with K(c) = q^c E_c(c, d):
+  #   df/dalpha = log q f + (K(s) - q^beta K(alpha)) / beta,  df/dbeta = log q f + (K(s) - f) / beta;
+  # at beta = 0, f = K(alpha): df/dalpha = log q K + L, df/dbeta = log q K + L/2 (L = q^a E_cc).
+  alpha, beta = params
+  _, _, lq, d, _ = _ab_interior(c, alpha, beta)
+  f = _ab_terms(c, alpha, beta)[0]
+  s = alpha + beta
+
+  def at_beta_zero():
+    k, ell = _ab_k(alpha, d, lq), _ab_l(alpha, d, lq)
+    return lq * k + ell, lq * k + 0.5 * ell
+
+  def general():
+    k_s, k_a = _ab_k(s, d, lq), _ab_k(alpha, d, lq)
+    return lq * f + (k_s - jnp.exp(beta * lq) * k_a) / nonzero(beta), lq * f + (k_s - f) / nonzero(
+      beta
+    )
+
+  da, db = cases(beta == 0, at_beta_zero, general)
+  zero = jnp.zeros_like(f)
+  return _ab_sides(c, alpha, beta, (zero, zero, zero, da, db))[3:]

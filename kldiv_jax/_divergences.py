@@ -1,0 +1,251 @@
+"""Divergences between two categorical distributions, each defined once, per class.
+
+Every divergence here is separable over the classes, :math:`D(p, q) = \\sum_i
+f(p_i, q_i; \\theta)`, with ``p`` the teacher's and ``q`` the student's
+distribution. A divergence is a small plug-in, :class:`Formula`: from the
+per-class log-probabilities (:class:`Classes`) it gives the term ``f`` and the
+probability-weighted partials
+
+.. math::  a = p\\,\\partial f/\\partial p, \\qquad b = q\\,\\partial f/\\partial q,
+
+and, for its parameters, :math:`\\partial f/\\partial\\theta`. Nothing else: how
+rows are reduced, sharded or chunked is the engine's business
+(:mod:`kldiv_jax._engine`), which turns ``a`` and ``b`` into the derivatives
+wrt the logits through the softmax Jacobian, :math:`\\partial D/\\partial u_j =
+b_j - q_j \\sum_i b_i` (``u`` the student's logits over ``T``) and likewise
+with ``a``, ``p`` for the teacher. Written with logs, ``a`` and ``b`` stay
+finite where a probability is 0 (forward KL: ``a = p (log p - log q + 1)``,
+``b = -p``). Every ``f`` here is homogeneous in ``(p, q)``, so ``a + b`` is its
+degree times ``f`` (Euler); the tests check it.
+
+Per-class conventions: a class without mass on either side contributes 0 with
+zero partials; a class with mass on one side only gives the limit of ``f``,
+which is ``+inf`` where the divergence is unbounded (forward KL where the
+student has no mass); a term with weight 0 contributes 0 even where it is
+infinite (symmetric KL at ``lam = 1`` is reverse KL). Identical classes give
+exactly 0: the log-mixture and the alpha-beta terms are written with
+``log1p``/``expm1`` of log-ratios, which vanish there.
+
+Parameters are Python floats (static: a formula picks its branch at trace
+time) or scalar arrays (traced: every branch is computed and selected with a
+double ``where``, so a new value never recompiles and a limit case never
+divides by zero).
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kldiv_jax._alpha_beta import alpha_beta, alpha_beta_partials
+from kldiv_jax._numerics import Param, cases, exp_sum_on, is_static, keep, log_mix, times, weigh
+
+Terms = tuple[jax.Array, jax.Array, jax.Array]
+
+
+class Classes(NamedTuple):
+  """Per-class log-probabilities (``-inf`` without mass) and probabilities."""
+
+  lp: jax.Array  # log p, the teacher's
+  lq: jax.Array  # log q, the student's
+  p: jax.Array
+  q: jax.Array
+
+  def swap(self) -> "Classes":
+    return Classes(self.lq, self.lp, self.q, self.p)
+
+
+def classes(lp: jax.Array, lq: jax.Array) -> Classes:
+  """:class:`Classes` from log-probabilities (for callers that have no probabilities)."""
+  return Classes(lp, lq, jnp.exp(lp), jnp.exp(lq))
+
+
+# ---------------------------------------------------------------- plug-ins
+
+
+@dataclasses.dataclass(frozen=True)
+class Formula:
+  """A divergence, per class.
+
+  ``terms(c, params)`` gives ``(f, a, b)`` for :class:`Classes` ``c``;
+  ``partials(c, params)`` the tuple of ``df/dtheta`` per parameter. ``params``
+  are Python floats or scalar arrays, in the order of ``param_names``;
+  ``ranges`` are their closed valid intervals and ``defaults`` their values
+  for the string shorthand (``None``: no shorthand). ``smooth``: twice
+  differentiable at interior points. ``source``: whose code the formula was
+  ported from.
+  """
+
+  name: str
+  terms: Callable[[Classes, tuple[Param, ...]], Terms]
+  param_names: tuple[str, ...] = ()
+  defaults: tuple[float, ...] | None = ()
+  ranges: tuple[tuple[float, float], ...] = ()
+  partials: Callable[[Classes, tuple[Param, ...]], tuple[jax.Array, ...]] | None = None
+  smooth: bool = True
+  source: str = ""
+
+  def valid(self, params: tuple[Param, ...]):
+    """Whether traced ``params`` lie in their ranges (``True`` if none is traced)."""
+    ok = True
+    for x, (lo, hi) in zip(params, self.ranges):
+      if not is_static(x):
+        ok = ok & (x >= lo) & (x <= hi) & jnp.isfinite(x)
+    return ok
+
+
+def _swapped(terms):
+  """The formula of ``f(q, p)`` from that of ``f(p, q)``: ``a`` and ``b`` trade places."""
+
+  def swapped(c, params):
+    f, a, b = terms(c.swap(), params)
+    return f, b, a
+
+  return swapped
+
+
+def _kl_term(p: jax.Array, lp: jax.Array, lr: jax.Array) -> jax.Array:
+  """``p (log p - log r)``: 0 where ``p = 0`` whatever ``r``, ``+inf`` where only ``r = 0``."""
+  has = p > 0
+  return times(p, keep(has, jnp.where(has, lp, 0.0) - lr))
+
+
+def _forward_kl(c, params):
+  # f = p (log p - log q): a = p (log p - log q + 1), b = -p.
+  f = _kl_term(c.p, c.lp, c.lq)
+  return f, f + c.p, -c.p
+
+
+_reverse_kl = _swapped(_forward_kl)
+
+
+def _jsd_interior(c, beta):
+  # m = beta p + (1 - beta) q; f = beta p log(p/m) + (1 - beta) q log(q/m).
+  # d/dp: beta log(p/m) + beta - beta m/m, so a = beta p log(p/m), b likewise: f = a + b.
+  lm = log_mix(c.lp, c.lq, beta)
+  a = weigh(beta, _kl_term(c.p, c.lp, lm))
+  b = weigh(1.0 - beta, _kl_term(c.q, c.lq, lm))
+  return a + b, a, b, lm
+
+
+def _jsd(c, params):
+  # TRL's generalized_jsd_loss: beta = 0 is KL(p || q), beta = 1 is KL(q || p).
+  (beta,) = params
+  return cases(
+    beta == 0,
+    lambda: _forward_kl(c, ()),
+    lambda: cases(beta == 1, lambda: _reverse_kl(c, ()), lambda: _jsd_interior(c, beta)[:3]),
+  )
+
+
+def _jsd_partials(c, params):
+  # d/dbeta = p log(p/m) - q log(q/m) - (p - q) (the mixture's own term); 0 at TRL's endpoints.
+  (beta,) = params
+
+  def interior():
+    lm = _jsd_interior(c, beta)[3]
+    return (_kl_term(c.p, c.lp, lm) - _kl_term(c.q, c.lq, lm) - (c.p - c.q),)
+
+  return cases((beta == 0) | (beta == 1), lambda: (jnp.zeros_like(c.p),), interior)
+
+
+def _symmetric_kl(c, params):
+  # (1 - lam) KL(p || q) + lam KL(q || p), DistiLLM's symmetric_kl.
+  (lam,) = params
+  fwd, rev = _forward_kl(c, ()), _reverse_kl(c, ())
+  return tuple(weigh(1.0 - lam, x) + weigh(lam, y) for x, y in zip(fwd, rev))
+
+
+def _symmetric_kl_partials(c, params):
+  return (_reverse_kl(c, ())[0] - _forward_kl(c, ())[0],)
+
+
+def _skew_kl(c, params):
+  # f = p log(p/m), m = alpha p + (1 - alpha) q: df/dq = -(1 - alpha) p/m, so
+  # b = -(1 - alpha) pq/m and a = f + p - alpha p^2/m = f + (1 - alpha) pq/m.
+  (alpha,) = params
+  lm = log_mix(c.lp, c.lq, alpha)
+  f = _kl_term(c.p, c.lp, lm)
+  pq_m = weigh(1.0 - alpha, exp_sum_on((c.p > 0) & (c.q > 0), (1, c.lp), (1, c.lq), (-1, lm)))
+  return f, f + pq_m, -pq_m
+
+
+def _skew_kl_partials(c, params):
+  # df/dalpha = -p (p - q)/m = pq/m - p^2/m.
+  (alpha,) = params
+  lm = log_mix(c.lp, c.lq, alpha)
+  has = c.p > 0
+  pq_m = exp_sum_on(has & (c.q > 0), (1, c.lp), (1, c.lq), (-1, lm))
+  return (pq_m - exp_sum_on(has, (2, c.lp), (-1, lm)),)
+
+
+def _tvd(c, params):
+  # f = |p - q| / 2; subgradient sign(0) = 0 where p = q (Liger's kernel takes -1/2 there).
+  diff = c.p - c.q
+  sign = jnp.sign(diff)
+  return 0.5 * jnp.abs(diff), 0.5 * c.p * sign, -0.5 * c.q * sign
+
+
+UNIT = ((0.0, 1.0),)
+FORMULAS: dict[str, Formula] = {
+  f.name: f
+  for f in (
+    Formula(
+      "forward_kl",
+      _forward_kl,
+      source="DistiLLM distillm/losses.py forward_kl; torchtune ForwardKLLoss",
+    ),
+    Formula("reverse_kl", _reverse_kl, source="DistiLLM distillm/losses.py reverse_kl"),
+    Formula(
+      "jsd",
+      _jsd,
+      ("beta",),
+      (0.5,),
+      UNIT,
+      _jsd_partials,
+      source="TRL trl/trainer/gkd_trainer.py GKDTrainer.generalized_jsd_loss",
+    ),
+    Formula(
+      "symmetric_kl",
+      _symmetric_kl,
+      ("lam",),
+      (0.5,),
+      UNIT,
+      _symmetric_kl_partials,
+      source="DistiLLM distillm/losses.py symmetric_kl",
+    ),
+    Formula(
+      "skew_kl",
+      _skew_kl,
+      ("alpha",),
+      (0.1,),
+      UNIT,
+      _skew_kl_partials,
+      source="DistiLLM distillm/losses.py skewed_forward_kl",
+    ),
+    Formula(
+      "skew_reverse_kl",
+      _swapped(_skew_kl),
+      ("alpha",),
+      (0.1,),
+      UNIT,
+      lambda c, params: _skew_kl_partials(c.swap(), params),
+      source="DistiLLM distillm/losses.py skewed_reverse_kl",
+    ),
+    Formula(
+      "tvd", _tvd, smooth=False, source="Liger src/liger_kernel/ops/tvd.py; DistiLLM tv_distance"
+    ),
+    Formula(
+      "alpha_beta",
+      alpha_beta,
+      ("alpha", "beta"),
+      None,
+      ((-math.inf, math.inf), (-math.inf, math.inf)),
+      alpha_beta_partials,
+      source="ABKD distillation_llm/distillm/losses.py ab_div; Cichocki et al. 2011",
+    ),
+  )
+}

@@ -1,0 +1,105 @@
+"""Per-class numerics shared by the divergence formulas: guards, selects and expm1 forms.
+
+A condition or parameter may be a Python number (static: the branch is chosen at
+trace time and the other is never built) or an array (traced: both branches are
+computed and selected with a double ``where``, the argument made safe before the
+partial function, so neither a value nor a derivative is NaN where a branch is
+not taken). Probabilities ``p`` and log-probabilities ``lp`` come in pairs, with
+``p = 0`` and ``lp = -inf`` for a class without mass.
+
+The row-level helpers (``stop_gradient`` max, ``-inf``-safe division by the
+temperature, safe normalisers) are in :mod:`kldiv_jax._rows`.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Param = float | jax.Array
+
+
+def is_static(x: object) -> bool:
+  """Whether ``x`` is a Python (or NumPy) scalar, decided at trace time."""
+  return isinstance(x, (bool, float, int, np.bool_))
+
+
+def select(cond, then, other):
+  """``jnp.where`` for an array ``cond``; the chosen value for a static one."""
+  return (then if cond else other) if is_static(cond) else jnp.where(cond, then, other)
+
+
+def cases(cond, then: Callable, other: Callable):
+  """``then()`` where ``cond``, else ``other()``: one branch when ``cond`` is static."""
+  if is_static(cond):
+    return then() if cond else other()
+  return jax.tree.map(lambda x, y: jnp.where(cond, x, y), then(), other())
+
+
+def nonzero(c: Param) -> Param:
+  """``c``, or 1 where it is 0: a divisor for the branch that ``c == 0`` does not select."""
+  return (c if c != 0 else 1.0) if is_static(c) else jnp.where(c == 0, 1.0, c)
+
+
+def weigh(w: Param, x: jax.Array) -> jax.Array:
+  """``w * x``, and 0 where the weight ``w`` is 0 even if ``x`` is infinite."""
+  if is_static(w):
+    return x * w if w != 0 else jnp.zeros_like(x)
+  return jnp.where(w == 0, 0.0, w * jnp.where(w == 0, 0.0, x))
+
+
+def keep(has: jax.Array, x: jax.Array) -> jax.Array:
+  """``x`` where ``has``, else 0, with ``x``'s NaN-prone values never selected."""
+  return jnp.where(has, x, 0.0)
+
+
+def times(p: jax.Array, x: jax.Array) -> jax.Array:
+  """``p * x`` with ``0 * x = 0`` for any ``x`` (``p log p`` at 0, distrax's ``mul_exp``)."""
+  has = p > 0
+  return jnp.where(has, p * jnp.where(has, x, 0.0), 0.0)
+
+
+def exp_sum_on(has: jax.Array, *terms: tuple[float, jax.Array]) -> jax.Array:
+  """``exp(sum(w * x))`` over ``(w, x)`` where ``has``, else 0; ``x`` guarded before use."""
+  total = sum(w * jnp.where(has, x, 0.0) for w, x in terms)
+  return jnp.where(has, jnp.exp(total), 0.0)
+
+
+def log_mix(lp: jax.Array, lq: jax.Array, w: Param) -> jax.Array:
+  """``log(w p + (1 - w) q)`` from ``log p``, ``log q``; exactly ``log p`` where they are equal.
+
+  Factored by the larger side: ``hi + log1p(w_lo * expm1(lo - hi))``, so the
+  ``expm1`` argument is at most 0 and an exact tie gives ``log1p(0) = 0``.
+  ``-inf`` where both sides are ``-inf`` (or the only mass has weight 0).
+  """
+  hi, lo = jnp.maximum(lp, lq), jnp.minimum(lp, lq)
+  w_lo = select(lp >= lq, 1.0 - w, w)
+  empty = hi == -jnp.inf
+  delta = jnp.where(empty, 0.0, lo - jnp.where(empty, 0.0, hi))
+  return jnp.where(empty, -jnp.inf, hi + jnp.log1p(w_lo * jnp.expm1(delta)))
+
+
+def exp_expm1(l0: jax.Array, delta: jax.Array) -> jax.Array:
+  """``exp(l0) * expm1(delta)`` without overflow: ``exp(l0 + delta)`` is what must be finite.
+
+  Factored by the larger of ``exp(l0)``, ``exp(l0 + delta)``; exactly 0 at ``delta = 0``.
+  """
+  up = delta > 0
+  return (
+    jnp.where(up, -1.0, 1.0) * jnp.exp(l0 + jnp.maximum(delta, 0.0)) * jnp.expm1(-jnp.abs(delta))
+  )
+
+
+def series(x: jax.Array, coeffs: tuple[float, ...]) -> jax.Array:
+  """``sum(coeffs[k] * x**k)`` by Horner's rule."""
+  out = jnp.full_like(x, coeffs[-1])
+  for c in coeffs[-2::-1]:
+    out = out * x + c
+  return out
+
+
+def split_small(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(|x| < 1/2, x there else 0, x elsewhere else 1)``: the series and closed-form arguments."""
+  small = jnp.abs(x) < 0.5
+  return small, jnp.where(small, x, 0.0), jnp.where(small, 1.0, x)
