@@ -1,0 +1,271 @@
+"""One per-token entry point for every divergence: :func:`divergence_from_logits`.
+
+A divergence is named by a string (its default parameters) or given as a
+:class:`Divergence`, a frozen spec whose parameters are static (Python
+numbers) or traced (JAX arrays). The body is validate, lay out as rows
+(:func:`kldiv_jax._rows.prepare`), run the engine
+(:func:`kldiv_jax._engine.divergence_rows`), shape the result.
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kldiv_jax._checks import Axis, check_temperature
+from kldiv_jax._divergences import FORMULAS, Formula
+from kldiv_jax._engine import divergence_rows
+from kldiv_jax._numerics import Param
+from kldiv_jax._rows import prepare
+from kldiv_jax._vocab_parallel import check_axis_name
+
+
+def _static_number(x: object) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+@jax.tree_util.register_pytree_node_class
+class Divergence:
+  """A divergence and its parameters, e.g. ``Divergence("skew_kl", alpha=0.2)``.
+
+  ``name`` is one of :data:`FORMULAS`; parameters are keywords, defaulting to
+  the string shorthand's values (``"jsd"`` is ``Divergence("jsd", beta=0.5)``).
+  A Python or NumPy number is static: checked here (``ValueError`` outside its
+  range), hashed, and a formula specialises to it (``beta=0`` is forward KL
+  at trace time). A JAX array is traced: a pytree leaf, so a jitted function
+  taking the spec as an argument compiles once for every value, and an invalid
+  value gives NaN at run time. Frozen and, when all parameters are static,
+  hashable (usable as a static argument or a dict key).
+  """
+
+  __slots__ = ("name", "params")
+  name: str
+  params: tuple[tuple[str, Param], ...]
+
+  def __init__(self, name: str = "forward_kl", **params: float | jax.typing.ArrayLike):
+    formula = FORMULAS.get(name) if isinstance(name, str) else None
+    if formula is None:
+      allowed = ", ".join(repr(n) for n in FORMULAS)
+      raise ValueError(f"Divergence: name must be one of {allowed}; got {name!r}.")
+    unknown = sorted(set(params) - set(formula.param_names))
+    if unknown:
+      expected = ", ".join(formula.param_names) or "none"
+      raise TypeError(
+        f"Divergence: {name!r} takes the parameters ({expected}); got unexpected {unknown}."
+      )
+    values = []
+    for i, key in enumerate(formula.param_names):
+      if key in params:
+        values.append((key, _check_param(name, key, params[key], formula.ranges[i])))
+      elif formula.defaults is None:
+        raise TypeError(
+          f"Divergence: {name!r} has no default parameters; pass "
+          + ", ".join(f"{k}=..." for k in formula.param_names)
+          + "."
+        )
+      else:
+        values.append((key, float(formula.defaults[i])))
+    object.__setattr__(self, "name", name)
+    object.__setattr__(self, "params", tuple(values))
+
+  def __setattr__(self, key, value):
+    raise dataclasses.FrozenInstanceError(f"cannot assign to field {key!r}")
+
+  @property
+  def formula(self) -> Formula:
+    return FORMULAS[self.name]
+
+  @property
+  def key(self) -> tuple:
+    """The static part, hashable: ``(name, ((param, float or None if traced), ...))``."""
+    return self.name, tuple((k, v if isinstance(v, float) else None) for k, v in self.params)
+
+  @property
+  def traced(self) -> tuple[jax.Array, ...]:
+    """The traced parameters' values, in order."""
+    return tuple(v for _, v in self.params if not isinstance(v, float))
+
+  def __repr__(self) -> str:
+    args = "".join(f", {k}={v!r}" for k, v in self.params)
+    return f"Divergence({self.name!r}{args})"
+
+  def __eq__(self, other) -> bool:
+    if not isinstance(other, Divergence) or self.key != other.key:
+      return False
+    return all(a is b for a, b in zip(self.traced, other.traced))
+
+  def __hash__(self) -> int:
+    if self.traced:
+      raise TypeError(f"{self!r} has traced parameters and is not hashable.")
+    return hash(self.key)
+
+  def tree_flatten(self):
+    return self.traced, self.key
+
+  @classmethod
+  def tree_unflatten(cls, key, leaves):
+    out = object.__new__(cls)
+    leaves = iter(leaves)
+    name, static = key
+    params = tuple((k, v if v is not None else next(leaves)) for k, v in static)
+    object.__setattr__(out, "name", name)
+    object.__setattr__(out, "params", params)
+    return out
+
+
+def _check_param(name, key, value, bounds):
+  lo, hi = bounds
+  where = f"[{lo:g}, {hi:g}]" if math.isfinite(lo) else "finite"
+  if _static_number(value):
+    x = float(value)
+    if not (math.isfinite(x) and lo <= x <= hi):
+      raise ValueError(f"Divergence: {name!r} parameter {key} must be {where}; got {value!r}.")
+    return x
+  arr = jnp.asarray(value)
+  if arr.ndim != 0:
+    raise ValueError(f"Divergence: parameter {key} must be a scalar; got shape {arr.shape}.")
+  if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
+    raise TypeError(f"Divergence: parameter {key} must be a real number; got dtype {arr.dtype}.")
+  return arr
+
+
+def as_divergence(name: str, divergence: object) -> Divergence:
+  """``divergence`` (a name or a :class:`Divergence`) as a :class:`Divergence`.
+
+  Errors name the calling function ``name``.
+  """
+  if isinstance(divergence, Divergence):
+    return divergence
+  if isinstance(divergence, str) and divergence in FORMULAS:
+    try:
+      return Divergence(divergence)
+    except TypeError as err:
+      raise ValueError(f"{name}: {err}") from None
+  allowed = ", ".join(repr(n) for n in FORMULAS)
+  raise ValueError(
+    f"{name}: divergence must be one of {allowed} or a kldiv_jax.Divergence; got {divergence!r}."
+  )
+
+
+def divergence_from_logits(
+  logits: jax.typing.ArrayLike,
+  target_logits: jax.typing.ArrayLike,
+  *,
+  divergence: str | Divergence = "forward_kl",
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  axis: Axis = -1,
+  where: jax.typing.ArrayLike | None = None,
+  axis_name: str | None = None,
+) -> jax.Array:
+  r"""Per-example divergence between two softmax distributions given as logits.
+
+  With the teacher :math:`p = \mathrm{softmax}(\text{target\_logits} / T)`
+  and the student :math:`q = \mathrm{softmax}(\text{logits} / T)`, per
+  example, summed over the classes:
+
+  ===================  ===========================================================  ==================
+  ``divergence``       :math:`D(p, q)`                                              parameters
+  ===================  ===========================================================  ==================
+  ``"forward_kl"``     :math:`\sum p \log(p/q)`                                     --
+  ``"reverse_kl"``     :math:`\sum q \log(q/p)`                                     --
+  ``"jsd"``            :math:`\beta\,\mathrm{KL}(p\|m) + (1-\beta)\,\mathrm{KL}(q\|m)`,  ``beta=0.5``
+                       :math:`m = \beta p + (1-\beta) q`; ``beta=0``: forward KL,
+                       ``beta=1``: reverse KL (TRL's endpoints)
+  ``"symmetric_kl"``   :math:`(1-\lambda)\,\mathrm{KL}(p\|q) + \lambda\,\mathrm{KL}(q\|p)`  ``lam=0.5``
+  ``"skew_kl"``        :math:`\mathrm{KL}(p \,\|\, \alpha p + (1-\alpha) q)`          ``alpha=0.1``
+  ``"skew_reverse_kl"``  :math:`\mathrm{KL}(q \,\|\, (1-\alpha) p + \alpha q)`        ``alpha=0.1``
+  ``"tvd"``            :math:`\tfrac12 \sum |p - q|`                                 --
+  ``"alpha_beta"``     :math:`-\frac{1}{\alpha\beta}\sum\big(p^\alpha q^\beta           ``alpha``, ``beta``
+                       - \frac{\alpha}{\alpha+\beta} p^{\alpha+\beta}                 (no defaults)
+                       - \frac{\beta}{\alpha+\beta} q^{\alpha+\beta}\big)`
+  ===================  ===========================================================  ==================
+
+  Sources: forward/reverse, symmetric and skew KL as DistiLLM's
+  ``distillm/losses.py`` (``skewed_forward_kl``, ``skewed_reverse_kl``);
+  ``jsd`` as TRL's ``GKDTrainer.generalized_jsd_loss``; ``tvd`` as Liger's
+  ``LigerTVDLoss``; ``alpha_beta`` as ABKD's ``ab_div`` with Cichocki et
+  al.'s closed forms where ``alpha``, ``beta`` or ``alpha + beta`` is 0
+  (``(1, 0)`` is forward KL, ``(0, 1)`` reverse KL). Not multiplied by
+  :math:`T^2`.
+
+  Parameters: ``divergence="skew_kl"`` takes the defaults;
+  ``divergence=Divergence("skew_kl", alpha=0.2)`` sets them. A Python number
+  is checked at once and fixes the formula at trace time; a JAX array is
+  traced (a schedule): no recompilation for a new value, differentiable, NaN
+  when out of range. A :class:`Divergence` is a pytree, so it can be passed
+  to a jitted function as an argument.
+
+  Gradients wrt ``logits``, ``target_logits``, a traced ``temperature`` and
+  traced parameters, all from per-example statistics (two passes over the
+  classes, no probabilities saved for the backward pass); ``jvp`` and
+  ``jax.hessian`` work where the divergence is smooth (all but ``"tvd"``,
+  whose subgradient is 0 where ``p = q``). At a limit point of
+  ``alpha_beta``, derivatives wrt its parameters are exact to first order.
+
+  Conventions: a ``-inf`` logit (or a class masked by ``where``) has no
+  mass. A class without mass on either side contributes 0; one with mass on
+  one side only contributes the limit of the formula: 0 where the weighting
+  side has none (forward KL where ``p = 0``), ``+inf`` where the divergence is
+  unbounded (forward KL where only ``q = 0``), a finite value where it is not
+  (``jsd``, ``skew_kl``, ``tvd``). On an example whose value is ``+inf``, the
+  derivatives that would be infinite are 0 (forward KL: finite wrt
+  ``logits``, 0 wrt ``target_logits``). An example masked on both sides is 0
+  with zero gradients. Identical logits give exactly 0, and no value is
+  negative. NaN where a logit is NaN (or ``+inf``), the temperature is not
+  positive or a traced parameter is out of range. bf16/f16 inputs are
+  computed in float32 and returned in their dtype.
+
+  Args:
+    logits: the student's logits ``[..., num_classes]``.
+    target_logits: the teacher's logits, broadcastable to ``logits``, with
+      the same number of classes.
+    divergence: a name from the table or a :class:`Divergence`.
+    temperature: positive softmax temperature ``T``; a Python number is
+      checked, a traced scalar is not and may be differentiated.
+    axis: the class axis (or axes, flattened into one distribution).
+    where: a boolean mask: broadcastable to the inputs, a class mask (masked
+      classes leave both distributions); or of the output's shape, a
+      per-example mask (a masked example gives 0 and zero gradients).
+    axis_name: the name of a mesh axis over which the class axis is split,
+      inside ``jax.shard_map`` (vocabulary parallelism): each device passes
+      its slice of the classes; only per-example scalars cross devices
+      (``pmax``/``psum``), and values and gradients equal the unsharded ones.
+
+  Returns:
+    The divergence per example, shape ``[...]`` (the inputs without
+    ``axis``), in the promoted input dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax._divergence_api import Divergence, divergence_from_logits
+    >>> student = jnp.array([[1.0, 2.0, 3.0], [0.0, 0.0, -jnp.inf]])
+    >>> teacher = jnp.array([[3.0, 2.0, 1.0], [1.0, 0.0, -jnp.inf]])
+    >>> divergence_from_logits(student, teacher)
+    Array([1.1504..., 0.1109...], dtype=float32)
+    >>> divergence_from_logits(student, teacher, divergence="tvd", temperature=2.0)
+    Array([0.3201..., 0.1224...], dtype=float32)
+    >>> divergence_from_logits(student, teacher, divergence=Divergence("skew_kl", alpha=0.3))
+    Array([0.4653..., 0.0561...], dtype=float32)
+
+  References:
+    Ko et al., *DistiLLM: Towards Streamlined Distillation for Large Language
+    Models* (ICML 2024), arXiv:2402.03898. Agarwal et al., *On-Policy
+    Distillation of Language Models* (GKD, ICLR 2024), arXiv:2306.13649.
+    Wang et al., *ABKD: Pursuing a Proper Allocation of the Probability Mass
+    in Knowledge Distillation via alpha-beta-Divergence* (ICML 2025),
+    arXiv:2505.04560. Cichocki, Cruces and Amari, *Generalized Alpha-Beta
+    Divergences and Their Application to Robust Nonnegative Matrix
+    Factorization*, Entropy 13 (2011).
+  """
+  name = "divergence_from_logits"
+  spec = as_divergence(name, divergence)
+  temperature, _ = check_temperature(name, temperature)
+  if axis_name is not None:
+    check_axis_name(name, axis_name)
+  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  if rows.empty:
+    return jnp.zeros(rows.out_shape, rows.out_dtype)
+  t = jnp.asarray(temperature).astype(rows.cdt)
+  return rows.finish(divergence_rows(rows.z, rows.y, t, rows.masks, spec, axis_name))
