@@ -23,7 +23,7 @@ import math
 
 import jax.numpy as jnp
 
-from kldiv_jax._numerics import cases, exp_expm1, is_static, nonzero, select, series, split_small
+from kldiv_jax._numerics import cases, exp_expm1, is_static, nonzero, series, split_small
 
 # # With d = log p - log q, T = p^a q^b and E(c, x) = expm1(c x)/c (x at c = 0):
 #   a_ = p df/dp = (p^s - T)/b = T E(b, d),  b_ = q df/dq = T E(a, -d),  s = a + b,
@@ -69,57 +69,56 @@ def _ab_g(alpha, d):
   return jnp.where(small, d * d * series(xs, _G), (jnp.expm1(xl) - xl) / (nonzero(alpha) ** 2))
 
 
-def _ab_one_sided(x, y, log_m):
-  """Limits of ``(f, a_absent, b_present, df/dx, df/dy)`` where the side with exponent
-  ``x`` has no mass and the other, exponent ``y``, has log-mass ``log_m``.
+def _ab_one_sided(c, alpha, beta):
+  """Where one side has no mass: ``(has, f, a, b, df/dalpha, df/dbeta)``, the limits.
 
-  ``f = q^s / (x s)`` if ``x > 0`` and ``s = x + y > 0``, else ``+inf``.
+  With ``x`` the exponent of the side without mass, ``y`` the other's and
+  ``l`` its log-mass: ``f = e^{s l} / (x s)`` if ``x > 0`` and ``s = x + y > 0``,
+  else ``+inf``; that side's weighted partial is 0 then (``-1/x`` at ``s = 0``,
+  ``-e^{y l}/y`` at ``x = 0``, ``-inf`` otherwise) and the other side's
+  ``e^{s l} / x`` (``+inf`` if ``x <= 0``). One ``exp`` per class serves both sides.
   """
-  s = x + y
+  has_p, has_q = c.lp > -jnp.inf, c.lq > -jnp.inf
+  no_p = ~has_p & has_q
+  one = no_p | (has_p & ~has_q)
+  x, y = jnp.where(no_p, alpha, beta), jnp.where(no_p, beta, alpha)
+  log_m = jnp.where(no_p, c.lq, jnp.where(one, c.lp, 0.0))
+  s = alpha + beta
   finite = (x > 0) & (s > 0)
-  big = jnp.exp(s * log_m) / nonzero(x * s)
-  f = select(finite, big, jnp.inf)
-  absent = select(
-    finite,
-    0.0,
-    select(
-      (x > 0) & (s == 0),
-      -1.0 / nonzero(x),
-      select((x == 0) & (y > 0), -jnp.exp(y * log_m) / nonzero(y), -jnp.inf),
-    ),
-  )
-  present = select(x > 0, jnp.exp(s * log_m) / nonzero(x), jnp.inf)
-  dx = select(finite, big * (log_m - 1.0 / nonzero(x) - 1.0 / nonzero(s)), 0.0)
-  dy = select(finite, big * (log_m - 1.0 / nonzero(s)), 0.0)
-  return tuple(jnp.broadcast_to(v, log_m.shape) for v in (f, absent, present, dx, dy))
+  power = jnp.exp(s * log_m)
+  big = power / nonzero(x * s)
+  f = jnp.where(finite, big, jnp.inf)
+  absent = jnp.where((x > 0) & (s == 0), -1.0 / nonzero(x), -jnp.inf)
+  if not all(is_static(v) and v != 0 for v in (alpha, beta)):  # some exponent may be 0
+    absent = jnp.where((x == 0) & (y > 0), -jnp.exp(y * log_m) / nonzero(y), absent)
+  absent = jnp.where(finite, 0.0, absent)
+  present = jnp.where(x > 0, power / nonzero(x), jnp.inf)
+  dx = jnp.where(finite, big * (log_m - 1.0 / nonzero(x) - 1.0 / nonzero(s)), 0.0)
+  dy = jnp.where(finite, big * (log_m - 1.0 / nonzero(s)), 0.0)
+  swap = lambda u, v: (jnp.where(no_p, u, v), jnp.where(no_p, v, u))  # noqa: E731
+  return (one, f, *swap(absent, present), *swap(dx, dy))
 
 
 def _ab_interior(c, alpha, beta):
-  both = (c.p > 0) & (c.q > 0)
+  both = (c.lp > -jnp.inf) & (c.lq > -jnp.inf)
   lp, lq = jnp.where(both, c.lp, 0.0), jnp.where(both, c.lq, 0.0)
   d = lp - lq
   log_t = (0.0 if is_static(alpha) and alpha == 0 else alpha * lp) + (
     0.0 if is_static(beta) and beta == 0 else beta * lq
   )
-  return both, lp, lq, d, log_t
+  return both, lq, d, log_t
 
 
-def _ab_sides(c, alpha, beta, interior):
-  """Interior values, with the one-sided limits where a side has no mass and 0 where both."""
-  p0 = (c.p == 0) & (c.q > 0)
-  q0 = (c.p > 0) & (c.q == 0)
-  f0, a0, b0, da0, db0 = _ab_one_sided(alpha, beta, jnp.where(p0, c.lq, 0.0))
-  f1, b1, a1, db1, da1 = _ab_one_sided(beta, alpha, jnp.where(q0, c.lp, 0.0))
-  both = (c.p > 0) & (c.q > 0)
-  sides = ((f0, f1), (a0, a1), (b0, b1), (da0, da1), (db0, db1))
-  return tuple(
-    jnp.where(both, x, jnp.where(p0, s0, jnp.where(q0, s1, 0.0)))
-    for x, (s0, s1) in zip(interior, sides)
-  )
+def _ab_sides(c, alpha, beta, interior, pick):
+  """``interior`` values, the one-sided limits (``pick``-ed entries of
+  :func:`_ab_one_sided`) where a side has no mass, 0 where neither has."""
+  both = _ab_interior(c, alpha, beta)[0]
+  one, *sided = _ab_one_sided(c, alpha, beta)
+  return tuple(jnp.where(both, x, jnp.where(one, sided[k], 0.0)) for x, k in zip(interior, pick))
 
 
 def _ab_terms(c, alpha, beta):
-  _, _, lq, d, log_t = _ab_interior(c, alpha, beta)
+  _, lq, d, log_t = _ab_interior(c, alpha, beta)
   s = alpha + beta
   a = _scaled_expm1(log_t, beta, d)
   b = _scaled_expm1(log_t, alpha, -d)
@@ -133,9 +132,7 @@ def _ab_terms(c, alpha, beta):
 
 def alpha_beta(c, params):
   alpha, beta = params
-  f, a, b = _ab_terms(c, alpha, beta)
-  zero = jnp.zeros_like(f)
-  return _ab_sides(c, alpha, beta, (f, a, b, zero, zero))[:3]
+  return _ab_sides(c, alpha, beta, _ab_terms(c, alpha, beta), (0, 1, 2))
 
 
 def alpha_beta_partials(c, params):
@@ -143,7 +140,7 @@ def alpha_beta_partials(c, params):
   #   df/dalpha = log q f + (K(s) - q^beta K(alpha)) / beta,  df/dbeta = log q f + (K(s) - f) / beta;
   # at beta = 0, f = K(alpha): df/dalpha = log q K + L, df/dbeta = log q K + L/2 (L = q^a E_cc).
   alpha, beta = params
-  _, _, lq, d, _ = _ab_interior(c, alpha, beta)
+  _, lq, d, _ = _ab_interior(c, alpha, beta)
   f = _ab_terms(c, alpha, beta)[0]
   s = alpha + beta
 
@@ -157,6 +154,4 @@ def alpha_beta_partials(c, params):
       beta
     )
 
-  da, db = cases(beta == 0, at_beta_zero, general)
-  zero = jnp.zeros_like(f)
-  return _ab_sides(c, alpha, beta, (zero, zero, zero, da, db))[3:]
+  return _ab_sides(c, alpha, beta, cases(beta == 0, at_beta_zero, general), (3, 4))

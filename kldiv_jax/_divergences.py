@@ -41,7 +41,16 @@ import jax
 import jax.numpy as jnp
 
 from kldiv_jax._alpha_beta import alpha_beta, alpha_beta_partials
-from kldiv_jax._numerics import Param, cases, exp_sum_on, is_static, keep, log_mix, times, weigh
+from kldiv_jax._numerics import (
+  Param,
+  cases,
+  is_static,
+  keep,
+  log_ratio_mix,
+  mix_quotient,
+  times,
+  weigh,
+)
 
 Terms = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -122,13 +131,18 @@ def _forward_kl(c, params):
 _reverse_kl = _swapped(_forward_kl)
 
 
+def _jsd_logs(c, beta):
+  """``(log(p/m), log(q/m))`` for ``m = beta p + (1 - beta) q``."""
+  return log_ratio_mix(c.p, c.lp, c.q, c.lq, beta), log_ratio_mix(c.q, c.lq, c.p, c.lp, 1.0 - beta)
+
+
 def _jsd_interior(c, beta):
-  # m = beta p + (1 - beta) q; f = beta p log(p/m) + (1 - beta) q log(q/m).
+  # f = beta p log(p/m) + (1 - beta) q log(q/m), m = beta p + (1 - beta) q.
   # d/dp: beta log(p/m) + beta - beta m/m, so a = beta p log(p/m), b likewise: f = a + b.
-  lm = log_mix(c.lp, c.lq, beta)
-  a = weigh(beta, _kl_term(c.p, c.lp, lm))
-  b = weigh(1.0 - beta, _kl_term(c.q, c.lq, lm))
-  return a + b, a, b, lm
+  log_pm, log_qm = _jsd_logs(c, beta)
+  a = weigh(beta, c.p * log_pm)
+  b = weigh(1.0 - beta, c.q * log_qm)
+  return a + b, a, b
 
 
 def _jsd(c, params):
@@ -137,7 +151,7 @@ def _jsd(c, params):
   return cases(
     beta == 0,
     lambda: _forward_kl(c, ()),
-    lambda: cases(beta == 1, lambda: _reverse_kl(c, ()), lambda: _jsd_interior(c, beta)[:3]),
+    lambda: cases(beta == 1, lambda: _reverse_kl(c, ()), lambda: _jsd_interior(c, beta)),
   )
 
 
@@ -146,8 +160,8 @@ def _jsd_partials(c, params):
   (beta,) = params
 
   def interior():
-    lm = _jsd_interior(c, beta)[3]
-    return (_kl_term(c.p, c.lp, lm) - _kl_term(c.q, c.lq, lm) - (c.p - c.q),)
+    log_pm, log_qm = _jsd_logs(c, beta)
+    return (c.p * log_pm - c.q * log_qm - (c.p - c.q),)
 
   return cases((beta == 0) | (beta == 1), lambda: (jnp.zeros_like(c.p),), interior)
 
@@ -167,19 +181,18 @@ def _skew_kl(c, params):
   # f = p log(p/m), m = alpha p + (1 - alpha) q: df/dq = -(1 - alpha) p/m, so
   # b = -(1 - alpha) pq/m and a = f + p - alpha p^2/m = f + (1 - alpha) pq/m.
   (alpha,) = params
-  lm = log_mix(c.lp, c.lq, alpha)
-  f = _kl_term(c.p, c.lp, lm)
-  pq_m = weigh(1.0 - alpha, exp_sum_on((c.p > 0) & (c.q > 0), (1, c.lp), (1, c.lq), (-1, lm)))
+  f = c.p * log_ratio_mix(c.p, c.lp, c.q, c.lq, alpha)
+  pq_m = weigh(1.0 - alpha, mix_quotient(c.p, c.q, alpha))
   return f, f + pq_m, -pq_m
 
 
 def _skew_kl_partials(c, params):
-  # df/dalpha = -p (p - q)/m = pq/m - p^2/m.
+  # df/dalpha = -p (p - q)/m; -p/alpha where q = 0 (-inf at alpha = 0).
   (alpha,) = params
-  lm = log_mix(c.lp, c.lq, alpha)
-  has = c.p > 0
-  pq_m = exp_sum_on(has & (c.q > 0), (1, c.lp), (1, c.lq), (-1, lm))
-  return (pq_m - exp_sum_on(has, (2, c.lp), (-1, lm)),)
+  m = alpha * c.p + (1.0 - alpha) * c.q
+  has = (c.p > 0) & (m > 0)
+  d = jnp.where(has, -c.p * (c.p - c.q) / jnp.where(has, m, 1.0), 0.0)
+  return (jnp.where((c.p > 0) & (m == 0), -jnp.inf, d),)
 
 
 def _tvd(c, params):

@@ -57,6 +57,7 @@ class Stats(NamedTuple):
   su: jax.Array
   mv: jax.Array
   sv: jax.Array
+  same: jax.Array  # the two rows are identical (after temperature and masks)
   sums: tuple[jax.Array, ...]  # sum f, then those of ``Needs``
 
 
@@ -123,23 +124,25 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
     v, _ = scaled(y, temperature, masks)
     mu, eu, su = row_stats(u)
     mv, ev, sv = row_stats(v)
-    return u, v, (mu, su, mv, sv), eu, ev
+    same = jnp.all(u == v, axis=-1, keepdims=True)
+    return u, v, (mu, su, mv, sv, same), eu, ev
 
   if axis_name is None:
 
     def fn(z, y, *masks):
-      u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
-      c = class_terms(u, mu, su, v, mv, sv, eu, ev)
-      return (mu, su, mv, sv, *_class_sums(formula, params, needs, c))
+      u, v, stats, eu, ev = local(z, y, *masks)
+      c = class_terms(u, *stats[:2], v, *stats[2:4], eu, ev)
+      return (*stats, *_class_sums(formula, params, needs, c))
 
     out = map_rows(fn, (z, y, *masks), z.shape[0])
-    return Stats(*out[:4], out[4:])
+    return Stats(*out[:5], out[5:])
 
   rows, classes = z.shape
   num_classes = classes * lax.axis_size(axis_name)
-  mu, su, mv, sv = map_rows(lambda *a: local(*a)[2], (z, y, *masks), rows, num_classes)
+  mu, su, mv, sv, same = map_rows(lambda *a: local(*a)[2], (z, y, *masks), rows, num_classes)
   mu, su = _combine(mu, su, axis_name)
   mv, sv = _combine(mv, sv, axis_name)
+  same = lax.psum((~same).astype(jnp.int32), axis_name) == 0
 
   def sums(z, y, mu, su, mv, sv, *masks):
     u, _ = scaled(z, temperature, masks)
@@ -147,42 +150,45 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
     return _class_sums(formula, params, needs, class_terms(u, mu, su, v, mv, sv))
 
   out = map_rows(sums, (z, y, mu, su, mv, sv, *masks), rows, num_classes)
-  return Stats(mu, su, mv, sv, lax.psum(out, axis_name))
+  return Stats(mu, su, mv, sv, same, lax.psum(out, axis_name))
 
 
-def _invalid(formula, params, temperature, stats):
-  """Rows whose value is NaN: NaN or ``+inf`` logits, a bad temperature or parameter."""
+class Rows(NamedTuple):
+  """Per-row outcomes ``[rows, 1]``: the value and what the derivative rule must know."""
+
+  value: jax.Array
+  nan: jax.Array  # NaN on invalid rows, else 0: added to every derivative's coefficient
+  zero: jax.Array  # identical rows: every derivative is 0
+  infinite: jax.Array  # +inf rows: derivatives that are not finite there are 0
+
+
+def _rows(formula, params, temperature, stats) -> Rows:
+  """The value per row: ``sum f``, clamped at 0, 0 on identical rows, NaN on invalid ones
+  (NaN or ``+inf`` logits, a bad temperature or a traced parameter out of range)."""
   ok = jnp.isfinite(stats.su) & jnp.isfinite(stats.sv)
   ok = ok & (temperature > 0) & jnp.isfinite(temperature) & formula.valid(params)
-  return ~ok
-
-
-def _nan_where(invalid, x):
-  """``x``, NaN where ``invalid``: a NaN only appears where one is meant to (``debug_nans``)."""
-  return x + jnp.log(jnp.where(invalid, -1.0, 1.0))
-
-
-def _value(stats, invalid):
+  # log(-1): a NaN only where one is meant to be (jax.debug_nans stays quiet elsewhere).
+  nan = jnp.log(jnp.where(ok, 1.0, -1.0))
   total = stats.sums[0]
-  return _nan_where(invalid, jnp.where(total < 0, 0.0, total))
+  value = jnp.where(stats.same | (total < 0), 0.0, total) + nan
+  return Rows(value, nan, stats.same, value == jnp.inf)
 
 
-def _finite_or_zero(x, infinite_row):
-  """``x`` (a class sum), or 0 on rows whose value is ``+inf`` where ``x`` is not finite."""
-  zero = infinite_row & ~jnp.isfinite(x)
-  return zero, jnp.where(zero, 0.0, x)
+def _row_sum_or_zero(total, rows):
+  """A class sum, 0 on identical rows and where it is not finite on ``+inf`` rows."""
+  zero = rows.zero | (rows.infinite & ~jnp.isfinite(total))
+  return zero, jnp.where(zero, 0.0, total)
 
 
-def _softmax_grad(w, prob, total, infinite_row):
+def _softmax_grad(w, prob, total, rows):
   """``w - prob * sum(w)``: the gradient wrt logits of ``sum f`` given ``w = x df/dx``."""
-  zero, total = _finite_or_zero(total, infinite_row)
-  return jnp.where(zero, 0.0, w - prob * total)
+  zero, total = _row_sum_or_zero(total, rows)
+  return jnp.where(zero, 0.0, w - prob * total) + rows.nan
 
 
-def _tangent(formula, params, z, y, temperature, masks, tangents, stats, needs, value, axis_name):
+def _tangent(formula, params, z, y, temperature, masks, tangents, stats, needs, rows, axis_name):
   dz, dy, dtemp, dparams = tangents
-  infinite_row = value == jnp.inf
-  out = jnp.zeros_like(value)
+  out = jnp.zeros_like(rows.value)
   sums = iter(stats.sums[1:])
   sum_a = next(sums) if needs.a else None
   sum_b = next(sums) if needs.b else None
@@ -191,13 +197,13 @@ def _tangent(formula, params, z, y, temperature, masks, tangents, stats, needs, 
     v, keep_v = scaled(y, temperature, masks)
     c = class_terms(u, stats.mu, stats.su, v, stats.mv, stats.sv)
     _, a, b = formula.terms(c, params)
-    g_u = _softmax_grad(b, c.q, sum_b, infinite_row) if needs.b else jnp.zeros((), value.dtype)
-    g_v = _softmax_grad(a, c.p, sum_a, infinite_row) if needs.a else None
+    g_u = _softmax_grad(b, c.q, sum_b, rows) if needs.b else jnp.zeros((), out.dtype)
+    g_v = _softmax_grad(a, c.p, sum_a, rows) if needs.a else None
     local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
     out = out + (local if axis_name is None else lax.psum(local, axis_name))
   for need, d in zip(needs.params, dparams):
     if need:
-      out = out + _finite_or_zero(next(sums), infinite_row)[1] * d.astype(out.dtype)
+      out = out + (_row_sum_or_zero(next(sums), rows)[1] + rows.nan) * d.astype(out.dtype)
   return out
 
 
@@ -206,7 +212,7 @@ def _kernel(key, axis_name, z, y, temperature, traced, masks):
   formula = FORMULAS[key[0]]
   params = _params(key, traced, temperature.dtype)
   stats = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name)
-  return _value(stats, _invalid(formula, params, temperature, stats))[:, 0]
+  return _rows(formula, params, temperature, stats).value[:, 0]
 
 
 def _kernel_jvp(key, axis_name, primals, tangents):
@@ -223,22 +229,12 @@ def _kernel_jvp(key, axis_name, primals, tangents):
     params=tuple(d is not None and not is_zero(d) for d in dparams),
   )
   stats = _statistics(formula, params, needs, z, y, temperature, masks, axis_name)
-  invalid = _invalid(formula, params, temperature, stats)
-  value = _value(stats, invalid)
+  rows = _rows(formula, params, temperature, stats)
+  tangents = (dz, dy, dtemp, dparams)
   tangent = _tangent(
-    formula,
-    params,
-    z,
-    y,
-    temperature,
-    masks,
-    (dz, dy, dtemp, dparams),
-    stats,
-    needs,
-    value,
-    axis_name,
+    formula, params, z, y, temperature, masks, tangents, stats, needs, rows, axis_name
   )
-  return value[:, 0], _nan_where(invalid, tangent)[:, 0]
+  return rows.value[:, 0], tangent[:, 0]
 
 
 _kernel.defjvp(_kernel_jvp, symbolic_zeros=True)

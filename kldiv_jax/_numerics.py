@@ -60,24 +60,28 @@ def times(p: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.where(has, p * jnp.where(has, x, 0.0), 0.0)
 
 
-def exp_sum_on(has: jax.Array, *terms: tuple[float, jax.Array]) -> jax.Array:
-  """``exp(sum(w * x))`` over ``(w, x)`` where ``has``, else 0; ``x`` guarded before use."""
-  total = sum(w * jnp.where(has, x, 0.0) for w, x in terms)
-  return jnp.where(has, jnp.exp(total), 0.0)
+def log_ratio_mix(p: jax.Array, lp: jax.Array, q: jax.Array, lq: jax.Array, w: Param) -> jax.Array:
+  """``log(p / m)`` for the mixture ``m = w p + (1 - w) q``, where ``p > 0`` (else 0).
 
-
-def log_mix(lp: jax.Array, lq: jax.Array, w: Param) -> jax.Array:
-  """``log(w p + (1 - w) q)`` from ``log p``, ``log q``; exactly ``log p`` where they are equal.
-
-  Factored by the larger side: ``hi + log1p(w_lo * expm1(lo - hi))``, so the
-  ``expm1`` argument is at most 0 and an exact tie gives ``log1p(0) = 0``.
-  ``-inf`` where both sides are ``-inf`` (or the only mass has weight 0).
+  One ``log1p``, factored by the larger side so that its argument lies in
+  ``[-1, 0]``: ``-log1p((1 - w)(q - p)/p)`` where ``p >= q``, ``log p - log q -
+  log1p(w (p - q)/q)`` where ``p < q``. Exactly 0 where ``p == q``; ``-log w``
+  where ``q = 0`` (``+inf`` at ``w = 0``). Multiplied by ``p``, it is finite
+  wherever the mixture's KL term is.
   """
-  hi, lo = jnp.maximum(lp, lq), jnp.minimum(lp, lq)
-  w_lo = select(lp >= lq, 1.0 - w, w)
-  empty = hi == -jnp.inf
-  delta = jnp.where(empty, 0.0, lo - jnp.where(empty, 0.0, hi))
-  return jnp.where(empty, -jnp.inf, hi + jnp.log1p(w_lo * jnp.expm1(delta)))
+  upper = p >= q
+  big = jnp.maximum(p, q)
+  x = select(upper, 1.0 - w, w) * (-jnp.abs(p - q)) / jnp.where(big > 0, big, 1.0)
+  has = p > 0
+  # Where p < q, log q is finite; where p = 0 the result is 0 (log p is not used).
+  offset = jnp.where(upper, 0.0, jnp.where(has, lp, 0.0) - jnp.where(upper, 0.0, lq))
+  return jnp.where(has, offset - jnp.log1p(x), 0.0)
+
+
+def mix_quotient(p: jax.Array, q: jax.Array, w: Param) -> jax.Array:
+  """``p q / m`` for ``m = w p + (1 - w) q``, 0 where ``p q = 0``."""
+  m = w * p + (1.0 - w) * q
+  return p * q / jnp.where(m > 0, m, 1.0)
 
 
 def exp_expm1(l0: jax.Array, delta: jax.Array) -> jax.Array:
