@@ -1,0 +1,721 @@
+"""The divergence engine and divergence_from_logits: every divergence, every convention.
+
+References: float64 ports of the authors' code (``tests/_divergence_refs.py``:
+DistiLLM, TRL, Liger, ABKD) for values, JAX autodiff of those ports for the
+gradients, 80-digit decimal arithmetic for the alpha-beta limit cases, the
+existing kernels for the KL conventions at ``-inf``, and the unsharded engine
+for the vocabulary-parallel path (8 simulated devices, in a subprocess).
+"""
+
+import decimal
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import _divergence_refs as refs  # tests/ is on sys.path (pytest's rootdir import)
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import kldiv_jax as kd
+from kldiv_jax._divergence_api import Divergence, divergence_from_logits
+from kldiv_jax._divergences import FORMULAS, Classes
+from kldiv_jax._engine import divergence_rows
+
+INF = np.inf
+
+# (id, name, parameters): every divergence, a few parameters each, and the alpha-beta limits.
+CASES = [
+  ("forward_kl", "forward_kl", {}),
+  ("reverse_kl", "reverse_kl", {}),
+  ("jsd", "jsd", {"beta": 0.5}),
+  ("jsd[0.3]", "jsd", {"beta": 0.3}),
+  ("jsd[0]", "jsd", {"beta": 0.0}),
+  ("jsd[1]", "jsd", {"beta": 1.0}),
+  ("symmetric_kl", "symmetric_kl", {"lam": 0.5}),
+  ("symmetric_kl[0.9]", "symmetric_kl", {"lam": 0.9}),
+  ("skew_kl", "skew_kl", {"alpha": 0.1}),
+  ("skew_kl[0.6]", "skew_kl", {"alpha": 0.6}),
+  ("skew_reverse_kl", "skew_reverse_kl", {"alpha": 0.1}),
+  ("skew_reverse_kl[0.4]", "skew_reverse_kl", {"alpha": 0.4}),
+  ("tvd", "tvd", {}),
+  ("ab[0.5,0.3]", "alpha_beta", {"alpha": 0.5, "beta": 0.3}),
+  ("ab[1.3,-0.4]", "alpha_beta", {"alpha": 1.3, "beta": -0.4}),
+  ("ab[-0.3,1.1]", "alpha_beta", {"alpha": -0.3, "beta": 1.1}),
+  ("ab[0.7,0]", "alpha_beta", {"alpha": 0.7, "beta": 0.0}),
+  ("ab[0,0.6]", "alpha_beta", {"alpha": 0.0, "beta": 0.6}),
+  ("ab[0.5,-0.5]", "alpha_beta", {"alpha": 0.5, "beta": -0.5}),
+  ("ab[0,0]", "alpha_beta", {"alpha": 0.0, "beta": 0.0}),
+]
+IDS = [c[0] for c in CASES]
+TRACEABLE = [c for c in CASES if c[2]]  # with parameters to trace
+# Second order at interior points: every smooth divergence once, parameters traced (the
+# alpha-beta limits, exact to first order in the parameters, are checked wrt the logits).
+SMOOTH_GENERAL = [
+  c
+  for c in CASES
+  if c[0]
+  in (
+    "forward_kl",
+    "reverse_kl",
+    "jsd",
+    "jsd[0.3]",
+    "symmetric_kl",
+    "skew_kl",
+    "skew_kl[0.6]",
+    "skew_reverse_kl",
+    "ab[0.5,0.3]",
+  )
+]
+
+
+def _spec(name, params, traced=False, dtype=jnp.float64):
+  values = {k: jnp.asarray(v, dtype) if traced else v for k, v in params.items()}
+  return Divergence(name, **values)
+
+
+def _ref(name, params, z, y, temperature=1.0, xp=np):
+  return refs.REFERENCES[name](z, y, temperature, xp=xp, **params)
+
+
+def _pair(rng, shape=(4, 7), scale=2.0):
+  return scale * rng.normal(size=shape), scale * rng.normal(size=shape)
+
+
+@jax.jit
+def _value_and_grads(spec, z, y, temperature, weights):
+  """Values and the gradients of their weighted sum wrt z, y, T and the traced parameters."""
+
+  def loss(z, y, temperature, spec):
+    out = divergence_from_logits(z, y, divergence=spec, temperature=temperature)
+    return jnp.sum(jnp.where(jnp.isfinite(out), out * weights, 0.0)), out
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+  (_, out), grads = grad(z, y, temperature, spec)
+  return out, grads
+
+
+# ----------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_values_match_the_authors_code(x64, rng, case, name, params):
+  z, y = _pair(rng)
+  for temperature in (1.0, 2.5):
+    got = divergence_from_logits(z, y, divergence=_spec(name, params), temperature=temperature)
+    np.testing.assert_allclose(got, _ref(name, params, z, y, temperature), rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_values_float32(rng, case, name, params):
+  z, y = _pair(rng, (3, 64))
+  got = divergence_from_logits(
+    z.astype(np.float32), y.astype(np.float32), divergence=_spec(name, params), temperature=2.0
+  )
+  ref = _ref(name, params, z.astype(np.float32).astype(np.float64), y.astype(np.float32), 2.0)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
+
+
+def test_strings_select_the_default_parameters(rng):
+  z, y = (a.astype(np.float32) for a in _pair(rng))
+  defaults = {
+    "forward_kl": {},
+    "reverse_kl": {},
+    "jsd": {"beta": 0.5},
+    "symmetric_kl": {"lam": 0.5},
+    "skew_kl": {"alpha": 0.1},
+    "skew_reverse_kl": {"alpha": 0.1},
+    "tvd": {},
+  }
+  for name, params in defaults.items():
+    np.testing.assert_array_equal(
+      divergence_from_logits(z, y, divergence=name),
+      divergence_from_logits(z, y, divergence=Divergence(name, **params)),
+    )
+    assert Divergence(name) == Divergence(name, **params)
+
+
+def test_special_cases_coincide(x64, rng):
+  z, y = _pair(rng)
+
+  def d(name, **params):
+    return np.asarray(divergence_from_logits(z, y, divergence=Divergence(name, **params)))
+
+  fwd, rev = d("forward_kl"), d("reverse_kl")
+  close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14)  # noqa: E731
+  close(d("alpha_beta", alpha=1.0, beta=0.0), fwd)
+  close(d("alpha_beta", alpha=0.0, beta=1.0), rev)
+  p, q = np.exp(refs.log_softmax(y)), np.exp(refs.log_softmax(z))
+  close(d("alpha_beta", alpha=0.5, beta=0.5), 2 * np.sum((np.sqrt(p) - np.sqrt(q)) ** 2, -1))
+  close(d("jsd", beta=0.0), fwd)
+  close(d("jsd", beta=1.0), rev)
+  close(d("symmetric_kl", lam=0.0), fwd)
+  close(d("symmetric_kl", lam=1.0), rev)
+  close(d("skew_kl", alpha=0.0), fwd)
+  close(d("skew_reverse_kl", alpha=0.0), rev)
+  close(d("skew_kl", alpha=1.0), 0.0)  # KL(p || p)
+  close(d("skew_reverse_kl", alpha=1.0), 0.0)
+
+
+# ----------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_gradients_match_autodiff_of_the_reference(x64, rng, case, name, params):
+  z, y = _pair(rng)
+  weights = rng.normal(size=z.shape[0])
+  limit = name == "alpha_beta" and (0.0 in params.values() or sum(params.values()) == 0)
+  traced = bool(params) and not limit and case not in ("jsd[0]", "jsd[1]")
+  spec = _spec(name, params, traced=traced)
+  out, (gz, gy, gt, gspec) = _value_and_grads(spec, z, y, 1.7, weights)
+
+  def ref_loss(z, y, temperature, values):
+    return jnp.sum(_ref(name, dict(zip(params, values)), z, y, temperature, xp=jnp) * weights)
+
+  values = [jnp.asarray(v) for v in params.values()] if traced else [*params.values()]
+  argnums = (0, 1, 2, 3) if traced else (0, 1, 2)
+  expected = jax.grad(ref_loss, argnums=argnums)(z, y, 1.7, values)
+  np.testing.assert_allclose(out, _ref(name, params, z, y, 1.7), rtol=1e-11)
+  for got, want in zip((gz, gy, gt), expected[:3]):
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+  if traced:
+    got = [v for _, v in gspec.params]
+    np.testing.assert_allclose(got, expected[3], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+  ("case", "name", "params"), SMOOTH_GENERAL, ids=[c[0] for c in SMOOTH_GENERAL]
+)
+def test_check_grads_order_2(x64, rng, case, name, params):
+  """Forward and reverse, second order, wrt logits, temperature and parameters (interior)."""
+  z, y = _pair(rng, (2, 5), scale=1.0)
+  keys = list(params)
+
+  @jax.jit
+  def f(z, y, temperature, *values):
+    spec = Divergence(name, **dict(zip(keys, values)))
+    return divergence_from_logits(z, y, divergence=spec, temperature=temperature)
+
+  check_grads(f, (z, y, 1.3, *params.values()), order=2, modes=("fwd", "rev"))
+
+
+@pytest.mark.parametrize(
+  "params", [(0.7, 0.0), (0.0, 0.6), (0.5, -0.5), (0.0, 0.0)], ids=lambda p: f"ab{list(p)}"
+)
+def test_check_grads_order_2_at_alpha_beta_limits(x64, rng, params):
+  """The closed forms are smooth in the logits and the temperature."""
+  z, y = _pair(rng, (2, 5), scale=1.0)
+  spec = Divergence("alpha_beta", alpha=params[0], beta=params[1])
+  f = jax.jit(lambda z, y, t: divergence_from_logits(z, y, divergence=spec, temperature=t))
+  check_grads(f, (z, y, 1.3), order=2, modes=("fwd", "rev"))
+
+
+def test_tvd_subgradient_is_zero_where_p_equals_q(x64, rng):
+  """Liger's kernel takes -1/2 where p = q; the subgradient here is 0 (identical rows: 0)."""
+  z, y = _pair(rng, (2, 6))
+  z[1] = y[1]
+  out, (gz, gy, _, _) = _value_and_grads(Divergence("tvd"), z, y, 1.0, np.ones(2))
+  assert out[1] == 0.0
+  np.testing.assert_array_equal(gz[1], 0.0)
+  np.testing.assert_array_equal(gy[1], 0.0)
+  p, q = np.exp(refs.log_softmax(y[0])), np.exp(refs.log_softmax(z[0]))
+  b, a = -0.5 * q * np.sign(p - q), 0.5 * p * np.sign(p - q)
+  np.testing.assert_allclose(gz[0], b - q * b.sum(), rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(gy[0], a - p * a.sum(), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", list(FORMULAS))
+def test_weighted_partials_are_the_derivatives_of_f(x64, rng, name):
+  """Per class: a = p df/dp and b = q df/dq (autodiff of f), and a + b = deg f (Euler)."""
+  formula = FORMULAS[name]
+  params = {"alpha_beta": (0.6, 0.25)}.get(name, (0.3,) * len(formula.param_names))
+  lp, lq = np.log(rng.uniform(0.05, 0.9, size=8)), np.log(rng.uniform(0.05, 0.9, size=8))
+
+  def f_of(lp, lq):
+    return formula.terms(Classes(lp, lq, jnp.exp(lp), jnp.exp(lq)), params)[0]
+
+  _, a, b = formula.terms(Classes(lp, lq, np.exp(lp), np.exp(lq)), params)
+  # d f / d log p = p df/dp.
+  da = jax.vmap(jax.grad(f_of, argnums=0))(lp, lq)
+  db = jax.vmap(jax.grad(f_of, argnums=1))(lp, lq)
+  np.testing.assert_allclose(a, da, rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(b, db, rtol=1e-10, atol=1e-14)
+  degree = sum(params) if name == "alpha_beta" else 1.0
+  np.testing.assert_allclose(a + b, degree * f_of(lp, lq), rtol=1e-10, atol=1e-14)
+
+
+# ----------------------------------------------------------------- alpha-beta limits
+
+
+def _decimal_rows(z, y, temperature, alpha, beta):
+  return np.array([float(v) for v in refs.ab_decimal(z, y, temperature, alpha, beta)])
+
+
+@pytest.mark.parametrize(
+  "params", [(0.7, 0.0), (0.0, 0.6), (0.5, -0.5), (0.0, 0.0)], ids=lambda p: f"ab{list(p)}"
+)
+def test_alpha_beta_limits_are_the_limits_of_abkd_general_formula(x64, rng, params):
+  """Closed forms == ABKD's general branch 1e-20 off the limit (80-digit decimals),
+  and the parameter gradients == its central differences there."""
+  z, y = _pair(rng, (2, 6), scale=1.0)
+  with decimal.localcontext() as ctx:
+    ctx.prec = 80
+    tiny = decimal.Decimal("1e-20")
+    a, b = (decimal.Decimal(v) for v in params)
+    off = (a + tiny, b + 2 * tiny)
+  spec = _spec("alpha_beta", dict(zip(("alpha", "beta"), params)), traced=True)
+  out, (_, _, _, gspec) = _value_and_grads(spec, z, y, 1.3, np.ones(2))
+  np.testing.assert_allclose(out, _decimal_rows(z, y, 1.3, *off), rtol=1e-12)
+  h = decimal.Decimal("1e-12")
+  for k, got in enumerate(v for _, v in gspec.params):
+    plus, minus = list(off), list(off)
+    with decimal.localcontext() as ctx:
+      ctx.prec = 80
+      plus[k] += h
+      minus[k] -= h
+    up = refs.ab_decimal(z, y, 1.3, *plus)
+    down = refs.ab_decimal(z, y, 1.3, *minus)
+    want = float(sum((u - d) / (2 * h) for u, d in zip(up, down)))
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+
+
+def test_alpha_beta_near_a_limit_is_continuous(x64, rng):
+  z, y = _pair(rng, (2, 6), scale=1.0)
+  for limit, near in [
+    ((0.7, 0.0), (0.7, 1e-7)),
+    ((0.0, 0.6), (1e-7, 0.6)),
+    ((0.5, -0.5), (0.5, -0.5 + 1e-7)),
+  ]:
+    at = divergence_from_logits(
+      z, y, divergence=_spec("alpha_beta", dict(zip(("alpha", "beta"), limit)))
+    )
+    by = divergence_from_logits(
+      z, y, divergence=_spec("alpha_beta", dict(zip(("alpha", "beta"), near)))
+    )
+    np.testing.assert_allclose(at, by, rtol=1e-5)
+
+
+# ----------------------------------------------------------------- conventions
+
+
+def _hostile(rng, classes=8):
+  """Rows with -inf on either side, an all -inf side, both sides empty, identical rows."""
+  z, y = _pair(rng, (7, classes))
+  z[0, :3] = -INF  # student mass missing where the teacher has some
+  y[1, 2:5] = -INF  # teacher mass missing where the student has some
+  z[2] = -INF  # the student is the zero measure
+  y[3] = -INF  # the teacher is the zero measure
+  z[4] = y[4] = -INF  # both empty
+  z[5, :2] = y[5, :2] = -INF  # both without mass on the same classes
+  y[6] = z[6]
+  return z, y
+
+
+def _one_sided(name, params, log_probs, empty):
+  """Closed forms of the authors' formulas when one side is the zero measure (every logit
+  -inf): ``empty`` is "teacher" (p = 0) or "student" (q = 0); ``log_probs`` the other's."""
+  teacher = empty == "teacher"
+  if name == "jsd" and params["beta"] in (0.0, 1.0):
+    name = "forward_kl" if params["beta"] == 0.0 else "reverse_kl"
+  if name == "forward_kl":
+    return 0.0 if teacher else INF
+  if name == "reverse_kl":
+    return INF if teacher else 0.0
+  if name == "jsd":  # beta KL(p || m) + (1 - beta) KL(q || m), m the present side times its weight
+    w = 1.0 - params["beta"] if teacher else params["beta"]
+    return -w * np.log(w)
+  if name == "symmetric_kl":
+    lam = params["lam"]
+    return (INF if lam > 0 else 0.0) if teacher else (INF if lam < 1 else 0.0)
+  if name in ("skew_kl", "skew_reverse_kl"):
+    alpha = params["alpha"]
+    weighted_side_present = teacher == (name == "skew_reverse_kl")
+    return (-np.log(alpha) if alpha > 0 else INF) if weighted_side_present else 0.0
+  if name == "tvd":
+    return 0.5
+  x, y = (params["alpha"], params["beta"]) if teacher else (params["beta"], params["alpha"])
+  s = x + y  # f(0, r) = r^s / (x s) if x > 0 and s > 0, else +inf
+  return np.sum(np.exp(s * log_probs)) / (x * s) if x > 0 and s > 0 else INF
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_neg_inf_logits_are_classes_without_mass(x64, rng, case, name, params):
+  """A -inf logit is a class without mass: values are the limits of the authors' formulas
+  (their value at a logit of -600, equal to that at -300: bounded), +inf where that limit
+  is unbounded; a side without any mass is the zero measure (closed forms); gradients are
+  finite, those of the reference where the value is finite, 0 on empty and identical rows."""
+  z, y = _hostile(rng)
+  spec = _spec(name, params)
+  out, (gz, gy, gt, _) = _value_and_grads(spec, z, y, 1.0, np.ones(len(z)))
+  out = np.asarray(out)
+  for g in (gz, gy, gt):
+    assert np.all(np.isfinite(g))
+  # Rows 0, 1: -inf on one side for some classes.
+  far = lambda a, at=-600.0: np.where(np.isfinite(a), a, at)  # noqa: E731
+  with np.errstate(all="ignore"):
+    ref = _ref(name, params, far(z[:2]), far(y[:2]))
+    nearer = _ref(name, params, far(z[:2], -300.0), far(y[:2], -300.0))
+  bounded = np.isfinite(ref) & np.isclose(ref, nearer, rtol=1e-9, atol=1e-12)
+  assert np.all(np.isinf(out[:2][~bounded]))
+  np.testing.assert_allclose(out[:2][bounded], ref[bounded], rtol=1e-9, atol=1e-12)
+  keep = np.flatnonzero(bounded)
+  rz, ry = jax.grad(lambda a, b: jnp.sum(_ref(name, params, a, b, xp=jnp)), argnums=(0, 1))(
+    far(z[keep]), far(y[keep])
+  )
+  np.testing.assert_allclose(np.asarray(gz)[keep], rz, rtol=1e-7, atol=1e-10)
+  np.testing.assert_allclose(np.asarray(gy)[keep], ry, rtol=1e-7, atol=1e-10)
+  # Rows 2, 3: the student, then the teacher, is the zero measure.
+  lp2, lq3 = refs.log_softmax(y[2]), refs.log_softmax(z[3])
+  np.testing.assert_allclose(out[2], _one_sided(name, params, lp2, "student"), rtol=1e-12)
+  np.testing.assert_allclose(out[3], _one_sided(name, params, lq3, "teacher"), rtol=1e-12)
+  # Row 4: both empty; row 6: identical. 0, with zero gradients.
+  for row in (4, 6):
+    assert out[row] == 0.0
+    np.testing.assert_array_equal(gz[row], 0.0)
+    np.testing.assert_array_equal(gy[row], 0.0)
+  # Row 5: both without mass on the same classes = those classes dropped.
+  np.testing.assert_allclose(out[5], _ref(name, params, z[5, 2:], y[5, 2:]), rtol=1e-11)
+
+
+def test_kl_conventions_match_the_existing_kernels(rng):
+  """forward/reverse KL and JSD as kl_div_from_logits/generalized_jsd give them at -inf."""
+  z, y = (a.astype(np.float32) for a in _hostile(rng))
+  mask = rng.random((1, z.shape[1])) > 0.3
+  old = {
+    "forward_kl": lambda a, b, **kw: kd.kl_div_from_logits(a, b, **kw),
+    "reverse_kl": lambda a, b, **kw: kd.kl_div_from_logits(a, b, direction="reverse", **kw),
+    "jsd": lambda a, b, **kw: kd.generalized_jsd(a, b, beta=0.3, **kw),
+  }
+
+  def grads(f):
+    def loss(a, b):
+      out = f(a, b)
+      return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0))
+
+    return jax.grad(loss, argnums=(0, 1))(z, y)
+
+  for name, fn in old.items():
+    spec = Divergence(name, **({"beta": 0.3} if name == "jsd" else {}))
+    for kw in ({"temperature": 2.0}, {"where": mask}):
+
+      def new(a, b, spec=spec, kw=kw):
+        return divergence_from_logits(a, b, divergence=spec, **kw)
+
+      def former(a, b, fn=fn, kw=kw):
+        return fn(a, b, **kw)
+
+      np.testing.assert_allclose(new(z, y), former(z, y), rtol=2e-5, atol=1e-6)
+      for got, want in zip(grads(new), grads(former)):
+        # Rows 2 and 3 have a zero-measure side: where the value is constant (KL(0 || q) = 0)
+        # the engine's gradient is 0, the former kernels' q - p.
+        rows = np.array([0, 1, 4, 5, 6])
+        np.testing.assert_allclose(got[rows], np.asarray(want)[rows], rtol=2e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_class_mask_equals_dropping_the_classes(x64, rng, case, name, params):
+  z, y = _pair(rng, (3, 9))
+  mask = np.array([True, False, True, True, False, True, True, True, False])
+  spec = _spec(name, params)
+
+  def f(z, y, where=None):
+    return divergence_from_logits(z, y, divergence=spec, temperature=1.5, where=where)
+
+  got = f(z, y, mask)
+  np.testing.assert_allclose(got, f(z[:, mask], y[:, mask]), rtol=1e-12)
+  gz, gy = jax.grad(lambda a, b: jnp.sum(f(a, b, mask)), argnums=(0, 1))(z, y)
+  rz, ry = jax.grad(lambda a, b: jnp.sum(f(a, b)), argnums=(0, 1))(z[:, mask], y[:, mask])
+  np.testing.assert_array_equal(gz[:, ~mask], 0.0)
+  np.testing.assert_array_equal(gy[:, ~mask], 0.0)
+  np.testing.assert_allclose(gz[:, mask], rz, rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(gy[:, mask], ry, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_per_example_mask_and_masked_rows(rng, case, name, params):
+  z, y = (a.astype(np.float32) for a in _pair(rng, (4, 6)))
+  rows = np.array([True, False, True, False])
+  spec = _spec(name, params)
+  f = lambda a, b, w: jnp.sum(divergence_from_logits(a, b, divergence=spec, where=w))  # noqa: E731
+  out = divergence_from_logits(z, y, divergence=spec, where=rows)
+  np.testing.assert_array_equal(out[~rows], 0.0)
+  np.testing.assert_allclose(out[rows], divergence_from_logits(z[rows], y[rows], divergence=spec))
+  gz, gy = jax.grad(f, argnums=(0, 1))(z, y, rows)
+  np.testing.assert_array_equal(gz[~rows], 0.0)
+  np.testing.assert_array_equal(gy[~rows], 0.0)
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_no_nan_is_made_on_the_way(rng, case, name, params):
+  """Eager values and gradients at -inf logits and masks under jax.debug_nans: every
+  discarded branch was made safe before its partial function."""
+  z, y = (a.astype(np.float32) for a in _hostile(rng, classes=5))
+  for traced in (False, True):
+    spec = _spec(name, params, traced=traced, dtype=jnp.float32)
+
+    def loss(z, y, t, spec=spec):
+      out = divergence_rows(z, y, t, (np.array([[True, True, False, True, True]]),), spec)
+      return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0))
+
+    with jax.debug_nans(True):
+      jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(z), jnp.asarray(y), jnp.float32(1.5))
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_identical_logits_give_exactly_zero(rng, case, name, params):
+  z = rng.normal(size=(5, 33)) * 3
+  z[1, :4] = -INF
+  z[2, 10:] = -INF
+  z[3] = -INF
+  mask = rng.random((1, 33)) > 0.2
+  for dtype in (np.float32, jnp.bfloat16):
+    a = jnp.asarray(z, dtype)
+    for kw in ({}, {"temperature": 0.7}, {"where": mask}):
+      for traced in (False, True):
+        spec = _spec(name, params, traced=traced, dtype=jnp.float32)
+        out = divergence_from_logits(a, a, divergence=spec, **kw)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_never_negative_near_identical_logits(rng, case, name, params):
+  z = (rng.normal(size=(64, 50)) * 4).astype(np.float32)
+  y = z + (1e-6 * rng.normal(size=z.shape)).astype(np.float32)
+  out = divergence_from_logits(z, y, divergence=_spec(name, params), temperature=1.3)
+  assert np.all(np.asarray(out) >= 0.0)
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_half_precision_is_computed_in_float32(rng, case, name, params):
+  z, y = _pair(rng, (3, 40))
+  spec = _spec(name, params)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    a, b = jnp.asarray(z, dtype), jnp.asarray(y, dtype)
+    got = divergence_from_logits(a, b, divergence=spec, temperature=2.0)
+    assert got.dtype == dtype
+    want = divergence_from_logits(
+      a.astype(jnp.float32), b.astype(jnp.float32), divergence=spec, temperature=2.0
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(dtype)))
+    g = jax.grad(lambda a, b=b: jnp.sum(divergence_from_logits(a, b, divergence=spec)))(a)
+    assert g.dtype == dtype and np.all(np.isfinite(np.asarray(g, np.float32)))
+
+
+# ----------------------------------------------------------------- hostile input
+
+
+@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+def test_nan_propagates_from_either_side(rng, case, name, params):
+  z, y = (a.astype(np.float32) for a in _pair(rng, (3, 6)))
+  z[0, 2] = np.nan
+  y[1, 4] = np.nan
+  spec = _spec(name, params)
+  out = np.asarray(divergence_from_logits(z, y, divergence=spec))
+  assert np.isnan(out[0]) and np.isnan(out[1]) and np.isfinite(out[2])
+  gz = jax.grad(lambda a: jnp.sum(divergence_from_logits(a, y, divergence=spec)))(z)
+  assert np.all(np.isnan(gz[:2])) and np.all(np.isfinite(gz[2]))
+  plus = z.copy()
+  plus[2, 0] = np.inf  # softmax of +inf is undefined
+  assert np.isnan(np.asarray(divergence_from_logits(plus, y, divergence=spec))[2])
+
+
+@pytest.mark.parametrize(
+  ("name", "params"),
+  [
+    ("jsd", {"beta": 1.5}),
+    ("jsd", {"beta": -0.1}),
+    ("symmetric_kl", {"lam": 2.0}),
+    ("skew_kl", {"alpha": -0.5}),
+    ("skew_reverse_kl", {"alpha": 1.01}),
+    ("alpha_beta", {"alpha": np.nan, "beta": 0.5}),
+    ("alpha_beta", {"alpha": 0.5, "beta": np.inf}),
+    ("skew_kl", {"alpha": np.nan}),
+  ],
+)
+def test_invalid_traced_parameters_give_nan(rng, name, params):
+  z, y = (a.astype(np.float32) for a in _pair(rng, (2, 5)))
+  spec = _spec(name, params, traced=True, dtype=jnp.float32)
+  out, _ = _value_and_grads(spec, z, y, jnp.float32(1.0), np.ones(2, np.float32))
+  assert np.all(np.isnan(out))
+  static = {k: float(v) for k, v in params.items()}
+  with pytest.raises(ValueError, match=r"parameter (alpha|beta|lam) must be"):
+    Divergence(name, **static)
+
+
+def test_invalid_traced_temperature_gives_nan(rng):
+  z, y = (a.astype(np.float32) for a in _pair(rng, (2, 5)))
+  for t in (0.0, -1.0, np.nan, np.inf):
+    out = jax.jit(lambda t: divergence_from_logits(z, y, temperature=t))(jnp.float32(t))
+    assert np.all(np.isnan(out)), t
+
+
+def test_new_parameter_values_do_not_recompile(rng, caplog):
+  """A traced parameter (in a jitted function's argument, or eagerly) is a value, not a
+  compile-time constant: no retrace under jit, no new compilation eagerly."""
+  z, y = (a.astype(np.float32) for a in _pair(rng, (3, 6)))
+
+  def run(specs):
+    chex.clear_trace_counter()
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def jitted(spec, t):
+      return divergence_from_logits(z, y, divergence=spec, temperature=t)
+
+    for spec in specs:
+      jitted(spec, jnp.float32(2.0))
+
+  run([Divergence("skew_kl", alpha=jnp.float32(a)) for a in (0.1, 0.3, 0.0)])
+  ab = ((0.5, 0.3), (0.0, 0.7), (0.4, -0.4), (0.0, 0.0))
+  run([Divergence("alpha_beta", alpha=jnp.float32(a), beta=jnp.float32(b)) for a, b in ab])
+
+  def eager(alpha):
+    spec = Divergence("jsd", beta=jnp.float32(alpha))
+    return jax.grad(lambda a: jnp.sum(divergence_from_logits(a, y, divergence=spec)))(z)
+
+  eager(0.2)
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+    caplog.clear()
+    eager(0.7)
+  assert not [r for r in caplog.records if "ompil" in r.getMessage()], caplog.text
+
+
+# ----------------------------------------------------------------- API
+
+
+def test_divergence_spec():
+  spec = Divergence("skew_kl", alpha=0.2)
+  assert spec.params == (("alpha", 0.2),) and spec.key == ("skew_kl", (("alpha", 0.2),))
+  assert hash(spec) == hash(Divergence("skew_kl", alpha=0.2)) and repr(spec).startswith(
+    "Divergence("
+  )
+  assert Divergence("jsd") == Divergence("jsd", beta=0.5) != Divergence("jsd", beta=0.4)
+  traced = Divergence("alpha_beta", alpha=jnp.float32(0.5), beta=0.25)
+  leaves, tree = jax.tree.flatten(traced)
+  assert len(leaves) == 1 and jax.tree.unflatten(tree, leaves).key == traced.key
+  with pytest.raises(TypeError, match="not hashable"):
+    hash(traced)
+  with pytest.raises(dataclasses_frozen_error()):
+    spec.name = "tvd"
+
+
+def dataclasses_frozen_error():
+  import dataclasses
+
+  return dataclasses.FrozenInstanceError
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "error", "match"),
+  [
+    ({"divergence": "kl"}, ValueError, "divergence must be one of 'forward_kl'"),
+    ({"divergence": 3}, ValueError, "divergence must be one of"),
+    ({"divergence": "alpha_beta"}, ValueError, "has no default parameters"),
+    ({"temperature": 0.0}, ValueError, "temperature must be positive"),
+    ({"axis_name": 0}, TypeError, "axis_name must be a str"),
+  ],
+)
+def test_divergence_from_logits_errors(kwargs, error, match):
+  x = jnp.ones((2, 3))
+  with pytest.raises(error, match=match):
+    divergence_from_logits(x, x, **kwargs)
+
+
+@pytest.mark.parametrize(
+  ("args", "error", "match"),
+  [
+    (("skew", {}), ValueError, "name must be one of"),
+    (("skew_kl", {"beta": 0.1}), TypeError, "takes the parameters \\(alpha\\)"),
+    (("tvd", {"alpha": 0.1}), TypeError, "takes the parameters \\(none\\)"),
+    (("alpha_beta", {"alpha": 0.1}), TypeError, "has no default parameters"),
+    (("jsd", {"beta": 2.0}), ValueError, "parameter beta must be \\[0, 1\\]"),
+    (("jsd", {"beta": jnp.ones(2)}), ValueError, "must be a scalar"),
+    (("jsd", {"beta": jnp.array(True)}), TypeError, "must be a real number"),
+  ],
+)
+def test_divergence_spec_errors(args, error, match):
+  name, params = args
+  with pytest.raises(error, match=match):
+    Divergence(name, **params)
+
+
+def test_axis_batch_jit_and_vmap(rng):
+  z, y = (a.astype(np.float32) for a in _pair(rng, (3, 4, 6)))
+  spec = Divergence("skew_reverse_kl", alpha=0.3)
+  f = jax.jit(lambda a, b: divergence_from_logits(a, b, divergence=spec, axis=1, temperature=1.5))
+  moved = divergence_from_logits(
+    np.moveaxis(z, 1, -1), np.moveaxis(y, 1, -1), divergence=spec, temperature=1.5
+  )
+  np.testing.assert_allclose(f(z, y), moved, rtol=1e-6)
+  vmapped = jax.vmap(lambda a, b: divergence_from_logits(a, b, divergence=spec))(z, y)
+  np.testing.assert_allclose(vmapped, divergence_from_logits(z, y, divergence=spec), rtol=1e-6)
+  flat = divergence_from_logits(z, y[0], divergence=spec, axis=(1, 2))
+  whole = np.broadcast_to(y[0], z.shape).reshape(3, 24)
+  np.testing.assert_allclose(
+    flat, divergence_from_logits(z.reshape(3, 24), whole, divergence=spec), rtol=1e-6
+  )
+  assert divergence_from_logits(np.zeros((0, 5)), np.zeros((0, 5))).shape == (0,)
+
+
+def test_not_exported_yet():
+  """The lead exports divergence_from_logits and Divergence once the engine is wired in."""
+  assert not hasattr(kd, "divergence_from_logits")
+
+
+# ----------------------------------------------------------------- vocabulary parallel
+
+WORKER = Path(__file__).with_name("_engine_worker.py")
+
+
+@pytest.fixture(scope="module")
+def sharded_report():
+  env = dict(os.environ)
+  flag = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+    [sys.executable, str(WORKER)], env=env, capture_output=True, text=True, timeout=900
+  )
+  lines = proc.stdout.strip().splitlines()
+  if proc.returncode != 0 or not lines:
+    pytest.fail(f"worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+  return json.loads(lines[-1])
+
+
+def test_vocab_parallel_equals_unsharded(sharded_report):
+  """Values and gradients (student, teacher, temperature, parameters), every divergence."""
+  assert sharded_report["devices"] == 8
+  assert sharded_report["names"] == sorted(FORMULAS)
+  for r in sharded_report["results"]:
+    assert not r["message"], r
+    assert r["value_err"] <= 1.0 and max(r["grad_errs"]) <= 1.0, r
+    assert r["nonfinite_match"], r
+
+
+def test_vocab_parallel_moves_only_per_row_values(sharded_report):
+  """All-reduces only (pmax, psum), none of them of a vocabulary (or slice) size."""
+  forbidden = set(sharded_report["local_classes"])
+  for r in sharded_report["results"]:
+    ops = {op for op, _ in r["collectives"]}
+    assert ops and ops <= {"all-reduce", "all-reduce-start"}, r
+    for _, result in r["collectives"]:
+      dims = {int(d) for d in re.findall(r"\d+", " ".join(re.findall(r"\[([\d,]*)\]", result)))}
+      assert not dims & forbidden, result
+
+
+def test_vocab_parallel_second_order(sharded_report):
+  for r in sharded_report["second_order"]:
+    assert r["hessian_err"] <= 1.0 and r["jvp_err"] <= 1.0, r
+
+
+def test_vocab_parallel_per_device_temp_memory(sharded_report):
+  for row in sharded_report["memory"]:
+    assert row["sharded"] <= 0.2 * row["single"], row
