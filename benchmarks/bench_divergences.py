@@ -1,0 +1,246 @@
+"""Divergences benchmark: the engine against the straightforward autodiff version, per divergence.
+
+For student/teacher logits ``(rows, classes)`` (default ``(4096, 8192)`` float32,
+``T = 2``), each divergence times ``jax.value_and_grad`` wrt the student's logits
+of the mean over rows, side by side in one process, round-robin (``_harness``):
+
+* ``straightforward``: ``jax.nn.log_softmax`` of both sides and the divergence's
+  formula as its authors write it (DistiLLM's ``distillm/losses.py`` for the KL
+  family and TVD, TRL's ``generalized_jsd_loss`` for JSD, ABKD's ``ab_div``),
+  differentiated by JAX;
+* ``engine``: ``mean(divergence_from_logits(s, t, divergence=..., temperature=T))``.
+
+Every contender is compiled ahead of time (XLA's memory analysis gives the temp
+bytes) and warmed up; the figures are medians. The targets (one divergence
+engine issue) are printed PASS/FAIL per divergence: at most 0.6x the time and
+0.05x the XLA temp bytes of the straightforward version.
+
+  python benchmarks/bench_divergences.py            # (4096, 8192)
+  python benchmarks/bench_divergences.py --quick    # (256, 1024), a smoke test
+"""
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE.parent), str(HERE)):
+  if _p not in sys.path:
+    sys.path.insert(0, _p)
+
+from _harness import (  # noqa: E402
+  compile_jax,
+  describe_machine,
+  fmt_bytes,
+  fmt_ms,
+  fmt_ratio,
+  machine_info,
+  median_ms,
+  ratio,
+  round_robin,
+  write_json,
+)
+
+from kldiv_jax._divergence_api import Divergence, divergence_from_logits  # noqa: E402
+
+FULL_SHAPE = (4096, 8192)
+QUICK_SHAPE = (256, 1024)
+TIME_TARGET, TEMP_TARGET = 0.6, 0.05
+# The divergences and their parameters (alpha-beta has no default: ABKD-like values).
+SPECS = {
+  "forward_kl": Divergence("forward_kl"),
+  "reverse_kl": Divergence("reverse_kl"),
+  "jsd": Divergence("jsd"),
+  "symmetric_kl": Divergence("symmetric_kl"),
+  "skew_kl": Divergence("skew_kl"),
+  "skew_reverse_kl": Divergence("skew_reverse_kl"),
+  "tvd": Divergence("tvd"),
+  "alpha_beta": Divergence("alpha_beta", alpha=0.5, beta=0.3),
+}
+
+
+def straightforward(name: str, params: dict[str, float]) -> Callable[..., jax.Array]:
+  """The per-token formula on ``log_softmax`` outputs, as the authors' code writes it."""
+
+  def per_token(lq, lp):
+    q, p = jnp.exp(lq), jnp.exp(lp)
+    if name == "forward_kl":
+      return jnp.sum(p * (lp - lq), -1)
+    if name == "reverse_kl":
+      return jnp.sum(q * (lq - lp), -1)
+    if name == "jsd":  # TRL: logsumexp of the stacked log-mixture terms
+      beta = params["beta"]
+      lm = jax.nn.logsumexp(jnp.stack([lq + np.log1p(-beta), lp + np.log(beta)]), axis=0)
+      return jnp.sum(beta * p * (lp - lm) + (1 - beta) * q * (lq - lm), -1)
+    if name == "symmetric_kl":
+      lam = params["lam"]
+      return jnp.sum((1 - lam) * p * (lp - lq) + lam * q * (lq - lp), -1)
+    if name == "skew_kl":
+      alpha = params["alpha"]
+      return jnp.sum(p * (lp - jnp.log(alpha * p + (1 - alpha) * q)), -1)
+    if name == "skew_reverse_kl":
+      alpha = params["alpha"]
+      return jnp.sum(q * (lq - jnp.log((1 - alpha) * p + alpha * q)), -1)
+    if name == "tvd":
+      return 0.5 * jnp.sum(jnp.abs(p - q), -1)
+    if name == "alpha_beta":
+      a, b = params["alpha"], params["beta"]
+      terms = p**a * q**b - a / (a + b) * p ** (a + b) - b / (a + b) * q ** (a + b)
+      return -jnp.sum(terms, -1) / (a * b)
+    raise ValueError(name)
+
+  def loss(s, t, temperature):
+    lq = jax.nn.log_softmax(s / temperature)
+    lp = jax.nn.log_softmax(t / temperature)
+    return jnp.mean(per_token(lq, lp))
+
+  return loss
+
+
+def engine(spec: Divergence) -> Callable[..., jax.Array]:
+  def loss(s, t, temperature):
+    return jnp.mean(divergence_from_logits(s, t, divergence=spec, temperature=temperature))
+
+  return loss
+
+
+def make_data(shape: tuple[int, int], seed: int) -> tuple[jax.Array, jax.Array]:
+  rng = np.random.default_rng(seed)
+  student = jnp.asarray(rng.normal(size=shape) * 2.0, jnp.float32)
+  teacher = jnp.asarray(rng.normal(size=shape) * 2.0, jnp.float32)
+  return student, teacher
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+  shape = (args.rows, args.classes) if args.rows else QUICK_SHAPE if args.quick else FULL_SHAPE
+  repeats = args.repeats or (3 if args.quick else 7)
+  names = args.divergences.split(",") if args.divergences else list(SPECS)
+  student, teacher = make_data(shape, args.seed)
+  records = []
+  for name in names:
+    spec = SPECS[name]
+    fns = {
+      "straightforward": straightforward(name, dict(spec.params)),
+      "engine": engine(spec),
+    }
+    thunks, infos = {}, {}
+    for contender, fn in fns.items():
+      vg = jax.value_and_grad(lambda s, t, fn=fn: fn(s, t, args.temperature))
+      thunks[contender], infos[contender] = compile_jax(vg, student, teacher)
+    # Same values and gradients before timing anything. TVD's gradient jumps where p = q,
+    # so rounding may flip a class's sign and move its row by ~p: a looser check there.
+    (v0, g0), (v1, g1) = (thunks[c]() for c in fns)
+    np.testing.assert_allclose(v1, v0, rtol=2e-4)
+    atol = (1e-5 if spec.formula.smooth else 5e-2) * float(jnp.max(jnp.abs(g0)))
+    np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=atol)
+    times = round_robin(thunks, repeats)
+    base_ms, base_temp = median_ms(times["straightforward"]), infos["straightforward"]["temp_bytes"]
+    for contender in fns:
+      ms = median_ms(times[contender])
+      records.append(
+        {
+          "divergence": name,
+          "params": {k: v for k, v in spec.params},
+          "contender": contender,
+          "shape": list(shape),
+          "dtype": "float32",
+          "temperature": args.temperature,
+          "median_ms": ms,
+          "times_ms": [1e3 * t for t in times[contender]],
+          "repeats": repeats,
+          "temp_bytes": infos[contender]["temp_bytes"],
+          "output_bytes": infos[contender]["output_bytes"],
+          "compile_s": infos[contender]["compile_s"],
+          "time_ratio": ratio(ms, base_ms),
+          "temp_ratio": ratio(infos[contender]["temp_bytes"], base_temp),
+        }
+      )
+  return {
+    "section": "divergences",
+    "machine": machine_info(),
+    "settings": {
+      "shape": list(shape),
+      "temperature": args.temperature,
+      "repeats": repeats,
+      "seed": args.seed,
+      "full_size": shape == FULL_SHAPE,
+    },
+    "records": records,
+    "targets": evaluate_targets(records, shape == FULL_SHAPE),
+  }
+
+
+def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str, Any]:
+  rows = []
+  for r in records:
+    if r["contender"] != "engine":
+      continue
+    for what, limit, value in (
+      ("time", TIME_TARGET, r["time_ratio"]),
+      ("temp bytes", TEMP_TARGET, r["temp_ratio"]),
+    ):
+      rows.append(
+        {
+          "target": f"{r['divergence']} {what} / straightforward",
+          "limit": limit,
+          "value": value,
+          "pass": None if value is None else value <= limit,
+        }
+      )
+  return {"full_size": full_size, "rows": rows}
+
+
+def print_report(result: dict[str, Any]) -> None:
+  print(describe_machine(result["machine"]))
+  s = result["settings"]
+  print(
+    f"value_and_grad wrt the student's logits, shape {tuple(s['shape'])} float32, "
+    f"T = {s['temperature']}, median of {s['repeats']}"
+  )
+  header = f"{'divergence':16} {'contender':16} {'ms':>9} {'ratio':>6} {'temp':>9} {'ratio':>6}"
+  print(header)
+  print("-" * len(header))
+  for r in result["records"]:
+    print(
+      f"{r['divergence']:16} {r['contender']:16} {fmt_ms(r['median_ms']):>9} "
+      f"{fmt_ratio(r['time_ratio']):>6} {fmt_bytes(r['temp_bytes']):>9} "
+      f"{fmt_ratio(r['temp_ratio']):>6}"
+    )
+  targets = result["targets"]
+  note = "" if targets["full_size"] else " (indicative only: not the (4096, 8192) size)"
+  print(f"Targets{note}:")
+  for row in targets["rows"]:
+    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
+    print(f"  {verdict:4}  {row['target']:44} {fmt_ratio(row['value']):>6} <= {row['limit']}")
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help=f"shape {QUICK_SHAPE}, 3 repeats")
+  p.add_argument("--rows", type=int, default=None, help="rows (with --classes)")
+  p.add_argument("--classes", type=int, default=FULL_SHAPE[1])
+  p.add_argument("--temperature", type=float, default=2.0)
+  p.add_argument("--divergences", default=None, help="comma-separated names (default: all)")
+  p.add_argument("--repeats", type=int, default=None, help="repeats (default 7, quick 3)")
+  p.add_argument("--out", type=Path, default=HERE / "results")
+  p.add_argument("--seed", type=int, default=0)
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+  result = run(args)
+  print_report(result)
+  write_json(Path(args.out) / "divergences.json", result)
+  print(f"divergences: wrote {Path(args.out) / 'divergences.json'}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
