@@ -19,11 +19,12 @@ Importing this module has no side effects.
 """
 
 import json
-import os
 import sys
 import traceback
 
-NUM_DEVICES = 8
+# tests/ is sys.path[0] when this runs as a script; that module imports nothing heavy.
+from _vocab_parallel_worker import NUM_DEVICES, _compare, _setup_devices, collectives
+
 ROWS, VOCAB = 6, 56  # 7 classes per device on the (8,) mesh, 14 on (2, 4)
 CASES = {
   "forward_kl": ("forward_kl", {}),
@@ -37,14 +38,6 @@ CASES = {
   "ab[0.6,0.3]": ("alpha_beta", {"alpha": 0.6, "beta": 0.3}),
   "ab[0.7,0]": ("alpha_beta", {"alpha": 0.7, "beta": 0.0}),
 }
-
-
-def _setup_devices():
-  flag = f"--xla_force_host_platform_device_count={NUM_DEVICES}"
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _inputs(np):
@@ -62,7 +55,6 @@ def _inputs(np):
 
 
 def run_case(jax, jnp, np, name, params, mesh_name):
-  from _vocab_parallel_worker import _compare, collectives  # tests/ is sys.path[0]
   from jax.sharding import PartitionSpec as P
 
   from kldiv_jax._divergence_api import Divergence, divergence_from_logits
@@ -116,7 +108,6 @@ def run_case(jax, jnp, np, name, params, mesh_name):
 
 def second_order(jax, jnp, np):
   """Hessians wrt the student's logits and a JVP, sharded vs unsharded (the (8,) mesh)."""
-  from _vocab_parallel_worker import _compare
   from jax.sharding import PartitionSpec as P
 
   from kldiv_jax._divergence_api import Divergence, divergence_from_logits
@@ -217,7 +208,7 @@ def main() -> int:
   payload = {
     "devices": jax.device_count(),
     "names": sorted({name for name, _ in CASES.values()}),
-    "local_classes": [VOCAB // 8, VOCAB // 4, VOCAB],
+    "local_classes": [VOCAB // NUM_DEVICES, VOCAB // 4, VOCAB],
     "results": results,
   }
   for key, fn in (("second_order", second_order), ("memory", memory)):
