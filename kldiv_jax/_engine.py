@@ -29,11 +29,22 @@ of rows (:func:`kldiv_jax._rows.map_rows`); on one device both passes share a
 block.
 
 Row conventions: the value is ``sum f`` clamped below at 0 (rounding never
-makes a divergence negative); NaN where a logit is NaN or ``+inf``, the
+makes a divergence negative), and exactly 0 with zero derivatives where the
+two rows are identical after temperature and masks (a per-row flag: under
+``jit`` XLA may round the two sides' identical arithmetic differently). NaN,
+in the value and every derivative, where a logit is NaN or ``+inf``, the
 temperature is not positive or a traced parameter is out of range. On a row
 whose value is ``+inf``, a derivative that is not finite there is 0 (forward
 KL with student mass missing: finite gradient wrt the student, 0 wrt the
-teacher). A row without mass on either side is 0 with zero gradients.
+teacher). A row without mass on either side is 0 with zero gradients; where
+one side is the zero measure, the value is the formula's at 0 (``KL(0 || q) =
+0``) and its derivatives are those of that function (0 wrt ``q`` there, where
+the former KL kernels gave ``q - p``).
+
+Reusing the per-class math elsewhere: the chunked fused LM-head loss calls
+:func:`divergence_rows` per chunk of logits; a path that has log-probabilities
+already (top-k) calls the formula itself, ``FORMULAS[name].terms(
+classes(log_p, log_q), params)``, and reduces as it needs.
 """
 
 import functools
