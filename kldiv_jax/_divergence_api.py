@@ -38,6 +38,15 @@ class Divergence:
   taking the spec as an argument compiles once for every value, and an invalid
   value gives NaN at run time. Frozen and, when all parameters are static,
   hashable (usable as a static argument or a dict key).
+
+  Why one class and not a keyword per parameter on every loss (``beta=``,
+  ``lam=``, ...): the losses' signatures stay the same whatever divergences
+  are added, a divergence travels with its parameters through ``jit``,
+  ``vmap`` and ``shard_map`` as one pytree, and the static/traced split
+  follows the package's rule for the temperature (a Python number is checked
+  and fixed at trace time, an array is a value). The engine receives
+  :attr:`key` (static, hashable) and :attr:`traced` (differentiable
+  operands) separately.
   """
 
   __slots__ = ("name", "params")
