@@ -25,9 +25,10 @@ import jax.numpy as jnp
 
 from kldiv_jax._numerics import cases, exp_expm1, is_static, nonzero, series, split_small
 
-# # With d = log p - log q, T = p^a q^b and E(c, x) = expm1(c x)/c (x at c = 0):
+# With d = log p - log q, T = p^a q^b and E(c, x) = expm1(c x)/c (x at c = 0):
 #   a_ = p df/dp = (p^s - T)/b = T E(b, d),  b_ = q df/dq = T E(a, -d),  s = a + b,
-# and f = (a_ + b_)/s (Euler). The limits are closed forms: b = 0 gives q^a E_c(a, d)
+# and f = (a_ + b_)/s (Euler), that is f = q^s (E(s, d) - E(a, d))/b: a divided
+# difference of E in c. The limits are closed forms: b = 0 gives q^a E_c(a, d)
 # (E_c = dE/dc); s = 0 gives (E(a, d) - d)/a; a = b = 0 gives d^2/2 (both of those).
 
 
