@@ -313,14 +313,14 @@ def test_bad_shapes_and_dtypes():
     distillation_loss(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 5)))
 
 
-def readme_snippet(heading: str) -> str:
-  """The first Python block of a README section (the README's snippets must run)."""
-  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def docs_snippet(page: str, heading: str) -> str:
+  """The first Python block of a section of a docs page (the guides' snippets must run)."""
+  text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text()
   return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
 
 
-def test_readme_snippet_runs():
+def test_docs_snippet_runs():
   ns: dict = {}
-  exec(readme_snippet("## Knowledge distillation from logits"), ns)
+  exec(docs_snippet("distillation.md", "## Distillation from logits"), ns)
   assert np.isfinite(ns["hinton"]) and ns["grad"].shape == (4, 16, 1000)
   assert ns["per_token"].shape == (4, 16) and 0 < ns["gkd"] < np.log(2)

@@ -121,13 +121,13 @@ def test_bad_input():
     gaussian_kl(jnp.zeros((2, 3)), jnp.zeros((2, 3)), where=jnp.ones((4,), bool))
 
 
-def readme_snippet(heading: str) -> str:
-  """The first Python block of a README section (the README's snippets must run)."""
-  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def docs_snippet(page: str, heading: str) -> str:
+  """The first Python block of a section of a docs page (the guides' snippets must run)."""
+  text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text()
   return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
 
 
-def test_readme_snippet_runs():
+def test_docs_snippet_runs():
   ns: dict = {}
-  exec(readme_snippet("## VAE: the KL term of the ELBO"), ns)
+  exec(docs_snippet("vae.md", "## A VAE loss"), ns)
   assert np.isfinite(ns["loss"]) and ns["grads"]["enc"].shape == (10, 4)

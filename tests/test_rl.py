@@ -160,14 +160,14 @@ def test_integer_inputs_raise():
     kl_estimate(jnp.zeros(3, jnp.int32), jnp.zeros(3))
 
 
-def readme_snippet(heading: str) -> str:
-  """The first Python block of a README section (the README's snippets must run)."""
-  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def docs_snippet(page: str, heading: str) -> str:
+  """The first Python block of a section of a docs page (the guides' snippets must run)."""
+  text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text()
   return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
 
 
-def test_readme_snippet_runs():
+def test_docs_snippet_runs():
   ns: dict = {}
-  exec(readme_snippet("## RL: KL penalty against a reference policy"), ns)
+  exec(docs_snippet("rl.md", "## A KL penalty against a reference policy"), ns)
   # The k3 estimate is close to the exact KL it estimates.
   np.testing.assert_allclose(ns["estimate"], ns["exact"], rtol=0.3)
