@@ -79,4 +79,4 @@ fixtures: venv
 	$(PY) tests/fixtures/make_torch_fixtures.py
 
 clean:
-	rm -rf examples/output .pytest_cache .hypothesis dist build
+	rm -rf examples/output .pytest_cache .hypothesis dist build docs/_build docs/_autosummary
