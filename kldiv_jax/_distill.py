@@ -21,6 +21,7 @@ from kldiv_jax._logits import (
   row_stats,
   scaled,
 )
+from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
 from kldiv_jax._rows import ce_grad, label_hit, row_sum
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -81,8 +82,8 @@ def _check_labels(name, labels, token_shape):
 def _check_normalizer(name, value):
   if isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool):
     arr = np.asarray(value)
-    if arr.ndim != 0 or not float(arr) > 0:
-      raise ValueError(f"{name}: normalizer must be a positive scalar; got {value!r}.")
+    if arr.ndim != 0 or not positive_finite(float(arr)):
+      raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
     return float(arr)
   arr = jnp.asarray(value)
   if arr.ndim != 0:
@@ -247,4 +248,7 @@ def distillation_loss(
     denominator = jnp.maximum(jnp.sum(valid), 1).astype(cdt)
   else:
     denominator = normalizer if isinstance(normalizer, float) else normalizer.astype(cdt)
-  return (total / denominator).astype(rows.out_dtype)
+  valid = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
+  if normalizer is not None:
+    valid = (*valid, positive_finite(normalizer))
+  return nan_unless((total / denominator).astype(rows.out_dtype), *valid)

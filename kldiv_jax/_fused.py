@@ -23,6 +23,7 @@ from kldiv_jax._checks import check_choice, check_float, compute_dtype
 from kldiv_jax._distill import DIVERGENCES
 from kldiv_jax._distill import _check_normalizer as check_normalizer
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
+from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -325,14 +326,17 @@ def fused_linear_kl_div(
     ):
       raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
     chunk = int(min(chunk_size, max(n, 1)))
+  valid = (positive_finite(temperature), in_unit_interval(beta))
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
   else:
-    denominator = jnp.asarray(check_normalizer(name, normalizer)).astype(cdt)
+    normalizer = check_normalizer(name, normalizer)
+    valid = (*valid, positive_finite(normalizer))
+    denominator = jnp.asarray(normalizer).astype(cdt)
   t = jnp.asarray(temperature, cdt)
   scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
   if n == 0:
-    return jnp.zeros((), out_dtype)
+    return nan_unless(jnp.zeros((), out_dtype), *valid)
   b_arr = None if bias is None else jnp.asarray(bias)
   tb_arr = None if target_bias is None else jnp.asarray(target_bias)
   w_arr = jnp.asarray(weight)
@@ -360,4 +364,4 @@ def fused_linear_kl_div(
     mask,
     scale,
   )
-  return loss.astype(out_dtype)
+  return nan_unless(loss.astype(out_dtype), *valid)
