@@ -223,7 +223,10 @@ def fused_linear_kl_div(
   The teacher (``target_*``) receives no gradient, nor do ``temperature``
   and ``beta`` (zeros). Reverse mode only (``jax.grad``, ``value_and_grad``);
   use :func:`distillation_loss` on materialised logits for ``jvp`` or
-  Hessians. Matmuls accumulate in float32 (``preferred_element_type``);
+  Hessians. NaN and invalid traced options as in :func:`distillation_loss`:
+  NaN in the hidden states, heads or biases of a selected token, or a traced
+  ``temperature``, ``beta`` or ``normalizer`` outside its range, makes the
+  loss and the gradients NaN. Matmuls accumulate in float32 (``preferred_element_type``);
   gradients come back in the inputs' dtypes.
 
   Args:
@@ -233,13 +236,14 @@ def fused_linear_kl_div(
     target_weight: the teacher's LM head ``[H_T, V]``.
     bias: optional student bias ``[V]``.
     target_bias: optional teacher bias ``[V]``.
-    temperature: positive softmax temperature (a traced scalar is allowed).
+    temperature: positive, finite softmax temperature (a traced scalar is
+      allowed).
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the ``"jsd"`` mixture weight in ``[0, 1]``.
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     where: a token mask of shape ``hidden.shape[:-1]``.
     normalizer: the denominator instead of the number of selected tokens
-      (a global token count for gradient accumulation).
+      (a global token count for gradient accumulation), positive and finite.
     chunk_size: tokens per chunk; ``None`` picks a power of two giving about
       ``2**22`` logits per chunk and side. The last chunk may be smaller.
     axis_name: for vocabulary parallelism: the name of a mesh axis over which

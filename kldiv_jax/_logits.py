@@ -340,15 +340,23 @@ def kl_div_from_logits(
   side whose every class is ``-inf`` or masked is the zero measure:
   ``KL(0 || q) = 0``, ``KL(p || 0) = +inf``; an example masked on both sides
   (an all-masked row, or a per-example ``where``) gives 0 and zero
-  gradients. NaN propagates.
+  gradients.
+
+  NaN and invalid values: a NaN (or ``+inf``) logit that is not masked makes
+  its example NaN, value and gradients, on either side (a NaN teacher is
+  never read as "no mass"). The value is never below 0: a divergence that
+  rounds below 0 (nearly equal distributions) is clamped at 0, and its
+  gradient is that of the exact formula (about 0 there too).
 
   Args:
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable to ``logits``, with
       the same number of classes.
     temperature: positive softmax temperature ``T``; a Python number is
-      checked at trace time, a traced scalar (a schedule) is not, and may be
-      differentiated.
+      checked at trace time (``ValueError`` unless positive and finite); a
+      traced scalar (a schedule) may be differentiated, and makes every
+      output NaN, value and gradients, unless positive and finite (NaN
+      fails).
     direction: ``"forward"`` for ``KL(p || q)``, ``"reverse"`` for
       ``KL(q || p)``.
     axis: the class axis (or axes, flattened into one distribution).
@@ -441,8 +449,11 @@ def generalized_jsd(
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable, same number of classes.
     beta: the mixture weight of the teacher, in ``[0, 1]``; checked when a
-      Python number; a traced value gives NaN outside ``[0, 1]``.
-    temperature: positive softmax temperature (a traced scalar is allowed).
+      Python number; a traced value outside ``[0, 1]`` (or NaN) makes every
+      output NaN.
+    temperature: positive softmax temperature, as in
+      :func:`kl_div_from_logits` (a traced one is allowed; NaN unless
+      positive and finite).
     axis: the class axis (or axes).
     where: an element (class) mask or a per-example mask, as in
       :func:`kl_div_from_logits`.

@@ -60,7 +60,8 @@ def in_unit_interval(x):
 def nan_unless(out: jax.Array, *valid) -> jax.Array:
   """``out``, or NaN (value and gradients) unless every test in ``valid`` holds.
 
-  ``valid`` are the range tests of the options, as scalar booleans. A static
+  ``valid`` are the range tests of the options, as booleans that broadcast
+  against ``out`` (scalars, or one per example for an invalid input). A static
   option was checked at trace time (``ValueError``) and its test is the
   Python ``True``, skipped; with traced ones the result is multiplied by 1,
   or by NaN, so that an invalid option reaches every element of the value
@@ -70,4 +71,6 @@ def nan_unless(out: jax.Array, *valid) -> jax.Array:
   if not flags:
     return out
   ok = functools.reduce(jnp.logical_and, flags)
-  return out * jnp.where(ok, 1.0, jnp.nan).astype(out.dtype)
+  # sqrt(-1) is the NaN: a NaN constant selected away would still be a NaN
+  # value that jax.debug_nans reports (inside jax.shard_map, say).
+  return out * jnp.sqrt(jnp.where(ok, 1.0, -1.0)).astype(out.dtype)

@@ -36,9 +36,15 @@ def _divide(z: jax.Array, temperature, is_static: bool) -> jax.Array:
 
 
 def _logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
-  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row."""
+  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row.
+
+  The ``log`` of an empty row's zero sum is selected around (its derivative
+  would be ``0 / 0``).
+  """
   m = lax.stop_gradient(max_shift(jnp.max(x, axis=axis, keepdims=True)))
-  return jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+  s = jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)
+  has = s != 0
+  return jnp.where(has, jnp.log(jnp.where(has, s, 1.0)) + m, -jnp.inf)
 
 
 @jax.custom_jvp
@@ -206,8 +212,8 @@ def kl_div_from_topk(
     topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
     temperature: positive softmax temperature ``T``, for the teacher and the
       student alike; a Python number is checked at trace time, a traced
-      scalar is allowed (schedules) and differentiable. No ``T**2`` factor is
-      applied.
+      scalar is allowed (schedules) and differentiable (NaN unless positive
+      and finite). No ``T**2`` factor is applied.
     where: optional boolean per-example ``[...]`` or per-slot ``[..., k]`` mask.
 
   Returns:
