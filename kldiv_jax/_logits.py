@@ -158,7 +158,7 @@ kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
 def _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta):
   """``(log q - log m, log p - log m)`` where ``q``, resp. ``p``, is positive, else 0."""
   m = beta * p + (1.0 - beta) * q
-  log_m = jnp.log(jnp.where(m > 0, m, 1.0))
+  log_m = jnp.log(jnp.where(m != 0, m, 1.0))  # a NaN m (a NaN row) propagates
   a_q = jnp.where(q > 0, jnp.where(q > 0, u - mu, 0.0) - log_su - log_m, 0.0)
   a_p = jnp.where(p > 0, jnp.where(p > 0, v - mv, 0.0) - log_sv - log_m, 0.0)
   return a_q, a_p
