@@ -16,7 +16,9 @@ On CPU the row statistics are computed over blocks of rows (``_rows``).
 Conventions: a class whose logit is ``-inf`` (or masked) has no mass. A class
 without mass under the weighting distribution contributes 0, with zero
 gradients; mass where the other side has none gives ``+inf`` (the true value).
-A row without any mass is the zero measure.
+A row without any mass is the zero measure. A NaN (or ``+inf``) logit makes its
+row NaN, never the zero measure; the kernels' values are clamped at 0 after
+rounding (``_numerics``).
 """
 
 import jax
