@@ -21,6 +21,7 @@ from kldiv_jax._logits import (
   row_stats,
   scaled,
 )
+from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
 from kldiv_jax._rows import ce_grad, label_hit, row_sum
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
@@ -81,8 +82,8 @@ def _check_labels(name, labels, token_shape):
 def _check_normalizer(name, value):
   if isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool):
     arr = np.asarray(value)
-    if arr.ndim != 0 or not float(arr) > 0:
-      raise ValueError(f"{name}: normalizer must be a positive scalar; got {value!r}.")
+    if arr.ndim != 0 or not positive_finite(float(arr)):
+      raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
     return float(arr)
   arr = jnp.asarray(value)
   if arr.ndim != 0:
@@ -133,15 +134,20 @@ def distillation_loss(
   unless the caller applies ``jax.lax.stop_gradient``. Masks, ``-inf``
   logits, temperature and dtypes as in :func:`kl_div_from_logits`. A label
   outside ``[0, num_classes)`` that is not ``ignore_index`` gives NaN; a label
-  on a class without mass (``-inf`` or masked) gives ``+inf``.
+  on a class without mass (``-inf`` or masked) gives ``+inf``. NaN in the
+  logits of a valid token makes the loss NaN. A traced option outside its
+  range (``temperature`` not positive and finite, ``alpha`` or ``beta``
+  outside ``[0, 1]``, ``normalizer`` not positive and finite; NaN fails
+  every test) makes the loss NaN, value and gradients, whether or not the
+  option is used; as a Python number it raises ``ValueError``.
 
   Args:
     student_logits: ``[..., num_classes]`` (e.g. ``[batch, seq, vocab]``).
     teacher_logits: broadcastable to ``student_logits``, same number of classes.
     labels: optional integer class indices, ``[...]`` (the logits' shape
       without the class axis).
-    temperature: positive softmax temperature of the divergence (a traced
-      scalar is allowed).
+    temperature: positive, finite softmax temperature of the divergence (a
+      traced scalar is allowed).
     alpha: weight of the distillation term, in ``[0, 1]``.
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the ``"jsd"`` mixture weight, in ``[0, 1]``.
@@ -150,7 +156,10 @@ def distillation_loss(
     where: a per-token mask ``[...]``, or a class mask broadcastable to the
       logits (a masked vocabulary; a token with every class masked is left
       out).
-    normalizer: the denominator instead of the number of valid tokens.
+    normalizer: the denominator instead of the number of valid tokens:
+      positive and finite (0 is invalid, not "no tokens": a zero count with a
+      non-zero total is a bug to surface; use ``jnp.maximum(n, 1)`` for a
+      count that may be 0, as the default does).
     axis_name: the mesh axis over which the vocabulary (class axis) is split
       inside ``jax.shard_map`` (vocabulary parallelism), as in
       :func:`kl_div_from_logits`: each device passes its slice of the classes
@@ -234,7 +243,7 @@ def distillation_loss(
       in_range = (labels >= 0) & (labels < num_classes)
       safe = jnp.where(in_range, labels, 0)
       ce = ce_rows(rows.z, safe, masks)
-      ce = jnp.where(labelled[:, 0] & ~in_range[:, 0], jnp.nan, ce)
+      ce = nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
       if alpha_static and alpha == 1.0:
         per_row = div
       elif alpha_static and alpha == 0.0:
@@ -247,4 +256,7 @@ def distillation_loss(
     denominator = jnp.maximum(jnp.sum(valid), 1).astype(cdt)
   else:
     denominator = normalizer if isinstance(normalizer, float) else normalizer.astype(cdt)
-  return (total / denominator).astype(rows.out_dtype)
+  valid = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
+  if normalizer is not None:
+    valid = (*valid, positive_finite(normalizer))
+  return nan_unless((total / denominator).astype(rows.out_dtype), *valid)

@@ -23,6 +23,7 @@ from kldiv_jax._checks import check_choice, check_float, compute_dtype
 from kldiv_jax._distill import DIVERGENCES
 from kldiv_jax._distill import _check_normalizer as check_normalizer
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
+from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -222,7 +223,10 @@ def fused_linear_kl_div(
   The teacher (``target_*``) receives no gradient, nor do ``temperature``
   and ``beta`` (zeros). Reverse mode only (``jax.grad``, ``value_and_grad``);
   use :func:`distillation_loss` on materialised logits for ``jvp`` or
-  Hessians. Matmuls accumulate in float32 (``preferred_element_type``);
+  Hessians. NaN and invalid traced options as in :func:`distillation_loss`:
+  NaN in the hidden states, heads or biases of a selected token, or a traced
+  ``temperature``, ``beta`` or ``normalizer`` outside its range, makes the
+  loss and the gradients NaN. Matmuls accumulate in float32 (``preferred_element_type``);
   gradients come back in the inputs' dtypes.
 
   Args:
@@ -232,13 +236,14 @@ def fused_linear_kl_div(
     target_weight: the teacher's LM head ``[H_T, V]``.
     bias: optional student bias ``[V]``.
     target_bias: optional teacher bias ``[V]``.
-    temperature: positive softmax temperature (a traced scalar is allowed).
+    temperature: positive, finite softmax temperature (a traced scalar is
+      allowed).
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the ``"jsd"`` mixture weight in ``[0, 1]``.
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     where: a token mask of shape ``hidden.shape[:-1]``.
     normalizer: the denominator instead of the number of selected tokens
-      (a global token count for gradient accumulation).
+      (a global token count for gradient accumulation), positive and finite.
     chunk_size: tokens per chunk; ``None`` picks a power of two giving about
       ``2**22`` logits per chunk and side. The last chunk may be smaller.
     axis_name: for vocabulary parallelism: the name of a mesh axis over which
@@ -325,14 +330,17 @@ def fused_linear_kl_div(
     ):
       raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
     chunk = int(min(chunk_size, max(n, 1)))
+  valid = (positive_finite(temperature), in_unit_interval(beta))
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
   else:
-    denominator = jnp.asarray(check_normalizer(name, normalizer)).astype(cdt)
+    normalizer = check_normalizer(name, normalizer)
+    valid = (*valid, positive_finite(normalizer))
+    denominator = jnp.asarray(normalizer).astype(cdt)
   t = jnp.asarray(temperature, cdt)
   scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
   if n == 0:
-    return jnp.zeros((), out_dtype)
+    return nan_unless(jnp.zeros((), out_dtype), *valid)
   b_arr = None if bias is None else jnp.asarray(bias)
   tb_arr = None if target_bias is None else jnp.asarray(target_bias)
   w_arr = jnp.asarray(weight)
@@ -360,4 +368,4 @@ def fused_linear_kl_div(
     mask,
     scale,
   )
-  return loss.astype(out_dtype)
+  return nan_unless(loss.astype(out_dtype), *valid)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kldiv_jax._checks import Axis, normalize_axis, promote_and_broadcast, split_where
+from kldiv_jax._numerics import nonnegative
 from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
 
 
@@ -152,6 +153,8 @@ def generalized_kl_divergence(
   with ``q = exp(log_predictions)``. Equals :func:`kl_divergence` for
   normalised ``p`` and ``q``. Zero-mass conventions, args and ``where`` as in
   :func:`kl_divergence`. ``convex_kl_divergence`` is the same function.
+  Never below 0 (each term is ``>= 0``): a sum rounded below 0 is clamped,
+  with the gradient of the unclamped sum; NaN propagates.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -164,7 +167,8 @@ def generalized_kl_divergence(
     name, "log_predictions and targets", log_predictions, targets
   )
   terms = lambda x, t: kl_prob_kernel(x, t) + (jnp.exp(x) - t)  # noqa: E731
-  return masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0))).astype(out_dtype)
+  out = masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0)))
+  return nonnegative(out).astype(out_dtype)
 
 
 convex_kl_divergence = generalized_kl_divergence

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kldiv_jax._checks import check_choice, promote_and_broadcast, split_where
+from kldiv_jax._numerics import nan_unless
 
 ESTIMATORS = ("k1", "k2", "k3")
 
@@ -83,7 +84,9 @@ def kl_estimate(
     estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
     clip: bounds the log-ratio :math:`\delta` before the estimator: a number
       ``c`` for ``[-c, c]`` or a pair ``(low, high)``; the gradient is 0
-      outside the bounds.
+      outside the bounds. ``low <= high`` (``c >= 0``) is checked when the
+      bounds are Python numbers; traced bounds that break it (or are NaN)
+      make every estimate NaN.
     where: a boolean token mask, broadcastable to the inputs; masked tokens
       give 0 and zero gradients, whatever their values (``-inf`` padding
       included).
@@ -125,4 +128,5 @@ def kl_estimate(
     out = exp_minus_one_minus(-delta)
   if mask is not None:
     out = jnp.where(mask, out, 0.0)
-  return out.astype(out_dtype)
+  valid = () if bounds is None else (bounds[0] <= bounds[1],)
+  return nan_unless(out.astype(out_dtype), *valid)

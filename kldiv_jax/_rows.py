@@ -24,6 +24,7 @@ from kldiv_jax._checks import (
   normalize_axis,
   split_where,
 )
+from kldiv_jax._numerics import max_shift
 
 # Elements per block of rows for the CPU row statistics (512 KiB of float32).
 _BLOCK_ELEMENTS = 1 << 17
@@ -104,18 +105,21 @@ def scaled(z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...]):
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(m, exp(x - m), sum)`` over the last axis, ``m`` a ``stop_gradient`` max.
 
-  ``m`` is 0 for rows without a finite max, so an all ``-inf`` row gives
-  ``exp = 0`` and sum 0, never NaN. ``m`` and the sum keep their axis.
+  ``m`` is 0 for an all ``-inf`` row, which gives ``exp = 0`` and sum 0,
+  never NaN; a row with a NaN (or ``+inf``) gets a NaN sum (see
+  :func:`~kldiv_jax._numerics.max_shift`). ``m`` and the sum keep their axis.
   """
-  m = jnp.max(x, axis=-1, keepdims=True)
-  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  m = lax.stop_gradient(max_shift(jnp.max(x, axis=-1, keepdims=True)))
   e = jnp.exp(x - m)
   return m, e, jnp.sum(e, axis=-1, keepdims=True)
 
 
 def normalizer(s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``(s > 0, 1/s or 0, log s or 0)`` for row sums ``s``, safe for autodiff."""
-  has = s > 0
+  """``(s != 0, 1/s or 0, log s or 0)`` for row sums ``s >= 0``, safe for autodiff.
+
+  A NaN sum counts as mass (and gives NaN): a NaN row is not the zero measure.
+  """
+  has = s != 0
   safe = jnp.where(has, s, 1.0)
   return has, jnp.where(has, 1.0 / safe, 0.0), jnp.log(safe)
 
@@ -215,7 +219,7 @@ def ce_grad(z, labels, masks, m, inv_s):
   """
   u, _ = scaled(z, jnp.ones((), inv_s.dtype), masks)
   hit = label_hit(labels, u.shape).astype(inv_s.dtype)
-  return jnp.where(inv_s > 0, jnp.exp(u - m) * inv_s - hit, 0.0)
+  return jnp.where(inv_s != 0, jnp.exp(u - m) * inv_s - hit, 0.0)
 
 
 def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v):

@@ -19,6 +19,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import check_float, check_temperature, compute_dtype
+from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite
 from kldiv_jax._pointwise import kl_log_kernel
 
 
@@ -35,10 +36,15 @@ def _divide(z: jax.Array, temperature, is_static: bool) -> jax.Array:
 
 
 def _logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
-  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row."""
-  m = jnp.max(x, axis=axis, keepdims=True)
-  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  return jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row.
+
+  The ``log`` of an empty row's zero sum is selected around (its derivative
+  would be ``0 / 0``).
+  """
+  m = lax.stop_gradient(max_shift(jnp.max(x, axis=axis, keepdims=True)))
+  s = jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)
+  has = s != 0
+  return jnp.where(has, jnp.log(jnp.where(has, s, 1.0)) + m, -jnp.inf)
 
 
 @jax.custom_jvp
@@ -51,7 +57,7 @@ def _full_logsumexp(z: jax.Array, scale: jax.Array) -> jax.Array:
   instead of saving it: reverse mode writes no ``[..., vocab]`` residual.
   """
   m = jnp.max(z, axis=-1, keepdims=True).astype(scale.dtype) * scale
-  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  m = lax.stop_gradient(max_shift(m))
   return jnp.log(jnp.sum(jnp.exp(z.astype(scale.dtype) * scale - m), axis=-1, keepdims=True)) + m
 
 
@@ -61,7 +67,7 @@ def _full_logsumexp_jvp(primals, tangents):
   lse = _full_logsumexp(z, scale)
   x = z.astype(scale.dtype) * scale
   # d lse = sum_v softmax_v d(x_v), x = z * scale; 0 * -inf guarded at masked logits.
-  q = jnp.exp(x - jnp.where(jnp.isfinite(lse), lse, 0.0))
+  q = jnp.exp(x - max_shift(lse))
   tangent = jnp.zeros_like(lse)
   if not isinstance(dz, SymbolicZero):
     tangent = tangent + jnp.sum(q * dz.astype(q.dtype), axis=-1, keepdims=True) * scale
@@ -114,6 +120,21 @@ def _split_mask(name, where, batch_shape, slot_shape):
     )
   w = jnp.broadcast_to(w, target)
   return (w, None) if kind == "example" else (None, w)
+
+
+def _repeated_ids(idx: jax.Array, keep: jax.Array) -> jax.Array:
+  """Whether an example holds one id at two slots with mass (``keep``), ``[...]``.
+
+  One sort of the ids per example (``[..., k]``, small beside the
+  vocabulary), slots with mass first among equal ids: a repeat is then two
+  neighbours with mass and the same id.
+  """
+  if idx.shape[-1] < 2:
+    return jnp.zeros(idx.shape[:-1], jnp.bool_)
+  ids, no_mass = lax.sort((idx, (~keep).astype(jnp.int8)), dimension=idx.ndim - 1, num_keys=2)
+  with_mass = no_mass == 0
+  same = (ids[..., 1:] == ids[..., :-1]) & with_mass[..., 1:] & with_mass[..., :-1]
+  return jnp.any(same, axis=-1)
 
 
 def kl_div_from_topk(
@@ -173,12 +194,17 @@ def kl_div_from_topk(
     whose slots are all masked or ``-inf`` gives 0.
 
   Indices: a masked or ``-inf`` slot may hold any id (padding such as -1 or
-  -100 is ignored). At a slot with mass, an id outside ``[0, vocab)``
-  (negative ids included: they are *not* wrapped) gathers NaN (``jnp``'s
-  ``mode="fill"``), so the example's value is NaN rather than silently
-  clamped or wrapped. Ids with mass should be distinct, as top-k produces;
-  duplicates are not merged. A top-k id whose student logit is ``-inf``
-  gives ``+inf`` (the true value).
+  -100 is ignored, values and gradients alike). At a slot with mass, an id
+  outside ``[0, vocab)`` (negative ids included: they are *not* wrapped)
+  gathers NaN (``jnp``'s ``mode="fill"``), so the example's value is NaN
+  rather than silently clamped or wrapped. Ids with mass must be distinct,
+  as top-k produces: an example holding one id at two slots with mass gives
+  NaN (a repeated id is not a distribution over ids; merge its masses first
+  if that is what it means). A top-k id whose student logit is ``-inf``
+  gives ``+inf`` (the true value), as does a student row of only ``-inf``
+  logits (``KL(p || 0)``, as in :func:`kl_div_from_logits`). The value is
+  never below 0; NaN in the logits or log-probabilities propagates, and a
+  traced temperature that is not positive and finite gives NaN.
 
   Args:
     logits: student logits ``[..., vocab]`` (bf16/f16 are computed in float32).
@@ -186,8 +212,8 @@ def kl_div_from_topk(
     topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
     temperature: positive softmax temperature ``T``, for the teacher and the
       student alike; a Python number is checked at trace time, a traced
-      scalar is allowed (schedules) and differentiable. No ``T**2`` factor is
-      applied.
+      scalar is allowed (schedules) and differentiable (NaN unless positive
+      and finite). No ``T**2`` factor is applied.
     where: optional boolean per-example ``[...]`` or per-slot ``[..., k]`` mask.
 
   Returns:
@@ -237,18 +263,26 @@ def kl_div_from_topk(
   keep = lp != -jnp.inf
   if slot is not None:
     keep = keep & slot
+  if example is not None:
+    keep = keep & example[..., None]
   t = jnp.where(keep, _divide(jnp.where(keep, lp, 0.0), temperature, is_static), -jnp.inf)
   lse_t = _logsumexp(t)
-  log_p = jnp.where(keep, t - jnp.where(jnp.isfinite(lse_t), lse_t, 0.0), -jnp.inf)
+  log_p = jnp.where(keep, t - max_shift(lse_t), -jnp.inf)
 
   # Student: full-vocabulary log-sum-exp, log-probabilities gathered at the ids.
+  # Slots without mass gather id 0: their padding ids (-1, -100) would gather
+  # a NaN that the selects below hide from the value but not from jax.debug_nans
+  # nor from the derivative wrt a traced temperature.
   scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
   lse_s = _full_logsumexp(z, scale)
-  picked = jnp.take_along_axis(z, idx, axis=-1, mode="fill", wrap_negative_indices=False)
+  safe_idx = jnp.where(keep, idx, 0)
+  picked = jnp.take_along_axis(z, safe_idx, axis=-1, mode="fill", wrap_negative_indices=False)
   picked = _divide(picked.astype(cdt), temperature, is_static)
-  log_q = jnp.where(keep, picked - lse_s, 0.0)
+  # An all -inf student row (lse -inf) is the zero measure: log q = -inf, KL = +inf.
+  log_q = jnp.where(keep, picked - max_shift(lse_s), 0.0)
 
-  kl = jnp.sum(kl_log_kernel(log_q, log_p), axis=-1)
+  kl = nonnegative(jnp.sum(kl_log_kernel(log_q, log_p), axis=-1))
+  kl = nan_unless(kl, ~_repeated_ids(idx, keep))
   if example is not None:
     kl = jnp.where(example, kl, 0.0)
-  return kl.astype(out_dtype)
+  return nan_unless(kl.astype(out_dtype), positive_finite(temperature))
