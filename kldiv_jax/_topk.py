@@ -19,6 +19,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import check_float, check_temperature, compute_dtype
+from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._pointwise import kl_log_kernel
 
 
@@ -244,7 +245,7 @@ def kl_div_from_topk(
   # Student: full-vocabulary log-sum-exp, log-probabilities gathered at the ids.
   scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
   lse_s = _full_logsumexp(z, scale)
-  picked = jnp.take_along_axis(z, idx, axis=-1, mode="fill", wrap_negative_indices=False)
+  picked = take_along_last_axis_filled(z, idx)
   picked = _divide(picked.astype(cdt), temperature, is_static)
   log_q = jnp.where(keep, picked - lse_s, 0.0)
 
