@@ -16,7 +16,7 @@ Half precision: kldiv_jax computes float16/bfloat16 in float32 and rounds the
 result to the half dtype; torch computes in the half dtype itself. The
 reference for half inputs is therefore torch run in float32 on the same
 (half-rounded) inputs, its results rounded to the half dtype, compared with
-torch's half-precision tolerance (``conftest.TOLERANCES``). The result dtype
+torch's half-precision tolerance (``_references.TOLERANCES``). The result dtype
 is checked against torch run natively in the half dtype. Likewise for mixed
 dtypes: torch evaluates ``xlogy(t, t)`` in the target's own dtype before
 promoting (so a bfloat16 target costs it bfloat16 precision even where the
@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCES
+from _references import TOLERANCES
 
 from kldiv_jax import KLDivLoss, kl_div, kl_div_pointwise
 
@@ -67,11 +67,6 @@ NP_DTYPES = {
 TORCH_OWN_EXAMPLE = -3.6624908251428976  # torch's test_kl_div_with_diff_type
 DERIVATIVES = ("value", "grad_x", "grad_t")
 HESSIANS = ("hess_tt", "hess_xt")
-
-
-@pytest.fixture(scope="module")
-def torch():
-  return pytest.importorskip("torch")
 
 
 @contextlib.contextmanager
@@ -233,6 +228,7 @@ def _live_group(torch, rng, specs: list[dict], dtype: str, ref_dtype: str) -> No
 # -- live parity: the shape matrix -----------------------------------------------------------
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("shapes", mk.SHAPE_PAIRS, ids=str)
 def test_live_float64(x64, torch, rng, shapes):
   """0-d, 1-D, 2-D, 4-D, empty and broadcast shapes; 4 reductions; both log_target."""
@@ -242,6 +238,7 @@ def test_live_float64(x64, torch, rng, shapes):
 DTYPE_SHAPES = (((), ()), ((3,), (2, 3)), ((2, 3, 2, 2), (2, 3, 2, 2)))
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("shapes", DTYPE_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_live_dtypes(torch, rng, dtype, shapes):
@@ -252,6 +249,7 @@ def test_live_dtypes(torch, rng, dtype, shapes):
   assert mk.torch_kl(x, t, cot, dtype=dtype, reduction="sum")["out_dtype"] == dtype
 
 
+@pytest.mark.torch
 def test_live_nonfinite_where_torch_agrees(x64, torch, rng):
   """-inf input with a positive target gives +inf (gradient too); NaN stays NaN."""
   _live_group(torch, rng, mk.edge_specs(), "float64", "float64")
@@ -260,6 +258,7 @@ def test_live_nonfinite_where_torch_agrees(x64, torch, rng):
 # -- live parity: legacy arguments and warnings ----------------------------------------------
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("reduce", LEGACY)
 @pytest.mark.parametrize("size_average", LEGACY)
@@ -282,6 +281,7 @@ def test_live_legacy_args(x64, torch, rng, size_average, reduce, reduction):
   np.testing.assert_allclose(value, expected, *TOLERANCES["float64"], strict=True)
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("reduce", LEGACY)
 @pytest.mark.parametrize("size_average", LEGACY)
@@ -305,6 +305,7 @@ def test_live_module_legacy(x64, torch, rng, size_average, reduce, reduction):
   np.testing.assert_allclose(value, expected, *TOLERANCES["float64"], strict=True)
 
 
+@pytest.mark.torch
 def test_live_module_legacy_drops_batchmean(torch):
   with _record():
     theirs = torch.nn.KLDivLoss(size_average=False, reduction="batchmean")
@@ -312,6 +313,7 @@ def test_live_module_legacy_drops_batchmean(torch):
   assert ours.reduction == theirs.reduction == "sum"
 
 
+@pytest.mark.torch
 def test_live_mean_warning(torch):
   """Default 'mean' warns torch's UserWarning, word for word; the others don't warn."""
   import torch.nn.functional as F
@@ -333,6 +335,7 @@ def test_live_mean_warning(torch):
       F.kl_div(torch.zeros(2, 3), torch.full((2, 3), 0.5), reduction=reduction)
 
 
+@pytest.mark.torch
 def test_live_bad_options_raise_like_torch(torch):
   import torch.nn.functional as F
 
@@ -350,6 +353,7 @@ def test_live_bad_options_raise_like_torch(torch):
 # -- live parity: type promotion -------------------------------------------------------------
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize(
   "x_dtype,t_dtype",
   [("float32", "float64"), ("float64", "float32"), ("bfloat16", "float16"), ("float16", "float32")],
@@ -381,6 +385,7 @@ def test_live_mixed_dtypes(x64, torch, rng, x_dtype, t_dtype):
     _assert_close({key: np.asarray(ours, np.float64)}, ref, dtype, (key,), f"{x_dtype}+{t_dtype}")
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("t_dtype", ["float16", "float32", "float64"])
 @pytest.mark.parametrize("x_dtype", ["float16", "float32", "float64"])
 def test_live_torch_own_example(x64, torch, x_dtype, t_dtype):
@@ -424,6 +429,7 @@ DIFFERENCES = {
 }
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("log_target", [False, True])
 def test_live_deliberate_differences(x64, torch, log_target):
   """Zero-mass targets: our convention (0, zero derivatives), where torch is NaN/inf.
@@ -520,6 +526,7 @@ def test_fixture_files_small_and_complete():
   assert sum(c["hessian"] for c in META["cases"]) >= 32
 
 
+@pytest.mark.torch
 def test_fixture_file_up_to_date(torch):
   """Regenerating with the installed torch gives the stored cases (within tolerance)."""
   cases, arrays = mk.make_cases()
