@@ -182,6 +182,13 @@ def _ours(
   ]
 
 
+def _assert_allclose_strict(actual, desired, rtol: float, atol: float, err_msg: str = "") -> None:
+  """``assert_allclose(..., strict=True)`` (NumPy >= 2.0): shapes and dtypes equal, too."""
+  actual, desired = np.asarray(actual), np.asarray(desired)
+  assert (actual.shape, actual.dtype) == (desired.shape, desired.dtype), err_msg
+  np.testing.assert_allclose(actual, desired, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
 def _assert_close(ours: dict, ref: dict, dtype: str, keys: Sequence[str], what: str) -> None:
   """``ours[k]`` against ``ref[k]`` (rounded to ``dtype`` when half) at ``dtype``'s tolerance."""
   rtol, atol = TOLERANCES[dtype]
@@ -189,14 +196,7 @@ def _assert_close(ours: dict, ref: dict, dtype: str, keys: Sequence[str], what: 
     expected = np.asarray(ref[key])
     if dtype in HALF:
       expected = expected.astype(NP_DTYPES[dtype])
-    np.testing.assert_allclose(
-      ours[key],
-      expected.astype(np.float64),
-      rtol=rtol,
-      atol=atol,
-      strict=True,
-      err_msg=f"{what}: {key}",
-    )
+    _assert_allclose_strict(ours[key], expected.astype(np.float64), rtol, atol, f"{what}: {key}")
 
 
 def _check_case(ours: dict, ref: dict, spec: Spec, dtype: str, what: str) -> None:
@@ -243,7 +243,7 @@ def _check_module(rec: dict, x: np.ndarray, t: np.ndarray, what: str) -> None:
   with _record() as ours_call:
     value = np.asarray(ours(x, t))
   assert ours_call == rec["call_warnings"], what
-  np.testing.assert_allclose(value, rec["value"], *TOLERANCES["float64"], strict=True)
+  _assert_allclose_strict(value, rec["value"], *TOLERANCES["float64"], what)
 
 
 def _check_promotion(rec: dict, x: np.ndarray, t: np.ndarray) -> None:
@@ -402,7 +402,7 @@ def test_live_legacy_args(x64, torch, rng, size_average, reduce, reduction):
     value = np.asarray(kl_div(x, t, **opts))
   assert ours == theirs
   assert len(theirs) == int(reduction == "mean" or size_average is not None or reduce is not None)
-  np.testing.assert_allclose(value, expected, *TOLERANCES["float64"], strict=True)
+  _assert_allclose_strict(value, expected, *TOLERANCES["float64"])
 
 
 @pytest.mark.torch
@@ -597,6 +597,4 @@ def test_fixture_file_up_to_date(torch):
   dtypes = {c["id"]: c["dtype"] for c in META["cases"]}
   for name in arrays:
     rtol, atol = TOLERANCES[dtypes.get(name.split(".")[0], "float64")]
-    np.testing.assert_allclose(
-      arrays[name], ARRAYS[name], rtol=rtol, atol=atol, strict=True, err_msg=name
-    )
+    _assert_allclose_strict(arrays[name], ARRAYS[name], rtol, atol, name)
