@@ -107,7 +107,9 @@ def _check_outcome(request: pytest.FixtureRequest, multidevice_outcomes: dict) -
     pytest.skip(result["text"])
 
 
-def outcomes(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, items) -> dict:
+def outcomes(
+  config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]
+) -> dict:
   """The child's outcomes, from the first caller in this session (pytest-xdist's recipe).
 
   The first worker to get here runs the child on every marked test of ``items``
