@@ -19,6 +19,7 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import check_float, check_temperature, compute_dtype
+from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite
 from kldiv_jax._pointwise import kl_log_kernel
 
@@ -275,8 +276,7 @@ def kl_div_from_topk(
   # nor from the derivative wrt a traced temperature.
   scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
   lse_s = _full_logsumexp(z, scale)
-  safe_idx = jnp.where(keep, idx, 0)
-  picked = jnp.take_along_axis(z, safe_idx, axis=-1, mode="fill", wrap_negative_indices=False)
+  picked = take_along_last_axis_filled(z, jnp.where(keep, idx, 0))
   picked = _divide(picked.astype(cdt), temperature, is_static)
   # An all -inf student row (lse -inf) is the zero measure: log q = -inf, KL = +inf.
   log_q = jnp.where(keep, picked - max_shift(lse_s), 0.0)

@@ -2,13 +2,12 @@
 
 import decimal
 import functools
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import docs_snippet
 from jax.test_util import check_grads
 
 from kldiv_jax import kl_estimate
@@ -158,12 +157,6 @@ def test_bad_input(kwargs, error, match):
 def test_integer_inputs_raise():
   with pytest.raises(TypeError, match="Integral inputs not supported"):
     kl_estimate(jnp.zeros(3, jnp.int32), jnp.zeros(3))
-
-
-def docs_snippet(page: str, heading: str) -> str:
-  """The first Python block of a section of a docs page (the guides' snippets must run)."""
-  text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text()
-  return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
 
 
 def test_docs_snippet_runs():
