@@ -4,11 +4,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from kldiv_jax import _vocab_parallel as vocab_parallel
-from kldiv_jax._checks import check_choice
+from kldiv_jax._checks import (
+  check_bool,
+  check_choice,
+  check_int,
+  ids_equal,
+  ids_in_range,
+  index_array,
+  real_scalar,
+)
 from kldiv_jax._logits import (
   check_temperature,
   check_unit_interval,
@@ -65,11 +72,7 @@ ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
 
 
 def _check_labels(name, labels, token_shape):
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(
-      f"{name}: labels must be an integer array of class indices; got dtype {labels.dtype}."
-    )
+  labels = index_array(name, "labels", labels, "class indices")
   if labels.shape != token_shape:
     raise ValueError(
       f"{name}: labels must have the logits' shape without the class axis, "
@@ -79,15 +82,10 @@ def _check_labels(name, labels, token_shape):
 
 
 def _check_normalizer(name, value):
-  if isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool):
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not float(arr) > 0:
-      raise ValueError(f"{name}: normalizer must be a positive scalar; got {value!r}.")
-    return float(arr)
-  arr = jnp.asarray(value)
-  if arr.ndim != 0:
-    raise ValueError(f"{name}: normalizer must be a scalar; got shape {arr.shape}.")
-  return arr
+  out, static = real_scalar(name, "normalizer", value)
+  if static and not out > 0:
+    raise ValueError(f"{name}: normalizer must be a positive scalar; got {value!r}.")
+  return out
 
 
 def distillation_loss(
@@ -133,7 +131,10 @@ def distillation_loss(
   unless the caller applies ``jax.lax.stop_gradient``. Masks, ``-inf``
   logits, temperature and dtypes as in :func:`kl_div_from_logits`. A label
   outside ``[0, num_classes)`` that is not ``ignore_index`` gives NaN; a label
-  on a class without mass (``-inf`` or masked) gives ``+inf``.
+  on a class without mass (``-inf`` or masked) gives ``+inf``. Labels of any
+  integer dtype are compared in that dtype, never cast first: a large
+  ``uint32``/``int64`` label is out of range, not wrapped onto a class or onto
+  ``ignore_index``.
 
   Args:
     student_logits: ``[..., num_classes]`` (e.g. ``[batch, seq, vocab]``).
@@ -146,7 +147,7 @@ def distillation_loss(
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the ``"jsd"`` mixture weight, in ``[0, 1]``.
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
-    ignore_index: the label of tokens to leave out.
+    ignore_index: the label (an int) of tokens to leave out.
     where: a per-token mask ``[...]``, or a class mask broadcastable to the
       logits (a masked vocabulary; a token with every class masked is left
       out).
@@ -185,10 +186,14 @@ def distillation_loss(
   alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, t_static = check_temperature(name, temperature)
+  scale_by_temperature_squared = check_bool(
+    name, "scale_by_temperature_squared", scale_by_temperature_squared
+  )
+  ignore_index = check_int(name, "ignore_index", ignore_index)
   if axis_name is not None:
     vocab_parallel.check_axis_name(name, axis_name)
   rows = prepare(
-    name, "student_logits and teacher_logits", student_logits, teacher_logits, -1, where
+    name, ("student_logits", "teacher_logits"), student_logits, teacher_logits, -1, where
   )
   if normalizer is not None:
     normalizer = _check_normalizer(name, normalizer)
@@ -202,8 +207,9 @@ def distillation_loss(
     else:
       valid = valid & vocab_parallel.any_class(m, axis_name)
   if labels is not None:
-    labels = _check_labels(name, labels, rows.out_shape).astype(jnp.int32).reshape(-1, 1)
-    labelled = labels != ignore_index
+    # Compared in the labels' own dtype: a cast could wrap an id onto another.
+    labels = _check_labels(name, labels, rows.out_shape).reshape(-1, 1)
+    labelled = ~ids_equal(labels, ignore_index)
     valid = valid & labelled
     masks = (*masks, labelled)
   cdt = rows.cdt
@@ -231,8 +237,8 @@ def distillation_loss(
       num_classes = rows.z.shape[1]
       if axis_name is not None:
         num_classes *= lax.axis_size(axis_name)
-      in_range = (labels >= 0) & (labels < num_classes)
-      safe = jnp.where(in_range, labels, 0)
+      in_range = ids_in_range(labels, num_classes)
+      safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
       ce = ce_rows(rows.z, safe, masks)
       ce = jnp.where(labelled[:, 0] & ~in_range[:, 0], jnp.nan, ce)
       if alpha_static and alpha == 1.0:

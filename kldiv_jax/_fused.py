@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from kldiv_jax import _vocab_parallel as vocab_parallel
-from kldiv_jax._checks import check_choice, check_float, compute_dtype
+from kldiv_jax._checks import MASK, as_array, check_bool, check_choice, check_float, compute_dtype
 from kldiv_jax._distill import DIVERGENCES
 from kldiv_jax._distill import _check_normalizer as check_normalizer
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
@@ -164,6 +164,11 @@ def _token_zero(*token_arrays):
 
 
 def _check_linear(name, what, hidden, weight, bias):
+  """Checks one side's hidden states, head and bias; returns their promoted dtype."""
+  prefix = "" if what == "student" else "target_"
+  names = ("hidden", "weight") if bias is None else ("hidden", "weight", "bias")
+  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
+  dtype = check_float(name, [prefix + n for n in names], *arrays)
   if np.ndim(weight) != 2:
     raise ValueError(
       f"{name}: {what} weight must be [hidden, vocab]; got shape {np.shape(weight)}."
@@ -177,8 +182,7 @@ def _check_linear(name, what, hidden, weight, bias):
     raise ValueError(
       f"{name}: {what} bias must have shape ({np.shape(weight)[1]},); got {np.shape(bias)}."
     )
-  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
-  check_float(name, f"{what} hidden, weight and bias", *arrays)
+  return dtype
 
 
 def fused_linear_kl_div(
@@ -279,7 +283,10 @@ def fused_linear_kl_div(
   check_choice(name, "divergence", divergence, DIVERGENCES)
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, _ = check_temperature(name, temperature)
-  _check_linear(name, "student", hidden, weight, bias)
+  scale_by_temperature_squared = check_bool(
+    name, "scale_by_temperature_squared", scale_by_temperature_squared
+  )
+  out_dtype = _check_linear(name, "student", hidden, weight, bias)
   _check_linear(name, "teacher", target_hidden, target_weight, target_bias)
   token_shape = tuple(np.shape(hidden)[:-1])
   if tuple(np.shape(target_hidden)[:-1]) != token_shape:
@@ -294,9 +301,6 @@ def fused_linear_kl_div(
     )
   if axis_name is not None:
     num_shards = vocab_parallel.check_axis_name(name, axis_name)
-  out_dtype = (
-    jnp.result_type(hidden, weight) if bias is None else jnp.result_type(hidden, weight, bias)
-  )
   cdt = compute_dtype(out_dtype)
   h = jnp.asarray(hidden).reshape(-1, np.shape(hidden)[-1])
   th = jnp.asarray(target_hidden).reshape(-1, np.shape(target_hidden)[-1])
@@ -304,7 +308,7 @@ def fused_linear_kl_div(
   if where is None:
     mask = jnp.ones((n, 1), jnp.bool_)
   else:
-    w_arr = jnp.asarray(where)
+    w_arr = jnp.asarray(as_array(name, "where", where, MASK))
     if w_arr.dtype != jnp.bool_:
       raise TypeError(f"{name}: where must be a boolean mask; got dtype {w_arr.dtype}.")
     if w_arr.shape != token_shape:

@@ -276,7 +276,7 @@ def _per_example(name, logits, target_logits, temperature, axis, where, axis_nam
   temperature, _ = check_temperature(name, temperature)
   if axis_name is not None:
     _vocab_parallel().check_axis_name(name, axis_name)
-  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  rows = prepare(name, ("logits", "target_logits"), logits, target_logits, axis, where)
   if rows.empty:
     return jnp.zeros(rows.out_shape, rows.out_dtype)
   return rows.finish(run(rows, jnp.asarray(temperature).astype(rows.cdt)))

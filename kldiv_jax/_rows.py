@@ -138,13 +138,13 @@ class Rows:
 
 def prepare(
   name: str,
-  what: str,
+  what: tuple[str, str],
   logits: jax.typing.ArrayLike,
   target_logits: jax.typing.ArrayLike,
   axis: Axis,
   where: jax.typing.ArrayLike | None,
 ) -> Rows:
-  """Validates a pair of logits and lays them out as ``[rows, classes]``.
+  """Validates a pair of logits (named ``what``) and lays them out as ``[rows, classes]``.
 
   Class axes go last and are flattened into one; the logits keep their
   dtype (the kernels upcast). ``where`` becomes a mask of shape
@@ -163,7 +163,7 @@ def prepare(
   for a in axes:
     if padded[0][a] != padded[1][a]:
       raise ValueError(
-        f"{name}: {what} must have the same number of classes along axis {a}; "
+        f"{name}: {' and '.join(what)} must have the same number of classes along axis {a}; "
         f"got shapes {ls} and {ts}."
       )
   shape = broadcast_shapes(name, ls, ts)

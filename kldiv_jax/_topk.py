@@ -18,7 +18,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from kldiv_jax._checks import check_float, check_temperature, compute_dtype
+from kldiv_jax._checks import (
+  MASK,
+  as_array,
+  check_float,
+  check_temperature,
+  compute_dtype,
+  ids_in_range,
+  index_array,
+)
 from kldiv_jax._pointwise import kl_log_kernel
 
 
@@ -98,7 +106,7 @@ def _split_mask(name, where, batch_shape, slot_shape):
   """``(example_mask, slot_mask)`` from ``where`` (one of them ``None``)."""
   if where is None:
     return None, None
-  w = jnp.asarray(where)
+  w = jnp.asarray(as_array(name, "where", where, MASK))
   if w.dtype != jnp.bool_:
     raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
   target, kind = (slot_shape, "slot") if w.ndim == len(slot_shape) else (batch_shape, "example")
@@ -176,7 +184,8 @@ def kl_div_from_topk(
   -100 is ignored). At a slot with mass, an id outside ``[0, vocab)``
   (negative ids included: they are *not* wrapped) gathers NaN (``jnp``'s
   ``mode="fill"``), so the example's value is NaN rather than silently
-  clamped or wrapped. Ids with mass should be distinct, as top-k produces;
+  clamped or wrapped; nor are ids beyond the int32 range (``int64``,
+  ``uint32``, NumPy ``int64`` without x64). Ids with mass should be distinct, as top-k produces;
   duplicates are not merged. A top-k id whose student logit is ``-inf``
   gives ``+inf`` (the true value).
 
@@ -212,14 +221,10 @@ def kl_div_from_topk(
     Array([0.4965...], dtype=float32)
   """
   name = "kl_div_from_topk"
-  out_dtype = check_float(name, "logits and topk_log_probs", logits, topk_log_probs)
+  out_dtype = check_float(name, ("logits", "topk_log_probs"), logits, topk_log_probs)
   z = jnp.asarray(logits)
   lp = jnp.asarray(topk_log_probs)
-  idx = jnp.asarray(topk_indices)
-  if not jnp.issubdtype(idx.dtype, jnp.integer):
-    raise TypeError(
-      f"{name}: topk_indices must be an integer array of token ids; got dtype {idx.dtype}."
-    )
+  idx = index_array(name, "topk_indices", topk_indices, "token ids")
   _check_shapes(name, z, idx, lp)
   temperature, is_static = check_temperature(name, temperature)
   example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
@@ -244,6 +249,9 @@ def kl_div_from_topk(
   # Student: full-vocabulary log-sum-exp, log-probabilities gathered at the ids.
   scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
   lse_s = _full_logsumexp(z, scale)
+  if jnp.iinfo(idx.dtype).max > jnp.iinfo(jnp.int32).max:
+    # The gather indexes in int32: an id beyond it would wrap onto a valid one.
+    idx = jnp.where(ids_in_range(idx, z.shape[-1]), idx.astype(jnp.int32), -1)
   picked = jnp.take_along_axis(z, idx, axis=-1, mode="fill", wrap_negative_indices=False)
   picked = _divide(picked.astype(cdt), temperature, is_static)
   log_q = jnp.where(keep, picked - lse_s, 0.0)
