@@ -215,6 +215,9 @@ def distillation_loss(
   cdt = rows.cdt
   if rows.empty:
     total = jnp.zeros((), cdt)
+    if labels is not None and not (alpha_static and alpha == 1.0):
+      # Without classes every label is out of range: NaN, as documented.
+      total = jnp.where(jnp.any(labelled), jnp.nan, total)
   else:
     t = jnp.asarray(temperature).astype(cdt)
     kl, gjsd, ce_rows = kl_kernel, gjsd_kernel, ce_kernel

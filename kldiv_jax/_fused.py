@@ -302,9 +302,10 @@ def fused_linear_kl_div(
   if axis_name is not None:
     num_shards = vocab_parallel.check_axis_name(name, axis_name)
   cdt = compute_dtype(out_dtype)
-  h = jnp.asarray(hidden).reshape(-1, np.shape(hidden)[-1])
-  th = jnp.asarray(target_hidden).reshape(-1, np.shape(target_hidden)[-1])
-  n = h.shape[0]
+  # The token count is explicit: reshape(-1, 0) is ambiguous for H = 0.
+  n = int(np.prod(token_shape, dtype=np.int64))
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+  th = jnp.asarray(target_hidden).reshape(n, np.shape(target_hidden)[-1])
   if where is None:
     mask = jnp.ones((n, 1), jnp.bool_)
   else:
@@ -335,7 +336,7 @@ def fused_linear_kl_div(
     denominator = jnp.asarray(check_normalizer(name, normalizer)).astype(cdt)
   t = jnp.asarray(temperature, cdt)
   scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
-  if n == 0:
+  if n == 0 or np.shape(weight)[1] == 0:  # no tokens, or no vocabulary: nothing to sum
     return jnp.zeros((), out_dtype)
   b_arr = None if bias is None else jnp.asarray(bias)
   tb_arr = None if target_bias is None else jnp.asarray(target_bias)

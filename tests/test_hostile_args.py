@@ -5,6 +5,7 @@ argument), integer ids that would wrap, degenerate shapes, the caller's strict
 dtype promotion, and eager calls that must not compile again.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -267,3 +268,47 @@ def test_numpy_wide_topk_ids_never_alias_a_class(dtype):
   ids = np.array([[2**32 + 1, 0], [1, 2], [3, 4]], dtype)
   out = _topk(ids)
   assert np.isnan(out[0]) and np.all(np.isfinite(out[1:]))
+
+
+# 8. Degenerate shapes.
+
+
+def _fused_value_and_grads(h, w, b, th, tw, **kw):
+  def loss(h, w, b):
+    return kj.fused_linear_kl_div(h, w, th, tw, bias=b, **kw)
+
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
+
+
+def test_fused_with_an_empty_vocabulary_is_zero():
+  h, th = _normal((4, 3), 0), _normal((4, 2), 1)
+  w, tw = np.zeros((3, 0), np.float32), np.zeros((2, 0), np.float32)
+  b = np.zeros(0, np.float32)
+  value, grads = _fused_value_and_grads(h, w, b, th, tw)
+  assert value == 0.0
+  for g, a in zip(grads, (h, w, b)):
+    assert g.shape == a.shape and not np.any(g)
+
+
+def test_fused_with_zero_hidden_units_uses_the_biases():
+  # H = 0: the logits are the biases, for every token.
+  b, tb = _normal((5,), 2), _normal((5,), 3)
+  h, th = np.zeros((4, 0), np.float32), np.zeros((4, 0), np.float32)
+  w, tw = np.zeros((0, 5), np.float32), np.zeros((0, 5), np.float32)
+  value, grads = _fused_value_and_grads(
+    h, w, b, th, tw, target_bias=tb, temperature=2.0, chunk_size=3
+  )
+  log_q = _log_softmax(b.astype(np.float64) / 2.0)
+  log_p = _log_softmax(tb.astype(np.float64) / 2.0)
+  expected = 4.0 * np.sum(np.exp(log_p) * (log_p - log_q))  # T**2 KL, mean over tokens
+  np.testing.assert_allclose(value, expected, rtol=1e-5)
+  assert grads[0].shape == (4, 0) and grads[1].shape == (0, 5)
+  np.testing.assert_allclose(grads[2], 2.0 * (np.exp(log_q) - np.exp(log_p)), rtol=1e-4, atol=1e-6)
+
+
+def test_distillation_with_zero_classes_gives_nan_for_labelled_tokens():
+  empty = np.zeros((3, 0), np.float32)
+  # Every label is out of range of zero classes: NaN, as documented.
+  assert np.isnan(kj.distillation_loss(empty, empty, np.array([0, -100, 1])))
+  assert kj.distillation_loss(empty, empty, np.array([-100, -100, -100])) == 0.0
+  assert kj.distillation_loss(empty, empty) == 0.0
