@@ -6,6 +6,10 @@ propagate as NaN instead. Every argument is checked here by name before it
 reaches JAX: :func:`as_array` for arrays, :func:`real_scalar` for numeric
 options, :func:`check_bool`, :func:`check_int`, :func:`check_choice` and
 :func:`normalize_axis` for static ones, :func:`index_array` for integer ids.
+
+Dtypes are promoted with JAX's standard rules (:func:`result_dtype`) whatever
+``jax_numpy_dtype_promotion`` the caller set: strict mode governs the caller's
+code; inside, arithmetic runs in the compute dtype with explicit casts.
 """
 
 from collections.abc import Sequence
@@ -17,9 +21,21 @@ import numpy as np
 Axis = int | tuple[int, ...] | None
 
 
+def result_dtype(*arrays_or_dtypes: object) -> jnp.dtype:
+  """``jnp.result_type`` under the standard promotion rules, even in strict mode.
+
+  Python scalars stay weakly typed (``bf16`` with ``2.0`` is ``bf16``), and
+  mixed inputs promote as ``jnp.promote_types`` does (``bf16`` with ``f32`` is
+  ``f32``) instead of raising ``TypePromotionError`` under the caller's
+  ``jax.numpy_dtype_promotion("strict")``.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return jnp.result_type(*arrays_or_dtypes)
+
+
 def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
   """The dtype arithmetic runs in: at least float32 (bf16/f16 are upcast)."""
-  return jnp.promote_types(dtype, jnp.float32)
+  return result_dtype(dtype, jnp.float32)
 
 
 def _describe(value: object) -> str:
@@ -119,7 +135,7 @@ def _check_float_dtypes(name: str, what: str, arrays: Sequence[object]) -> jnp.d
         f"got dtypes {', '.join(str(d) for d in dtypes)}. "
         "Cast with .astype(jnp.float32) first."
       )
-  return jnp.result_type(*arrays)
+  return result_dtype(*arrays)
 
 
 def broadcast_shapes(name: str, *shapes: Sequence[int]) -> tuple[int, ...]:

@@ -11,6 +11,7 @@ from kldiv_jax._checks import (
   check_bool,
   check_choice,
   check_int,
+  compute_dtype,
   ids_equal,
   ids_in_range,
   index_array,
@@ -37,7 +38,7 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
 def _ce_rows(z, labels, masks):
-  one = jnp.ones((), jnp.promote_types(z.dtype, jnp.float32))
+  one = jnp.ones((), compute_dtype(z.dtype))
 
   def stats(z, labels, *masks):
     u, _ = scaled(z, one, masks)

@@ -117,7 +117,8 @@ def kl_estimate(
     ref = jnp.where(mask, ref, 0.0)
   delta = logp - ref
   if bounds is not None:
-    delta = jnp.clip(delta, bounds[0], bounds[1])
+    low, high = (jnp.asarray(b, delta.dtype) for b in bounds)  # a traced bound: any dtype
+    delta = jnp.clip(delta, low, high)
   if estimator == "k1":
     out = delta
   elif estimator == "k2":

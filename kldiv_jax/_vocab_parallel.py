@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._checks import compute_dtype
 from kldiv_jax._logits import (
   _log_terms,
   beta_tangent,
@@ -210,7 +211,7 @@ def gjsd_kernel(axis_name, z, y, temperature, masks, beta, beta_static):
 
 
 def _ce_rows(axis_name, z, labels, masks):
-  one = jnp.ones((), jnp.promote_types(z.dtype, jnp.float32))
+  one = jnp.ones((), compute_dtype(z.dtype))
   (m,) = _maxes(one, masks, axis_name, z)
   local_labels = labels - class_offset(axis_name, z.shape[1]).astype(labels.dtype)
 

@@ -312,3 +312,101 @@ def test_distillation_with_zero_classes_gives_nan_for_labelled_tokens():
   assert np.isnan(kj.distillation_loss(empty, empty, np.array([0, -100, 1])))
   assert kj.distillation_loss(empty, empty, np.array([-100, -100, -100])) == 0.0
   assert kj.distillation_loss(empty, empty) == 0.0
+
+
+# 9. The caller's strict dtype promotion.
+
+
+def _strict_calls(dtype, traced):
+  """``name: (loss of a differentiable array, that array's value)``; other arrays in ``dtype``."""
+  c = (lambda v: jnp.asarray(v, dtype)) if traced else (lambda v: v)  # options
+  arr = lambda v: jnp.asarray(v, dtype)  # noqa: E731
+  p, logp, y, labels = arr(P), arr(LOGP), arr(Y), jnp.asarray(LABELS)
+  ids, topk_lp = jnp.asarray(IDS), arr(TOPK_LP)
+  th, tw, tb = arr(TH), arr(TW), arr(TB)
+  return {
+    "kl_div": (lambda a: kj.kl_div(a, p, reduction="batchmean"), LOGQ),
+    "KLDivLoss": (lambda a: kj.KLDivLoss(reduction="sum", log_target=True)(a, logp), LOGQ),
+    "kl_div_pointwise": (lambda a: kj.kl_div_pointwise(a, p), LOGQ),
+    "kl_divergence": (lambda a: kj.kl_divergence(a, p, where=P > 0.1), LOGQ),
+    "kl_divergence_with_log_targets": (
+      lambda a: kj.kl_divergence_with_log_targets(a, logp, axis=(1, 2)),
+      LOGQ,
+    ),
+    "generalized_kl_divergence": (lambda a: kj.generalized_kl_divergence(a, p), LOGQ),
+    "convex_kl_divergence": (lambda a: kj.convex_kl_divergence(a, p), LOGQ),
+    "kl_estimate": (
+      lambda a: kj.kl_estimate(a, logp, clip=(c(-0.5), c(0.4)), where=P > 0.1),
+      LOGQ,
+    ),
+    "gaussian_kl": (lambda a: kj.gaussian_kl(a, y, prior_mean=c(0.5), prior_log_var=y), Z),
+    "kl_div_from_logits": (
+      lambda a: kj.kl_div_from_logits(a, y, temperature=c(2.0), direction="reverse"),
+      Z,
+    ),
+    "generalized_jsd": (lambda a: kj.generalized_jsd(a, y, beta=c(0.3), temperature=c(2.0)), Z),
+    "distillation_loss": (
+      lambda a: kj.distillation_loss(
+        a, y, labels, temperature=c(2.0), alpha=c(0.3), divergence="jsd", beta=c(0.6)
+      ),
+      Z,
+    ),
+    "distillation_loss normalizer": (
+      lambda a: kj.distillation_loss(a, y, labels, alpha=c(0.5), normalizer=c(4.0)),
+      Z,
+    ),
+    "fused_linear_kl_div": (
+      lambda a: kj.fused_linear_kl_div(
+        arr(H), a, th, tw, target_bias=tb, temperature=c(2.0), normalizer=c(3.0), chunk_size=4
+      ),
+      W,
+    ),
+    "kl_div_from_topk": (lambda a: kj.kl_div_from_topk(a, ids, topk_lp, temperature=c(2.0)), Z),
+  }
+
+
+STRICT_WITH_OPTIONS = {
+  "kl_estimate",
+  "gaussian_kl",
+  "kl_div_from_logits",
+  "generalized_jsd",
+  "distillation_loss",
+  "distillation_loss normalizer",
+  "fused_linear_kl_div",
+  "kl_div_from_topk",
+}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["python_options", "array_options"])
+@pytest.mark.parametrize(
+  ("dtype", "other"),
+  [
+    (jnp.bfloat16, jnp.bfloat16),
+    (jnp.float16, jnp.float16),
+    (jnp.float32, jnp.bfloat16),
+    (jnp.bfloat16, jnp.float32),
+  ],
+  ids=lambda d: jnp.dtype(d).name,
+)
+@pytest.mark.parametrize("name", list(_strict_calls(jnp.float32, False)))
+def test_strict_dtype_promotion(name, dtype, other, traced):
+  if traced and name not in STRICT_WITH_OPTIONS:
+    pytest.skip("no numeric options")
+  f, value = _strict_calls(other, traced)[name]
+  a = jnp.asarray(value, dtype)
+
+  def loss(a):
+    return jnp.sum(f(a)).astype(jnp.float32)
+
+  expected_dtype = jax.eval_shape(f, a).dtype
+  expected_value, expected_grad = jax.jit(jax.value_and_grad(loss))(a)
+  with jax.numpy_dtype_promotion("strict"):
+    out = f(a)
+    value, grad = jax.jit(jax.value_and_grad(loss))(a)
+  if dtype == other:
+    assert out.dtype == dtype
+  assert out.dtype == expected_dtype and grad.dtype == dtype
+  # Strict mode changes no value: the library promotes and casts explicitly.
+  np.testing.assert_array_equal(value, expected_value)
+  np.testing.assert_array_equal(grad, expected_grad)
+  np.testing.assert_allclose(np.sum(out, dtype=np.float32), value, rtol=2e-2)
