@@ -251,7 +251,7 @@ def index_array(name: str, arg: str, value: object, what: str) -> jax.Array:
   unless x64 is enabled, which wraps large values onto valid ids
   (``2**32 + 1`` becomes 1). Such values are saturated to the 32-bit range
   instead, where they stay out of range; they are then compared with
-  :func:`ids_in_range` and :func:`ids_equal` in their own dtype.
+  :func:`ids_in_range` and :func:`ids_differ` in their own dtype.
   """
   value = as_array(name, arg, value)
   if isinstance(value, int):
@@ -277,15 +277,15 @@ def ids_in_range(ids: jax.Array, num_classes: int) -> jax.Array:
   return (ids >= jnp.asarray(0, ids.dtype)) & below
 
 
-def ids_equal(ids: jax.Array, value: int) -> jax.Array:
-  """``ids == value`` exactly: all false when ``value`` does not fit the ids' dtype.
+def ids_differ(ids: jax.Array, value: int) -> jax.Array:
+  """``ids != value`` exactly: all true when ``value`` does not fit the ids' dtype.
 
   (Casting ``-100`` to ``uint32`` would make it 4294967196 and match that id.)
   """
   info = jnp.iinfo(ids.dtype)
   if not info.min <= value <= info.max:
-    return jnp.zeros(ids.shape, jnp.bool_)
-  return ids == jnp.asarray(value, ids.dtype)
+    return jnp.ones(ids.shape, jnp.bool_)
+  return ids != jnp.asarray(value, ids.dtype)
 
 
 def _is_static(value: object) -> bool:

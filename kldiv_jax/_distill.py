@@ -12,7 +12,7 @@ from kldiv_jax._checks import (
   check_choice,
   check_int,
   compute_dtype,
-  ids_equal,
+  ids_differ,
   ids_in_range,
   index_array,
   real_scalar,
@@ -29,7 +29,7 @@ from kldiv_jax._logits import (
   row_stats,
   scaled,
 )
-from kldiv_jax._rows import ce_grad, label_hit, row_sum
+from kldiv_jax._rows import ce_grad, compiled, label_hit, row_sum
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -70,6 +70,7 @@ def _ce_kernel_jvp(primals, tangents):
 
 
 ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
+ce_kernel = compiled(ce_kernel)
 
 
 def _check_labels(name, labels, token_shape):
@@ -210,7 +211,7 @@ def distillation_loss(
   if labels is not None:
     # Compared in the labels' own dtype: a cast could wrap an id onto another.
     labels = _check_labels(name, labels, rows.out_shape).reshape(-1, 1)
-    labelled = ~ids_equal(labels, ignore_index)
+    labelled = ids_differ(labels, ignore_index)
     valid = valid & labelled
     masks = (*masks, labelled)
   cdt = rows.cdt

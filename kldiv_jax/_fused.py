@@ -23,6 +23,7 @@ from kldiv_jax._checks import MASK, as_array, check_bool, check_choice, check_fl
 from kldiv_jax._distill import DIVERGENCES
 from kldiv_jax._distill import _check_normalizer as check_normalizer
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
+from kldiv_jax._rows import compiled
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -153,6 +154,7 @@ def _fused_bwd(static, residuals, g):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+_fused = compiled(_fused, static_argnums=0)
 
 
 def _token_zero(*token_arrays):

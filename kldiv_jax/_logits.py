@@ -19,6 +19,8 @@ gradients; mass where the other side has none gives ``+inf`` (the true value).
 A row without any mass is the zero measure.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -26,6 +28,7 @@ from jax import lax
 from kldiv_jax._checks import Axis, check_choice, check_temperature, check_unit_interval
 from kldiv_jax._rows import (
   Rows,
+  compiled,
   is_zero,
   logit_tangents,
   map_rows,
@@ -135,6 +138,7 @@ def _kl_kernel_jvp(primals, tangents):
 
 
 kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
+kl_kernel = compiled(kl_kernel)
 
 
 # Generalized JSD per row, mixture m = beta p + (1 - beta) q with p = softmax(y/T)
@@ -218,6 +222,7 @@ def _jsd_kernel_jvp(primals, tangents):
 
 
 jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
+jsd_kernel = compiled(jsd_kernel)
 
 
 def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
@@ -255,7 +260,15 @@ def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
 
 def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
   """TRL's generalized JSD per row, endpoints included (see :func:`gjsd`)."""
+  if not beta_static:
+    return _gjsd_traced(z, y, temperature, masks, beta)
   return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, beta_static)
+
+
+@functools.partial(compiled, inline=False)
+def _gjsd_traced(z, y, temperature, masks, beta):
+  """:func:`gjsd` for a traced ``beta``: its ``lax.switch`` compiled once (:func:`compiled`)."""
+  return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, False)
 
 
 def _vocab_parallel():

@@ -5,6 +5,8 @@ argument), integer ids that would wrap, degenerate shapes, the caller's strict
 dtype promotion, and eager calls that must not compile again.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -410,3 +412,87 @@ def test_strict_dtype_promotion(name, dtype, other, traced):
   np.testing.assert_array_equal(value, expected_value)
   np.testing.assert_array_equal(grad, expected_grad)
   np.testing.assert_allclose(np.sum(out, dtype=np.float32), value, rtol=2e-2)
+
+
+# 3. Eager calls compile once.
+
+
+@contextlib.contextmanager
+def _count_compiles():
+  compiles = []
+
+  def listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield compiles
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+# More rows than one block of the CPU row statistics (the issue's [512, 1000]).
+BIG_S, BIG_T = _normal((300, 1000), 8), _normal((300, 1000), 9)
+BIG_LABELS = np.random.default_rng(10).integers(0, 1000, 300)
+
+
+def _eager(name):
+  s, t, labels = jnp.asarray(BIG_S), jnp.asarray(BIG_T), jnp.asarray(BIG_LABELS)
+  h, w, th, tw = s[:, :64], s[:64, :], t[:, :48], t[:48, :]
+  calls = {
+    "kl_div_from_logits": lambda: kj.kl_div_from_logits(s, t, temperature=2.0),
+    "kl_div_from_logits reverse where": lambda: kj.kl_div_from_logits(
+      s, t, direction="reverse", where=t > -2.0
+    ),
+    "generalized_jsd": lambda: kj.generalized_jsd(s, t, beta=0.3),
+    "generalized_jsd traced beta": lambda: kj.generalized_jsd(s, t, beta=jnp.float32(0.3)),
+    "distillation_loss": lambda: kj.distillation_loss(s, t, labels, temperature=2.0),
+    "distillation_loss jsd": lambda: kj.distillation_loss(
+      s, t, labels, divergence="jsd", alpha=jnp.float32(0.4), beta=jnp.float32(0.2)
+    ),
+    "fused_linear_kl_div": lambda: kj.fused_linear_kl_div(h, w, th, tw, chunk_size=128),
+    "fused_linear_kl_div reverse": lambda: kj.fused_linear_kl_div(
+      h, w, th, tw, divergence="reverse_kl", temperature=jnp.float32(2.0)
+    ),
+    "value_and_grad kl_div_from_logits": lambda: jax.value_and_grad(
+      lambda s: jnp.sum(kj.kl_div_from_logits(s, t))
+    )(s),
+    "value_and_grad generalized_jsd traced beta": lambda: jax.value_and_grad(
+      lambda s: jnp.sum(kj.generalized_jsd(s, t, beta=jnp.float32(0.3)))
+    )(s),
+    "value_and_grad distillation_loss": lambda: jax.value_and_grad(
+      lambda s: kj.distillation_loss(s, t, labels, divergence="reverse_kl")
+    )(s),
+    "value_and_grad fused_linear_kl_div": lambda: jax.value_and_grad(
+      lambda w: kj.fused_linear_kl_div(h, w, th, tw, divergence="jsd")
+    )(w),
+  }
+  return calls[name]
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "kl_div_from_logits",
+    "kl_div_from_logits reverse where",
+    "generalized_jsd",
+    "generalized_jsd traced beta",
+    "distillation_loss",
+    "distillation_loss jsd",
+    "fused_linear_kl_div",
+    "fused_linear_kl_div reverse",
+    "value_and_grad kl_div_from_logits",
+    "value_and_grad generalized_jsd traced beta",
+    "value_and_grad distillation_loss",
+    "value_and_grad fused_linear_kl_div",
+  ],
+)
+def test_eager_calls_compile_only_once(name):
+  call = _eager(name)
+  first = jax.block_until_ready(call())
+  with _count_compiles() as compiles:
+    for _ in range(2):
+      again = jax.block_until_ready(call())
+  assert compiles == [], f"{len(compiles)} compilations in two more eager calls"
+  jax.tree.map(np.testing.assert_array_equal, again, first)
