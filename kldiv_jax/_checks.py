@@ -79,8 +79,8 @@ def as_array(name: str, arg: str, value: object, expected: str = _AN_ARRAY) -> j
   if isinstance(value, (bool, int, float, complex)):
     return value
   if isinstance(value, (list, tuple)) and _numeric_leaves(value):
-    try:
-      return jnp.asarray(value) if _has_jax_array(value) else np.asarray(value)
+    try:  # then checked as an array: ints beyond int64 make an object array
+      value = jnp.asarray(value) if _has_jax_array(value) else np.asarray(value)
     except (TypeError, ValueError):
       raise ValueError(
         f"{name}: {arg} is a nested list whose rows have different lengths; "
