@@ -4,11 +4,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from kldiv_jax import _vocab_parallel as vocab_parallel
-from kldiv_jax._checks import check_choice
+from kldiv_jax._checks import (
+  check_bool,
+  check_choice,
+  check_int,
+  compute_dtype,
+  ids_differ,
+  ids_in_range,
+  index_array,
+  real_scalar,
+)
 from kldiv_jax._logits import (
   check_temperature,
   check_unit_interval,
@@ -22,7 +30,7 @@ from kldiv_jax._logits import (
   scaled,
 )
 from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
-from kldiv_jax._rows import ce_grad, label_hit, row_sum
+from kldiv_jax._rows import ce_grad, compiled, label_hit, row_sum
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -31,7 +39,7 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
 def _ce_rows(z, labels, masks):
-  one = jnp.ones((), jnp.promote_types(z.dtype, jnp.float32))
+  one = jnp.ones((), compute_dtype(z.dtype))
 
   def stats(z, labels, *masks):
     u, _ = scaled(z, one, masks)
@@ -63,14 +71,11 @@ def _ce_kernel_jvp(primals, tangents):
 
 
 ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
+ce_kernel = compiled(ce_kernel)
 
 
 def _check_labels(name, labels, token_shape):
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(
-      f"{name}: labels must be an integer array of class indices; got dtype {labels.dtype}."
-    )
+  labels = index_array(name, "labels", labels, "class indices")
   if labels.shape != token_shape:
     raise ValueError(
       f"{name}: labels must have the logits' shape without the class axis, "
@@ -80,15 +85,10 @@ def _check_labels(name, labels, token_shape):
 
 
 def _check_normalizer(name, value):
-  if isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool):
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not positive_finite(float(arr)):
-      raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
-    return float(arr)
-  arr = jnp.asarray(value)
-  if arr.ndim != 0:
-    raise ValueError(f"{name}: normalizer must be a scalar; got shape {arr.shape}.")
-  return arr
+  out, static = real_scalar(name, "normalizer", value)
+  if static and not positive_finite(out):
+    raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
+  return out
 
 
 def distillation_loss(
@@ -134,7 +134,10 @@ def distillation_loss(
   unless the caller applies ``jax.lax.stop_gradient``. Masks, ``-inf``
   logits, temperature and dtypes as in :func:`kl_div_from_logits`. A label
   outside ``[0, num_classes)`` that is not ``ignore_index`` gives NaN; a label
-  on a class without mass (``-inf`` or masked) gives ``+inf``. NaN in the
+  on a class without mass (``-inf`` or masked) gives ``+inf``. Labels of any
+  integer dtype are compared in that dtype, never cast first: a large
+  ``uint32``/``int64`` label is out of range, not wrapped onto a class or onto
+  ``ignore_index``. NaN in the
   logits of a valid token makes the loss NaN. A traced option outside its
   range (``temperature`` not positive and finite, ``alpha`` or ``beta``
   outside ``[0, 1]``, ``normalizer`` not positive and finite; NaN fails
@@ -152,7 +155,7 @@ def distillation_loss(
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the ``"jsd"`` mixture weight, in ``[0, 1]``.
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
-    ignore_index: the label of tokens to leave out.
+    ignore_index: the label (an int) of tokens to leave out.
     where: a per-token mask ``[...]``, or a class mask broadcastable to the
       logits (a masked vocabulary; a token with every class masked is left
       out).
@@ -194,10 +197,14 @@ def distillation_loss(
   alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, t_static = check_temperature(name, temperature)
+  scale_by_temperature_squared = check_bool(
+    name, "scale_by_temperature_squared", scale_by_temperature_squared
+  )
+  ignore_index = check_int(name, "ignore_index", ignore_index)
   if axis_name is not None:
     vocab_parallel.check_axis_name(name, axis_name)
   rows = prepare(
-    name, "student_logits and teacher_logits", student_logits, teacher_logits, -1, where
+    name, ("student_logits", "teacher_logits"), student_logits, teacher_logits, -1, where
   )
   if normalizer is not None:
     normalizer = _check_normalizer(name, normalizer)
@@ -211,13 +218,17 @@ def distillation_loss(
     else:
       valid = valid & vocab_parallel.any_class(m, axis_name)
   if labels is not None:
-    labels = _check_labels(name, labels, rows.out_shape).astype(jnp.int32).reshape(-1, 1)
-    labelled = labels != ignore_index
+    # Compared in the labels' own dtype: a cast could wrap an id onto another.
+    labels = _check_labels(name, labels, rows.out_shape).reshape(-1, 1)
+    labelled = ids_differ(labels, ignore_index)
     valid = valid & labelled
     masks = (*masks, labelled)
   cdt = rows.cdt
   if rows.empty:
     total = jnp.zeros((), cdt)
+    if labels is not None and not (alpha_static and alpha == 1.0):
+      # Without classes every label is out of range: NaN, as documented.
+      total = jnp.where(jnp.any(labelled), jnp.nan, total)
   else:
     t = jnp.asarray(temperature).astype(cdt)
     kl, gjsd, ce_rows = kl_kernel, gjsd_kernel, ce_kernel
@@ -240,8 +251,8 @@ def distillation_loss(
       num_classes = rows.z.shape[1]
       if axis_name is not None:
         num_classes *= lax.axis_size(axis_name)
-      in_range = (labels >= 0) & (labels < num_classes)
-      safe = jnp.where(in_range, labels, 0)
+      in_range = ids_in_range(labels, num_classes)
+      safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
       ce = ce_rows(rows.z, safe, masks)
       ce = nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
       if alpha_static and alpha == 1.0:

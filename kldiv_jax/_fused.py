@@ -19,11 +19,12 @@ import numpy as np
 from jax import lax
 
 from kldiv_jax import _vocab_parallel as vocab_parallel
-from kldiv_jax._checks import check_choice, check_float, compute_dtype
+from kldiv_jax._checks import MASK, as_array, check_bool, check_choice, check_float, compute_dtype
 from kldiv_jax._distill import DIVERGENCES
 from kldiv_jax._distill import _check_normalizer as check_normalizer
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
 from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
+from kldiv_jax._rows import compiled
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -154,6 +155,7 @@ def _fused_bwd(static, residuals, g):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+_fused = compiled(_fused, static_argnums=0)
 
 
 def _token_zero(*token_arrays):
@@ -165,6 +167,11 @@ def _token_zero(*token_arrays):
 
 
 def _check_linear(name, what, hidden, weight, bias):
+  """Checks one side's hidden states, head and bias; returns their promoted dtype."""
+  prefix = "" if what == "student" else "target_"
+  names = ("hidden", "weight") if bias is None else ("hidden", "weight", "bias")
+  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
+  dtype = check_float(name, [prefix + n for n in names], *arrays)
   if np.ndim(weight) != 2:
     raise ValueError(
       f"{name}: {what} weight must be [hidden, vocab]; got shape {np.shape(weight)}."
@@ -178,8 +185,7 @@ def _check_linear(name, what, hidden, weight, bias):
     raise ValueError(
       f"{name}: {what} bias must have shape ({np.shape(weight)[1]},); got {np.shape(bias)}."
     )
-  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
-  check_float(name, f"{what} hidden, weight and bias", *arrays)
+  return dtype
 
 
 def fused_linear_kl_div(
@@ -284,7 +290,10 @@ def fused_linear_kl_div(
   check_choice(name, "divergence", divergence, DIVERGENCES)
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, _ = check_temperature(name, temperature)
-  _check_linear(name, "student", hidden, weight, bias)
+  scale_by_temperature_squared = check_bool(
+    name, "scale_by_temperature_squared", scale_by_temperature_squared
+  )
+  out_dtype = _check_linear(name, "student", hidden, weight, bias)
   _check_linear(name, "teacher", target_hidden, target_weight, target_bias)
   token_shape = tuple(np.shape(hidden)[:-1])
   if tuple(np.shape(target_hidden)[:-1]) != token_shape:
@@ -299,17 +308,15 @@ def fused_linear_kl_div(
     )
   if axis_name is not None:
     num_shards = vocab_parallel.check_axis_name(name, axis_name)
-  out_dtype = (
-    jnp.result_type(hidden, weight) if bias is None else jnp.result_type(hidden, weight, bias)
-  )
   cdt = compute_dtype(out_dtype)
-  h = jnp.asarray(hidden).reshape(-1, np.shape(hidden)[-1])
-  th = jnp.asarray(target_hidden).reshape(-1, np.shape(target_hidden)[-1])
-  n = h.shape[0]
+  # The token count is explicit: reshape(-1, 0) is ambiguous for H = 0.
+  n = int(np.prod(token_shape, dtype=np.int64))
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+  th = jnp.asarray(target_hidden).reshape(n, np.shape(target_hidden)[-1])
   if where is None:
     mask = jnp.ones((n, 1), jnp.bool_)
   else:
-    w_arr = jnp.asarray(where)
+    w_arr = jnp.asarray(as_array(name, "where", where, MASK))
     if w_arr.dtype != jnp.bool_:
       raise TypeError(f"{name}: where must be a boolean mask; got dtype {w_arr.dtype}.")
     if w_arr.shape != token_shape:
@@ -339,7 +346,7 @@ def fused_linear_kl_div(
     denominator = jnp.asarray(normalizer).astype(cdt)
   t = jnp.asarray(temperature, cdt)
   scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
-  if n == 0:
+  if n == 0 or np.shape(weight)[1] == 0:  # no tokens, or no vocabulary: nothing to sum
     return nan_unless(jnp.zeros((), out_dtype), *valid)
   b_arr = None if bias is None else jnp.asarray(bias)
   tb_arr = None if target_bias is None else jnp.asarray(target_bias)

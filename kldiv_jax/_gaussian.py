@@ -56,7 +56,12 @@ def gaussian_kl(
   """
   name = "gaussian_kl"
   (mu, lv, mu0, lv0), out_dtype = promote_and_broadcast(
-    name, "mean, log_var, prior_mean and prior_log_var", mean, log_var, prior_mean, prior_log_var
+    name,
+    ("mean", "log_var", "prior_mean", "prior_log_var"),
+    mean,
+    log_var,
+    prior_mean,
+    prior_log_var,
   )
   if where is not None:
     # Masked entries are made safe before the arithmetic, so that garbage

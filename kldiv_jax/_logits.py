@@ -21,6 +21,8 @@ row NaN, never the zero measure; the kernels' values are clamped at 0 after
 rounding (``_numerics``).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -29,6 +31,7 @@ from kldiv_jax._checks import Axis, check_choice, check_temperature, check_unit_
 from kldiv_jax._numerics import in_unit_interval, nan_unless, nonnegative, positive_finite
 from kldiv_jax._rows import (
   Rows,
+  compiled,
   is_zero,
   logit_tangents,
   map_rows,
@@ -151,6 +154,7 @@ def _kl_kernel_jvp(primals, tangents):
 
 
 kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
+kl_kernel = compiled(kl_kernel)
 
 
 # Generalized JSD per row, mixture m = beta p + (1 - beta) q with p = softmax(y/T)
@@ -234,6 +238,7 @@ def _jsd_kernel_jvp(primals, tangents):
 
 
 jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
+jsd_kernel = compiled(jsd_kernel)
 
 
 def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
@@ -270,7 +275,15 @@ def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
 
 def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
   """TRL's generalized JSD per row, endpoints included (see :func:`gjsd`)."""
+  if not beta_static:
+    return _gjsd_traced(z, y, temperature, masks, beta)
   return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, beta_static)
+
+
+@functools.partial(compiled, inline=False)
+def _gjsd_traced(z, y, temperature, masks, beta):
+  """:func:`gjsd` for a traced ``beta``: its ``lax.switch`` compiled once (:func:`compiled`)."""
+  return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, False)
 
 
 def _vocab_parallel():
@@ -292,7 +305,7 @@ def _per_example(name, logits, target_logits, temperature, axis, where, axis_nam
   temperature, _ = check_temperature(name, temperature)
   if axis_name is not None:
     _vocab_parallel().check_axis_name(name, axis_name)
-  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  rows = prepare(name, ("logits", "target_logits"), logits, target_logits, axis, where)
   if rows.empty:
     out = jnp.zeros(rows.out_shape, rows.out_dtype)
   else:

@@ -91,7 +91,7 @@ def kl_divergence(
   """
   return _per_example(
     "kl_divergence",
-    "log_predictions and targets",
+    ("log_predictions", "targets"),
     kl_prob_kernel,
     0.0,
     log_predictions,
@@ -126,7 +126,7 @@ def kl_divergence_with_log_targets(
   """
   return _per_example(
     "kl_divergence_with_log_targets",
-    "log_predictions and log_targets",
+    ("log_predictions", "log_targets"),
     kl_log_kernel,
     -jnp.inf,
     log_predictions,
@@ -164,7 +164,7 @@ def generalized_kl_divergence(
   """
   name = "generalized_kl_divergence"
   (x, t), out_dtype = promote_and_broadcast(
-    name, "log_predictions and targets", log_predictions, targets
+    name, ("log_predictions", "targets"), log_predictions, targets
   )
   terms = lambda x, t: kl_prob_kernel(x, t) + (jnp.exp(x) - t)  # noqa: E731
   out = masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0)))

@@ -18,7 +18,15 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from kldiv_jax._checks import check_float, check_temperature, compute_dtype
+from kldiv_jax._checks import (
+  MASK,
+  as_array,
+  check_float,
+  check_temperature,
+  compute_dtype,
+  ids_in_range,
+  index_array,
+)
 from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite
 from kldiv_jax._pointwise import kl_log_kernel
@@ -105,7 +113,7 @@ def _split_mask(name, where, batch_shape, slot_shape):
   """``(example_mask, slot_mask)`` from ``where`` (one of them ``None``)."""
   if where is None:
     return None, None
-  w = jnp.asarray(where)
+  w = jnp.asarray(as_array(name, "where", where, MASK))
   if w.dtype != jnp.bool_:
     raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
   target, kind = (slot_shape, "slot") if w.ndim == len(slot_shape) else (batch_shape, "example")
@@ -198,7 +206,8 @@ def kl_div_from_topk(
   -100 is ignored, values and gradients alike). At a slot with mass, an id
   outside ``[0, vocab)`` (negative ids included: they are *not* wrapped)
   gathers NaN (``jnp``'s ``mode="fill"``), so the example's value is NaN
-  rather than silently clamped or wrapped. Ids with mass must be distinct,
+  rather than silently clamped or wrapped; nor are ids beyond the int32 range
+  (``int64``, ``uint32``, NumPy ``int64`` without x64). Ids with mass must be distinct,
   as top-k produces: an example holding one id at two slots with mass gives
   NaN (a repeated id is not a distribution over ids; merge its masses first
   if that is what it means). A top-k id whose student logit is ``-inf``
@@ -239,14 +248,10 @@ def kl_div_from_topk(
     Array([0.4965...], dtype=float32)
   """
   name = "kl_div_from_topk"
-  out_dtype = check_float(name, "logits and topk_log_probs", logits, topk_log_probs)
+  out_dtype = check_float(name, ("logits", "topk_log_probs"), logits, topk_log_probs)
   z = jnp.asarray(logits)
   lp = jnp.asarray(topk_log_probs)
-  idx = jnp.asarray(topk_indices)
-  if not jnp.issubdtype(idx.dtype, jnp.integer):
-    raise TypeError(
-      f"{name}: topk_indices must be an integer array of token ids; got dtype {idx.dtype}."
-    )
+  idx = index_array(name, "topk_indices", topk_indices, "token ids")
   _check_shapes(name, z, idx, lp)
   temperature, is_static = check_temperature(name, temperature)
   example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
@@ -276,6 +281,9 @@ def kl_div_from_topk(
   # nor from the derivative wrt a traced temperature.
   scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
   lse_s = _full_logsumexp(z, scale)
+  if jnp.iinfo(idx.dtype).max > jnp.iinfo(jnp.int32).max:
+    # The gather indexes in int32: an id beyond it would wrap onto a valid one.
+    idx = jnp.where(ids_in_range(idx, z.shape[-1]), idx.astype(jnp.int32), -1)
   picked = take_along_last_axis_filled(z, jnp.where(keep, idx, 0))
   picked = _divide(picked.astype(cdt), temperature, is_static)
   # An all -inf student row (lse -inf) is the zero measure: log q = -inf, KL = +inf.

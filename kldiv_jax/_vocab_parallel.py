@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._checks import compute_dtype
 from kldiv_jax._logits import (
   _log_terms,
   beta_tangent,
@@ -44,7 +45,7 @@ from kldiv_jax._logits import (
   scaled,
 )
 from kldiv_jax._numerics import max_shift, nonnegative
-from kldiv_jax._rows import ce_grad, label_hit, row_sum
+from kldiv_jax._rows import ce_grad, compiled, label_hit, row_sum
 
 
 def check_axis_name(name: str, axis_name: object) -> int:
@@ -145,6 +146,7 @@ def _kl_kernel_jvp(axis_name, primals, tangents):
 
 
 kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
+kl_kernel = compiled(kl_kernel, static_argnums=0)
 
 
 # Generalized JSD per row for 0 < beta < 1, as jsd_kernel.
@@ -196,20 +198,31 @@ def _jsd_kernel_jvp(axis_name, primals, tangents):
 
 
 jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
+jsd_kernel = compiled(jsd_kernel, static_argnums=0)
 
 
 def gjsd_kernel(axis_name, z, y, temperature, masks, beta, beta_static):
   """TRL's generalized JSD per row, endpoints included, as :func:`kldiv_jax._logits.gjsd_kernel`."""
+  if not beta_static:
+    return _gjsd_traced(axis_name, z, y, temperature, masks, beta)
   kl = functools.partial(kl_kernel, axis_name)
   jsd = functools.partial(jsd_kernel, axis_name)
   return gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static)
+
+
+@functools.partial(compiled, static_argnums=0, inline=False)
+def _gjsd_traced(axis_name, z, y, temperature, masks, beta):
+  """:func:`gjsd` for a traced ``beta``, its ``lax.switch`` compiled once (``compiled``)."""
+  kl = functools.partial(kl_kernel, axis_name)
+  jsd = functools.partial(jsd_kernel, axis_name)
+  return gjsd(kl, jsd, z, y, temperature, masks, beta, False)
 
 
 # Cross entropy -log softmax(z)[label] per row, at temperature 1, as ce_kernel.
 
 
 def _ce_rows(axis_name, z, labels, masks):
-  one = jnp.ones((), jnp.promote_types(z.dtype, jnp.float32))
+  one = jnp.ones((), compute_dtype(z.dtype))
   (m,) = _maxes(one, masks, axis_name, z)
   local_labels = labels - class_offset(axis_name, z.shape[1]).astype(labels.dtype)
 
@@ -246,3 +259,4 @@ def _ce_kernel_jvp(axis_name, primals, tangents):
 
 
 ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
+ce_kernel = compiled(ce_kernel, static_argnums=0)

@@ -282,8 +282,8 @@ def test_module_is_frozen_and_hashable():
     a.reduction = "none"  # type: ignore[misc]
   assert a == KLDivLoss(reduction="sum")
   assert hash(a) == hash(KLDivLoss(reduction="sum"))
-  assert KLDivLoss(reduction="sum", log_target=1) == KLDivLoss(reduction="sum", log_target=True)
-  assert hash(KLDivLoss(log_target=1)) == hash(KLDivLoss(log_target=True))
+  assert KLDivLoss(log_target=np.bool_(True)) == KLDivLoss(log_target=True)
+  assert hash(KLDivLoss(log_target=np.bool_(True))) == hash(KLDivLoss(log_target=True))
   assert a != KLDivLoss(reduction="none")
   assert a != KLDivLoss(reduction="sum", log_target=True)
   with pytest.warns(UserWarning, match="deprecated"):
