@@ -13,10 +13,12 @@ code; inside, arithmetic runs in the compute dtype with explicit casts.
 """
 
 from collections.abc import Sequence
+from typing import Protocol, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 Axis = int | tuple[int, ...] | None
 
@@ -45,7 +47,7 @@ def _describe(value: object) -> str:
   return text if value is None else f"{type(value).__name__} {text}"
 
 
-def _numeric(dtype: object) -> bool:
+def _numeric(dtype: np.dtype) -> bool:
   return dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)
 
 
@@ -63,10 +65,22 @@ def _has_jax_array(value: object) -> bool:
   return isinstance(value, jax.Array)
 
 
+class SupportsJaxArray(Protocol):
+  """An object JAX converts to an array through its ``__jax_array__`` method."""
+
+  def __jax_array__(self) -> jax.Array: ...
+
+
+# What :func:`as_array` returns: whatever JAX converts to an array. That is
+# ``jax.typing.ArrayLike`` and two kinds it does not list: NumPy scalars of the
+# ml_dtypes types (``ml_dtypes.bfloat16(1.0)`` is a ``np.generic`` but not a
+# ``np.number``) and objects defining ``__jax_array__``.
+ArrayInput = jax.typing.ArrayLike | np.generic | SupportsJaxArray
+
 _AN_ARRAY = "an array of numbers (a JAX or NumPy array, a number or a nested list of numbers)"
 
 
-def as_array(name: str, arg: str, value: object, expected: str = _AN_ARRAY) -> jax.typing.ArrayLike:
+def as_array(name: str, arg: str, value: object, expected: str = _AN_ARRAY) -> ArrayInput:
   """``value`` checked to be array-like, or a ``TypeError`` naming ``arg``.
 
   Accepted: JAX arrays (tracers included) and NumPy arrays of numbers or
@@ -91,7 +105,7 @@ def as_array(name: str, arg: str, value: object, expected: str = _AN_ARRAY) -> j
       return value
     got = f"an array of dtype {value.dtype}"
   elif hasattr(value, "__jax_array__"):
-    return value
+    return cast(SupportsJaxArray, value)  # the checker does not narrow on hasattr
   else:
     got = _describe(value)
   raise TypeError(f"{name}: {arg} must be {expected}; got {got}.")
@@ -107,7 +121,7 @@ def _join(names: Sequence[str]) -> str:
 
 def _float_arrays(
   name: str, names: Sequence[str], arrays: Sequence[object]
-) -> tuple[list[jax.typing.ArrayLike], jnp.dtype]:
+) -> tuple[list[ArrayInput], jnp.dtype]:
   arrays = [as_array(name, n, a) for n, a in zip(names, arrays, strict=True)]
   return arrays, _check_float_dtypes(name, _join(names), arrays)
 
@@ -158,11 +172,14 @@ def promote_and_broadcast(
   Returns the arrays (explicitly broadcast, so ``jax_numpy_rank_promotion``
   never fires inside the library) and the dtype results come back in.
   """
-  arrays, out_dtype = _float_arrays(name, names, arrays)
-  shape = broadcast_shapes(name, *[np.shape(a) for a in arrays])
+  checked, out_dtype = _float_arrays(name, names, arrays)
+  # np.shape does not call ``__jax_array__``: it takes such an object as 0-d,
+  # which the cast keeps as it was (NumPy's ArrayLike does not list them).
+  shapes = [np.shape(cast(npt.ArrayLike, a)) for a in checked]
+  shape = broadcast_shapes(name, *shapes)
   cdt = compute_dtype(out_dtype)
-  cast = [jnp.broadcast_to(jnp.asarray(a).astype(cdt), shape) for a in arrays]
-  return cast, out_dtype
+  out = [jnp.broadcast_to(jnp.asarray(a).astype(cdt), shape) for a in checked]
+  return out, out_dtype
 
 
 def normalize_axis(name: str, axis: Axis, ndim: int) -> tuple[int, ...]:
@@ -256,7 +273,10 @@ def index_array(name: str, arg: str, value: object, what: str) -> jax.Array:
   value = as_array(name, arg, value)
   if isinstance(value, int):
     value = np.asarray(min(max(value, np.iinfo(np.int64).min), np.iinfo(np.int64).max))
-  dtype = value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype
+  # JAX and NumPy arrays and scalars have a dtype (so may a ``__jax_array__`` object).
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(value).dtype
   if not jnp.issubdtype(dtype, jnp.integer):
     raise TypeError(f"{name}: {arg} must be an integer array of {what}; got dtype {dtype}.")
   if isinstance(value, (np.ndarray, np.generic)):
@@ -300,14 +320,14 @@ def real_scalar(name: str, option: str, value: object) -> tuple[float | jax.Arra
   back as an array whose value is not checked.
   """
   value = as_array(name, option, value, "a real number (a Python or NumPy number, or a 0-d array)")
-  static = _is_static(value)
-  arr = np.asarray(value) if static else jnp.asarray(value)
+  traced = None if _is_static(value) else jnp.asarray(value)
+  arr = np.asarray(value) if traced is None else traced
   if arr.ndim != 0:
     raise ValueError(f"{name}: {option} must be a scalar; got shape {arr.shape}.")
   if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
-    got = repr(value) if static else f"dtype {arr.dtype}"
+    got = repr(value) if traced is None else f"dtype {arr.dtype}"
     raise TypeError(f"{name}: {option} must be a real number; got {got}.")
-  return (float(arr), True) if static else (arr, False)
+  return (float(arr), True) if traced is None else (traced, False)
 
 
 def check_temperature(name: str, temperature: object) -> tuple[float | jax.Array, bool]:

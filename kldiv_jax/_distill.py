@@ -84,7 +84,7 @@ def _check_labels(name, labels, token_shape):
   return labels
 
 
-def _check_normalizer(name, value):
+def _check_normalizer(name: str, value: object) -> float | jax.Array:
   out, static = real_scalar(name, "normalizer", value)
   if static and not positive_finite(out):
     raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
@@ -217,6 +217,7 @@ def distillation_loss(
       valid = valid & jnp.any(m, axis=1, keepdims=True)
     else:
       valid = valid & vocab_parallel.any_class(m, axis_name)
+  labelled = None  # with labels: which tokens' labels are not ignore_index
   if labels is not None:
     # Compared in the labels' own dtype: a cast could wrap an id onto another.
     labels = _check_labels(name, labels, rows.out_shape).reshape(-1, 1)
@@ -226,7 +227,7 @@ def distillation_loss(
   cdt = rows.cdt
   if rows.empty:
     total = jnp.zeros((), cdt)
-    if labels is not None and not (alpha_static and alpha == 1.0):
+    if labelled is not None and not (alpha_static and alpha == 1.0):
       # Without classes every label is out of range: NaN, as documented.
       total = jnp.where(jnp.any(labelled), jnp.nan, total)
   else:
@@ -248,6 +249,7 @@ def distillation_loss(
     if labels is None:
       per_row = div
     else:
+      assert labelled is not None  # set with labels
       num_classes = rows.z.shape[1]
       if axis_name is not None:
         num_classes *= lax.axis_size(axis_name)
@@ -266,7 +268,7 @@ def distillation_loss(
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(valid), 1).astype(cdt)
   else:
-    denominator = normalizer if isinstance(normalizer, float) else normalizer.astype(cdt)
+    denominator = normalizer.astype(cdt) if isinstance(normalizer, jax.Array) else normalizer
   valid = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
   if normalizer is not None:
     valid = (*valid, positive_finite(normalizer))

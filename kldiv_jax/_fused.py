@@ -12,6 +12,7 @@ gradients themselves.
 """
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ def _chunk_divergence(z, y, temperature, beta, mask, *, divergence, static_beta,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
+def _fused(static, h, w, b, th, tw, tb, temperature, beta, mask, scale) -> jax.Array:
   return _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale)[0]
 
 
@@ -306,8 +307,7 @@ def fused_linear_kl_div(
       f"{name}: weight and target_weight must have the same vocabulary size; got shapes "
       f"{np.shape(weight)} and {np.shape(target_weight)}."
     )
-  if axis_name is not None:
-    num_shards = vocab_parallel.check_axis_name(name, axis_name)
+  num_shards = 1 if axis_name is None else vocab_parallel.check_axis_name(name, axis_name)
   cdt = compute_dtype(out_dtype)
   # The token count is explicit: reshape(-1, 0) is ambiguous for H = 0.
   n = int(np.prod(token_shape, dtype=np.int64))
@@ -327,7 +327,7 @@ def fused_linear_kl_div(
   if chunk_size is None:
     # The global vocabulary: a vocabulary-parallel call makes the unsharded
     # call's chunks, each device holding a slice of their logits.
-    vocab_size = np.shape(weight)[1] * (1 if axis_name is None else num_shards)
+    vocab_size = np.shape(weight)[1] * num_shards
     chunk = default_chunk_size(n, vocab_size)
   else:
     if (
@@ -375,4 +375,7 @@ def fused_linear_kl_div(
     mask,
     scale,
   )
+  # An array: the cast restates ``_fused``'s annotation, which the checker loses
+  # to jax.custom_vjp's unannotated ``__new__`` (it may return jax's custom_vjp3).
+  loss = cast(jax.Array, loss)
   return nan_unless(loss.astype(out_dtype), *valid)

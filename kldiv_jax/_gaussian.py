@@ -68,9 +68,11 @@ def gaussian_kl(
     # there (NaN, inf) cannot reach the gradients either.
     axes = normalize_axis(name, axis, mu.ndim)
     element, example = split_where(name, where, mu.shape, axes)
-    keep = (
-      element if element is not None else jnp.broadcast_to(jnp.expand_dims(example, axes), mu.shape)
-    )
+    if element is not None:
+      keep = element
+    else:
+      assert example is not None  # a given mask is an element or a per-example mask
+      keep = jnp.broadcast_to(jnp.expand_dims(example, axes), mu.shape)
     mu, lv, mu0, lv0 = (jnp.where(keep, a, 0.0) for a in (mu, lv, mu0, lv0))
   diff = mu - mu0
   terms = 0.5 * (exp_minus_one_minus(lv - lv0) + diff * diff * jnp.exp(-lv0))

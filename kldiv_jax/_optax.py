@@ -30,10 +30,10 @@ def masked_sum(
   function of those arrays, called after the masked entries are replaced by
   the fills: a NaN under the mask then cannot reach the gradients either.
   """
-  shape = inputs[0][0].shape if inputs else terms.shape
+  shape = inputs[0][0].shape if callable(terms) else terms.shape
   axes = normalize_axis(name, axis, len(shape))
   element, example = split_where(name, where, shape, axes)
-  if inputs:
+  if callable(terms):
     keep = element
     if example is not None:
       keep = jnp.broadcast_to(jnp.expand_dims(example, axes), shape)

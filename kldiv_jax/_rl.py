@@ -112,10 +112,9 @@ def kl_estimate(
   (logp, ref), out_dtype = promote_and_broadcast(
     name, ("log_probs", "ref_log_probs"), log_probs, ref_log_probs
   )
-  mask = None
-  if where is not None:
-    element, _ = split_where(name, where, logp.shape, ())
-    mask = element
+  # No axis is reduced, so a mask is an element mask (None without ``where``).
+  mask, _ = split_where(name, where, logp.shape, ())
+  if mask is not None:
     logp = jnp.where(mask, logp, 0.0)
     ref = jnp.where(mask, ref, 0.0)
   delta = logp - ref
