@@ -10,6 +10,7 @@ Logits references take ``z`` (student) and ``y`` (teacher) of shape
 ``[..., classes]``, finite, with ``q = softmax(z / T)`` and ``p = softmax(y / T)``.
 """
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -276,3 +277,29 @@ def torch_gaussian_kl(mean, log_var, prior_mean=0.0, prior_log_var=0.0, axis=-1)
 LOGITS = {"numpy": np_logits_value_and_grads, "torch": torch_logits_value_and_grads}
 DISTILLATION = {"numpy": np_distillation, "torch": torch_distillation}
 GAUSSIAN_KL = {"numpy": np_gaussian_kl, "torch": torch_gaussian_kl}
+
+
+# Compilations counted by one listener registered for the whole session: jax.monitoring has
+# no way to unregister a listener before jax 0.8 (the floor is 0.7.0).
+_COMPILE_COUNTERS: list[list[str]] = []
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _on_event_duration(event: str, duration: float, **kwargs) -> None:
+  if event == _COMPILE_EVENT:
+    for counter in _COMPILE_COUNTERS:
+      counter.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
+
+
+@contextlib.contextmanager
+def count_compiles():
+  """A list that collects one entry per XLA compilation made inside the ``with`` block."""
+  compiles: list[str] = []
+  _COMPILE_COUNTERS.append(compiles)
+  try:
+    yield compiles
+  finally:
+    _COMPILE_COUNTERS.remove(compiles)

@@ -5,12 +5,11 @@ argument), integer ids that would wrap, degenerate shapes, the caller's strict
 dtype promotion, and eager calls that must not compile again.
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import count_compiles
 
 import kldiv_jax as kj
 
@@ -417,21 +416,6 @@ def test_strict_dtype_promotion(name, dtype, other, traced):
 # 3. Eager calls compile once.
 
 
-@contextlib.contextmanager
-def _count_compiles():
-  compiles = []
-
-  def listener(event, duration, **kwargs):
-    if event == "/jax/core/compile/backend_compile_duration":
-      compiles.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield compiles
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-
-
 # More rows than one block of the CPU row statistics (the issue's [512, 1000]).
 BIG_S, BIG_T = _normal((300, 1000), 8), _normal((300, 1000), 9)
 BIG_LABELS = np.random.default_rng(10).integers(0, 1000, 300)
@@ -491,7 +475,7 @@ def _eager(name):
 def test_eager_calls_compile_only_once(name):
   call = _eager(name)
   first = jax.block_until_ready(call())
-  with _count_compiles() as compiles:
+  with count_compiles() as compiles:
     for _ in range(2):
       again = jax.block_until_ready(call())
   assert compiles == [], f"{len(compiles)} compilations in two more eager calls"
