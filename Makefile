@@ -9,6 +9,8 @@
 #   make format     ruff format (rewrites files)
 #   make typecheck  pyright over kldiv_jax/
 #   make build      wheel and sdist in dist/, then twine check
+#   make docs       the documentation site in docs/_build/html (warnings are errors),
+#                   then the doctests of its pages, of the README and of the docstrings
 #   make bench      benchmarks/run.py
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #
@@ -21,7 +23,7 @@ STAMP := $(VENV)/.kldiv_jax-installed
 PYTEST_ARGS ?= -q -n 2
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint format typecheck build bench fixtures clean
+.PHONY: venv demo test lint format typecheck build docs bench fixtures clean
 
 venv: $(STAMP)
 
@@ -59,6 +61,15 @@ build: venv
 	$(PY) -m build
 	$(PY) -m twine check --strict dist/*
 
+# From scratch every time: an incremental build would not repeat the warnings of
+# unchanged pages, and would keep the API pages of removed names.
+docs: venv
+	@$(call extra,docs)
+	rm -rf docs/_build docs/_autosummary
+	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	$(PY) -m pytest -q docs kldiv_jax README.md --doctest-glob=README.md
+	@echo "docs: open docs/_build/html/index.html"
+
 bench: venv
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
 
@@ -68,4 +79,4 @@ fixtures: venv
 	$(PY) tests/fixtures/make_torch_fixtures.py
 
 clean:
-	rm -rf examples/output .pytest_cache .hypothesis dist build
+	rm -rf examples/output .pytest_cache .hypothesis dist build docs/_build docs/_autosummary

@@ -1,4 +1,4 @@
-"""Core benchmark (issue 3): ``kldiv_jax.kl_div`` against what users would otherwise run.
+"""Core benchmark: ``kldiv_jax.kl_div`` against what users would otherwise run.
 
 For each case (size, dtype, ``log_target``, reduction) and each operation
 
@@ -349,7 +349,7 @@ def table_row(records: list[dict[str, Any]]) -> str:
 
 
 def evaluate_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
-  """The issue-3 targets at the flagship case (float32, (4096, 8192), batchmean).
+  """The targets at the flagship case (float32, (4096, 8192), batchmean).
 
   Where the flagship was not measured (``--quick``, ``--sizes``), the largest
   float32 ``batchmean`` case stands in, flagged ``flagship: False``.
@@ -418,7 +418,7 @@ def print_targets(targets: dict[str, Any]) -> None:
     return
   shape = "x".join(map(str, targets["shape"]))
   note = "" if targets["flagship"] else "  (NOT the flagship (4096, 8192): indicative only)"
-  print(f"\nTargets (issue 3) at float32 {shape} batchmean{note}")
+  print(f"\nTargets at float32 {shape} batchmean{note}")
   print(f"  {'log_target':10} {'target':42} {'value':>8} {'need':>8}  result")
   for row in targets["rows"]:
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]

@@ -1,4 +1,4 @@
-"""Large-vocabulary benchmark (issue 5): ``fused_linear_kl_div`` against materialised logits.
+"""Large-vocabulary benchmark: ``fused_linear_kl_div`` against materialised logits.
 
 Two contenders, both ``jax.value_and_grad`` wrt the student's hidden states
 and LM head (float32, forward KL at temperature 2, the teacher stopped):
@@ -176,7 +176,7 @@ def print_report(result: dict[str, Any]) -> None:
   print(f"  loss relative difference fused vs materialised: {time['loss_relative_difference']:.1e}")
   print(
     "\ntargets"
-    + (" (--quick: small shapes, not the issue's)" if result["settings"]["quick"] else "")
+    + (" (--quick: small shapes, not the full-size ones)" if result["settings"]["quick"] else "")
   )
   for t in result["targets"]:
     met = {True: "met", False: "MISSED", None: "-"}[t["met"]]

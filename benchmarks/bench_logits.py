@@ -1,4 +1,4 @@
-"""Logits benchmark (issue 4): the distillation losses against the code users write.
+"""Logits benchmark: the distillation losses against the code users write.
 
 For student/teacher logits ``(rows, classes)`` (default ``(4096, 8192)`` float32,
 ``T = 2``), each group times ``jax.value_and_grad`` wrt the student's logits of a
@@ -14,7 +14,7 @@ scalar loss (the mean over rows), side by side in one process, round-robin:
   cross-entropy, averaged over the valid tokens, with autodiff.
 
 Every contender is compiled ahead of time (XLA's memory analysis gives the temp
-bytes) and warmed up; the figures are medians. The issue-4 targets are printed
+bytes) and warmed up; the figures are medians. The targets are printed
 PASS/FAIL: ``kl`` at most 0.5x the time and 0.5x the temp bytes of the
 straightforward version, ``jsd`` at most 0.6x TRL's port, ``distill`` at most
 0.6x the straightforward version.
@@ -226,7 +226,7 @@ def print_report(result: dict[str, Any]) -> None:
     )
   targets = result["targets"]
   note = "" if targets["full_size"] else " (indicative only: not the (4096, 8192) size)"
-  print(f"Targets (issue 4){note}:")
+  print(f"Targets{note}:")
   for row in targets["rows"]:
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
     print(f"  {verdict:4}  {row['target']:40} {fmt_ratio(row['value']):>6} <= {row['limit']}")

@@ -1,11 +1,11 @@
-"""Sharding benchmarks (issue 5): per-device memory of the vocabulary-parallel losses.
+"""Sharding benchmarks: per-device memory of the vocabulary-parallel losses.
 
 ``vocab_parallel_memory()`` compiles (without running) ``value_and_grad`` of
 ``kl_div_from_logits`` and of ``fused_linear_kl_div`` twice: on one device,
 and inside ``jax.shard_map`` on 8 simulated CPU devices with the vocabulary
 split over the mesh axis ``"vocab"`` (``axis_name="vocab"``). It reports XLA's
 compiled memory analysis of both (temp, argument and output bytes) and the
-collectives of the sharded HLO (the issue-5 target: per-device temp at most
+collectives of the sharded HLO (the target: per-device temp at most
 0.2x the single-device program's, and no all-gather of a vocabulary-sized
 buffer).
 

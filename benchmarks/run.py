@@ -1,7 +1,7 @@
 """Runs the benchmark sections of kldiv_jax (``make bench``).
 
 Each section is a module ``benchmarks/bench_<name>.py`` with a ``main`` entry
-point (``core`` = issue 3, ``logits`` = issue 4, ...). Sections run in one
+point (``core``, ``logits``, ``large``, ``sharding``). Sections run in one
 process, one after the other; each writes ``<out>/<name>.json`` (and a chart)
 and prints its table. Options this runner does not know are passed to the
 ``core`` section (see ``python benchmarks/bench_core.py --help``).

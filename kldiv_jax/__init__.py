@@ -7,6 +7,8 @@ with finite values and gradients at zero-probability targets.
 from importlib.metadata import PackageNotFoundError, version
 
 from kldiv_jax._distill import distillation_loss as distillation_loss
+from kldiv_jax._divergence_api import Divergence as Divergence
+from kldiv_jax._divergence_api import divergence_from_logits as divergence_from_logits
 from kldiv_jax._fused import fused_linear_kl_div as fused_linear_kl_div
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
@@ -27,9 +29,11 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
   __version__ = "0.0.0"
 
 __all__ = [
+  "Divergence",
   "KLDivLoss",
   "convex_kl_divergence",
   "distillation_loss",
+  "divergence_from_logits",
   "fused_linear_kl_div",
   "gaussian_kl",
   "generalized_jsd",

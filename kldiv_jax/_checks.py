@@ -1,29 +1,141 @@
 """Trace-time validation shared by every loss: dtypes, shapes, axes, masks.
 
-Only static facts are checked (dtypes, shapes, option strings, axes); values
-cannot be inspected under ``jit``, so invalid values propagate as NaN instead.
+Only static facts are checked (the kinds of arguments, dtypes, shapes, option
+strings, axes); values cannot be inspected under ``jit``, so invalid values
+propagate as NaN instead. Every argument is checked here by name before it
+reaches JAX: :func:`as_array` for arrays, :func:`real_scalar` for numeric
+options, :func:`check_bool`, :func:`check_int`, :func:`check_choice` and
+:func:`normalize_axis` for static ones, :func:`index_array` for integer ids.
+
+Dtypes are promoted with JAX's standard rules (:func:`result_dtype`) whatever
+``jax_numpy_dtype_promotion`` the caller set: strict mode governs the caller's
+code; inside, arithmetic runs in the compute dtype with explicit casts.
 """
 
 from collections.abc import Sequence
+from typing import Protocol, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 Axis = int | tuple[int, ...] | None
 
 
+def result_dtype(*arrays_or_dtypes: object) -> jnp.dtype:
+  """``jnp.result_type`` under the standard promotion rules, even in strict mode.
+
+  Python scalars stay weakly typed (``bf16`` with ``2.0`` is ``bf16``), and
+  mixed inputs promote as ``jnp.promote_types`` does (``bf16`` with ``f32`` is
+  ``f32``) instead of raising ``TypePromotionError`` under the caller's
+  ``jax.numpy_dtype_promotion("strict")``.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return jnp.result_type(*arrays_or_dtypes)
+
+
 def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
   """The dtype arithmetic runs in: at least float32 (bf16/f16 are upcast)."""
-  return jnp.promote_types(dtype, jnp.float32)
+  return result_dtype(dtype, jnp.float32)
 
 
-def check_float(name: str, what: str, *arrays: jax.typing.ArrayLike) -> jnp.dtype:
+def _describe(value: object) -> str:
+  text = repr(value)
+  if len(text) > 60:
+    text = text[:57] + "..."
+  return text if value is None else f"{type(value).__name__} {text}"
+
+
+def _numeric(dtype: np.dtype) -> bool:
+  return dtype == np.bool_ or jnp.issubdtype(dtype, jnp.number)
+
+
+def _numeric_leaves(value: object) -> bool:
+  if isinstance(value, (list, tuple)):
+    return all(_numeric_leaves(v) for v in value)
+  if isinstance(value, (bool, int, float, complex)):
+    return True
+  return isinstance(value, (np.ndarray, np.generic, jax.Array)) and _numeric(value.dtype)
+
+
+def _has_jax_array(value: object) -> bool:
+  if isinstance(value, (list, tuple)):
+    return any(_has_jax_array(v) for v in value)
+  return isinstance(value, jax.Array)
+
+
+class SupportsJaxArray(Protocol):
+  """An object JAX converts to an array through its ``__jax_array__`` method."""
+
+  def __jax_array__(self) -> jax.Array: ...
+
+
+# What :func:`as_array` returns: whatever JAX converts to an array. That is
+# ``jax.typing.ArrayLike`` and two kinds it does not list: NumPy scalars of the
+# ml_dtypes types (``ml_dtypes.bfloat16(1.0)`` is a ``np.generic`` but not a
+# ``np.number``) and objects defining ``__jax_array__``.
+ArrayInput = jax.typing.ArrayLike | np.generic | SupportsJaxArray
+
+_AN_ARRAY = "an array of numbers (a JAX or NumPy array, a number or a nested list of numbers)"
+
+
+def as_array(name: str, arg: str, value: object, expected: str = _AN_ARRAY) -> ArrayInput:
+  """``value`` checked to be array-like, or a ``TypeError`` naming ``arg``.
+
+  Accepted: JAX arrays (tracers included) and NumPy arrays of numbers or
+  bools, Python and NumPy scalars, and nested lists or tuples of those, which
+  come back as an array (NumPy unless they hold JAX arrays). Python scalars
+  come back unchanged, so they stay weakly typed. ``None``, strings, bytes,
+  dicts, object arrays and lists of mixed kinds are rejected; ``expected``
+  words the message.
+  """
+  if isinstance(value, (bool, int, float, complex)):
+    return value
+  if isinstance(value, (list, tuple)) and _numeric_leaves(value):
+    try:  # then checked as an array: ints beyond int64 make an object array
+      value = jnp.asarray(value) if _has_jax_array(value) else np.asarray(value)
+    except (TypeError, ValueError):
+      raise ValueError(
+        f"{name}: {arg} is a nested list whose rows have different lengths; "
+        "expected a rectangular array."
+      ) from None
+  if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+    if _numeric(value.dtype):
+      return value
+    got = f"an array of dtype {value.dtype}"
+  elif hasattr(value, "__jax_array__"):
+    return cast(SupportsJaxArray, value)  # the checker does not narrow on hasattr
+  else:
+    got = _describe(value)
+  raise TypeError(f"{name}: {arg} must be {expected}; got {got}.")
+
+
+MASK = "a boolean mask (an array of bools)"
+
+
+def _join(names: Sequence[str]) -> str:
+  """``"a"``, ``"a and b"``, ``"a, b and c"``."""
+  return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _float_arrays(
+  name: str, names: Sequence[str], arrays: Sequence[object]
+) -> tuple[list[ArrayInput], jnp.dtype]:
+  arrays = [as_array(name, n, a) for n, a in zip(names, arrays, strict=True)]
+  return arrays, _check_float_dtypes(name, _join(names), arrays)
+
+
+def check_float(name: str, names: Sequence[str], *arrays: object) -> jnp.dtype:
   """Returns the promoted floating dtype of ``arrays``, or raises ``TypeError``.
 
-  ``what`` names the arguments in the message, e.g. ``"input and target"``.
-  The words follow torch's ("Integral inputs not supported.").
+  ``names`` are the arguments' names, one per array, for the messages. The
+  words follow torch's ("Integral inputs not supported.").
   """
+  return _float_arrays(name, names, arrays)[1]
+
+
+def _check_float_dtypes(name: str, what: str, arrays: Sequence[object]) -> jnp.dtype:
   dtypes = [jnp.result_type(a) for a in arrays]
   for dt in dtypes:
     if jnp.issubdtype(dt, jnp.complexfloating):
@@ -37,7 +149,7 @@ def check_float(name: str, what: str, *arrays: jax.typing.ArrayLike) -> jnp.dtyp
         f"got dtypes {', '.join(str(d) for d in dtypes)}. "
         "Cast with .astype(jnp.float32) first."
       )
-  return jnp.result_type(*arrays)
+  return result_dtype(*arrays)
 
 
 def broadcast_shapes(name: str, *shapes: Sequence[int]) -> tuple[int, ...]:
@@ -53,25 +165,28 @@ def broadcast_shapes(name: str, *shapes: Sequence[int]) -> tuple[int, ...]:
 
 
 def promote_and_broadcast(
-  name: str, what: str, *arrays: jax.typing.ArrayLike
+  name: str, names: Sequence[str], *arrays: object
 ) -> tuple[list[jax.Array], jnp.dtype]:
-  """Casts ``arrays`` to their common compute dtype and broadcast shape.
+  """Casts ``arrays`` (named ``names``) to their common compute dtype and broadcast shape.
 
   Returns the arrays (explicitly broadcast, so ``jax_numpy_rank_promotion``
   never fires inside the library) and the dtype results come back in.
   """
-  out_dtype = check_float(name, what, *arrays)
-  shape = broadcast_shapes(name, *[np.shape(a) for a in arrays])
+  checked, out_dtype = _float_arrays(name, names, arrays)
+  # np.shape does not call ``__jax_array__``: it takes such an object as 0-d,
+  # which the cast keeps as it was (NumPy's ArrayLike does not list them).
+  shapes = [np.shape(cast(npt.ArrayLike, a)) for a in checked]
+  shape = broadcast_shapes(name, *shapes)
   cdt = compute_dtype(out_dtype)
-  cast = [jnp.broadcast_to(jnp.asarray(a).astype(cdt), shape) for a in arrays]
-  return cast, out_dtype
+  out = [jnp.broadcast_to(jnp.asarray(a).astype(cdt), shape) for a in checked]
+  return out, out_dtype
 
 
 def normalize_axis(name: str, axis: Axis, ndim: int) -> tuple[int, ...]:
   """Axis (or axes, or ``None`` for all) as sorted non-negative ints."""
   if axis is None:
     return tuple(range(ndim))
-  axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+  axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
   out = []
   for a in axes:
     if not isinstance(a, (int, np.integer)) or isinstance(a, bool):
@@ -100,7 +215,7 @@ def split_where(
   """
   if where is None:
     return None, None
-  w = jnp.asarray(where)
+  w = jnp.asarray(as_array(name, "where", where, MASK))
   if w.dtype != jnp.bool_:
     raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
   out_shape = tuple(d for i, d in enumerate(shape) if i not in axes)
@@ -126,8 +241,93 @@ def check_choice(name: str, option: str, value: object, choices: Sequence[str]) 
     raise ValueError(f"{name}: {option} must be one of {allowed}; got {value!r}.")
 
 
+def check_bool(name: str, option: str, value: object) -> bool:
+  """``value`` as a bool, or a ``TypeError`` unless it is a Python or NumPy bool.
+
+  As torch does for ``log_target``: a string such as ``"False"`` is not taken
+  as true, nor a number as a flag.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(
+      f"{name}: {option} must be a bool (True or False), not {type(value).__name__}; got {value!r}."
+    )
+  return bool(value)
+
+
+def check_int(name: str, option: str, value: object) -> int:
+  """``value`` as an int, or a ``TypeError`` unless it is a Python or NumPy integer."""
+  if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name}: {option} must be an int; got {_describe(value)}.")
+  return int(value)
+
+
+def index_array(name: str, arg: str, value: object, what: str) -> jax.Array:
+  """An integer array of ``what`` (class ids), as a JAX array whose values did not wrap.
+
+  JAX stores NumPy ``int64``/``uint64`` arrays (and Python ints) in 32 bits
+  unless x64 is enabled, which wraps large values onto valid ids
+  (``2**32 + 1`` becomes 1). Such values are saturated to the 32-bit range
+  instead, where they stay out of range; they are then compared with
+  :func:`ids_in_range` and :func:`ids_differ` in their own dtype.
+  """
+  value = as_array(name, arg, value)
+  if isinstance(value, int):
+    value = np.asarray(min(max(value, np.iinfo(np.int64).min), np.iinfo(np.int64).max))
+  # JAX and NumPy arrays and scalars have a dtype (so may a ``__jax_array__`` object).
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(value).dtype
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name}: {arg} must be an integer array of {what}; got dtype {dtype}.")
+  if isinstance(value, (np.ndarray, np.generic)):
+    stored = jax.dtypes.canonicalize_dtype(dtype)
+    if stored != dtype:
+      info = np.iinfo(stored)
+      value = np.clip(value, info.min, info.max).astype(stored)
+  return jnp.asarray(value)
+
+
+def ids_in_range(ids: jax.Array, num_classes: int) -> jax.Array:
+  """``0 <= ids < num_classes``, compared in the ids' own dtype (nothing wraps)."""
+  below = (
+    ids < jnp.asarray(num_classes, ids.dtype)
+    if num_classes <= jnp.iinfo(ids.dtype).max
+    else jnp.ones(ids.shape, jnp.bool_)
+  )
+  return (ids >= jnp.asarray(0, ids.dtype)) & below
+
+
+def ids_differ(ids: jax.Array, value: int) -> jax.Array:
+  """``ids != value`` exactly: all true when ``value`` does not fit the ids' dtype.
+
+  (Casting ``-100`` to ``uint32`` would make it 4294967196 and match that id.)
+  """
+  info = jnp.iinfo(ids.dtype)
+  if not info.min <= value <= info.max:
+    return jnp.ones(ids.shape, jnp.bool_)
+  return ids != jnp.asarray(value, ids.dtype)
+
+
 def _is_static(value: object) -> bool:
   return isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool)
+
+
+def real_scalar(name: str, option: str, value: object) -> tuple[float | jax.Array, bool]:
+  """Returns ``(value, is_static)`` for a real scalar option, or raises naming ``option``.
+
+  A static value is a Python or NumPy real number, returned as a float; any
+  other (a JAX array, possibly traced) must be a real scalar too and comes
+  back as an array whose value is not checked.
+  """
+  value = as_array(name, option, value, "a real number (a Python or NumPy number, or a 0-d array)")
+  traced = None if _is_static(value) else jnp.asarray(value)
+  arr = np.asarray(value) if traced is None else traced
+  if arr.ndim != 0:
+    raise ValueError(f"{name}: {option} must be a scalar; got shape {arr.shape}.")
+  if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
+    got = repr(value) if traced is None else f"dtype {arr.dtype}"
+    raise TypeError(f"{name}: {option} must be a real number; got {got}.")
+  return (float(arr), True) if traced is None else (traced, False)
 
 
 def check_temperature(name: str, temperature: object) -> tuple[float | jax.Array, bool]:
@@ -136,31 +336,15 @@ def check_temperature(name: str, temperature: object) -> tuple[float | jax.Array
   A static temperature is a Python or NumPy real scalar; anything else is
   traced and must be a real scalar (its value is not checked).
   """
-  if _is_static(temperature):
-    value = np.asarray(temperature)
-    if value.ndim != 0:
-      raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
-    if not np.issubdtype(value.dtype, np.number) or np.iscomplexobj(value):
-      raise TypeError(f"{name}: temperature must be a real number; got {temperature!r}.")
-    if not (np.isfinite(value) and value > 0):
-      raise ValueError(f"{name}: temperature must be positive and finite; got {temperature!r}.")
-    return float(value), True
-  value = jnp.asarray(temperature)
-  if value.ndim != 0:
-    raise ValueError(f"{name}: temperature must be a scalar; got shape {value.shape}.")
-  if not (jnp.issubdtype(value.dtype, jnp.floating) or jnp.issubdtype(value.dtype, jnp.integer)):
-    raise TypeError(f"{name}: temperature must be a real number; got dtype {value.dtype}.")
-  return value, False
+  value, static = real_scalar(name, "temperature", temperature)
+  if static and not (np.isfinite(value) and value > 0):
+    raise ValueError(f"{name}: temperature must be positive and finite; got {temperature!r}.")
+  return value, static
 
 
 def check_unit_interval(name: str, option: str, value: object) -> tuple[float | jax.Array, bool]:
   """Returns ``(value, is_static)``; a static one must lie in ``[0, 1]``."""
-  if _is_static(value):
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not 0.0 <= float(arr) <= 1.0:
-      raise ValueError(f"{name}: {option} must be a number in [0, 1]; got {value!r}.")
-    return float(arr), True
-  arr = jnp.asarray(value)
-  if arr.ndim != 0:
-    raise ValueError(f"{name}: {option} must be a scalar; got shape {arr.shape}.")
-  return arr, False
+  out, static = real_scalar(name, option, value)
+  if static and not 0.0 <= out <= 1.0:
+    raise ValueError(f"{name}: {option} must be a number in [0, 1]; got {value!r}.")
+  return out, static

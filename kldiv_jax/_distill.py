@@ -4,11 +4,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from kldiv_jax import _vocab_parallel as vocab_parallel
-from kldiv_jax._checks import check_choice
+from kldiv_jax._checks import (
+  check_bool,
+  check_choice,
+  check_int,
+  compute_dtype,
+  ids_differ,
+  ids_in_range,
+  index_array,
+  real_scalar,
+)
 from kldiv_jax._logits import (
   check_temperature,
   check_unit_interval,
@@ -21,7 +29,8 @@ from kldiv_jax._logits import (
   row_stats,
   scaled,
 )
-from kldiv_jax._rows import ce_grad, label_hit, row_sum
+from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
+from kldiv_jax._rows import ce_grad, compiled, label_hit, row_sum
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
@@ -30,7 +39,7 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 
 
 def _ce_rows(z, labels, masks):
-  one = jnp.ones((), jnp.promote_types(z.dtype, jnp.float32))
+  one = jnp.ones((), compute_dtype(z.dtype))
 
   def stats(z, labels, *masks):
     u, _ = scaled(z, one, masks)
@@ -62,14 +71,11 @@ def _ce_kernel_jvp(primals, tangents):
 
 
 ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
+ce_kernel = compiled(ce_kernel)
 
 
 def _check_labels(name, labels, token_shape):
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise TypeError(
-      f"{name}: labels must be an integer array of class indices; got dtype {labels.dtype}."
-    )
+  labels = index_array(name, "labels", labels, "class indices")
   if labels.shape != token_shape:
     raise ValueError(
       f"{name}: labels must have the logits' shape without the class axis, "
@@ -78,16 +84,11 @@ def _check_labels(name, labels, token_shape):
   return labels
 
 
-def _check_normalizer(name, value):
-  if isinstance(value, (int, float, np.ndarray, np.generic)) and not isinstance(value, bool):
-    arr = np.asarray(value)
-    if arr.ndim != 0 or not float(arr) > 0:
-      raise ValueError(f"{name}: normalizer must be a positive scalar; got {value!r}.")
-    return float(arr)
-  arr = jnp.asarray(value)
-  if arr.ndim != 0:
-    raise ValueError(f"{name}: normalizer must be a scalar; got shape {arr.shape}.")
-  return arr
+def _check_normalizer(name: str, value: object) -> float | jax.Array:
+  out, static = real_scalar(name, "normalizer", value)
+  if static and not positive_finite(out):
+    raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
+  return out
 
 
 def distillation_loss(
@@ -133,24 +134,35 @@ def distillation_loss(
   unless the caller applies ``jax.lax.stop_gradient``. Masks, ``-inf``
   logits, temperature and dtypes as in :func:`kl_div_from_logits`. A label
   outside ``[0, num_classes)`` that is not ``ignore_index`` gives NaN; a label
-  on a class without mass (``-inf`` or masked) gives ``+inf``.
+  on a class without mass (``-inf`` or masked) gives ``+inf``. Labels of any
+  integer dtype are compared in that dtype, never cast first: a large
+  ``uint32``/``int64`` label is out of range, not wrapped onto a class or onto
+  ``ignore_index``. NaN in the
+  logits of a valid token makes the loss NaN. A traced option outside its
+  range (``temperature`` not positive and finite, ``alpha`` or ``beta``
+  outside ``[0, 1]``, ``normalizer`` not positive and finite; NaN fails
+  every test) makes the loss NaN, value and gradients, whether or not the
+  option is used; as a Python number it raises ``ValueError``.
 
   Args:
     student_logits: ``[..., num_classes]`` (e.g. ``[batch, seq, vocab]``).
     teacher_logits: broadcastable to ``student_logits``, same number of classes.
     labels: optional integer class indices, ``[...]`` (the logits' shape
       without the class axis).
-    temperature: positive softmax temperature of the divergence (a traced
-      scalar is allowed).
+    temperature: positive, finite softmax temperature of the divergence (a
+      traced scalar is allowed).
     alpha: weight of the distillation term, in ``[0, 1]``.
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the ``"jsd"`` mixture weight, in ``[0, 1]``.
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
-    ignore_index: the label of tokens to leave out.
+    ignore_index: the label (an int) of tokens to leave out.
     where: a per-token mask ``[...]``, or a class mask broadcastable to the
       logits (a masked vocabulary; a token with every class masked is left
       out).
-    normalizer: the denominator instead of the number of valid tokens.
+    normalizer: the denominator instead of the number of valid tokens:
+      positive and finite (0 is invalid, not "no tokens": a zero count with a
+      non-zero total is a bug to surface; use ``jnp.maximum(n, 1)`` for a
+      count that may be 0, as the default does).
     axis_name: the mesh axis over which the vocabulary (class axis) is split
       inside ``jax.shard_map`` (vocabulary parallelism), as in
       :func:`kl_div_from_logits`: each device passes its slice of the classes
@@ -185,10 +197,14 @@ def distillation_loss(
   alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, t_static = check_temperature(name, temperature)
+  scale_by_temperature_squared = check_bool(
+    name, "scale_by_temperature_squared", scale_by_temperature_squared
+  )
+  ignore_index = check_int(name, "ignore_index", ignore_index)
   if axis_name is not None:
     vocab_parallel.check_axis_name(name, axis_name)
   rows = prepare(
-    name, "student_logits and teacher_logits", student_logits, teacher_logits, -1, where
+    name, ("student_logits", "teacher_logits"), student_logits, teacher_logits, -1, where
   )
   if normalizer is not None:
     normalizer = _check_normalizer(name, normalizer)
@@ -201,14 +217,19 @@ def distillation_loss(
       valid = valid & jnp.any(m, axis=1, keepdims=True)
     else:
       valid = valid & vocab_parallel.any_class(m, axis_name)
+  labelled = None  # with labels: which tokens' labels are not ignore_index
   if labels is not None:
-    labels = _check_labels(name, labels, rows.out_shape).astype(jnp.int32).reshape(-1, 1)
-    labelled = labels != ignore_index
+    # Compared in the labels' own dtype: a cast could wrap an id onto another.
+    labels = _check_labels(name, labels, rows.out_shape).reshape(-1, 1)
+    labelled = ids_differ(labels, ignore_index)
     valid = valid & labelled
     masks = (*masks, labelled)
   cdt = rows.cdt
   if rows.empty:
     total = jnp.zeros((), cdt)
+    if labelled is not None and not (alpha_static and alpha == 1.0):
+      # Without classes every label is out of range: NaN, as documented.
+      total = jnp.where(jnp.any(labelled), jnp.nan, total)
   else:
     t = jnp.asarray(temperature).astype(cdt)
     kl, gjsd, ce_rows = kl_kernel, gjsd_kernel, ce_kernel
@@ -228,13 +249,14 @@ def distillation_loss(
     if labels is None:
       per_row = div
     else:
+      assert labelled is not None  # set with labels
       num_classes = rows.z.shape[1]
       if axis_name is not None:
         num_classes *= lax.axis_size(axis_name)
-      in_range = (labels >= 0) & (labels < num_classes)
-      safe = jnp.where(in_range, labels, 0)
+      in_range = ids_in_range(labels, num_classes)
+      safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
       ce = ce_rows(rows.z, safe, masks)
-      ce = jnp.where(labelled[:, 0] & ~in_range[:, 0], jnp.nan, ce)
+      ce = nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
       if alpha_static and alpha == 1.0:
         per_row = div
       elif alpha_static and alpha == 0.0:
@@ -246,5 +268,8 @@ def distillation_loss(
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(valid), 1).astype(cdt)
   else:
-    denominator = normalizer if isinstance(normalizer, float) else normalizer.astype(cdt)
-  return (total / denominator).astype(rows.out_dtype)
+    denominator = normalizer.astype(cdt) if isinstance(normalizer, jax.Array) else normalizer
+  valid = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
+  if normalizer is not None:
+    valid = (*valid, positive_finite(normalizer))
+  return nan_unless((total / denominator).astype(rows.out_dtype), *valid)

@@ -12,18 +12,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from kldiv_jax._checks import Axis, check_temperature
+from kldiv_jax._checks import Axis, check_temperature, real_scalar
 from kldiv_jax._divergences import FORMULAS, Formula
 from kldiv_jax._engine import divergence_rows
-from kldiv_jax._numerics import Param
+from kldiv_jax._numerics import Param, nan_unless, positive_finite
 from kldiv_jax._rows import prepare
 from kldiv_jax._vocab_parallel import check_axis_name
-
-
-def _static_number(x: object) -> bool:
-  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -54,7 +49,9 @@ class Divergence:
   params: tuple[tuple[str, Param], ...]
 
   def __init__(self, name: str = "forward_kl", **params: float | jax.typing.ArrayLike):
-    formula = FORMULAS.get(name) if isinstance(name, str) else None
+    if not isinstance(name, str):
+      raise TypeError(f"Divergence: name must be a string; got {name!r}.")
+    formula = FORMULAS.get(name)
     if formula is None:
       allowed = ", ".join(repr(n) for n in FORMULAS)
       raise ValueError(f"Divergence: name must be one of {allowed}; got {name!r}.")
@@ -91,6 +88,10 @@ class Divergence:
     """The static part, hashable: ``(name, ((param, float or None if traced), ...))``."""
     return self.name, tuple((k, v if isinstance(v, float) else None) for k, v in self.params)
 
+  def valid(self) -> tuple:
+    """The parameters' range tests, for :func:`~kldiv_jax._numerics.nan_unless`."""
+    return self.formula.valid(tuple(v for _, v in self.params))
+
   @property
   def traced(self) -> tuple[jax.Array, ...]:
     """The traced parameters' values, in order."""
@@ -126,18 +127,11 @@ class Divergence:
 
 def _check_param(name, key, value, bounds):
   lo, hi = bounds
-  where = f"[{lo:g}, {hi:g}]" if math.isfinite(lo) else "finite"
-  if _static_number(value):
-    x = float(value)
-    if not (math.isfinite(x) and lo <= x <= hi):
-      raise ValueError(f"Divergence: {name!r} parameter {key} must be {where}; got {value!r}.")
-    return x
-  arr = jnp.asarray(value)
-  if arr.ndim != 0:
-    raise ValueError(f"Divergence: parameter {key} must be a scalar; got shape {arr.shape}.")
-  if not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
-    raise TypeError(f"Divergence: parameter {key} must be a real number; got dtype {arr.dtype}.")
-  return arr
+  x, static = real_scalar(f"Divergence({name!r})", key, value)
+  if static and not (math.isfinite(x) and lo <= x <= hi):
+    where = f"in [{lo:g}, {hi:g}]" if math.isfinite(lo) else "finite"
+    raise ValueError(f"Divergence: {name!r} parameter {key} must be {where}; got {value!r}.")
+  return x
 
 
 def as_divergence(name: str, divergence: object) -> Divergence:
@@ -153,7 +147,8 @@ def as_divergence(name: str, divergence: object) -> Divergence:
     except TypeError as err:
       raise ValueError(f"{name}: {err}") from None
   allowed = ", ".join(repr(n) for n in FORMULAS)
-  raise ValueError(
+  error = ValueError if isinstance(divergence, str) else TypeError
+  raise error(
     f"{name}: divergence must be one of {allowed} or a kldiv_jax.Divergence; got {divergence!r}."
   )
 
@@ -273,8 +268,10 @@ def divergence_from_logits(
   temperature, _ = check_temperature(name, temperature)
   if axis_name is not None:
     check_axis_name(name, axis_name)
-  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  rows = prepare(name, ("logits", "target_logits"), logits, target_logits, axis, where)
   if rows.empty:
-    return jnp.zeros(rows.out_shape, rows.out_dtype)
-  t = jnp.asarray(temperature).astype(rows.cdt)
-  return rows.finish(divergence_rows(rows.z, rows.y, t, rows.masks, spec, axis_name))
+    out = jnp.zeros(rows.out_shape, rows.out_dtype)
+  else:
+    t = jnp.asarray(temperature).astype(rows.cdt)
+    out = rows.finish(divergence_rows(rows.z, rows.y, t, rows.masks, spec, axis_name))
+  return nan_unless(out, positive_finite(temperature), *spec.valid())

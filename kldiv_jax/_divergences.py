@@ -44,6 +44,7 @@ from kldiv_jax._alpha_beta import alpha_beta, alpha_beta_partials
 from kldiv_jax._numerics import (
   Param,
   cases,
+  in_unit_interval,
   is_static,
   keep,
   log_ratio_mix,
@@ -97,13 +98,21 @@ class Formula:
   smooth: bool = True
   source: str = ""
 
-  def valid(self, params: tuple[Param, ...]):
-    """Whether traced ``params`` lie in their ranges (``True`` if none is traced)."""
-    ok = True
-    for x, (lo, hi) in zip(params, self.ranges):
-      if not is_static(x):
-        ok = ok & (x >= lo) & (x <= hi) & jnp.isfinite(x)
-    return ok
+  def valid(self, params: tuple[Param, ...]) -> tuple:
+    """The range tests of ``params`` for :func:`~kldiv_jax._numerics.nan_unless`.
+
+    ``True`` for a static parameter (checked by :class:`Divergence`),
+    :func:`~kldiv_jax._numerics.in_unit_interval` for a traced one in ``[0, 1]``,
+    finiteness for an unbounded one.
+    """
+    return tuple(
+      True
+      if is_static(x)
+      else in_unit_interval(x)
+      if (lo, hi) == (0.0, 1.0)
+      else (x >= lo) & (x <= hi) & jnp.isfinite(x)
+      for x, (lo, hi) in zip(params, self.ranges)
+    )
 
 
 def _swapped(terms):

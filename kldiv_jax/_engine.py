@@ -28,12 +28,14 @@ a constant temperature cost nothing. The rule is plain JAX, so ``jvp``,
 of rows (:func:`kldiv_jax._rows.map_rows`); on one device both passes share a
 block.
 
-Row conventions: the value is ``sum f`` clamped below at 0 (rounding never
-makes a divergence negative), and exactly 0 with zero derivatives where the
-two rows are identical after temperature and masks (a per-row flag: under
-``jit`` XLA may round the two sides' identical arithmetic differently). NaN,
-in the value and every derivative, where a logit is NaN or ``+inf``, the
-temperature is not positive or a traced parameter is out of range. On a row
+Row conventions: the value is ``sum f`` clamped below at 0 by
+:func:`kldiv_jax._numerics.nonnegative` (rounding never makes a divergence
+negative), and exactly 0 with zero derivatives where the two rows are
+identical after temperature and masks (a per-row flag: under ``jit`` XLA may
+round the two sides' identical arithmetic differently). NaN, in the value and
+every derivative, where a logit is NaN or ``+inf``; a traced temperature or
+parameter out of range is the caller's to test (``nan_unless``, as
+:func:`kldiv_jax._divergence_api.divergence_from_logits` does). On a row
 whose value is ``+inf``, a derivative that is not finite there is 0 (forward
 KL with student mass missing: finite gradient wrt the student, 0 wrt the
 teacher). A row without mass on either side is 0 with zero gradients; where
@@ -55,7 +57,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._divergences import FORMULAS, Classes, Formula
-from kldiv_jax._rows import is_zero, logit_tangents, map_rows, normalizer, row_stats, scaled
+from kldiv_jax._numerics import nonnegative
+from kldiv_jax._rows import (
+  compiled,
+  is_zero,
+  logit_tangents,
+  map_rows,
+  normalizer,
+  row_stats,
+  scaled,
+)
 
 if TYPE_CHECKING:  # the spec's module imports this one
   from kldiv_jax._divergence_api import Divergence
@@ -173,15 +184,13 @@ class Rows(NamedTuple):
   infinite: jax.Array  # +inf rows: derivatives that are not finite there are 0
 
 
-def _rows(formula, params, temperature, stats) -> Rows:
-  """The value per row: ``sum f``, clamped at 0, 0 on identical rows, NaN on invalid ones
-  (NaN or ``+inf`` logits, a bad temperature or a traced parameter out of range)."""
+def _rows(stats) -> Rows:
+  """The value per row: ``sum f``, never below 0, 0 on identical rows, NaN on rows with a
+  NaN or ``+inf`` logit (the options' range tests are the caller's: ``nan_unless``)."""
   ok = jnp.isfinite(stats.su) & jnp.isfinite(stats.sv)
-  ok = ok & (temperature > 0) & jnp.isfinite(temperature) & formula.valid(params)
   # log(-1): a NaN only where one is meant to be (jax.debug_nans stays quiet elsewhere).
   nan = jnp.log(jnp.where(ok, 1.0, -1.0))
-  total = stats.sums[0]
-  value = jnp.where(stats.same | (total < 0), 0.0, total) + nan
+  value = nonnegative(jnp.where(stats.same, 0.0, stats.sums[0])) + nan
   return Rows(value, nan, stats.same, value == jnp.inf)
 
 
@@ -223,7 +232,7 @@ def _kernel(key, axis_name, z, y, temperature, traced, masks):
   formula = FORMULAS[key[0]]
   params = _params(key, traced, temperature.dtype)
   stats = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name)
-  return _rows(formula, params, temperature, stats).value[:, 0]
+  return _rows(stats).value[:, 0]
 
 
 def _kernel_jvp(key, axis_name, primals, tangents):
@@ -240,7 +249,7 @@ def _kernel_jvp(key, axis_name, primals, tangents):
     params=tuple(d is not None and not is_zero(d) for d in dparams),
   )
   stats = _statistics(formula, params, needs, z, y, temperature, masks, axis_name)
-  rows = _rows(formula, params, temperature, stats)
+  rows = _rows(stats)
   tangents = (dz, dy, dtemp, dparams)
   tangent = _tangent(
     formula, params, z, y, temperature, masks, tangents, stats, needs, rows, axis_name
@@ -249,6 +258,7 @@ def _kernel_jvp(key, axis_name, primals, tangents):
 
 
 _kernel.defjvp(_kernel_jvp, symbolic_zeros=True)
+_kernel = compiled(_kernel, static_argnums=(0, 1))
 
 
 def divergence_rows(
@@ -267,6 +277,10 @@ def divergence_rows(
   classes or 1]`` arrays (masked classes leave both distributions);
   ``divergence`` a :class:`kldiv_jax._divergence_api.Divergence`. With
   ``axis_name``, inside ``jax.shard_map``, the arrays hold this device's
-  slice of the classes and the result is replicated over the axis.
+  slice of the classes and the result is replicated over the axis. Compiled
+  once per shapes and static arguments when called eagerly (``_rows.compiled``).
+  Not tested here: the temperature's and traced parameters' ranges (the
+  caller applies ``nan_unless`` with ``positive_finite`` and
+  ``divergence.valid()``).
   """
   return _kernel(divergence.key, axis_name, z, y, temperature, divergence.traced, tuple(masks))

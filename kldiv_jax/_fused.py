@@ -12,6 +12,7 @@ gradients themselves.
 """
 
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +20,12 @@ import numpy as np
 from jax import lax
 
 from kldiv_jax import _vocab_parallel as vocab_parallel
-from kldiv_jax._checks import check_choice, check_float, compute_dtype
+from kldiv_jax._checks import MASK, as_array, check_bool, check_choice, check_float, compute_dtype
 from kldiv_jax._distill import DIVERGENCES
 from kldiv_jax._distill import _check_normalizer as check_normalizer
 from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
+from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
+from kldiv_jax._rows import compiled
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -63,7 +66,7 @@ def _chunk_divergence(z, y, temperature, beta, mask, *, divergence, static_beta,
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
+def _fused(static, h, w, b, th, tw, tb, temperature, beta, mask, scale) -> jax.Array:
   return _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale)[0]
 
 
@@ -153,6 +156,7 @@ def _fused_bwd(static, residuals, g):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+_fused = compiled(_fused, static_argnums=0)
 
 
 def _token_zero(*token_arrays):
@@ -164,6 +168,11 @@ def _token_zero(*token_arrays):
 
 
 def _check_linear(name, what, hidden, weight, bias):
+  """Checks one side's hidden states, head and bias; returns their promoted dtype."""
+  prefix = "" if what == "student" else "target_"
+  names = ("hidden", "weight") if bias is None else ("hidden", "weight", "bias")
+  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
+  dtype = check_float(name, [prefix + n for n in names], *arrays)
   if np.ndim(weight) != 2:
     raise ValueError(
       f"{name}: {what} weight must be [hidden, vocab]; got shape {np.shape(weight)}."
@@ -177,8 +186,7 @@ def _check_linear(name, what, hidden, weight, bias):
     raise ValueError(
       f"{name}: {what} bias must have shape ({np.shape(weight)[1]},); got {np.shape(bias)}."
     )
-  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
-  check_float(name, f"{what} hidden, weight and bias", *arrays)
+  return dtype
 
 
 def fused_linear_kl_div(
@@ -222,7 +230,10 @@ def fused_linear_kl_div(
   The teacher (``target_*``) receives no gradient, nor do ``temperature``
   and ``beta`` (zeros). Reverse mode only (``jax.grad``, ``value_and_grad``);
   use :func:`distillation_loss` on materialised logits for ``jvp`` or
-  Hessians. Matmuls accumulate in float32 (``preferred_element_type``);
+  Hessians. NaN and invalid traced options as in :func:`distillation_loss`:
+  NaN in the hidden states, heads or biases of a selected token, or a traced
+  ``temperature``, ``beta`` or ``normalizer`` outside its range, makes the
+  loss and the gradients NaN. Matmuls accumulate in float32 (``preferred_element_type``);
   gradients come back in the inputs' dtypes.
 
   Args:
@@ -232,13 +243,14 @@ def fused_linear_kl_div(
     target_weight: the teacher's LM head ``[H_T, V]``.
     bias: optional student bias ``[V]``.
     target_bias: optional teacher bias ``[V]``.
-    temperature: positive softmax temperature (a traced scalar is allowed).
+    temperature: positive, finite softmax temperature (a traced scalar is
+      allowed).
     divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
     beta: the ``"jsd"`` mixture weight in ``[0, 1]``.
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     where: a token mask of shape ``hidden.shape[:-1]``.
     normalizer: the denominator instead of the number of selected tokens
-      (a global token count for gradient accumulation).
+      (a global token count for gradient accumulation), positive and finite.
     chunk_size: tokens per chunk; ``None`` picks a power of two giving about
       ``2**22`` logits per chunk and side. The last chunk may be smaller.
     axis_name: for vocabulary parallelism: the name of a mesh axis over which
@@ -279,7 +291,10 @@ def fused_linear_kl_div(
   check_choice(name, "divergence", divergence, DIVERGENCES)
   beta, beta_static = check_unit_interval(name, "beta", beta)
   temperature, _ = check_temperature(name, temperature)
-  _check_linear(name, "student", hidden, weight, bias)
+  scale_by_temperature_squared = check_bool(
+    name, "scale_by_temperature_squared", scale_by_temperature_squared
+  )
+  out_dtype = _check_linear(name, "student", hidden, weight, bias)
   _check_linear(name, "teacher", target_hidden, target_weight, target_bias)
   token_shape = tuple(np.shape(hidden)[:-1])
   if tuple(np.shape(target_hidden)[:-1]) != token_shape:
@@ -292,19 +307,16 @@ def fused_linear_kl_div(
       f"{name}: weight and target_weight must have the same vocabulary size; got shapes "
       f"{np.shape(weight)} and {np.shape(target_weight)}."
     )
-  if axis_name is not None:
-    num_shards = vocab_parallel.check_axis_name(name, axis_name)
-  out_dtype = (
-    jnp.result_type(hidden, weight) if bias is None else jnp.result_type(hidden, weight, bias)
-  )
+  num_shards = 1 if axis_name is None else vocab_parallel.check_axis_name(name, axis_name)
   cdt = compute_dtype(out_dtype)
-  h = jnp.asarray(hidden).reshape(-1, np.shape(hidden)[-1])
-  th = jnp.asarray(target_hidden).reshape(-1, np.shape(target_hidden)[-1])
-  n = h.shape[0]
+  # The token count is explicit: reshape(-1, 0) is ambiguous for H = 0.
+  n = int(np.prod(token_shape, dtype=np.int64))
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+  th = jnp.asarray(target_hidden).reshape(n, np.shape(target_hidden)[-1])
   if where is None:
     mask = jnp.ones((n, 1), jnp.bool_)
   else:
-    w_arr = jnp.asarray(where)
+    w_arr = jnp.asarray(as_array(name, "where", where, MASK))
     if w_arr.dtype != jnp.bool_:
       raise TypeError(f"{name}: where must be a boolean mask; got dtype {w_arr.dtype}.")
     if w_arr.shape != token_shape:
@@ -315,7 +327,7 @@ def fused_linear_kl_div(
   if chunk_size is None:
     # The global vocabulary: a vocabulary-parallel call makes the unsharded
     # call's chunks, each device holding a slice of their logits.
-    vocab_size = np.shape(weight)[1] * (1 if axis_name is None else num_shards)
+    vocab_size = np.shape(weight)[1] * num_shards
     chunk = default_chunk_size(n, vocab_size)
   else:
     if (
@@ -325,14 +337,17 @@ def fused_linear_kl_div(
     ):
       raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
     chunk = int(min(chunk_size, max(n, 1)))
+  valid = (positive_finite(temperature), in_unit_interval(beta))
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
   else:
-    denominator = jnp.asarray(check_normalizer(name, normalizer)).astype(cdt)
+    normalizer = check_normalizer(name, normalizer)
+    valid = (*valid, positive_finite(normalizer))
+    denominator = jnp.asarray(normalizer).astype(cdt)
   t = jnp.asarray(temperature, cdt)
   scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
-  if n == 0:
-    return jnp.zeros((), out_dtype)
+  if n == 0 or np.shape(weight)[1] == 0:  # no tokens, or no vocabulary: nothing to sum
+    return nan_unless(jnp.zeros((), out_dtype), *valid)
   b_arr = None if bias is None else jnp.asarray(bias)
   tb_arr = None if target_bias is None else jnp.asarray(target_bias)
   w_arr = jnp.asarray(weight)
@@ -360,4 +375,7 @@ def fused_linear_kl_div(
     mask,
     scale,
   )
-  return loss.astype(out_dtype)
+  # An array: the cast restates ``_fused``'s annotation, which the checker loses
+  # to jax.custom_vjp's unannotated ``__new__`` (it may return jax's custom_vjp3).
+  loss = cast(jax.Array, loss)
+  return nan_unless(loss.astype(out_dtype), *valid)

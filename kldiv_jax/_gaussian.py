@@ -56,16 +56,23 @@ def gaussian_kl(
   """
   name = "gaussian_kl"
   (mu, lv, mu0, lv0), out_dtype = promote_and_broadcast(
-    name, "mean, log_var, prior_mean and prior_log_var", mean, log_var, prior_mean, prior_log_var
+    name,
+    ("mean", "log_var", "prior_mean", "prior_log_var"),
+    mean,
+    log_var,
+    prior_mean,
+    prior_log_var,
   )
   if where is not None:
     # Masked entries are made safe before the arithmetic, so that garbage
     # there (NaN, inf) cannot reach the gradients either.
     axes = normalize_axis(name, axis, mu.ndim)
     element, example = split_where(name, where, mu.shape, axes)
-    keep = (
-      element if element is not None else jnp.broadcast_to(jnp.expand_dims(example, axes), mu.shape)
-    )
+    if element is not None:
+      keep = element
+    else:
+      assert example is not None  # a given mask is an element or a per-example mask
+      keep = jnp.broadcast_to(jnp.expand_dims(example, axes), mu.shape)
     mu, lv, mu0, lv0 = (jnp.where(keep, a, 0.0) for a in (mu, lv, mu0, lv0))
   diff = mu - mu0
   terms = 0.5 * (exp_minus_one_minus(lv - lv0) + diff * diff * jnp.exp(-lv0))

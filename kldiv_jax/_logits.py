@@ -16,16 +16,22 @@ On CPU the row statistics are computed over blocks of rows (``_rows``).
 Conventions: a class whose logit is ``-inf`` (or masked) has no mass. A class
 without mass under the weighting distribution contributes 0, with zero
 gradients; mass where the other side has none gives ``+inf`` (the true value).
-A row without any mass is the zero measure.
+A row without any mass is the zero measure. A NaN (or ``+inf``) logit makes its
+row NaN, never the zero measure; the kernels' values are clamped at 0 after
+rounding (``_numerics``).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._checks import Axis, check_choice, check_temperature, check_unit_interval
+from kldiv_jax._numerics import in_unit_interval, nan_unless, nonnegative, positive_finite
 from kldiv_jax._rows import (
   Rows,
+  compiled,
   is_zero,
   logit_tangents,
   map_rows,
@@ -52,6 +58,7 @@ __all__ = [
   "kl_from_sums",
   "kl_kernel",
   "kl_tangent",
+  "kl_terms",
   "map_rows",
   "normalizer",
   "prepare",
@@ -65,15 +72,25 @@ DIRECTIONS = ("forward", "reverse")
 # KL(softmax(y / T) || softmax(z / T)) per row: z is the "input" side.
 
 
+def kl_terms(u, mu, v, mv, ev):
+  """``exp(v - mv) * ((v - mv) - (u - mu))`` per class, 0 where ``ev = exp(v - mv)`` is 0.
+
+  ``(v - mv) - (u - mu)`` is ``log p - log q`` up to the row constant, and
+  ``+inf`` where ``p > 0 = q``. Where ``p = 0`` the ``-inf`` logits are
+  selected away before the subtraction (``-inf - -inf`` would be a NaN that
+  ``jax.debug_nans`` reports); a NaN ``ev`` still propagates.
+  """
+  pos = ev > 0
+  return ev * jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
+
+
 def _kl_stats(temperature, masks):
   def fn(z, y, *masks):
     u, _ = scaled(z, temperature, masks)
     v, _ = scaled(y, temperature, masks)
     mu, _, su = row_stats(u)
     mv, ev, sv = row_stats(v)
-    # log p - log q, up to the row constant; +inf where p > 0 = q.
-    diff = jnp.where(ev > 0, (v - mv) - (u - mu), 0.0)
-    return mu, su, mv, sv, jnp.sum(ev * diff, axis=-1, keepdims=True)
+    return mu, su, mv, sv, jnp.sum(kl_terms(u, mu, v, mv, ev), axis=-1, keepdims=True)
 
   return fn
 
@@ -112,7 +129,7 @@ def kl_tangent(z, y, temperature, masks, tangents, kl, stats):
   g_v = None
   if not (is_zero(dy) and is_zero(dtemp)):
     finite = kl != jnp.inf
-    pos = (p > 0) & finite
+    pos = (p != 0) & finite  # NaN rows too: their gradients are NaN
     diff = jnp.where(pos, (v - mv) - jnp.where(pos, u - mu, 0.0), 0.0)
     g_v = jnp.where(pos, p * (diff + log_ratio - jnp.where(finite, kl, 0.0)), 0.0)
   return logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v)
@@ -123,18 +140,21 @@ def kl_kernel(z, y, temperature, masks):
   """``KL(softmax(y/T) || softmax(z/T))`` per row of ``[rows, classes]`` logits.
 
   ``temperature`` is a scalar of the compute dtype, ``masks`` a tuple of
-  boolean ``[rows or 1, classes or 1]`` arrays. Returns ``[rows]``.
+  boolean ``[rows or 1, classes or 1]`` arrays. Returns ``[rows]``, never
+  below 0 (:func:`~kldiv_jax._numerics.nonnegative`).
   """
-  return _kl_rows(z, y, temperature, masks)[0][:, 0]
+  return nonnegative(_kl_rows(z, y, temperature, masks)[0][:, 0])
 
 
 def _kl_kernel_jvp(primals, tangents):
   z, y, temperature, masks = primals
   kl, stats = _kl_rows(z, y, temperature, masks)
-  return kl[:, 0], kl_tangent(z, y, temperature, masks, tangents[:3], kl, stats)[:, 0]
+  tangent = kl_tangent(z, y, temperature, masks, tangents[:3], kl, stats)
+  return nonnegative(kl[:, 0]), tangent[:, 0]
 
 
 kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
+kl_kernel = compiled(kl_kernel)
 
 
 # Generalized JSD per row, mixture m = beta p + (1 - beta) q with p = softmax(y/T)
@@ -144,7 +164,7 @@ kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
 def _log_terms(u, mu, log_su, v, mv, log_sv, q, p, beta):
   """``(log q - log m, log p - log m)`` where ``q``, resp. ``p``, is positive, else 0."""
   m = beta * p + (1.0 - beta) * q
-  log_m = jnp.log(jnp.where(m > 0, m, 1.0))
+  log_m = jnp.log(jnp.where(m != 0, m, 1.0))  # a NaN m (a NaN row) propagates
   a_q = jnp.where(q > 0, jnp.where(q > 0, u - mu, 0.0) - log_su - log_m, 0.0)
   a_p = jnp.where(p > 0, jnp.where(p > 0, v - mv, 0.0) - log_sv - log_m, 0.0)
   return a_q, a_p
@@ -173,7 +193,7 @@ def jsd_kernel(z, y, temperature, beta, masks):
   """Generalized JSD per row for ``0 < beta < 1``; arguments as :func:`kl_kernel`."""
   stats = map_rows(_jsd_stats(temperature, beta, masks), (z, y, *masks), z.shape[0])
   kl_qm, kl_pm = stats[-2:]
-  return (beta * kl_pm + (1.0 - beta) * kl_qm)[:, 0]
+  return nonnegative(beta * kl_pm + (1.0 - beta) * kl_qm)[:, 0]
 
 
 def jsd_tangent(z, y, temperature, beta, masks, tangents, stats, kl_qm, kl_pm):
@@ -214,10 +234,11 @@ def _jsd_kernel_jvp(primals, tangents):
   _, inv_sv, log_sv = normalizer(sv)
   stats = (mu, mv, inv_su, log_su, inv_sv, log_sv)
   tangent = jsd_tangent(z, y, temperature, beta, masks, tangents[:3], stats, kl_qm, kl_pm)
-  return jsd[:, 0], (tangent + beta_tangent(tangents[3], kl_qm, kl_pm))[:, 0]
+  return nonnegative(jsd)[:, 0], (tangent + beta_tangent(tangents[3], kl_qm, kl_pm))[:, 0]
 
 
 jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
+jsd_kernel = compiled(jsd_kernel)
 
 
 def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
@@ -226,8 +247,8 @@ def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
   ``kl(z, y, t, masks)`` and ``jsd(z, y, t, beta, masks)`` are the KL and
   interior-JSD kernels (unsharded or vocabulary-parallel). ``beta == 0`` is
   ``KL(p || q)`` and ``beta == 1`` is ``KL(q || p)`` (TRL's special cases); a
-  traced ``beta`` selects the branch at run time and gives NaN outside
-  ``[0, 1]``.
+  traced ``beta`` selects the branch at run time (outside ``[0, 1]`` the
+  public functions make the result NaN with ``nan_unless``).
   """
   if beta_static:
     if beta == 0:
@@ -237,7 +258,7 @@ def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
     return jsd(z, y, temperature, jnp.asarray(beta, temperature.dtype), masks)
   b = jnp.asarray(beta).astype(temperature.dtype)
   index = jnp.where(b == 0, 0, jnp.where(b == 1, 1, 2))
-  out = lax.switch(
+  return lax.switch(
     index,
     [
       lambda z, y, t, b, m: kl(z, y, t, m),
@@ -250,12 +271,19 @@ def gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static):
     b,
     masks,
   )
-  return jnp.where((b >= 0) & (b <= 1), out, jnp.nan)
 
 
 def gjsd_kernel(z, y, temperature, masks, beta, beta_static):
   """TRL's generalized JSD per row, endpoints included (see :func:`gjsd`)."""
+  if not beta_static:
+    return _gjsd_traced(z, y, temperature, masks, beta)
   return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, beta_static)
+
+
+@functools.partial(compiled, inline=False)
+def _gjsd_traced(z, y, temperature, masks, beta):
+  """:func:`gjsd` for a traced ``beta``: its ``lax.switch`` compiled once (:func:`compiled`)."""
+  return gjsd(kl_kernel, jsd_kernel, z, y, temperature, masks, beta, False)
 
 
 def _vocab_parallel():
@@ -265,21 +293,24 @@ def _vocab_parallel():
   return _vocab_parallel
 
 
-def _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run):
+def _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run, valid=()):
   """The shared body of the per-example logit losses.
 
   Checks the temperature and ``axis_name``, lays the logits out as rows
   (:func:`prepare`) and returns ``run(rows, t)``, per row, in the output's
   shape and dtype; ``t`` is the temperature as a compute-dtype scalar. Empty
-  inputs give zeros.
+  inputs give zeros. The result is NaN unless a traced temperature is
+  positive and finite and the other options' range tests ``valid`` hold.
   """
   temperature, _ = check_temperature(name, temperature)
   if axis_name is not None:
     _vocab_parallel().check_axis_name(name, axis_name)
-  rows = prepare(name, "logits and target_logits", logits, target_logits, axis, where)
+  rows = prepare(name, ("logits", "target_logits"), logits, target_logits, axis, where)
   if rows.empty:
-    return jnp.zeros(rows.out_shape, rows.out_dtype)
-  return rows.finish(run(rows, jnp.asarray(temperature).astype(rows.cdt)))
+    out = jnp.zeros(rows.out_shape, rows.out_dtype)
+  else:
+    out = rows.finish(run(rows, jnp.asarray(temperature).astype(rows.cdt)))
+  return nan_unless(out, positive_finite(temperature), *valid)
 
 
 def kl_div_from_logits(
@@ -324,15 +355,23 @@ def kl_div_from_logits(
   side whose every class is ``-inf`` or masked is the zero measure:
   ``KL(0 || q) = 0``, ``KL(p || 0) = +inf``; an example masked on both sides
   (an all-masked row, or a per-example ``where``) gives 0 and zero
-  gradients. NaN propagates.
+  gradients.
+
+  NaN and invalid values: a NaN (or ``+inf``) logit that is not masked makes
+  its example NaN, value and gradients, on either side (a NaN teacher is
+  never read as "no mass"). The value is never below 0: a divergence that
+  rounds below 0 (nearly equal distributions) is clamped at 0, and its
+  gradient is that of the exact formula (about 0 there too).
 
   Args:
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable to ``logits``, with
       the same number of classes.
     temperature: positive softmax temperature ``T``; a Python number is
-      checked at trace time, a traced scalar (a schedule) is not, and may be
-      differentiated.
+      checked at trace time (``ValueError`` unless positive and finite); a
+      traced scalar (a schedule) may be differentiated, and makes every
+      output NaN, value and gradients, unless positive and finite (NaN
+      fails).
     direction: ``"forward"`` for ``KL(p || q)``, ``"reverse"`` for
       ``KL(q || p)``.
     axis: the class axis (or axes, flattened into one distribution).
@@ -425,8 +464,11 @@ def generalized_jsd(
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable, same number of classes.
     beta: the mixture weight of the teacher, in ``[0, 1]``; checked when a
-      Python number; a traced value gives NaN outside ``[0, 1]``.
-    temperature: positive softmax temperature (a traced scalar is allowed).
+      Python number; a traced value outside ``[0, 1]`` (or NaN) makes every
+      output NaN.
+    temperature: positive softmax temperature, as in
+      :func:`kl_div_from_logits` (a traced one is allowed; NaN unless
+      positive and finite).
     axis: the class axis (or axes).
     where: an element (class) mask or a per-example mask, as in
       :func:`kl_div_from_logits`.
@@ -465,4 +507,5 @@ def generalized_jsd(
       axis_name, rows.z, rows.y, t, rows.masks, beta, beta_static
     )
 
-  return _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run)
+  valid = (in_unit_interval(beta),)
+  return _per_example(name, logits, target_logits, temperature, axis, where, axis_name, run, valid)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from kldiv_jax._checks import Axis, normalize_axis, promote_and_broadcast, split_where
+from kldiv_jax._numerics import nonnegative
 from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
 
 
@@ -29,10 +30,10 @@ def masked_sum(
   function of those arrays, called after the masked entries are replaced by
   the fills: a NaN under the mask then cannot reach the gradients either.
   """
-  shape = inputs[0][0].shape if inputs else terms.shape
+  shape = inputs[0][0].shape if callable(terms) else terms.shape
   axes = normalize_axis(name, axis, len(shape))
   element, example = split_where(name, where, shape, axes)
-  if inputs:
+  if callable(terms):
     keep = element
     if example is not None:
       keep = jnp.broadcast_to(jnp.expand_dims(example, axes), shape)
@@ -90,7 +91,7 @@ def kl_divergence(
   """
   return _per_example(
     "kl_divergence",
-    "log_predictions and targets",
+    ("log_predictions", "targets"),
     kl_prob_kernel,
     0.0,
     log_predictions,
@@ -125,7 +126,7 @@ def kl_divergence_with_log_targets(
   """
   return _per_example(
     "kl_divergence_with_log_targets",
-    "log_predictions and log_targets",
+    ("log_predictions", "log_targets"),
     kl_log_kernel,
     -jnp.inf,
     log_predictions,
@@ -152,6 +153,8 @@ def generalized_kl_divergence(
   with ``q = exp(log_predictions)``. Equals :func:`kl_divergence` for
   normalised ``p`` and ``q``. Zero-mass conventions, args and ``where`` as in
   :func:`kl_divergence`. ``convex_kl_divergence`` is the same function.
+  Never below 0 (each term is ``>= 0``): a sum rounded below 0 is clamped,
+  with the gradient of the unclamped sum; NaN propagates.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -161,10 +164,11 @@ def generalized_kl_divergence(
   """
   name = "generalized_kl_divergence"
   (x, t), out_dtype = promote_and_broadcast(
-    name, "log_predictions and targets", log_predictions, targets
+    name, ("log_predictions", "targets"), log_predictions, targets
   )
   terms = lambda x, t: kl_prob_kernel(x, t) + (jnp.exp(x) - t)  # noqa: E731
-  return masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0))).astype(out_dtype)
+  out = masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0)))
+  return nonnegative(out).astype(out_dtype)
 
 
 convex_kl_divergence = generalized_kl_divergence

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from kldiv_jax._checks import promote_and_broadcast
+from kldiv_jax._checks import check_bool, promote_and_broadcast
 
 # Any finite log-probability is far above -BIG; BIG + any such value rounds to
 # a number that times finfo.max overflows.
@@ -164,6 +164,8 @@ def kl_div_pointwise(
     >>> kl_div_pointwise(x, jnp.array([0.5, 0.0]))
     Array([0.3465736, 0.       ], dtype=float32)
   """
-  (x, t), out_dtype = promote_and_broadcast("kl_div_pointwise", "input and target", input, target)
+  name = "kl_div_pointwise"
+  log_target = check_bool(name, "log_target", log_target)
+  (x, t), out_dtype = promote_and_broadcast(name, ("input", "target"), input, target)
   kernel = kl_log_kernel if log_target else kl_prob_kernel
   return positive_zero(kernel(x, t)).astype(out_dtype)

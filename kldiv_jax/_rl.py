@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kldiv_jax._checks import check_choice, promote_and_broadcast, split_where
+from kldiv_jax._checks import check_choice, promote_and_broadcast, real_scalar, split_where
+from kldiv_jax._numerics import nan_unless
 
 ESTIMATORS = ("k1", "k2", "k3")
 
@@ -41,10 +42,11 @@ def _clip_bounds(name, clip):
   if isinstance(clip, (tuple, list)):
     if len(clip) != 2:
       raise ValueError(f"{name}: clip must be a number or a (low, high) pair; got {clip!r}.")
-    low, high = clip
+    (low, low_static), (high, high_static) = (real_scalar(name, "clip", b) for b in clip)
   else:
-    low, high = -clip, clip
-  if all(isinstance(b, (int, float, np.number)) for b in (low, high)) and not low <= high:
+    c, static = real_scalar(name, "clip", clip)
+    (low, low_static), (high, high_static) = (-c, static), (c, static)
+  if low_static and high_static and not low <= high:
     raise ValueError(
       f"{name}: clip must bound the log-ratio by low <= high (a number c means "
       f"[-c, c]); got {clip!r}."
@@ -83,7 +85,9 @@ def kl_estimate(
     estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
     clip: bounds the log-ratio :math:`\delta` before the estimator: a number
       ``c`` for ``[-c, c]`` or a pair ``(low, high)``; the gradient is 0
-      outside the bounds.
+      outside the bounds. ``low <= high`` (``c >= 0``) is checked when the
+      bounds are Python numbers; traced bounds that break it (or are NaN)
+      make every estimate NaN.
     where: a boolean token mask, broadcastable to the inputs; masked tokens
       give 0 and zero gradients, whatever their values (``-inf`` padding
       included).
@@ -106,17 +110,17 @@ def kl_estimate(
   check_choice(name, "estimator", estimator, ESTIMATORS)
   bounds = _clip_bounds(name, clip)
   (logp, ref), out_dtype = promote_and_broadcast(
-    name, "log_probs and ref_log_probs", log_probs, ref_log_probs
+    name, ("log_probs", "ref_log_probs"), log_probs, ref_log_probs
   )
-  mask = None
-  if where is not None:
-    element, _ = split_where(name, where, logp.shape, ())
-    mask = element
+  # No axis is reduced, so a mask is an element mask (None without ``where``).
+  mask, _ = split_where(name, where, logp.shape, ())
+  if mask is not None:
     logp = jnp.where(mask, logp, 0.0)
     ref = jnp.where(mask, ref, 0.0)
   delta = logp - ref
   if bounds is not None:
-    delta = jnp.clip(delta, bounds[0], bounds[1])
+    low, high = (jnp.asarray(b, delta.dtype) for b in bounds)  # a traced bound: any dtype
+    delta = jnp.clip(delta, low, high)
   if estimator == "k1":
     out = delta
   elif estimator == "k2":
@@ -125,4 +129,5 @@ def kl_estimate(
     out = exp_minus_one_minus(-delta)
   if mask is not None:
     out = jnp.where(mask, out, 0.0)
-  return out.astype(out_dtype)
+  valid = () if bounds is None else (bounds[0] <= bounds[1],)
+  return nan_unless(out.astype(out_dtype), *valid)

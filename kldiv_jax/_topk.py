@@ -18,7 +18,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from kldiv_jax._checks import check_float, check_temperature, compute_dtype
+from kldiv_jax._checks import (
+  MASK,
+  as_array,
+  check_float,
+  check_temperature,
+  compute_dtype,
+  ids_in_range,
+  index_array,
+)
+from kldiv_jax._compat import take_along_last_axis_filled
+from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite
 from kldiv_jax._pointwise import kl_log_kernel
 
 
@@ -35,10 +45,15 @@ def _divide(z: jax.Array, temperature, is_static: bool) -> jax.Array:
 
 
 def _logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
-  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row."""
-  m = jnp.max(x, axis=axis, keepdims=True)
-  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  return jnp.log(jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)) + m
+  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row.
+
+  The ``log`` of an empty row's zero sum is selected around (its derivative
+  would be ``0 / 0``).
+  """
+  m = lax.stop_gradient(max_shift(jnp.max(x, axis=axis, keepdims=True)))
+  s = jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)
+  has = s != 0
+  return jnp.where(has, jnp.log(jnp.where(has, s, 1.0)) + m, -jnp.inf)
 
 
 @jax.custom_jvp
@@ -51,7 +66,7 @@ def _full_logsumexp(z: jax.Array, scale: jax.Array) -> jax.Array:
   instead of saving it: reverse mode writes no ``[..., vocab]`` residual.
   """
   m = jnp.max(z, axis=-1, keepdims=True).astype(scale.dtype) * scale
-  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  m = lax.stop_gradient(max_shift(m))
   return jnp.log(jnp.sum(jnp.exp(z.astype(scale.dtype) * scale - m), axis=-1, keepdims=True)) + m
 
 
@@ -61,7 +76,7 @@ def _full_logsumexp_jvp(primals, tangents):
   lse = _full_logsumexp(z, scale)
   x = z.astype(scale.dtype) * scale
   # d lse = sum_v softmax_v d(x_v), x = z * scale; 0 * -inf guarded at masked logits.
-  q = jnp.exp(x - jnp.where(jnp.isfinite(lse), lse, 0.0))
+  q = jnp.exp(x - max_shift(lse))
   tangent = jnp.zeros_like(lse)
   if not isinstance(dz, SymbolicZero):
     tangent = tangent + jnp.sum(q * dz.astype(q.dtype), axis=-1, keepdims=True) * scale
@@ -98,7 +113,7 @@ def _split_mask(name, where, batch_shape, slot_shape):
   """``(example_mask, slot_mask)`` from ``where`` (one of them ``None``)."""
   if where is None:
     return None, None
-  w = jnp.asarray(where)
+  w = jnp.asarray(as_array(name, "where", where, MASK))
   if w.dtype != jnp.bool_:
     raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
   target, kind = (slot_shape, "slot") if w.ndim == len(slot_shape) else (batch_shape, "example")
@@ -114,6 +129,21 @@ def _split_mask(name, where, batch_shape, slot_shape):
     )
   w = jnp.broadcast_to(w, target)
   return (w, None) if kind == "example" else (None, w)
+
+
+def _repeated_ids(idx: jax.Array, keep: jax.Array) -> jax.Array:
+  """Whether an example holds one id at two slots with mass (``keep``), ``[...]``.
+
+  One sort of the ids per example (``[..., k]``, small beside the
+  vocabulary), slots with mass first among equal ids: a repeat is then two
+  neighbours with mass and the same id.
+  """
+  if idx.shape[-1] < 2:
+    return jnp.zeros(idx.shape[:-1], jnp.bool_)
+  ids, no_mass = lax.sort((idx, (~keep).astype(jnp.int8)), dimension=idx.ndim - 1, num_keys=2)
+  with_mass = no_mass == 0
+  same = (ids[..., 1:] == ids[..., :-1]) & with_mass[..., 1:] & with_mass[..., :-1]
+  return jnp.any(same, axis=-1)
 
 
 def kl_div_from_topk(
@@ -173,12 +203,18 @@ def kl_div_from_topk(
     whose slots are all masked or ``-inf`` gives 0.
 
   Indices: a masked or ``-inf`` slot may hold any id (padding such as -1 or
-  -100 is ignored). At a slot with mass, an id outside ``[0, vocab)``
-  (negative ids included: they are *not* wrapped) gathers NaN (``jnp``'s
-  ``mode="fill"``), so the example's value is NaN rather than silently
-  clamped or wrapped. Ids with mass should be distinct, as top-k produces;
-  duplicates are not merged. A top-k id whose student logit is ``-inf``
-  gives ``+inf`` (the true value).
+  -100 is ignored, values and gradients alike). At a slot with mass, an id
+  outside ``[0, vocab)`` (negative ids included: they are *not* wrapped)
+  gathers NaN (``jnp``'s ``mode="fill"``), so the example's value is NaN
+  rather than silently clamped or wrapped; nor are ids beyond the int32 range
+  (``int64``, ``uint32``, NumPy ``int64`` without x64). Ids with mass must be distinct,
+  as top-k produces: an example holding one id at two slots with mass gives
+  NaN (a repeated id is not a distribution over ids; merge its masses first
+  if that is what it means). A top-k id whose student logit is ``-inf``
+  gives ``+inf`` (the true value), as does a student row of only ``-inf``
+  logits (``KL(p || 0)``, as in :func:`kl_div_from_logits`). The value is
+  never below 0; NaN in the logits or log-probabilities propagates, and a
+  traced temperature that is not positive and finite gives NaN.
 
   Args:
     logits: student logits ``[..., vocab]`` (bf16/f16 are computed in float32).
@@ -186,8 +222,8 @@ def kl_div_from_topk(
     topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
     temperature: positive softmax temperature ``T``, for the teacher and the
       student alike; a Python number is checked at trace time, a traced
-      scalar is allowed (schedules) and differentiable. No ``T**2`` factor is
-      applied.
+      scalar is allowed (schedules) and differentiable (NaN unless positive
+      and finite). No ``T**2`` factor is applied.
     where: optional boolean per-example ``[...]`` or per-slot ``[..., k]`` mask.
 
   Returns:
@@ -212,14 +248,10 @@ def kl_div_from_topk(
     Array([0.4965...], dtype=float32)
   """
   name = "kl_div_from_topk"
-  out_dtype = check_float(name, "logits and topk_log_probs", logits, topk_log_probs)
+  out_dtype = check_float(name, ("logits", "topk_log_probs"), logits, topk_log_probs)
   z = jnp.asarray(logits)
   lp = jnp.asarray(topk_log_probs)
-  idx = jnp.asarray(topk_indices)
-  if not jnp.issubdtype(idx.dtype, jnp.integer):
-    raise TypeError(
-      f"{name}: topk_indices must be an integer array of token ids; got dtype {idx.dtype}."
-    )
+  idx = index_array(name, "topk_indices", topk_indices, "token ids")
   _check_shapes(name, z, idx, lp)
   temperature, is_static = check_temperature(name, temperature)
   example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
@@ -237,18 +269,28 @@ def kl_div_from_topk(
   keep = lp != -jnp.inf
   if slot is not None:
     keep = keep & slot
+  if example is not None:
+    keep = keep & example[..., None]
   t = jnp.where(keep, _divide(jnp.where(keep, lp, 0.0), temperature, is_static), -jnp.inf)
   lse_t = _logsumexp(t)
-  log_p = jnp.where(keep, t - jnp.where(jnp.isfinite(lse_t), lse_t, 0.0), -jnp.inf)
+  log_p = jnp.where(keep, t - max_shift(lse_t), -jnp.inf)
 
   # Student: full-vocabulary log-sum-exp, log-probabilities gathered at the ids.
+  # Slots without mass gather id 0: their padding ids (-1, -100) would gather
+  # a NaN that the selects below hide from the value but not from jax.debug_nans
+  # nor from the derivative wrt a traced temperature.
   scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
   lse_s = _full_logsumexp(z, scale)
-  picked = jnp.take_along_axis(z, idx, axis=-1, mode="fill", wrap_negative_indices=False)
+  if jnp.iinfo(idx.dtype).max > jnp.iinfo(jnp.int32).max:
+    # The gather indexes in int32: an id beyond it would wrap onto a valid one.
+    idx = jnp.where(ids_in_range(idx, z.shape[-1]), idx.astype(jnp.int32), -1)
+  picked = take_along_last_axis_filled(z, jnp.where(keep, idx, 0))
   picked = _divide(picked.astype(cdt), temperature, is_static)
-  log_q = jnp.where(keep, picked - lse_s, 0.0)
+  # An all -inf student row (lse -inf) is the zero measure: log q = -inf, KL = +inf.
+  log_q = jnp.where(keep, picked - max_shift(lse_s), 0.0)
 
-  kl = jnp.sum(kl_log_kernel(log_q, log_p), axis=-1)
+  kl = nonnegative(jnp.sum(kl_log_kernel(log_q, log_p), axis=-1))
+  kl = nan_unless(kl, ~_repeated_ids(idx, keep))
   if example is not None:
     kl = jnp.where(example, kl, 0.0)
-  return kl.astype(out_dtype)
+  return nan_unless(kl.astype(out_dtype), positive_finite(temperature))

@@ -13,7 +13,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax._checks import check_choice, promote_and_broadcast
+from kldiv_jax._checks import check_bool, check_choice, promote_and_broadcast
 from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel, positive_zero
 
 REDUCTIONS = ("none", "mean", "sum", "batchmean")
@@ -89,7 +89,8 @@ def kl_div(
     A scalar, or the broadcast shape for ``'none'``; the promoted dtype.
 
   Raises:
-    TypeError: integer, bool or complex inputs.
+    TypeError: integer, bool or complex inputs, arguments that are not arrays,
+      or a ``log_target`` that is not a bool (as torch).
     ValueError: an unknown ``reduction`` or non-broadcastable shapes.
 
   Examples:
@@ -101,13 +102,14 @@ def kl_div(
     Array(0.5882..., dtype=float32)
   """
   check_choice("kl_div", "reduction", reduction, REDUCTIONS)
+  log_target = check_bool("kl_div", "log_target", log_target)
   if size_average is not None or reduce is not None:
     mode = legacy_reduction(size_average, reduce)
   else:
     if reduction == "mean":
       warnings.warn(_MEAN_WARNING, UserWarning, stacklevel=2)
     mode = "sum" if reduction == "batchmean" else reduction
-  (x, t), out_dtype = promote_and_broadcast("kl_div", "input and target", input, target)
+  (x, t), out_dtype = promote_and_broadcast("kl_div", ("input", "target"), input, target)
   kernel = kl_log_kernel if log_target else kl_prob_kernel
   loss = kernel(x, t)
   if mode == "none":
@@ -164,7 +166,7 @@ class KLDivLoss:
       object.__setattr__(self, "reduction", reduction)
       object.__setattr__(self, "size_average", None)
       object.__setattr__(self, "reduce", None)
-    object.__setattr__(self, "log_target", bool(self.log_target))
+    object.__setattr__(self, "log_target", check_bool("KLDivLoss", "log_target", self.log_target))
 
   def __call__(
     self,

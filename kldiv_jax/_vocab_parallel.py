@@ -8,7 +8,7 @@ label logit). Each kernel here makes the passes of its unsharded counterpart
 in :mod:`kldiv_jax._logits` with a collective after each reduction:
 
 1. the local row max of each side, ``pmax``-ed into a global ``stop_gradient``
-   max (``0`` for a row without a finite max, as in ``row_stats``);
+   max (``0`` for a row without mass, as in ``row_stats``);
 2. the sums of exponentials relative to that max, ``psum``-ed;
 3. (JSD only) the divergence sums given the global normalisers, ``psum``-ed.
 
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._checks import compute_dtype
 from kldiv_jax._logits import (
   _log_terms,
   beta_tangent,
@@ -38,11 +39,13 @@ from kldiv_jax._logits import (
   jsd_tangent,
   kl_from_sums,
   kl_tangent,
+  kl_terms,
   map_rows,
   normalizer,
   scaled,
 )
-from kldiv_jax._rows import ce_grad, label_hit, row_sum
+from kldiv_jax._numerics import max_shift, nonnegative
+from kldiv_jax._rows import ce_grad, compiled, label_hit, row_sum
 
 
 def check_axis_name(name: str, axis_name: object) -> int:
@@ -84,13 +87,12 @@ def _map_blocks(fn, arrays, axis_name):
 
 
 def _global_max(local: jax.Array, axis_name: str) -> jax.Array:
-  """``pmax`` of local row maxes; 0 where the row has no finite max; no gradient.
+  """``pmax`` of local row maxes, through :func:`max_shift`; no gradient.
 
   The gradient is stopped before the ``pmax``, which has no derivative rule
   (second derivatives differentiate the kernels' rules, which call this).
   """
-  m = lax.pmax(lax.stop_gradient(local), axis_name)
-  return jnp.where(jnp.isfinite(m), m, 0.0)
+  return max_shift(lax.pmax(lax.stop_gradient(local), axis_name))
 
 
 def _maxes(temperature, masks, axis_name, z, y=None):
@@ -116,11 +118,9 @@ def _kl_rows(axis_name, z, y, temperature, masks):
     u, _ = scaled(z, temperature, masks)
     v, _ = scaled(y, temperature, masks)
     ev = jnp.exp(v - mv)
-    # log p - log q, up to the row constant; +inf where p > 0 = q.
-    diff = jnp.where(ev > 0, (v - mv) - (u - mu), 0.0)
     su = jnp.sum(jnp.exp(u - mu), axis=-1, keepdims=True)
     sv = jnp.sum(ev, axis=-1, keepdims=True)
-    return su, sv, jnp.sum(ev * diff, axis=-1, keepdims=True)
+    return su, sv, jnp.sum(kl_terms(u, mu, v, mv, ev), axis=-1, keepdims=True)
 
   su, sv, a = lax.psum(_map_blocks(fn, (z, y, mu, mv, *masks), axis_name), axis_name)
   return kl_from_sums(mu, su, mv, sv, a)
@@ -133,19 +133,20 @@ def kl_kernel(axis_name, z, y, temperature, masks):
   Arguments as :func:`kldiv_jax._logits.kl_kernel`, with local ``[rows,
   local_classes]`` logits and masks. Returns ``[rows]``, replicated.
   """
-  return _kl_rows(axis_name, z, y, temperature, masks)[0][:, 0]
+  return nonnegative(_kl_rows(axis_name, z, y, temperature, masks)[0][:, 0])
 
 
 def _kl_kernel_jvp(axis_name, primals, tangents):
   z, y, temperature, masks = primals
   kl, stats = _kl_rows(axis_name, z, y, temperature, masks)
   if all(is_zero(t) for t in tangents[:3]):
-    return kl[:, 0], jnp.zeros_like(kl[:, 0])
+    return nonnegative(kl[:, 0]), jnp.zeros_like(kl[:, 0])
   local = kl_tangent(z, y, temperature, masks, tangents[:3], kl, stats)
-  return kl[:, 0], lax.psum(local, axis_name)[:, 0]
+  return nonnegative(kl[:, 0]), lax.psum(local, axis_name)[:, 0]
 
 
 kl_kernel.defjvp(_kl_kernel_jvp, symbolic_zeros=True)
+kl_kernel = compiled(kl_kernel, static_argnums=0)
 
 
 # Generalized JSD per row for 0 < beta < 1, as jsd_kernel.
@@ -181,7 +182,7 @@ def _jsd_rows(axis_name, z, y, temperature, beta, masks):
 def jsd_kernel(axis_name, z, y, temperature, beta, masks):
   """Generalized JSD per row for ``0 < beta < 1``, classes split over ``axis_name``."""
   kl_qm, kl_pm, _ = _jsd_rows(axis_name, z, y, temperature, beta, masks)
-  return (beta * kl_pm + (1.0 - beta) * kl_qm)[:, 0]
+  return nonnegative(beta * kl_pm + (1.0 - beta) * kl_qm)[:, 0]
 
 
 def _jsd_kernel_jvp(axis_name, primals, tangents):
@@ -193,24 +194,35 @@ def _jsd_kernel_jvp(axis_name, primals, tangents):
   if not all(is_zero(t) for t in tangents[:3]):
     local = jsd_tangent(z, y, temperature, beta, masks, tangents[:3], stats, kl_qm, kl_pm)
     tangent = tangent + lax.psum(local, axis_name)
-  return jsd[:, 0], tangent[:, 0]
+  return nonnegative(jsd)[:, 0], tangent[:, 0]
 
 
 jsd_kernel.defjvp(_jsd_kernel_jvp, symbolic_zeros=True)
+jsd_kernel = compiled(jsd_kernel, static_argnums=0)
 
 
 def gjsd_kernel(axis_name, z, y, temperature, masks, beta, beta_static):
   """TRL's generalized JSD per row, endpoints included, as :func:`kldiv_jax._logits.gjsd_kernel`."""
+  if not beta_static:
+    return _gjsd_traced(axis_name, z, y, temperature, masks, beta)
   kl = functools.partial(kl_kernel, axis_name)
   jsd = functools.partial(jsd_kernel, axis_name)
   return gjsd(kl, jsd, z, y, temperature, masks, beta, beta_static)
+
+
+@functools.partial(compiled, static_argnums=0, inline=False)
+def _gjsd_traced(axis_name, z, y, temperature, masks, beta):
+  """:func:`gjsd` for a traced ``beta``, its ``lax.switch`` compiled once (``compiled``)."""
+  kl = functools.partial(kl_kernel, axis_name)
+  jsd = functools.partial(jsd_kernel, axis_name)
+  return gjsd(kl, jsd, z, y, temperature, masks, beta, False)
 
 
 # Cross entropy -log softmax(z)[label] per row, at temperature 1, as ce_kernel.
 
 
 def _ce_rows(axis_name, z, labels, masks):
-  one = jnp.ones((), jnp.promote_types(z.dtype, jnp.float32))
+  one = jnp.ones((), compute_dtype(z.dtype))
   (m,) = _maxes(one, masks, axis_name, z)
   local_labels = labels - class_offset(axis_name, z.shape[1]).astype(labels.dtype)
 
@@ -247,3 +259,4 @@ def _ce_kernel_jvp(axis_name, primals, tangents):
 
 
 ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
+ce_kernel = compiled(ce_kernel, static_argnums=0)

@@ -1,30 +1,88 @@
-"""Test configuration: strict rank promotion, warnings as errors (pyproject).
+"""Test configuration: strict rank promotion, warnings as errors (pyproject), two markers.
 
-64-bit tests use the ``x64`` fixture (``jax.enable_x64`` as a context), so the
+- ``torch``: the test compares live against torch (the ``torch`` fixture, or
+  the ``source`` fixture's ``"torch"`` reference); it skips when torch is not
+  importable. Every such comparison has an offline twin (golden fixtures from
+  torch 2.13, or a float64 reference in ``_references.py``) that runs
+  everywhere, so ``pytest -m torch`` re-runs only the live duplicates.
+- ``multidevice``: the test needs 8 CPU devices (``cpu_devices``); it runs
+  in one child pytest with 8 simulated devices (``_multidevice.py``).
+
+64-bit tests use the ``x64`` fixture (``enable_x64`` as a context), so the
 doctests, which run in the same process, keep JAX's float32 default.
 """
 
+import _multidevice
 import jax
 import numpy as np
 import pytest
+from _references import enable_x64
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# torch's tolerances per dtype (rtol, atol).
-TOLERANCES = {
-  "float64": (1e-7, 1e-7),
-  "float32": (1.3e-6, 1e-5),
-  "float16": (1e-3, 1e-5),
-  "bfloat16": (1.6e-2, 1e-5),
-}
+
+def pytest_configure(config):
+  config.addinivalue_line(
+    "markers", "torch: compares live against torch (skipped without torch; run: pytest -m torch)"
+  )
+  config.addinivalue_line(
+    "markers", f"{_multidevice.MARKER}: runs on 8 simulated CPU devices, in a child pytest"
+  )
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if "torch" in item.fixturenames and item.get_closest_marker("torch") is None:
+      raise pytest.UsageError(f"{item.nodeid} uses the torch fixture: mark it @pytest.mark.torch")
+  if not _multidevice.runs_in_process():
+    items[:] = [_multidevice.stand_in(i) if _multidevice.marked(i) else i for i in items]
+
+
+def pytest_runtest_logreport(report):
+  if _multidevice.in_child():
+    _multidevice.record(report)
+
+
+def pytest_sessionfinish(session):
+  if _multidevice.in_child():
+    _multidevice.write(session.config)
 
 
 @pytest.fixture
 def x64():
-  with jax.enable_x64(True):
+  with enable_x64(True):
     yield
 
 
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def torch():
+  return pytest.importorskip("torch")
+
+
+@pytest.fixture(params=["numpy", pytest.param("torch", marks=pytest.mark.torch)])
+def source(request):
+  """Which reference a test compares against: float64 NumPy, or torch itself (live)."""
+  if request.param == "torch":
+    request.getfixturevalue("torch")
+  return request.param
+
+
+@pytest.fixture(scope="session")
+def cpu_devices():
+  """The 8 CPU devices of a ``multidevice`` test."""
+  devices = jax.devices("cpu")
+  if len(devices) < _multidevice.NUM_DEVICES:
+    pytest.fail(f"needs {_multidevice.NUM_DEVICES} CPU devices, has {len(devices)}")
+  return devices[: _multidevice.NUM_DEVICES]
+
+
+@pytest.fixture(scope="session")
+def multidevice_outcomes(request, tmp_path_factory):
+  """The child pytest's outcomes of the ``multidevice`` tests (their stand-ins' fixture)."""
+  return _multidevice.outcomes(request.config, tmp_path_factory, request.session.items)

@@ -1,74 +1,25 @@
-"""distillation_loss: against torch's textbook Hinton loss, masks, accumulation, errors.
+"""distillation_loss: against the textbook Hinton loss, masks, accumulation, errors.
 
-The reference is the usual PyTorch distillation code (``log_softmax`` +
-``F.kl_div`` at temperature T, ``F.cross_entropy`` with ``ignore_index``),
-run with torch autograd in float64; the JSD is TRL's formula.
+The reference (``_references.py``) is the usual PyTorch distillation code
+(``log_softmax`` + ``F.kl_div`` at temperature T, ``F.cross_entropy`` with
+``ignore_index``) in float64 NumPy with closed-form gradients, and the same
+code run by torch autograd (``[torch]``, live); the JSD is TRL's formula.
 """
 
 import functools
-import re
-from pathlib import Path
 
+import _references as refs
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from conftest import TOLERANCES
+from _references import TOLERANCES, docs_snippet, np_distillation
 from jax.test_util import check_grads
-from test_logits import torch_trl_gjsd
 
 from kldiv_jax import distillation_loss
 
 B, S, C = 2, 3, 6
-
-
-def torch_distillation(
-  s, t, labels, temperature, alpha, divergence, beta=0.5, scale=True, valid=None
-):
-  """Hinton et al.'s loss as PyTorch training code writes it, per valid token."""
-  if divergence == "forward_kl":
-    div = F.kl_div(
-      F.log_softmax(s / temperature, -1),
-      F.log_softmax(t / temperature, -1),
-      reduction="none",
-      log_target=True,
-    ).sum(-1)
-  elif divergence == "reverse_kl":
-    div = F.kl_div(
-      F.log_softmax(t / temperature, -1),
-      F.log_softmax(s / temperature, -1),
-      reduction="none",
-      log_target=True,
-    ).sum(-1)
-  else:
-    div = torch_trl_gjsd(s, t, beta, temperature)
-  if scale:
-    div = div * temperature**2
-  if valid is None:
-    valid = torch.ones(div.shape, dtype=torch.bool)
-  if labels is None:
-    per_token = div
-  else:
-    ce = F.cross_entropy(
-      s.reshape(-1, s.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
-    ).reshape(labels.shape)
-    per_token = alpha * div + (1 - alpha) * ce
-    valid = valid & (labels != -100)
-  return per_token[valid].sum() / valid.sum().clamp_min(1)
-
-
-def torch_value_and_grads(s, t, labels, **kwargs):
-  st = torch.tensor(s, dtype=torch.float64, requires_grad=True)
-  tt = torch.tensor(t, dtype=torch.float64, requires_grad=True)
-  lt = None if labels is None else torch.tensor(np.asarray(labels), dtype=torch.int64)
-  if "valid" in kwargs:
-    kwargs["valid"] = torch.tensor(kwargs["valid"])
-  out = torch_distillation(st, tt, lt, **kwargs)
-  out.backward()
-  return out.item(), st.grad.numpy(), tt.grad.numpy()
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -99,28 +50,28 @@ def _assert_close(ours, ref, rtol=1e-10):
 
 @pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
 @pytest.mark.parametrize("temperature", [1.0, 2.5])
-def test_matches_torch(x64, rng, divergence, temperature):
+def test_matches_reference(x64, rng, source, divergence, temperature):
   s, t, labels = _data(rng)
   kwargs = {"alpha": 0.3, "divergence": divergence, "beta": 0.4}
   ours = value_and_grads(s, t, labels, dynamic={"temperature": temperature}, **kwargs)
-  ref = torch_value_and_grads(s, t, labels, temperature=temperature, **kwargs)
+  ref = refs.DISTILLATION[source](s, t, labels, temperature=temperature, **kwargs)
   _assert_close(ours, ref)
 
 
-def test_without_temperature_squared(x64, rng):
+def test_without_temperature_squared(x64, rng, source):
   s, t, labels = _data(rng)
   ours = value_and_grads(s, t, labels, temperature=3.0, scale_by_temperature_squared=False)
-  ref = torch_value_and_grads(
+  ref = refs.DISTILLATION[source](
     s, t, labels, temperature=3.0, alpha=0.5, divergence="forward_kl", scale=False
   )
   _assert_close(ours, ref)
 
 
-def test_without_labels_is_the_distillation_term_over_where(x64, rng):
+def test_without_labels_is_the_distillation_term_over_where(x64, rng, source):
   s, t, _ = _data(rng)
   where = rng.uniform(size=(B, S)) > 0.3
   ours = value_and_grads(s, t, None, temperature=2.0, dynamic={"where": where})
-  ref = torch_value_and_grads(
+  ref = refs.DISTILLATION[source](
     s, t, None, temperature=2.0, alpha=0.5, divergence="forward_kl", valid=where
   )
   _assert_close(ours, ref)
@@ -176,14 +127,13 @@ def _alphas(s, t, labels, alpha):
   return loss(alpha=1.0), loss(alpha=0.0), loss(alpha=alpha), loss(alpha=0.25)
 
 
-def test_alpha_endpoints_and_traced_alpha(x64, rng):
+def test_alpha_endpoints_and_traced_alpha(x64, rng, source):
   s, t, labels = _data(rng)
   only_kd, only_ce, traced, static = _alphas(s, t, labels, 0.25)
-  valid = labels != -100
-  lq = torch.log_softmax(torch.tensor(s[valid] / 2.0), -1)
-  lp = torch.log_softmax(torch.tensor(t[valid] / 2.0), -1)
-  kd = 4.0 * F.kl_div(lq, lp, reduction="batchmean", log_target=True).item()
-  ce = F.cross_entropy(torch.tensor(s[valid]), torch.tensor(labels[valid])).item()
+  kd, ce = (
+    refs.DISTILLATION[source](s, t, labels, temperature=2.0, alpha=a, divergence="forward_kl")[0]
+    for a in (1.0, 0.0)
+  )
   np.testing.assert_allclose(only_kd, kd, rtol=1e-12)
   np.testing.assert_allclose(only_ce, ce, rtol=1e-12)
   np.testing.assert_allclose(traced, static, rtol=1e-14)
@@ -211,7 +161,7 @@ def test_traced_schedules_do_not_retrace(rng):
   first = step(s, t, labels, 1.0, 0.5, 0.5, 4.0)
   second = step(s, t, labels, 3.0, 0.2, 0.9, 4.0)  # new values: no retrace
   assert first[0] != second[0]
-  ref = torch_value_and_grads(s, t, labels, temperature=3.0, alpha=0.2, divergence="jsd", beta=0.9)
+  ref = np_distillation(s, t, labels, temperature=3.0, alpha=0.2, divergence="jsd", beta=0.9)
   assert np.sum(labels != -100) == 4  # the normalizer passed: the mean over valid tokens
   np.testing.assert_allclose(second[0], ref[0], rtol=2e-5)
 
@@ -250,7 +200,7 @@ def test_low_precision_gradient_error(rng, dtype):
   s16, t16 = jnp.asarray(s, dtype), jnp.asarray(t, dtype)
   out, gs, gt = value_and_grads(s16, t16, labels, temperature=2.0, divergence="jsd")
   assert out.dtype == dtype and gs.dtype == dtype and gt.dtype == dtype
-  ref = torch_value_and_grads(
+  ref = np_distillation(
     np.asarray(s16, np.float64),
     np.asarray(t16, np.float64),
     labels,
@@ -281,7 +231,7 @@ def test_check_grads_and_vmap(x64, rng):
     )
   )(s, t, labels)
   for i in range(2):
-    ref = torch_value_and_grads(
+    ref = np_distillation(
       s[i], t[i], labels[i], temperature=1.5, alpha=0.4, divergence="reverse_kl"
     )[0]
     np.testing.assert_allclose(per_sequence[i], ref, rtol=1e-12)
@@ -313,14 +263,8 @@ def test_bad_shapes_and_dtypes():
     distillation_loss(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 5)))
 
 
-def readme_snippet(heading: str) -> str:
-  """The first Python block of a README section (the README's snippets must run)."""
-  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-  return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
-
-
-def test_readme_snippet_runs():
+def test_docs_snippet_runs():
   ns: dict = {}
-  exec(readme_snippet("## Knowledge distillation from logits"), ns)
+  exec(docs_snippet("distillation.md", "## Distillation from logits"), ns)
   assert np.isfinite(ns["hinton"]) and ns["grad"].shape == (4, 16, 1000)
   assert ns["per_token"].shape == (4, 16) and 0 < ns["gkd"] < np.log(2)

@@ -1,27 +1,19 @@
-"""gaussian_kl: against torch.distributions, the VAE formula and exact decimals."""
+"""gaussian_kl: against the closed form (float64 NumPy, and torch.distributions live), the VAE
+formula and exact decimals."""
 
 import decimal
-import re
-from pathlib import Path
 
+import _references as refs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+from _references import docs_snippet
 from jax.test_util import check_grads
 
 from kldiv_jax import gaussian_kl
 
 decimal.getcontext().prec = 60
-
-
-def torch_gaussian_kl(mean, log_var, prior_mean, prior_log_var, axis=-1):
-  """torch.distributions' closed form, summed over ``axis``."""
-  t = [torch.tensor(np.asarray(a, np.float64)) for a in (mean, log_var, prior_mean, prior_log_var)]
-  q = torch.distributions.Normal(t[0], torch.exp(0.5 * t[1]))
-  p = torch.distributions.Normal(t[2], torch.exp(0.5 * t[3]))
-  return torch.distributions.kl_divergence(q, p).sum(axis).numpy()
 
 
 @jax.jit
@@ -36,12 +28,12 @@ def value_and_grads(mean, log_var, prior_mean, prior_log_var):
   return out, grads
 
 
-def test_matches_torch_and_closed_form_gradients(x64, rng):
+def test_matches_reference_and_closed_form_gradients(x64, rng, source):
   mean, log_var = rng.normal(size=(4, 6)), rng.normal(size=(4, 6))
   prior_mean, prior_log_var = rng.normal(size=(6,)), rng.normal(size=(6,))  # broadcast
   out, (g_mu, g_lv, g_mu0, g_lv0) = value_and_grads(mean, log_var, prior_mean, prior_log_var)
   np.testing.assert_allclose(
-    out, torch_gaussian_kl(mean, log_var, prior_mean, prior_log_var), rtol=1e-12
+    out, refs.GAUSSIAN_KL[source](mean, log_var, prior_mean, prior_log_var), rtol=1e-12
   )
   var0 = np.exp(prior_log_var)
   np.testing.assert_allclose(g_mu, (mean - prior_mean) / var0, rtol=1e-12)
@@ -71,16 +63,17 @@ def test_posterior_near_prior_keeps_precision(x64, dtype):
   np.testing.assert_allclose(np.asarray(out, np.float64), exact, rtol=8 * np.finfo(dtype).eps)
 
 
-def test_where_axis_and_vmap(x64, rng):
+def test_where_axis_and_vmap(x64, rng, source):
   mean, log_var = rng.normal(size=(3, 4, 5)), rng.normal(size=(3, 4, 5))
-  ref = torch_gaussian_kl(mean, log_var, 0.0, 0.0, axis=-1)
+  reference = refs.GAUSSIAN_KL[source]
+  ref = reference(mean, log_var, 0.0, 0.0, axis=-1)
   element = rng.uniform(size=(5,)) > 0.4
   per_example = np.array([[True, False, True, True]] * 3)
   kl = jax.jit(gaussian_kl, static_argnames="axis")
   np.testing.assert_allclose(kl(mean, log_var, where=per_example), np.where(per_example, ref, 0))
   np.testing.assert_allclose(
     kl(mean, log_var, where=element),
-    torch_gaussian_kl(mean[..., element], log_var[..., element], 0.0, 0.0),
+    reference(mean[..., element], log_var[..., element], 0.0, 0.0),
     rtol=1e-12,
   )
   np.testing.assert_allclose(kl(mean, log_var, axis=None), ref.sum(), rtol=1e-12)
@@ -121,13 +114,7 @@ def test_bad_input():
     gaussian_kl(jnp.zeros((2, 3)), jnp.zeros((2, 3)), where=jnp.ones((4,), bool))
 
 
-def readme_snippet(heading: str) -> str:
-  """The first Python block of a README section (the README's snippets must run)."""
-  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-  return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
-
-
-def test_readme_snippet_runs():
+def test_docs_snippet_runs():
   ns: dict = {}
-  exec(readme_snippet("## VAE: the KL term of the ELBO"), ns)
+  exec(docs_snippet("vae.md", "## A VAE loss"), ns)
   assert np.isfinite(ns["loss"]) and ns["grads"]["enc"].shape == (10, 4)

@@ -1,101 +1,32 @@
 """kl_div_from_logits and generalized_jsd: values, gradients, masks, dtypes, errors.
 
-References: float64 NumPy, torch CPU autograd on the textbook formulas
-(``log_softmax`` + ``F.kl_div``), TRL's ``generalized_jsd_loss`` ported to
-NumPy/torch, and JAX autodiff of a plain ``log_softmax`` reference.
+References (``_references.py``): float64 NumPy values and closed-form
+gradients, TRL's ``generalized_jsd_loss`` ported to NumPy, the same textbook
+formulas run by torch autograd (``[torch]``, live), and JAX autodiff of a plain
+``log_softmax`` reference.
 """
 
 import functools
 
+import _references as refs
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import torch.nn.functional as F
-from conftest import TOLERANCES
+from _references import (
+  INF,
+  TOLERANCES,
+  enable_x64,
+  np_kl_from_logits,
+  np_log_softmax,
+  np_trl_gjsd,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
 from kldiv_jax import generalized_jsd, kl_div_from_logits
-
-INF = np.inf
-
-
-# ----------------------------------------------------------------- references
-
-
-def np_log_softmax(x, axis=-1):
-  """float64 log-softmax; a row of -inf stays -inf."""
-  x = np.asarray(x, np.float64)
-  m = np.max(np.where(np.isfinite(x), x, -INF), axis=axis, keepdims=True)
-  m = np.where(np.isfinite(m), m, 0.0)
-  with np.errstate(divide="ignore"):
-    return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
-
-
-def np_kl(lp, lq, axis=-1):
-  """sum p (log p - log q) over ``axis``, 0 where p = 0."""
-  with np.errstate(invalid="ignore"):
-    terms = np.where(np.exp(lp) > 0, np.exp(lp) * (lp - lq), 0.0)
-  return np.sum(terms, axis=axis)
-
-
-def np_kl_from_logits(z, y, temperature=1.0, direction="forward"):
-  lq = np_log_softmax(np.asarray(z, np.float64) / temperature)
-  lp = np_log_softmax(np.asarray(y, np.float64) / temperature)
-  return np_kl(lp, lq) if direction == "forward" else np_kl(lq, lp)
-
-
-def np_trl_gjsd(student, teacher, beta, temperature=1.0):
-  """TRL's ``GKDTrainer.generalized_jsd_loss`` formula (reduction='none', summed
-  over the vocabulary), ported to float64 NumPy."""
-  s = np_log_softmax(np.asarray(student, np.float64) / temperature)
-  t = np_log_softmax(np.asarray(teacher, np.float64) / temperature)
-  if beta == 0:
-    jsd = np.exp(t) * (t - s)  # F.kl_div(s, t, log_target=True)
-  elif beta == 1:
-    jsd = np.exp(s) * (s - t)  # F.kl_div(t, s, log_target=True)
-  else:
-    mixture = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
-    jsd = beta * np.exp(t) * (t - mixture) + (1 - beta) * np.exp(s) * (s - mixture)
-  return jsd.sum(-1)
-
-
-def torch_kl(z, y, temperature, direction):
-  """Hinton's distillation KL in torch: log_softmax + F.kl_div(log_target=True)."""
-  lq = F.log_softmax(z / temperature, dim=-1)
-  lp = F.log_softmax(y / temperature, dim=-1)
-  if direction == "forward":
-    return F.kl_div(lq, lp, reduction="none", log_target=True).sum(-1)
-  return F.kl_div(lp, lq, reduction="none", log_target=True).sum(-1)
-
-
-def torch_trl_gjsd(student, teacher, beta, temperature):
-  """TRL's generalized_jsd_loss (torch), per token."""
-  s = F.log_softmax(student / temperature, dim=-1)
-  t = F.log_softmax(teacher / temperature, dim=-1)
-  if beta == 0:
-    jsd = F.kl_div(s, t, reduction="none", log_target=True)
-  elif beta == 1:
-    jsd = F.kl_div(t, s, reduction="none", log_target=True)
-  else:
-    b = torch.tensor(beta, dtype=s.dtype)
-    mixture = torch.logsumexp(torch.stack([s + torch.log1p(-b), t + torch.log(b)]), dim=0)
-    kl_t = F.kl_div(mixture, t, reduction="none", log_target=True)
-    kl_s = F.kl_div(mixture, s, reduction="none", log_target=True)
-    jsd = b * kl_t + (1 - b) * kl_s
-  return jsd.sum(-1)
-
-
-def torch_value_and_grads(fn, z, y, weights):
-  zt = torch.tensor(z, dtype=torch.float64, requires_grad=True)
-  yt = torch.tensor(y, dtype=torch.float64, requires_grad=True)
-  out = fn(zt, yt)
-  (out * torch.tensor(weights, dtype=torch.float64)).sum().backward()
-  return out.detach().numpy(), zt.grad.numpy(), yt.grad.numpy()
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -142,19 +73,16 @@ def _pair(rng, shape=(4, 7), scale=2.0):
 
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
-def test_kl_matches_torch(x64, rng, direction, temperature):
+def test_kl_matches_reference(x64, rng, source, direction, temperature):
   z, y = _pair(rng)
   w = rng.uniform(0.5, 1.5, size=4)
   val, gz, gy = value_and_grads(
     kl_div_from_logits, z, y, w, direction=direction, dynamic={"temperature": temperature}
   )
-  t_val, t_gz, t_gy = torch_value_and_grads(
-    lambda a, b: torch_kl(a, b, temperature, direction), z, y, w
-  )
-  np.testing.assert_allclose(val, np_kl_from_logits(z, y, temperature, direction), rtol=1e-12)
-  np.testing.assert_allclose(val, t_val, rtol=1e-12, atol=1e-14)
-  np.testing.assert_allclose(gz, t_gz, rtol=1e-10, atol=1e-14)
-  np.testing.assert_allclose(gy, t_gy, rtol=1e-10, atol=1e-14)
+  r_val, r_gz, r_gy = refs.LOGITS[source](z, y, w, temperature, direction=direction)
+  np.testing.assert_allclose(val, r_val, rtol=1e-12, atol=1e-14)
+  np.testing.assert_allclose(gz, r_gz, rtol=1e-10, atol=1e-14)
+  np.testing.assert_allclose(gy, r_gy, rtol=1e-10, atol=1e-14)
 
 
 def test_forward_gradient_is_q_minus_p_over_t(x64, rng):
@@ -170,19 +98,16 @@ def test_forward_gradient_is_q_minus_p_over_t(x64, rng):
 
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 1.0])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_gjsd_matches_trl(x64, rng, beta, temperature):
+def test_gjsd_matches_trl(x64, rng, source, beta, temperature):
   z, y = _pair(rng)
   w = rng.uniform(0.5, 1.5, size=4)
   val, gz, gy = value_and_grads(
     generalized_jsd, z, y, w, beta=beta, dynamic={"temperature": temperature}
   )
-  t_val, t_gz, t_gy = torch_value_and_grads(
-    lambda a, b: torch_trl_gjsd(a, b, beta, temperature), z, y, w
-  )
-  np.testing.assert_allclose(val, np_trl_gjsd(z, y, beta, temperature), rtol=1e-11, atol=1e-15)
-  np.testing.assert_allclose(val, t_val, rtol=1e-11, atol=1e-15)
-  np.testing.assert_allclose(gz, t_gz, rtol=1e-9, atol=1e-14)
-  np.testing.assert_allclose(gy, t_gy, rtol=1e-9, atol=1e-14)
+  r_val, r_gz, r_gy = refs.LOGITS[source](z, y, w, temperature, beta=beta)
+  np.testing.assert_allclose(val, r_val, rtol=1e-11, atol=1e-15)
+  np.testing.assert_allclose(gz, r_gz, rtol=1e-9, atol=1e-14)
+  np.testing.assert_allclose(gy, r_gy, rtol=1e-9, atol=1e-14)
 
 
 def test_gjsd_half_is_symmetric_and_bounded(x64, rng):
@@ -310,13 +235,7 @@ def test_neg_inf_logits_conventions(x64):
   # JSD is finite wherever either side has mass, and so are its gradients.
   jsd, *jsd_grads = value_and_grads(generalized_jsd, z[:3], y[:3], w[:3], beta=0.3)
   assert all(np.all(np.isfinite(g)) for g in jsd_grads)
-  np.testing.assert_allclose(jsd, np_trl_gjsd_masked(z[:3], y[:3], 0.3), rtol=1e-12)
-
-
-def np_trl_gjsd_masked(student, teacher, beta):
-  s, t = np_log_softmax(student), np_log_softmax(teacher)
-  mixture = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
-  return beta * np_kl(t, mixture) + (1 - beta) * np_kl(s, mixture)
+  np.testing.assert_allclose(jsd, np_trl_gjsd(z[:3], y[:3], 0.3), rtol=1e-12)
 
 
 @pytest.mark.parametrize("fn", [kl_div_from_logits, generalized_jsd])
@@ -522,7 +441,7 @@ def test_low_precision_dtype_and_gradient_error(rng, dtype, fn):
   assert out.dtype == dtype and gz.dtype == dtype and gy.dtype == dtype
   # Reference: float64 autodiff on the same (rounded) inputs; the only error
   # left is the final rounding to the low-precision dtype.
-  with jax.enable_x64(True):
+  with enable_x64(True):
     z64, y64 = np.asarray(z, np.float64), np.asarray(y, np.float64)
     ref_fn = ref_kl if fn is kl_div_from_logits else _ref_jsd_half
     r_out, r_gz, r_gy = value_and_grads(ref_fn, z64, y64, np.ones(4), dynamic={"temperature": 2.0})

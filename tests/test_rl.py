@@ -2,13 +2,12 @@
 
 import decimal
 import functools
-import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import docs_snippet
 from jax.test_util import check_grads
 
 from kldiv_jax import kl_estimate
@@ -160,14 +159,8 @@ def test_integer_inputs_raise():
     kl_estimate(jnp.zeros(3, jnp.int32), jnp.zeros(3))
 
 
-def readme_snippet(heading: str) -> str:
-  """The first Python block of a README section (the README's snippets must run)."""
-  text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-  return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
-
-
-def test_readme_snippet_runs():
+def test_docs_snippet_runs():
   ns: dict = {}
-  exec(readme_snippet("## RL: KL penalty against a reference policy"), ns)
+  exec(docs_snippet("rl.md", "## A KL penalty against a reference policy"), ns)
   # The k3 estimate is close to the exact KL it estimates.
   np.testing.assert_allclose(ns["estimate"], ns["exact"], rtol=0.3)

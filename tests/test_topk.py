@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCES
+from _references import TOLERANCES, np_log_softmax
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -21,12 +21,6 @@ from kldiv_jax import kl_div_from_logits, kl_div_from_topk
 topk = jax.jit(kl_div_from_topk, static_argnames=("temperature",))
 
 
-def _log_softmax64(x):
-  x = np.asarray(x, np.float64)
-  m = np.max(x)
-  return x - (m + np.log(np.sum(np.exp(x - m))))
-
-
 def reference(logits, ids, log_probs, temperature=1.0, slot_mask=None):
   """float64 per-example KL(renormalised top-k teacher || student)."""
   logits = np.asarray(logits, np.float64)
@@ -35,13 +29,13 @@ def reference(logits, ids, log_probs, temperature=1.0, slot_mask=None):
   batch = logits.shape[:-1]
   out = np.zeros(batch)
   for b in np.ndindex(*batch):
-    log_q = _log_softmax64(logits[b] / temperature)
+    log_q = np_log_softmax(logits[b] / temperature)
     keep = np.isfinite(log_probs[b])
     if slot_mask is not None:
       keep &= np.broadcast_to(slot_mask, ids.shape)[b]
     if not keep.any():
       continue
-    log_p = _log_softmax64(log_probs[b][keep] / temperature)
+    log_p = np_log_softmax(log_probs[b][keep] / temperature)
     out[b] = np.sum(np.exp(log_p) * (log_p - log_q[ids[b][keep]]))
   return out
 
@@ -51,8 +45,8 @@ def reference_grad(logits, ids, log_probs, temperature, cotangent):
   logits = np.asarray(logits, np.float64)
   grad = np.zeros_like(logits)
   for b in np.ndindex(*logits.shape[:-1]):
-    q = np.exp(_log_softmax64(logits[b] / temperature))
-    p = np.exp(_log_softmax64(np.asarray(log_probs[b], np.float64) / temperature))
+    q = np.exp(np_log_softmax(logits[b] / temperature))
+    p = np.exp(np_log_softmax(np.asarray(log_probs[b], np.float64) / temperature))
     scattered = np.zeros_like(q)
     np.add.at(scattered, np.asarray(ids[b]), p)
     grad[b] = cotangent[b] * (q - scattered) / temperature
@@ -94,7 +88,7 @@ def test_k_equal_vocab_is_full_kl(temperature, rng, x64):
   # Full KL(softmax(s / T) || softmax(z / T)), directly in NumPy.
   expected = []
   for z, s in zip(logits, teacher):
-    log_p, log_q = _log_softmax64(s / temperature), _log_softmax64(z / temperature)
+    log_p, log_q = np_log_softmax(s / temperature), np_log_softmax(z / temperature)
     expected.append(np.sum(np.exp(log_p) * (log_p - log_q)))
   out = topk(logits, ids, lp, temperature=temperature)
   np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)

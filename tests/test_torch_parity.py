@@ -1,22 +1,22 @@
 """Parity of ``kl_div``, ``KLDivLoss`` and ``kl_div_pointwise`` with torch.
 
-Two sources of truth:
+Two sources of truth, checked by the same code:
 
-- torch itself, live (``test_live_*``, which take the ``torch`` fixture and
-  are skipped cleanly when torch is not importable): values, gradients wrt
-  input and target (of ``sum(loss * cot)``), second derivatives wrt
-  ``(t, t)`` and ``(x, t)`` (``jax`` forward-over-reverse against
-  ``torch.autograd.functional.hessian``, torch's double backward), warnings,
-  type promotion, legacy arguments.
-- golden values torch wrote into ``tests/fixtures/torch_kl_div.npz`` with
+- torch itself, live (``test_live_*``, marked ``torch``: skipped cleanly when
+  torch is not importable): values, gradients wrt input and target (of
+  ``sum(loss * cot)``), second derivatives wrt ``(t, t)`` and ``(x, t)``
+  (``jax`` forward-over-reverse against ``torch.autograd.functional.hessian``,
+  torch's double backward), warnings, type promotion, legacy arguments, errors.
+- golden values torch 2.13 wrote into ``tests/fixtures/torch_kl_div.npz`` with
   ``tests/fixtures/make_torch_fixtures.py`` (``test_fixture_*``, no torch
-  needed), and a live test that the file is still what torch computes.
+  needed): the twin of every live test, so that nothing is left unchecked
+  without torch; and a live test that the files are still what torch computes.
 
 Half precision: kldiv_jax computes float16/bfloat16 in float32 and rounds the
 result to the half dtype; torch computes in the half dtype itself. The
 reference for half inputs is therefore torch run in float32 on the same
 (half-rounded) inputs, its results rounded to the half dtype, compared with
-torch's half-precision tolerance (``conftest.TOLERANCES``). The result dtype
+torch's half-precision tolerance (``_references.TOLERANCES``). The result dtype
 is checked against torch run natively in the half dtype. Likewise for mixed
 dtypes: torch evaluates ``xlogy(t, t)`` in the target's own dtype before
 promoting (so a bfloat16 target costs it bfloat16 precision even where the
@@ -37,6 +37,7 @@ import contextlib
 import functools
 import importlib.util
 import pathlib
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import TOLERANCES
+from _references import TOLERANCES
 
 from kldiv_jax import KLDivLoss, kl_div, kl_div_pointwise
 
@@ -56,8 +57,8 @@ mk = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mk)
 
 REDUCTIONS = mk.REDUCTIONS
-LEGACY = (None, True, False)
-HALF = ("float16", "bfloat16")
+LEGACY = mk.LEGACY
+HALF = mk.HALF
 NP_DTYPES = {
   "float16": np.dtype(np.float16),
   "bfloat16": np.dtype(jnp.bfloat16),
@@ -67,11 +68,6 @@ NP_DTYPES = {
 TORCH_OWN_EXAMPLE = -3.6624908251428976  # torch's test_kl_div_with_diff_type
 DERIVATIVES = ("value", "grad_x", "grad_t")
 HESSIANS = ("hess_tt", "hess_xt")
-
-
-@pytest.fixture(scope="module")
-def torch():
-  return pytest.importorskip("torch")
 
 
 @contextlib.contextmanager
@@ -186,6 +182,13 @@ def _ours(
   ]
 
 
+def _assert_allclose_strict(actual, desired, rtol: float, atol: float, err_msg: str = "") -> None:
+  """``assert_allclose(..., strict=True)`` (NumPy >= 2.0): shapes and dtypes equal, too."""
+  actual, desired = np.asarray(actual), np.asarray(desired)
+  assert (actual.shape, actual.dtype) == (desired.shape, desired.dtype), err_msg
+  np.testing.assert_allclose(actual, desired, rtol=rtol, atol=atol, err_msg=err_msg)
+
+
 def _assert_close(ours: dict, ref: dict, dtype: str, keys: Sequence[str], what: str) -> None:
   """``ours[k]`` against ``ref[k]`` (rounded to ``dtype`` when half) at ``dtype``'s tolerance."""
   rtol, atol = TOLERANCES[dtype]
@@ -193,14 +196,7 @@ def _assert_close(ours: dict, ref: dict, dtype: str, keys: Sequence[str], what: 
     expected = np.asarray(ref[key])
     if dtype in HALF:
       expected = expected.astype(NP_DTYPES[dtype])
-    np.testing.assert_allclose(
-      ours[key],
-      expected.astype(np.float64),
-      rtol=rtol,
-      atol=atol,
-      strict=True,
-      err_msg=f"{what}: {key}",
-    )
+    _assert_allclose_strict(ours[key], expected.astype(np.float64), rtol, atol, f"{what}: {key}")
 
 
 def _check_case(ours: dict, ref: dict, spec: Spec, dtype: str, what: str) -> None:
@@ -230,28 +226,154 @@ def _live_group(torch, rng, specs: list[dict], dtype: str, ref_dtype: str) -> No
     _check_case(res, ref, spec, dtype, f"{x.shape} vs {t.shape} {_options(spec)}")
 
 
+# -- the checks, shared by the live tests and their golden twins ----------------------------
+
+
+def _check_module(rec: dict, x: np.ndarray, t: np.ndarray, what: str) -> None:
+  """``KLDivLoss(**options)`` against torch's module record (:func:`mk.module_record`).
+
+  Legacy args become ``reduction`` at construction, as in torch's module.
+  """
+  opts = {k: rec[k] for k in ("size_average", "reduce", "reduction", "log_target")}
+  with _record() as ours_init:
+    ours = KLDivLoss(**opts)
+  assert ours_init == rec["init_warnings"], what
+  assert ours.reduction == rec["resolved"], what
+  assert (ours.size_average, ours.reduce, ours.log_target) == (None, None, True)
+  with _record() as ours_call:
+    value = np.asarray(ours(x, t))
+  assert ours_call == rec["call_warnings"], what
+  _assert_allclose_strict(value, rec["value"], *TOLERANCES["float64"], what)
+
+
+def _check_promotion(rec: dict, x: np.ndarray, t: np.ndarray) -> None:
+  """Result dtype follows torch's promotion; gradients keep each argument's dtype.
+
+  Values: torch on inputs cast to the promoted dtype (module docstring).
+  """
+  x_dtype, t_dtype, out_dtype = rec["x_dtype"], rec["t_dtype"], rec["out_dtype"]
+  assert (rec["grad_x_dtype"], rec["grad_t_dtype"]) == (x_dtype, t_dtype)
+  value, (gx, gt) = jax.value_and_grad(functools.partial(kl_div, reduction="sum"), argnums=(0, 1))(
+    jnp.asarray(x, NP_DTYPES[x_dtype]), jnp.asarray(t, NP_DTYPES[t_dtype])
+  )
+  assert value.dtype == NP_DTYPES[out_dtype]
+  assert (gx.dtype, gt.dtype) == (NP_DTYPES[x_dtype], NP_DTYPES[t_dtype])
+  np.testing.assert_allclose(np.float64(value), rec["value"], *TOLERANCES[out_dtype])
+  for ours, key, dtype in ((gx, "grad_x", x_dtype), (gt, "grad_t", t_dtype)):
+    _assert_close({key: np.asarray(ours, np.float64)}, rec, dtype, (key,), f"{x_dtype}+{t_dtype}")
+
+
+def _check_own_example(rec: dict) -> None:
+  """torch's ``test_kl_div_with_diff_type``: every dtype pair gives -3.66249 (atol 1e-3).
+
+  Beyond that atol, the reference is torch on inputs cast to the result dtype
+  (torch's own mixed-dtype value carries the target dtype's rounding).
+  """
+  x_dtype, t_dtype, out_dtype = rec["x_dtype"], rec["t_dtype"], rec["out_dtype"]
+  with pytest.warns(UserWarning, match="reduction: 'mean'"):
+    ours = kl_div(
+      jnp.asarray(mk.OWN_X, NP_DTYPES[x_dtype]), jnp.asarray(mk.OWN_T, NP_DTYPES[t_dtype])
+    )
+  assert ours.dtype == NP_DTYPES[out_dtype]
+  np.testing.assert_allclose(rec["value"], TORCH_OWN_EXAMPLE, rtol=0, atol=1e-3)
+  np.testing.assert_allclose(np.float64(ours), TORCH_OWN_EXAMPLE, rtol=0, atol=1e-3)
+  ref = {"value": rec["ref_value"]}
+  _assert_close({"value": np.float64(ours)}, ref, out_dtype, ("value",), f"{x_dtype}+{t_dtype}")
+
+
+def _check_errors(records: list[dict]) -> None:
+  """Bad calls: torch's exception and ours.
+
+  Shapes that do not broadcast: torch raises RuntimeError, kldiv_jax ValueError
+  (naming both shapes, at trace time; a deliberate difference). An invalid
+  reduction: ValueError from both, ours naming the value.
+  """
+  assert [r["what"] for r in records] == ["shapes", *["reduction"] * len(mk.BAD_REDUCTIONS)]
+  for rec in records:
+    x, t = jnp.zeros(rec["x_shape"]), jnp.zeros(rec["t_shape"])
+    if rec["what"] == "shapes":
+      assert rec["error"] == "RuntimeError", rec
+      with pytest.raises(ValueError, match=r"\(3, 5\).*\(5, 3\)"):
+        kl_div(x, t, reduction=rec["reduction"])
+    else:
+      assert rec["error"] == "ValueError", rec
+      assert rec["message"] == f"{rec['reduction']} is not a valid value for reduction", rec
+      with pytest.raises(ValueError, match=re.escape(repr(rec["reduction"]))):
+        kl_div(x, t, reduction=rec["reduction"])
+
+
+# (log_target, point) -> torch's non-finite results at the zero-mass entry (mk.ZERO_MASS).
+# kldiv_jax gives value 0 and zero first and second derivatives there.
+TORCH_NONFINITE = {
+  (False, 0): ("grad_t", "hess_tt"),  # x = -1, t = 0
+  (False, 1): ("value", "grad_t", "hess_tt"),  # x = -inf, t = 0
+  (True, 0): ("value", "grad_t", "hess_tt"),  # x = -1, t = -inf
+  (True, 1): ("value", "grad_t", "hess_tt"),  # x = -inf, t = -inf
+}
+
+
+def _check_differences(cases: list, specs: list[dict], refs: list[dict]) -> None:
+  """Zero-mass targets: our convention (0, zero derivatives), where torch is NaN/inf.
+
+  Each case pairs the zero-mass entry with an interior one, where we still
+  equal torch (value, gradients, second derivatives); torch's value at the
+  interior entry alone is its ``'none'`` value there.
+  """
+  ours_all = _ours(cases, [Spec.of(s) for s in specs], "float64")
+  alone = {
+    (s["log_target"], s["point"]): ref["value"][1]
+    for s, ref in zip(specs, refs)
+    if s["reduction"] == "none"
+  }
+  assert len(alone) == len({(s["log_target"], s["point"]) for s in specs})
+  for (x, t, _), spec, ref, res in zip(cases, specs, refs, ours_all):
+    log_target, reduction = spec["log_target"], spec["reduction"]
+    what = f"x={x}, t={t}, {reduction}"
+    res = res["kl_div"]
+    for key in DERIVATIVES + HESSIANS:
+      assert np.all(np.isfinite(res[key])), (key, what)
+    for key in TORCH_NONFINITE[log_target, spec["point"]]:
+      assert not np.isfinite(ref[key].flat[0]), f"torch is now finite: {key}={ref[key]}, {what}"
+    # Our convention at the zero-mass entry (index 0).
+    assert res["grad_x"][0] == res["grad_t"][0] == 0.0, what
+    np.testing.assert_array_equal(res["hess_tt"][0], 0.0, err_msg=what)
+    np.testing.assert_array_equal(res["hess_tt"][:, 0], 0.0, err_msg=what)
+    # The mixed partial d2/dxdt stays torch's (-s with probability targets,
+    # where d/dx = -t; exp(t) = 0 with log targets), keeping the Hessian
+    # symmetric although d/dt is pinned to 0 at zero mass.
+    mixed = 0.0 if log_target else ref["hess_xt"][:, 0]
+    np.testing.assert_array_equal(res["hess_xt"][:, 0], mixed, err_msg=what)
+    # torch's values at the interior entry (index 1).
+    interior = {k: ref[k][1:] for k in ("grad_x", "grad_t")} | {"hess": ref["hess_tt"][1:, 1:]}
+    mine = {k: res[k][1:] for k in ("grad_x", "grad_t")} | {"hess": res["hess_tt"][1:, 1:]}
+    _assert_close(mine, interior, "float64", ("grad_x", "grad_t", "hess"), what)
+    one = alone[log_target, spec["point"]]
+    expected = {"none": np.array([0.0, one]), "sum": one, "batchmean": one / 2}[reduction]
+    _assert_close(res, {"value": expected}, "float64", ("value",), what)
+
+
 # -- live parity: the shape matrix -----------------------------------------------------------
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("shapes", mk.SHAPE_PAIRS, ids=str)
 def test_live_float64(x64, torch, rng, shapes):
   """0-d, 1-D, 2-D, 4-D, empty and broadcast shapes; 4 reductions; both log_target."""
   _live_group(torch, rng, mk.group_specs(*shapes, "float64"), "float64", "float64")
 
 
-DTYPE_SHAPES = (((), ()), ((3,), (2, 3)), ((2, 3, 2, 2), (2, 3, 2, 2)))
-
-
-@pytest.mark.parametrize("shapes", DTYPE_SHAPES, ids=str)
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.torch
+@pytest.mark.parametrize("shapes", mk.DTYPE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", ["float32", *HALF])
 def test_live_dtypes(torch, rng, dtype, shapes):
   # Half inputs: torch in float32 on the half-rounded inputs, rounded (module docstring).
-  ref_dtype = "float32" if dtype in HALF else dtype
-  _live_group(torch, rng, mk.group_specs(*shapes, dtype), dtype, ref_dtype)
+  specs = mk.group_specs(*shapes, dtype)
+  _live_group(torch, rng, specs, dtype, specs[0]["ref_dtype"])
   x, t, cot = mk.sample(rng, *shapes, False)
   assert mk.torch_kl(x, t, cot, dtype=dtype, reduction="sum")["out_dtype"] == dtype
 
 
+@pytest.mark.torch
 def test_live_nonfinite_where_torch_agrees(x64, torch, rng):
   """-inf input with a positive target gives +inf (gradient too); NaN stays NaN."""
   _live_group(torch, rng, mk.edge_specs(), "float64", "float64")
@@ -260,6 +382,7 @@ def test_live_nonfinite_where_torch_agrees(x64, torch, rng):
 # -- live parity: legacy arguments and warnings ----------------------------------------------
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("reduce", LEGACY)
 @pytest.mark.parametrize("size_average", LEGACY)
@@ -279,32 +402,20 @@ def test_live_legacy_args(x64, torch, rng, size_average, reduce, reduction):
     value = np.asarray(kl_div(x, t, **opts))
   assert ours == theirs
   assert len(theirs) == int(reduction == "mean" or size_average is not None or reduce is not None)
-  np.testing.assert_allclose(value, expected, *TOLERANCES["float64"], strict=True)
+  _assert_allclose_strict(value, expected, *TOLERANCES["float64"])
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("reduce", LEGACY)
-@pytest.mark.parametrize("size_average", LEGACY)
-def test_live_module_legacy(x64, torch, rng, size_average, reduce, reduction):
-  """``KLDivLoss`` turns legacy args into ``reduction`` at construction, as torch's module."""
-  opts = dict(size_average=size_average, reduce=reduce, reduction=reduction, log_target=True)
-  with _record() as theirs_init:
-    theirs = torch.nn.KLDivLoss(**opts)
-  with _record() as ours_init:
-    ours = KLDivLoss(**opts)
-  assert ours_init == theirs_init
-  assert ours.reduction == theirs.reduction
-  assert (ours.size_average, ours.reduce, ours.log_target) == (None, None, True)
-
+@pytest.mark.torch
+@pytest.mark.parametrize(
+  "options", mk.module_options(), ids=lambda o: "{size_average}-{reduce}-{reduction}".format(**o)
+)
+def test_live_module_legacy(x64, torch, rng, options):
   x, t, _ = mk.sample(rng, (3, 2), (3, 2), True)
-  with _record() as theirs_call:
-    expected = theirs(torch.tensor(x), torch.tensor(t)).numpy()
-  with _record() as ours_call:
-    value = np.asarray(ours(x, t))
-  assert ours_call == theirs_call
-  np.testing.assert_allclose(value, expected, *TOLERANCES["float64"], strict=True)
+  rec = mk.module_record(x, t, **options)
+  _check_module({**options, **rec}, x, t, str(options))
 
 
+@pytest.mark.torch
 def test_live_module_legacy_drops_batchmean(torch):
   with _record():
     theirs = torch.nn.KLDivLoss(size_average=False, reduction="batchmean")
@@ -312,6 +423,7 @@ def test_live_module_legacy_drops_batchmean(torch):
   assert ours.reduction == theirs.reduction == "sum"
 
 
+@pytest.mark.torch
 def test_live_mean_warning(torch):
   """Default 'mean' warns torch's UserWarning, word for word; the others don't warn."""
   import torch.nn.functional as F
@@ -333,141 +445,43 @@ def test_live_mean_warning(torch):
       F.kl_div(torch.zeros(2, 3), torch.full((2, 3), 0.5), reduction=reduction)
 
 
+@pytest.mark.torch
 def test_live_bad_options_raise_like_torch(torch):
-  import torch.nn.functional as F
-
-  with pytest.raises(RuntimeError):
-    F.kl_div(torch.zeros(3, 5), torch.zeros(5, 3), reduction="sum")
-  with pytest.raises(ValueError, match=r"\(3, 5\).*\(5, 3\)"):
-    kl_div(jnp.zeros((3, 5)), jnp.zeros((5, 3)), reduction="sum")
-  for bad in ("avg", "BatchMean", None):
-    with pytest.raises(ValueError, match="is not a valid value for reduction"):
-      F.kl_div(torch.zeros(2), torch.zeros(2), reduction=bad)
-    with pytest.raises(ValueError, match=repr(bad)):
-      kl_div(jnp.zeros(2), jnp.zeros(2), reduction=bad)
+  _check_errors(mk.error_records())
 
 
 # -- live parity: type promotion -------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-  "x_dtype,t_dtype",
-  [("float32", "float64"), ("float64", "float32"), ("bfloat16", "float16"), ("float16", "float32")],
-)
+@pytest.mark.torch
+@pytest.mark.parametrize(("x_dtype", "t_dtype"), mk.PROMOTIONS)
 def test_live_mixed_dtypes(x64, torch, rng, x_dtype, t_dtype):
-  """Result dtype follows torch's promotion; gradients keep each argument's dtype.
-
-  Values: torch on inputs cast to the promoted dtype (module docstring).
-  """
-  import torch.nn.functional as F
-
-  x, t, _ = mk.sample(rng, (2, 3), (2, 3), False)
-  x, t = x.astype(NP_DTYPES[x_dtype]), t.astype(NP_DTYPES[t_dtype])
-  xt = torch.tensor(x.astype(np.float64), dtype=getattr(torch, x_dtype), requires_grad=True)
-  tt = torch.tensor(t.astype(np.float64), dtype=getattr(torch, t_dtype), requires_grad=True)
-  native = F.kl_div(xt, tt, reduction="sum")
-  native.backward()
-  out_dtype = str(native.dtype).removeprefix("torch.")
-  ref = mk.torch_kl(x, t, np.ones(()), dtype=out_dtype, reduction="sum")
-
-  value, (gx, gt) = jax.value_and_grad(functools.partial(kl_div, reduction="sum"), argnums=(0, 1))(
-    jnp.asarray(x), jnp.asarray(t)
-  )
-  assert value.dtype == NP_DTYPES[out_dtype]
-  assert (gx.dtype, gt.dtype) == (NP_DTYPES[x_dtype], NP_DTYPES[t_dtype])
-  assert (str(xt.grad.dtype), str(tt.grad.dtype)) == (f"torch.{x_dtype}", f"torch.{t_dtype}")
-  np.testing.assert_allclose(np.float64(value), ref["value"], *TOLERANCES[out_dtype])
-  for ours, key, dtype in ((gx, "grad_x", x_dtype), (gt, "grad_t", t_dtype)):
-    _assert_close({key: np.asarray(ours, np.float64)}, ref, dtype, (key,), f"{x_dtype}+{t_dtype}")
+  x, t = mk.promotion_inputs(rng, x_dtype, t_dtype)
+  rec = mk.promotion_record(x, t, x_dtype, t_dtype)
+  _check_promotion({"x_dtype": x_dtype, "t_dtype": t_dtype, **rec}, x, t)
 
 
-@pytest.mark.parametrize("t_dtype", ["float16", "float32", "float64"])
-@pytest.mark.parametrize("x_dtype", ["float16", "float32", "float64"])
+@pytest.mark.torch
+@pytest.mark.parametrize("t_dtype", mk.OWN_DTYPES)
+@pytest.mark.parametrize("x_dtype", mk.OWN_DTYPES)
 def test_live_torch_own_example(x64, torch, x_dtype, t_dtype):
-  """torch's ``test_kl_div_with_diff_type``: every dtype pair gives -3.66249 (atol 1e-3).
-
-  Beyond that atol, the reference is torch on inputs cast to the result dtype
-  (torch's own mixed-dtype value carries the target dtype's rounding).
-  """
-  import torch.nn.functional as F
-
-  x = [[2.0, 3.0, 5.0], [3.0, 2.0, 1.0]]
-  t = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
-  with _quiet():
-    theirs = F.kl_div(
-      torch.tensor(x, dtype=getattr(torch, x_dtype)),
-      torch.tensor(t, dtype=getattr(torch, t_dtype)),
-    )
-  with pytest.warns(UserWarning, match="reduction: 'mean'"):
-    ours = kl_div(jnp.asarray(x, NP_DTYPES[x_dtype]), jnp.asarray(t, NP_DTYPES[t_dtype]))
-  out_dtype = str(theirs.dtype).removeprefix("torch.")
-  assert ours.dtype == NP_DTYPES[out_dtype]
-  np.testing.assert_allclose(theirs.item(), TORCH_OWN_EXAMPLE, rtol=0, atol=1e-3)
-  np.testing.assert_allclose(np.float64(ours), TORCH_OWN_EXAMPLE, rtol=0, atol=1e-3)
-  ref = mk.torch_kl(np.array(x), np.array(t), np.ones(()), dtype=out_dtype)
-  _assert_close({"value": np.float64(ours)}, ref, out_dtype, ("value",), f"{x_dtype}+{t_dtype}")
+  rec = mk.own_example_record(x_dtype, t_dtype)
+  _check_own_example({"x_dtype": x_dtype, "t_dtype": t_dtype, **rec})
 
 
 # -- live: where torch is not finite ---------------------------------------------------------
 
-# (x, t) at zero mass, and torch's non-finite results there. kldiv_jax gives value 0 and
-# zero first and second derivatives at these points.
-DIFFERENCES = {
-  False: (
-    (-1.0, 0.0, ("grad_t", "hess_tt")),
-    (-np.inf, 0.0, ("value", "grad_t", "hess_tt")),
-  ),
-  True: (
-    (-1.0, -np.inf, ("value", "grad_t", "hess_tt")),
-    (-np.inf, -np.inf, ("value", "grad_t", "hess_tt")),
-  ),
-}
 
-
+@pytest.mark.torch
 @pytest.mark.parametrize("log_target", [False, True])
 def test_live_deliberate_differences(x64, torch, log_target):
-  """Zero-mass targets: our convention (0, zero derivatives), where torch is NaN/inf.
-
-  Each case pairs the zero-mass entry with an interior one, where we still
-  equal torch (value, gradients, second derivatives).
-  """
-  interior_t = np.log(0.4) if log_target else 0.4
-  cases, specs, torch_nonfinite = [], [], []
-  for x0, t0, nonfinite in DIFFERENCES[log_target]:
-    for reduction in ("none", "sum", "batchmean"):
-      cot = np.array([1.5, -0.5]) if reduction == "none" else np.array(1.0)
-      cases.append((np.array([x0, -0.7]), np.array([t0, interior_t]), cot))
-      specs.append(Spec(None, None, reduction, log_target, True))
-      torch_nonfinite.append(nonfinite)
-  ours = _ours(cases, specs, "float64")
-  for (x, t, cot), spec, res, nonfinite in zip(cases, specs, ours, torch_nonfinite):
-    what = f"x={x}, t={t}, {spec.reduction}"
-    ref = mk.torch_kl(x, t, cot, hessian=True, **_options(spec))
-    res = res["kl_div"]
-    for key in DERIVATIVES + HESSIANS:
-      assert np.all(np.isfinite(res[key])), (key, what)
-    for key in nonfinite:
-      assert not np.isfinite(ref[key].flat[0]), f"torch is now finite: {key}={ref[key]}, {what}"
-    # Our convention at the zero-mass entry (index 0).
-    assert res["grad_x"][0] == res["grad_t"][0] == 0.0, what
-    np.testing.assert_array_equal(res["hess_tt"][0], 0.0, err_msg=what)
-    np.testing.assert_array_equal(res["hess_tt"][:, 0], 0.0, err_msg=what)
-    # The mixed partial d2/dxdt stays torch's (-s with probability targets,
-    # where d/dx = -t; exp(t) = 0 with log targets), keeping the Hessian
-    # symmetric although d/dt is pinned to 0 at zero mass.
-    mixed = 0.0 if log_target else ref["hess_xt"][:, 0]
-    np.testing.assert_array_equal(res["hess_xt"][:, 0], mixed, err_msg=what)
-    # torch's values at the interior entry (index 1).
-    interior = {k: ref[k][1:] for k in ("grad_x", "grad_t")} | {"hess": ref["hess_tt"][1:, 1:]}
-    mine = {k: res[k][1:] for k in ("grad_x", "grad_t")} | {"hess": res["hess_tt"][1:, 1:]}
-    _assert_close(mine, interior, "float64", ("grad_x", "grad_t", "hess"), what)
-    alone = mk.torch_kl(x[1:], t[1:], np.ones(()), reduction="sum", log_target=log_target)
-    expected = {
-      "none": np.array([0.0, *alone["value"].reshape(1)]),
-      "sum": alone["value"],
-      "batchmean": alone["value"] / 2,
-    }[spec.reduction]
-    _assert_close(res, {"value": expected}, "float64", ("value",), what)
+  specs = [s for s in mk.difference_specs() if s["log_target"] == log_target]
+  cases = [mk.difference_arrays(s) for s in specs]
+  refs = [
+    mk.torch_kl(x, t, cot, hessian=True, **_options(Spec.of(s)))
+    for (x, t, cot), s in zip(cases, specs)
+  ]
+  _check_differences(cases, specs, refs)
 
 
 # -- golden fixtures (no torch needed) -------------------------------------------------------
@@ -476,16 +490,21 @@ META, ARRAYS = mk.load()
 GROUPS: dict[str, list[dict]] = {}
 for _case in META["cases"]:
   GROUPS.setdefault(_case["group"], []).append(_case)
+DIFFERENCES = GROUPS.pop("differences")
+
+
+def _case_arrays(case: dict, keys: Sequence[str]) -> tuple[np.ndarray, ...]:
+  return tuple(ARRAYS[f"{case['id']}.{k}"] for k in keys)
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_fixture(request, group):
-  """kldiv_jax against torch's stored values, gradients and second derivatives."""
+  """kldiv_jax against torch's stored values, gradients, second derivatives and result dtype."""
   cases = GROUPS[group]
   dtype = cases[0]["dtype"]
   if dtype == "float64":
     request.getfixturevalue("x64")
-  arrays = [tuple(ARRAYS[f"{c['id']}.{k}"] for k in ("x", "t", "cot")) for c in cases]
+  arrays = [_case_arrays(c, ("x", "t", "cot")) for c in cases]
   for c, (x, t, _) in zip(cases, arrays):
     assert (list(x.shape), list(t.shape)) == (c["x_shape"], c["t_shape"]), c["id"]
   specs = [Spec.of(c) for c in cases]
@@ -497,39 +516,85 @@ def test_fixture(request, group):
       if f"{case['id']}.{k}" in ARRAYS
     }
     _check_case(res, ref, spec, dtype, f"{case['id']} {_options(spec)}")
+    assert res["kl_div"]["value_dtype"] == NP_DTYPES[case["out_dtype"]], case["id"]
 
 
-@pytest.mark.parametrize("group", ["float64 (3,) vs (2, 3)", "legacy"])
+@pytest.mark.parametrize("group", ["float64 (3,) vs (2, 3)", "legacy", "legacy (3, 2) vs (2,)"])
 def test_fixture_warnings(x64, group):
-  """kl_div emits the warnings torch emitted (text and category), per case."""
+  """kl_div (and KLDivLoss's call) emit the warnings torch emitted (text and category)."""
   for case in GROUPS[group]:
-    x, t = ARRAYS[f"{case['id']}.x"], ARRAYS[f"{case['id']}.t"]
+    x, t = _case_arrays(case, ("x", "t"))
+    spec = Spec.of(case)
     with _record() as warned:
-      jax.eval_shape(functools.partial(kl_div, **_options(Spec.of(case))), x, t)
+      jax.eval_shape(functools.partial(kl_div, **_options(spec)), x, t)
     assert warned == case["warnings"], case["id"]
+    if not spec.legacy:
+      with _record() as warned:
+        jax.eval_shape(KLDivLoss(reduction=spec.reduction, log_target=spec.log_target), x, t)
+      assert warned == case["warnings"], case["id"]
+  if group == "float64 (3,) vs (2, 3)":  # 'mean' warns, the others don't
+    for case in GROUPS[group]:
+      if case["reduction"] == "mean":
+        ((category, message),) = case["warnings"]
+        assert category == "UserWarning"
+        assert "'batchmean' divides only by the batch size" in message
+      else:
+        assert case["warnings"] == []
+
+
+def test_fixture_modules(x64):
+  assert len(META["modules"]) == len(mk.module_options())
+  for rec in META["modules"]:
+    x, t, value = _case_arrays(rec, ("x", "t", "value"))
+    _check_module({**rec, "value": value}, x, t, rec["id"])
+  drops = [r for r in META["modules"] if r["size_average"] is False and r["reduce"] is None]
+  assert {r["reduction"]: r["resolved"] for r in drops}["batchmean"] == "sum"
+
+
+@pytest.mark.parametrize("rec", META["promotions"], ids=lambda r: f"{r['x_dtype']}+{r['t_dtype']}")
+def test_fixture_promotions(x64, rec):
+  x, t, *values = _case_arrays(rec, ("x", "t", "value", "grad_x", "grad_t"))
+  _check_promotion({**rec, **dict(zip(DERIVATIVES, values))}, x, t)
+
+
+def test_fixture_own_example(x64):
+  assert len(META["own_example"]) == len(mk.OWN_DTYPES) ** 2
+  for rec in META["own_example"]:
+    _check_own_example(rec)
+
+
+def test_fixture_errors():
+  _check_errors(META["errors"])
+
+
+def test_fixture_deliberate_differences(x64):
+  cases = [_case_arrays(c, ("x", "t", "cot")) for c in DIFFERENCES]
+  refs = [{k: ARRAYS[f"{c['id']}.{k}"] for k in DERIVATIVES + HESSIANS} for c in DIFFERENCES]
+  _check_differences(cases, DIFFERENCES, refs)
 
 
 def test_fixture_files_small_and_complete():
   npz, js = mk.NPZ_PATH.stat().st_size, mk.JSON_PATH.stat().st_size
-  assert npz + js < 500_000, (npz, js)
+  assert npz + js < 400_000, (npz, js)
   ids = [c["id"] for c in META["cases"]]
-  assert len(set(ids)) == len(ids) > 100
+  assert len(set(ids)) == len(ids) > 200
   expected = {f"{c['id']}.{k}" for c in META["cases"] for k in mk.ARRAY_KEYS[:6]}
   expected |= {f"{c['id']}.{k}" for c in META["cases"] if c["hessian"] for k in HESSIANS}
+  expected |= {f"{r['id']}.{k}" for r in META["modules"] for k in ("x", "t", "value")}
+  expected |= {f"{r['id']}.{k}" for r in META["promotions"] for k in ("x", "t", *DERIVATIVES)}
   assert set(ARRAYS) == expected
   assert sum(c["hessian"] for c in META["cases"]) >= 32
+  assert {c["dtype"] for c in META["cases"]} == set(NP_DTYPES)
 
 
+@pytest.mark.torch
 def test_fixture_file_up_to_date(torch):
-  """Regenerating with the installed torch gives the stored cases (within tolerance)."""
-  cases, arrays = mk.make_cases()
-  assert cases == META["cases"]
+  """Regenerating with the installed torch gives the stored records (within tolerance)."""
+  records, arrays = mk.make()
+  mk.pack(records, arrays)  # adds each record's layout
+  assert records == {k: v for k, v in META.items() if k not in ("torch_version", "seed")}
   assert set(arrays) == set(ARRAYS)
-  for case in cases:
-    rtol, atol = TOLERANCES[case["dtype"]]
-    for key in mk.ARRAY_KEYS:
-      name = f"{case['id']}.{key}"
-      if name in arrays:
-        np.testing.assert_allclose(
-          arrays[name], ARRAYS[name], rtol=rtol, atol=atol, strict=True, err_msg=name
-        )
+  dtypes = {c["id"]: c["dtype"] for c in META["cases"]}
+  for name in arrays:
+    rtol, atol = TOLERANCES[dtypes.get(name.split(".")[0], "float64")]
+    _assert_allclose_strict(arrays[name], ARRAYS[name], rtol, atol, name)

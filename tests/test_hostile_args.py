@@ -1,0 +1,482 @@
+"""Hostile arguments to every public function, through the public API only.
+
+Arguments of the wrong kind (a ``TypeError``/``ValueError`` naming the
+argument), integer ids that would wrap, degenerate shapes, the caller's strict
+dtype promotion, and eager calls that must not compile again.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _references import count_compiles
+
+import kldiv_jax as kj
+
+
+def _normal(shape, seed):
+  return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+
+
+def _log_softmax(z):
+  z = z - z.max(axis=-1, keepdims=True)
+  return (z - np.log(np.exp(z).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+def _kldivloss(input, target, reduction="sum", log_target=False):  # noqa: A002 - torch's name
+  return kj.KLDivLoss(reduction=reduction, log_target=log_target)(input, target)
+
+
+Z = _normal((2, 3, 5), 0)
+Y = _normal((2, 3, 5), 1)
+LOGQ, LOGP = _log_softmax(Z), _log_softmax(Y)
+P = np.exp(LOGP)
+LABELS = np.array([[0, 4, -100], [2, 1, 3]], np.int32)
+IDS = np.array([[[0, 3], [1, 2], [4, 0]], [[2, 1], [3, 4], [0, 1]]], np.int32)
+TOPK_LP = np.log(np.full((2, 3, 2), 0.3, np.float32))
+H, W, B = _normal((2, 3, 4), 2), _normal((4, 5), 3), _normal((5,), 4)
+TH, TW, TB = _normal((2, 3, 6), 5), _normal((6, 5), 6), _normal((5,), 7)
+
+# name: (function, valid keyword arguments, optional arguments that default to None).
+CALLS = {
+  "kl_div": (kj.kl_div, {"input": LOGQ, "target": P, "reduction": "sum"}, ()),
+  "KLDivLoss": (_kldivloss, {"input": LOGQ, "target": P}, ()),
+  "kl_div_pointwise": (kj.kl_div_pointwise, {"input": LOGQ, "target": P}, ()),
+  "kl_divergence": (kj.kl_divergence, {"log_predictions": LOGQ, "targets": P}, ("where",)),
+  "kl_divergence_with_log_targets": (
+    kj.kl_divergence_with_log_targets,
+    {"log_predictions": LOGQ, "log_targets": LOGP},
+    ("where",),
+  ),
+  "generalized_kl_divergence": (
+    kj.generalized_kl_divergence,
+    {"log_predictions": LOGQ, "targets": P},
+    ("where",),
+  ),
+  "convex_kl_divergence": (
+    kj.convex_kl_divergence,
+    {"log_predictions": LOGQ, "targets": P},
+    ("where",),
+  ),
+  "kl_estimate": (
+    kj.kl_estimate,
+    {"log_probs": LOGQ[..., 0], "ref_log_probs": LOGP[..., 0]},
+    ("where", "clip"),
+  ),
+  "gaussian_kl": (
+    kj.gaussian_kl,
+    {"mean": Z, "log_var": Y, "prior_mean": 0.5, "prior_log_var": 0.1},
+    ("where",),
+  ),
+  "kl_div_from_logits": (
+    kj.kl_div_from_logits,
+    {"logits": Z, "target_logits": Y, "temperature": 2.0},
+    ("where",),
+  ),
+  "generalized_jsd": (
+    kj.generalized_jsd,
+    {"logits": Z, "target_logits": Y, "beta": 0.3, "temperature": 2.0},
+    ("where",),
+  ),
+  "distillation_loss": (
+    kj.distillation_loss,
+    {
+      "student_logits": Z,
+      "teacher_logits": Y,
+      "labels": LABELS,
+      "temperature": 2.0,
+      "alpha": 0.3,
+      "beta": 0.4,
+      "normalizer": 3.0,
+    },
+    ("where",),
+  ),
+  "fused_linear_kl_div": (
+    kj.fused_linear_kl_div,
+    {
+      "hidden": H,
+      "weight": W,
+      "target_hidden": TH,
+      "target_weight": TW,
+      "bias": B,
+      "target_bias": TB,
+      "temperature": 2.0,
+      "beta": 0.4,
+      "normalizer": 3.0,
+    },
+    ("where",),
+  ),
+  "kl_div_from_topk": (
+    kj.kl_div_from_topk,
+    {"logits": Z, "topk_indices": IDS, "topk_log_probs": TOPK_LP, "temperature": 2.0},
+    ("where",),
+  ),
+}
+
+STRING_OPTIONS = {"reduction"}
+NONE_ALLOWED = {"labels", "normalizer", "bias", "target_bias", "where", "clip"}
+
+
+def _call(name, **changes):
+  fn, kwargs, _ = CALLS[name]
+  return fn(**{**kwargs, **changes})
+
+
+def _array_args(required_only=False):
+  """``(function name, argument name)`` for every array or numeric argument."""
+  out = []
+  for name, (_, kwargs, optional) in CALLS.items():
+    for arg in (*kwargs, *optional):
+      if arg not in STRING_OPTIONS and not (required_only and arg in NONE_ALLOWED):
+        out.append((name, arg))
+  return out
+
+
+# 6. Arguments of the wrong kind.
+
+NOT_ARRAYS = [
+  "abc",
+  b"ab",
+  {"a": 1.0},
+  [1.0, "a"],
+  [[1.0, 2.0], None],
+  np.array([1.0, None], dtype=object),
+  object(),
+]
+
+
+@pytest.mark.parametrize("value", NOT_ARRAYS, ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize(("name", "arg"), _array_args())
+def test_not_an_array_raises_type_error_naming_the_argument(name, arg, value):
+  if arg == "clip" and isinstance(value, list):
+    pytest.skip("a list is a (low, high) pair of clip bounds: test_clip_bounds_must_be_numbers")
+  with pytest.raises(TypeError, match=rf"\b{arg}\b"):
+    _call(name, **{arg: value})
+
+
+@pytest.mark.parametrize(("name", "arg"), _array_args(required_only=True))
+def test_none_for_a_required_argument_raises_type_error_naming_it(name, arg):
+  with pytest.raises(TypeError, match=rf"\b{arg}\b"):
+    _call(name, **{arg: None})
+
+
+@pytest.mark.parametrize(("name", "arg"), _array_args(required_only=True))
+def test_ragged_nested_list_raises_naming_the_argument(name, arg):
+  with pytest.raises((TypeError, ValueError), match=rf"\b{arg}\b"):
+    _call(name, **{arg: [[1.0, 2.0], [3.0]]})
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_nested_lists_of_numbers_are_array_like(name):
+  fn, kwargs, _ = CALLS[name]
+  as_lists = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+  np.testing.assert_allclose(fn(**as_lists), fn(**kwargs), rtol=1e-6)
+
+
+AXIS_FUNCTIONS = [
+  "kl_divergence",
+  "kl_divergence_with_log_targets",
+  "generalized_kl_divergence",
+  "gaussian_kl",
+  "kl_div_from_logits",
+  "generalized_jsd",
+]
+
+
+@pytest.mark.parametrize("axis", [1.0, np.float32(1.0), jnp.array(1)], ids=repr)
+@pytest.mark.parametrize("name", AXIS_FUNCTIONS)
+def test_axis_of_the_wrong_kind_raises_type_error(name, axis):
+  with pytest.raises(TypeError, match="axis must be an int"):
+    _call(name, axis=axis)
+
+
+@pytest.mark.parametrize("value", ["False", "True", 0, 1, 1.0, None], ids=repr)
+@pytest.mark.parametrize("name", ["kl_div", "KLDivLoss", "kl_div_pointwise"])
+def test_log_target_must_be_a_bool(name, value):
+  # torch: "kl_div(): argument 'log_target' must be bool, not str"; a string
+  # "False" must never be taken as true.
+  with pytest.raises(TypeError, match="log_target must be a bool"):
+    _call(name, log_target=value)
+
+
+@pytest.mark.parametrize("value", ["no", 0, None], ids=repr)
+@pytest.mark.parametrize("name", ["distillation_loss", "fused_linear_kl_div"])
+def test_scale_by_temperature_squared_must_be_a_bool(name, value):
+  with pytest.raises(TypeError, match="scale_by_temperature_squared must be a bool"):
+    _call(name, scale_by_temperature_squared=value)
+
+
+@pytest.mark.parametrize("value", [None, 1.5, "x", np.float32(2.0), True], ids=repr)
+def test_ignore_index_must_be_an_int(value):
+  with pytest.raises(TypeError, match="ignore_index must be an int"):
+    _call("distillation_loss", ignore_index=value)
+
+
+@pytest.mark.parametrize("clip", [(None, 1.0), "1", [None, None]], ids=repr)
+def test_clip_bounds_must_be_numbers(clip):
+  with pytest.raises(TypeError, match=r"\bclip\b"):
+    _call("kl_estimate", clip=clip)
+
+
+# 7. Integer ids that would wrap.
+
+
+def _distill_labels(labels, **kw):
+  z, y = Z[0], Y[0]  # [3, 5]
+  return kj.distillation_loss(z, y, labels, alpha=0.0, **kw)
+
+
+def test_uint32_label_is_not_wrapped_onto_ignore_index():
+  # 4294967196 is -100 as an int32: it must be out of range (NaN), not ignored.
+  labels = jnp.array([2**32 - 100, 1, 2], jnp.uint32)
+  assert np.isnan(_distill_labels(labels))
+
+
+def test_int64_labels_out_of_int32_range_give_nan(x64):
+  for bad in (2**32 + 1, 2**32 - 100, -(2**32) + 1):
+    labels = jnp.array([bad, 1, 2], jnp.int64)
+    assert labels.dtype == jnp.int64
+    assert np.isnan(_distill_labels(labels)), bad
+
+
+@pytest.mark.parametrize("bad", [2**32 + 1, 2**32 - 100, 2**40])
+def test_numpy_int64_labels_never_alias_a_class(bad):
+  # Without x64 JAX keeps int32: a NumPy int64 id must not wrap onto a class.
+  labels = np.array([bad, 1, 2], np.int64)
+  assert np.isnan(_distill_labels(labels))
+
+
+def test_ignore_index_outside_the_label_dtype_matches_nothing():
+  labels = np.array([0, 1, 2], np.int32)
+  expected = _distill_labels(labels)
+  np.testing.assert_allclose(_distill_labels(labels, ignore_index=2**40), expected)
+  np.testing.assert_allclose(_distill_labels(labels.astype(np.uint8), ignore_index=-100), expected)
+
+
+def _topk(ids):
+  logits = Z[0]  # [3, 5]
+  return kj.kl_div_from_topk(logits, ids, np.log(np.full(ids.shape, 0.5, np.float32)))
+
+
+def test_int64_topk_ids_out_of_int32_range_give_nan(x64):
+  ids = jnp.array([[2**32 + 1, 0], [1, 2], [3, 4]], jnp.int64)
+  out = _topk(ids)
+  assert np.isnan(out[0]) and np.all(np.isfinite(out[1:]))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint64])
+def test_numpy_wide_topk_ids_never_alias_a_class(dtype):
+  ids = np.array([[2**32 + 1, 0], [1, 2], [3, 4]], dtype)
+  out = _topk(ids)
+  assert np.isnan(out[0]) and np.all(np.isfinite(out[1:]))
+
+
+# 8. Degenerate shapes.
+
+
+def _fused_value_and_grads(h, w, b, th, tw, **kw):
+  def loss(h, w, b):
+    return kj.fused_linear_kl_div(h, w, th, tw, bias=b, **kw)
+
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
+
+
+def test_fused_with_an_empty_vocabulary_is_zero():
+  h, th = _normal((4, 3), 0), _normal((4, 2), 1)
+  w, tw = np.zeros((3, 0), np.float32), np.zeros((2, 0), np.float32)
+  b = np.zeros(0, np.float32)
+  value, grads = _fused_value_and_grads(h, w, b, th, tw)
+  assert value == 0.0
+  for g, a in zip(grads, (h, w, b)):
+    assert g.shape == a.shape and not np.any(g)
+
+
+def test_fused_with_zero_hidden_units_uses_the_biases():
+  # H = 0: the logits are the biases, for every token.
+  b, tb = _normal((5,), 2), _normal((5,), 3)
+  h, th = np.zeros((4, 0), np.float32), np.zeros((4, 0), np.float32)
+  w, tw = np.zeros((0, 5), np.float32), np.zeros((0, 5), np.float32)
+  value, grads = _fused_value_and_grads(
+    h, w, b, th, tw, target_bias=tb, temperature=2.0, chunk_size=3
+  )
+  log_q = _log_softmax(b.astype(np.float64) / 2.0)
+  log_p = _log_softmax(tb.astype(np.float64) / 2.0)
+  expected = 4.0 * np.sum(np.exp(log_p) * (log_p - log_q))  # T**2 KL, mean over tokens
+  np.testing.assert_allclose(value, expected, rtol=1e-5)
+  assert grads[0].shape == (4, 0) and grads[1].shape == (0, 5)
+  np.testing.assert_allclose(grads[2], 2.0 * (np.exp(log_q) - np.exp(log_p)), rtol=1e-4, atol=1e-6)
+
+
+def test_distillation_with_zero_classes_gives_nan_for_labelled_tokens():
+  empty = np.zeros((3, 0), np.float32)
+  # Every label is out of range of zero classes: NaN, as documented.
+  assert np.isnan(kj.distillation_loss(empty, empty, np.array([0, -100, 1])))
+  assert kj.distillation_loss(empty, empty, np.array([-100, -100, -100])) == 0.0
+  assert kj.distillation_loss(empty, empty) == 0.0
+
+
+# 9. The caller's strict dtype promotion.
+
+
+def _strict_calls(dtype, traced):
+  """``name: (loss of a differentiable array, that array's value)``; other arrays in ``dtype``."""
+  c = (lambda v: jnp.asarray(v, dtype)) if traced else (lambda v: v)  # options
+  arr = lambda v: jnp.asarray(v, dtype)  # noqa: E731
+  p, logp, y, labels = arr(P), arr(LOGP), arr(Y), jnp.asarray(LABELS)
+  ids, topk_lp = jnp.asarray(IDS), arr(TOPK_LP)
+  th, tw, tb = arr(TH), arr(TW), arr(TB)
+  return {
+    "kl_div": (lambda a: kj.kl_div(a, p, reduction="batchmean"), LOGQ),
+    "KLDivLoss": (lambda a: kj.KLDivLoss(reduction="sum", log_target=True)(a, logp), LOGQ),
+    "kl_div_pointwise": (lambda a: kj.kl_div_pointwise(a, p), LOGQ),
+    "kl_divergence": (lambda a: kj.kl_divergence(a, p, where=P > 0.1), LOGQ),
+    "kl_divergence_with_log_targets": (
+      lambda a: kj.kl_divergence_with_log_targets(a, logp, axis=(1, 2)),
+      LOGQ,
+    ),
+    "generalized_kl_divergence": (lambda a: kj.generalized_kl_divergence(a, p), LOGQ),
+    "convex_kl_divergence": (lambda a: kj.convex_kl_divergence(a, p), LOGQ),
+    "kl_estimate": (
+      lambda a: kj.kl_estimate(a, logp, clip=(c(-0.5), c(0.4)), where=P > 0.1),
+      LOGQ,
+    ),
+    "gaussian_kl": (lambda a: kj.gaussian_kl(a, y, prior_mean=c(0.5), prior_log_var=y), Z),
+    "kl_div_from_logits": (
+      lambda a: kj.kl_div_from_logits(a, y, temperature=c(2.0), direction="reverse"),
+      Z,
+    ),
+    "generalized_jsd": (lambda a: kj.generalized_jsd(a, y, beta=c(0.3), temperature=c(2.0)), Z),
+    "distillation_loss": (
+      lambda a: kj.distillation_loss(
+        a, y, labels, temperature=c(2.0), alpha=c(0.3), divergence="jsd", beta=c(0.6)
+      ),
+      Z,
+    ),
+    "distillation_loss normalizer": (
+      lambda a: kj.distillation_loss(a, y, labels, alpha=c(0.5), normalizer=c(4.0)),
+      Z,
+    ),
+    "fused_linear_kl_div": (
+      lambda a: kj.fused_linear_kl_div(
+        arr(H), a, th, tw, target_bias=tb, temperature=c(2.0), normalizer=c(3.0), chunk_size=4
+      ),
+      W,
+    ),
+    "kl_div_from_topk": (lambda a: kj.kl_div_from_topk(a, ids, topk_lp, temperature=c(2.0)), Z),
+  }
+
+
+STRICT_WITH_OPTIONS = {
+  "kl_estimate",
+  "gaussian_kl",
+  "kl_div_from_logits",
+  "generalized_jsd",
+  "distillation_loss",
+  "distillation_loss normalizer",
+  "fused_linear_kl_div",
+  "kl_div_from_topk",
+}
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["python_options", "array_options"])
+@pytest.mark.parametrize(
+  ("dtype", "other"),
+  [
+    (jnp.bfloat16, jnp.bfloat16),
+    (jnp.float16, jnp.float16),
+    (jnp.float32, jnp.bfloat16),
+    (jnp.bfloat16, jnp.float32),
+  ],
+  ids=lambda d: jnp.dtype(d).name,
+)
+@pytest.mark.parametrize("name", list(_strict_calls(jnp.float32, False)))
+def test_strict_dtype_promotion(name, dtype, other, traced):
+  if traced and name not in STRICT_WITH_OPTIONS:
+    pytest.skip("no numeric options")
+  f, value = _strict_calls(other, traced)[name]
+  a = jnp.asarray(value, dtype)
+
+  def loss(a):
+    return jnp.sum(f(a)).astype(jnp.float32)
+
+  expected_dtype = jax.eval_shape(f, a).dtype
+  expected_value, expected_grad = jax.jit(jax.value_and_grad(loss))(a)
+  with jax.numpy_dtype_promotion("strict"):
+    out = f(a)
+    value, grad = jax.jit(jax.value_and_grad(loss))(a)
+  if dtype == other:
+    assert out.dtype == dtype
+  assert out.dtype == expected_dtype and grad.dtype == dtype
+  # Strict mode changes no value: the library promotes and casts explicitly.
+  np.testing.assert_array_equal(value, expected_value)
+  np.testing.assert_array_equal(grad, expected_grad)
+  np.testing.assert_allclose(np.sum(out, dtype=np.float32), value, rtol=2e-2)
+
+
+# 3. Eager calls compile once.
+
+
+# More rows than one block of the CPU row statistics (the issue's [512, 1000]).
+BIG_S, BIG_T = _normal((300, 1000), 8), _normal((300, 1000), 9)
+BIG_LABELS = np.random.default_rng(10).integers(0, 1000, 300)
+
+
+def _eager(name):
+  s, t, labels = jnp.asarray(BIG_S), jnp.asarray(BIG_T), jnp.asarray(BIG_LABELS)
+  h, w, th, tw = s[:, :64], s[:64, :], t[:, :48], t[:48, :]
+  calls = {
+    "kl_div_from_logits": lambda: kj.kl_div_from_logits(s, t, temperature=2.0),
+    "kl_div_from_logits reverse where": lambda: kj.kl_div_from_logits(
+      s, t, direction="reverse", where=t > -2.0
+    ),
+    "generalized_jsd": lambda: kj.generalized_jsd(s, t, beta=0.3),
+    "generalized_jsd traced beta": lambda: kj.generalized_jsd(s, t, beta=jnp.float32(0.3)),
+    "distillation_loss": lambda: kj.distillation_loss(s, t, labels, temperature=2.0),
+    "distillation_loss jsd": lambda: kj.distillation_loss(
+      s, t, labels, divergence="jsd", alpha=jnp.float32(0.4), beta=jnp.float32(0.2)
+    ),
+    "fused_linear_kl_div": lambda: kj.fused_linear_kl_div(h, w, th, tw, chunk_size=128),
+    "fused_linear_kl_div reverse": lambda: kj.fused_linear_kl_div(
+      h, w, th, tw, divergence="reverse_kl", temperature=jnp.float32(2.0)
+    ),
+    "value_and_grad kl_div_from_logits": lambda: jax.value_and_grad(
+      lambda s: jnp.sum(kj.kl_div_from_logits(s, t))
+    )(s),
+    "value_and_grad generalized_jsd traced beta": lambda: jax.value_and_grad(
+      lambda s: jnp.sum(kj.generalized_jsd(s, t, beta=jnp.float32(0.3)))
+    )(s),
+    "value_and_grad distillation_loss": lambda: jax.value_and_grad(
+      lambda s: kj.distillation_loss(s, t, labels, divergence="reverse_kl")
+    )(s),
+    "value_and_grad fused_linear_kl_div": lambda: jax.value_and_grad(
+      lambda w: kj.fused_linear_kl_div(h, w, th, tw, divergence="jsd")
+    )(w),
+  }
+  return calls[name]
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "kl_div_from_logits",
+    "kl_div_from_logits reverse where",
+    "generalized_jsd",
+    "generalized_jsd traced beta",
+    "distillation_loss",
+    "distillation_loss jsd",
+    "fused_linear_kl_div",
+    "fused_linear_kl_div reverse",
+    "value_and_grad kl_div_from_logits",
+    "value_and_grad generalized_jsd traced beta",
+    "value_and_grad distillation_loss",
+    "value_and_grad fused_linear_kl_div",
+  ],
+)
+def test_eager_calls_compile_only_once(name):
+  call = _eager(name)
+  first = jax.block_until_ready(call())
+  with count_compiles() as compiles:
+    for _ in range(2):
+      again = jax.block_until_ready(call())
+  assert compiles == [], f"{len(compiles)} compilations in two more eager calls"
+  jax.tree.map(np.testing.assert_array_equal, again, first)
