@@ -9,6 +9,7 @@ numbers) or traced (JAX arrays). The body is validate, lay out as rows
 
 import dataclasses
 import math
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -95,7 +96,8 @@ class Divergence:
   @property
   def traced(self) -> tuple[jax.Array, ...]:
     """The traced parameters' values, in order."""
-    return tuple(v for _, v in self.params if not isinstance(v, float))
+    # Arrays, or any leaves jax.tree_util puts in their place (vmap's in_axes, ...).
+    return cast(tuple[jax.Array, ...], tuple(v for _, v in self.params if not isinstance(v, float)))
 
   def __repr__(self) -> str:
     args = "".join(f", {k}={v!r}" for k, v in self.params)
@@ -243,7 +245,7 @@ def divergence_from_logits(
 
   Examples:
     >>> import jax.numpy as jnp
-    >>> from kldiv_jax._divergence_api import Divergence, divergence_from_logits
+    >>> from kldiv_jax import Divergence, divergence_from_logits
     >>> student = jnp.array([[1.0, 2.0, 3.0], [0.0, 0.0, -jnp.inf]])
     >>> teacher = jnp.array([[3.0, 2.0, 1.0], [1.0, 0.0, -jnp.inf]])
     >>> divergence_from_logits(student, teacher)

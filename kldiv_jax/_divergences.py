@@ -53,7 +53,7 @@ from kldiv_jax._numerics import (
   weigh,
 )
 
-Terms = tuple[jax.Array, jax.Array, jax.Array]
+Terms = tuple[jax.Array, ...]  # (f, a, b)
 
 
 class Classes(NamedTuple):

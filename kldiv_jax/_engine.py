@@ -126,6 +126,7 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
   if needs.b:
     out.append(total(b))
   if any(needs.params):
+    assert formula.partials is not None  # needs.params: the formula has parameters
     partials = formula.partials(c, params)
     out.extend(total(d) for d, need in zip(partials, needs.params) if need)
   return tuple(out)
@@ -156,8 +157,8 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
       c = class_terms(u, *stats[:2], v, *stats[2:4], eu, ev)
       return (*stats, *_class_sums(formula, params, needs, c))
 
-    out = map_rows(fn, (z, y, *masks), z.shape[0])
-    return Stats(*out[:5], out[5:])
+    mu, su, mv, sv, same, *class_sums = map_rows(fn, (z, y, *masks), z.shape[0])
+    return Stats(mu, su, mv, sv, same, tuple(class_sums))
 
   rows, classes = z.shape
   num_classes = classes * lax.axis_size(axis_name)

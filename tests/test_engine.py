@@ -28,19 +28,14 @@ from kldiv_jax._engine import divergence_rows
 
 INF = np.inf
 
-# (id, name, parameters): every divergence, a few parameters each, and the alpha-beta limits.
+# (id, name, parameters): every divergence, a few parameters, and the alpha-beta limits, for
+# the reference comparisons (values, gradients, -inf conventions).
 CASES = [
   ("forward_kl", "forward_kl", {}),
   ("reverse_kl", "reverse_kl", {}),
-  ("jsd", "jsd", {"beta": 0.5}),
   ("jsd[0.3]", "jsd", {"beta": 0.3}),
-  ("jsd[0]", "jsd", {"beta": 0.0}),
-  ("jsd[1]", "jsd", {"beta": 1.0}),
-  ("symmetric_kl", "symmetric_kl", {"lam": 0.5}),
   ("symmetric_kl[0.9]", "symmetric_kl", {"lam": 0.9}),
   ("skew_kl", "skew_kl", {"alpha": 0.1}),
-  ("skew_kl[0.6]", "skew_kl", {"alpha": 0.6}),
-  ("skew_reverse_kl", "skew_reverse_kl", {"alpha": 0.1}),
   ("skew_reverse_kl[0.4]", "skew_reverse_kl", {"alpha": 0.4}),
   ("tvd", "tvd", {}),
   ("ab[0.5,0.3]", "alpha_beta", {"alpha": 0.5, "beta": 0.3}),
@@ -52,25 +47,13 @@ CASES = [
   ("ab[0,0]", "alpha_beta", {"alpha": 0.0, "beta": 0.0}),
 ]
 IDS = [c[0] for c in CASES]
-TRACEABLE = [c for c in CASES if c[2]]  # with parameters to trace
+# Each divergence once (the first eight cases), for the properties that do not depend on
+# the parameters' values (masks, NaN, dtypes, exact zeros).
+EACH = CASES[:8]
+EACH_IDS = IDS[:8]
 # Second order at interior points: every smooth divergence once, parameters traced (the
 # alpha-beta limits, exact to first order in the parameters, are checked wrt the logits).
-SMOOTH_GENERAL = [
-  c
-  for c in CASES
-  if c[0]
-  in (
-    "forward_kl",
-    "reverse_kl",
-    "jsd",
-    "jsd[0.3]",
-    "symmetric_kl",
-    "skew_kl",
-    "skew_kl[0.6]",
-    "skew_reverse_kl",
-    "ab[0.5,0.3]",
-  )
-]
+SMOOTH = [c for c in EACH if FORMULAS[c[1]].smooth]
 
 
 def _spec(name, params, traced=False, dtype=jnp.float64):
@@ -110,7 +93,7 @@ def test_values_match_the_authors_code(x64, rng, case, name, params):
     np.testing.assert_allclose(got, _ref(name, params, z, y, temperature), rtol=1e-11, atol=1e-13)
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_values_float32(rng, case, name, params):
   z, y = _pair(rng, (3, 64))
   got = divergence_from_logits(
@@ -188,9 +171,7 @@ def test_gradients_match_autodiff_of_the_reference(x64, rng, case, name, params)
     np.testing.assert_allclose(got, expected[3], rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-  ("case", "name", "params"), SMOOTH_GENERAL, ids=[c[0] for c in SMOOTH_GENERAL]
-)
+@pytest.mark.parametrize(("case", "name", "params"), SMOOTH, ids=[c[0] for c in SMOOTH])
 def test_check_grads_order_2(x64, rng, case, name, params):
   """Forward and reverse, second order, wrt logits, temperature and parameters (interior)."""
   z, y = _pair(rng, (2, 5), scale=1.0)
@@ -201,7 +182,15 @@ def test_check_grads_order_2(x64, rng, case, name, params):
     spec = Divergence(name, **dict(zip(keys, values)))
     return divergence_from_logits(z, y, divergence=spec, temperature=temperature)
 
-  check_grads(f, (z, y, 1.3, *params.values()), order=2, modes=("fwd", "rev"))
+  # fwd only: reverse mode is checked against autodiff above, jax.hessian (fwd over rev) on 8
+  # devices below. alpha-beta's parameters static: its traced form selects among the limits.
+  if name == "alpha_beta":
+    f = jax.jit(
+      lambda z, y, t: divergence_from_logits(z, y, divergence=_spec(name, params), temperature=t)
+    )
+    check_grads(f, (z, y, 1.3), order=2, modes=("fwd",))
+  else:
+    check_grads(f, (z, y, 1.3, *params.values()), order=2, modes=("fwd",))
 
 
 @pytest.mark.parametrize(
@@ -212,7 +201,7 @@ def test_check_grads_order_2_at_alpha_beta_limits(x64, rng, params):
   z, y = _pair(rng, (2, 5), scale=1.0)
   spec = Divergence("alpha_beta", alpha=params[0], beta=params[1])
   f = jax.jit(lambda z, y, t: divergence_from_logits(z, y, divergence=spec, temperature=t))
-  check_grads(f, (z, y, 1.3), order=2, modes=("fwd", "rev"))
+  check_grads(f, (z, y, 1.3), order=2, modes=("fwd",))
 
 
 def test_tvd_subgradient_is_zero_where_p_equals_q(x64, rng):
@@ -401,7 +390,7 @@ def test_kl_conventions_match_the_existing_kernels(rng):
 
   for name, fn in old.items():
     spec = Divergence(name, **({"beta": 0.3} if name == "jsd" else {}))
-    for kw in ({"temperature": 2.0}, {"where": mask}):
+    for kw in ({"temperature": 2.0, "where": mask},):
 
       def new(a, b, spec=spec, kw=kw):
         return divergence_from_logits(a, b, divergence=spec, **kw)
@@ -417,7 +406,7 @@ def test_kl_conventions_match_the_existing_kernels(rng):
         np.testing.assert_allclose(got[rows], np.asarray(want)[rows], rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_class_mask_equals_dropping_the_classes(x64, rng, case, name, params):
   z, y = _pair(rng, (3, 9))
   mask = np.array([True, False, True, True, False, True, True, True, False])
@@ -436,7 +425,7 @@ def test_class_mask_equals_dropping_the_classes(x64, rng, case, name, params):
   np.testing.assert_allclose(gy[:, mask], ry, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_per_example_mask_and_masked_rows(rng, case, name, params):
   z, y = (a.astype(np.float32) for a in _pair(rng, (4, 6)))
   rows = np.array([True, False, True, False])
@@ -450,7 +439,7 @@ def test_per_example_mask_and_masked_rows(rng, case, name, params):
   np.testing.assert_array_equal(gy[~rows], 0.0)
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_no_nan_is_made_on_the_way(rng, case, name, params):
   """Eager values and gradients at -inf logits and masks under jax.debug_nans: every
   discarded branch was made safe before its partial function."""
@@ -466,23 +455,22 @@ def test_no_nan_is_made_on_the_way(rng, case, name, params):
       jax.grad(loss, argnums=(0, 1, 2))(jnp.asarray(z), jnp.asarray(y), jnp.float32(1.5))
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_identical_logits_give_exactly_zero(rng, case, name, params):
   z = rng.normal(size=(5, 33)) * 3
   z[1, :4] = -INF
   z[2, 10:] = -INF
   z[3] = -INF
   mask = rng.random((1, 33)) > 0.2
-  for dtype in (np.float32, jnp.bfloat16):
+  for dtype, traced in ((np.float32, False), (jnp.bfloat16, True)):
     a = jnp.asarray(z, dtype)
-    for kw in ({}, {"temperature": 0.7}, {"where": mask}):
-      for traced in (False, True):
-        spec = _spec(name, params, traced=traced, dtype=jnp.float32)
-        out = divergence_from_logits(a, a, divergence=spec, **kw)
-        np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+    spec = _spec(name, params, traced=traced, dtype=jnp.float32)
+    for kw in ({}, {"temperature": 0.7, "where": mask}):
+      out = divergence_from_logits(a, a, divergence=spec, **kw)
+      np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_never_negative_near_identical_logits(rng, case, name, params):
   z = (rng.normal(size=(64, 50)) * 4).astype(np.float32)
   y = z + (1e-6 * rng.normal(size=z.shape)).astype(np.float32)
@@ -490,7 +478,7 @@ def test_never_negative_near_identical_logits(rng, case, name, params):
   assert np.all(np.asarray(out) >= 0.0)
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_half_precision_is_computed_in_float32(rng, case, name, params):
   z, y = _pair(rng, (3, 40))
   spec = _spec(name, params)
@@ -509,7 +497,7 @@ def test_half_precision_is_computed_in_float32(rng, case, name, params):
 # ----------------------------------------------------------------- hostile input
 
 
-@pytest.mark.parametrize(("case", "name", "params"), CASES, ids=IDS)
+@pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_nan_propagates_from_either_side(rng, case, name, params):
   z, y = (a.astype(np.float32) for a in _pair(rng, (3, 6)))
   z[0, 2] = np.nan
