@@ -171,22 +171,22 @@ def divergence_from_logits(
   and the student :math:`q = \mathrm{softmax}(\text{logits} / T)`, per
   example, summed over the classes:
 
-  ===================  ===========================================================  ==================
-  ``divergence``       :math:`D(p, q)`                                              parameters
-  ===================  ===========================================================  ==================
-  ``"forward_kl"``     :math:`\sum p \log(p/q)`                                     --
-  ``"reverse_kl"``     :math:`\sum q \log(q/p)`                                     --
-  ``"jsd"``            :math:`\beta\,\mathrm{KL}(p\|m) + (1-\beta)\,\mathrm{KL}(q\|m)`,  ``beta=0.5``
-                       :math:`m = \beta p + (1-\beta) q`; ``beta=0``: forward KL,
-                       ``beta=1``: reverse KL (TRL's endpoints)
-  ``"symmetric_kl"``   :math:`(1-\lambda)\,\mathrm{KL}(p\|q) + \lambda\,\mathrm{KL}(q\|p)`  ``lam=0.5``
-  ``"skew_kl"``        :math:`\mathrm{KL}(p \,\|\, \alpha p + (1-\alpha) q)`          ``alpha=0.1``
-  ``"skew_reverse_kl"``  :math:`\mathrm{KL}(q \,\|\, (1-\alpha) p + \alpha q)`        ``alpha=0.1``
-  ``"tvd"``            :math:`\tfrac12 \sum |p - q|`                                 --
-  ``"alpha_beta"``     :math:`-\frac{1}{\alpha\beta}\sum\big(p^\alpha q^\beta           ``alpha``, ``beta``
-                       - \frac{\alpha}{\alpha+\beta} p^{\alpha+\beta}                 (no defaults)
-                       - \frac{\beta}{\alpha+\beta} q^{\alpha+\beta}\big)`
-  ===================  ===========================================================  ==================
+  * ``"forward_kl"``: :math:`\sum p \log(p/q)`.
+  * ``"reverse_kl"``: :math:`\sum q \log(q/p)`.
+  * ``"jsd"`` (``beta=0.5``): :math:`\beta\,\mathrm{KL}(p\|m) + (1-\beta)\,
+    \mathrm{KL}(q\|m)` with :math:`m = \beta p + (1-\beta) q`; ``beta=0`` is
+    forward KL, ``beta=1`` reverse KL (TRL's endpoints).
+  * ``"symmetric_kl"`` (``lam=0.5``): :math:`(1-\lambda)\,\mathrm{KL}(p\|q) +
+    \lambda\,\mathrm{KL}(q\|p)`.
+  * ``"skew_kl"`` (``alpha=0.1``): :math:`\mathrm{KL}(p \,\|\, \alpha p +
+    (1-\alpha) q)`.
+  * ``"skew_reverse_kl"`` (``alpha=0.1``): :math:`\mathrm{KL}(q \,\|\,
+    (1-\alpha) p + \alpha q)`.
+  * ``"tvd"``: :math:`\tfrac12 \sum |p - q|`.
+  * ``"alpha_beta"`` (``alpha``, ``beta``, no defaults):
+    :math:`-\frac{1}{\alpha\beta}\sum\big(p^\alpha q^\beta -
+    \frac{\alpha}{\alpha+\beta} p^{\alpha+\beta} - \frac{\beta}{\alpha+\beta}
+    q^{\alpha+\beta}\big)`.
 
   Sources: forward/reverse, symmetric and skew KL as DistiLLM's
   ``distillm/losses.py`` (``skewed_forward_kl``, ``skewed_reverse_kl``);
