@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._divergences import FORMULAS, Classes, Formula
-from kldiv_jax._numerics import nonnegative
+from kldiv_jax._numerics import max_shift, nonnegative
 from kldiv_jax._rows import (
   compiled,
   is_zero,
@@ -135,8 +135,8 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
 def _combine(m, s, axis_name):
   """Global max and sum of exponentials from each device's (``stop_gradient``) max and sum."""
   m = lax.stop_gradient(m)
-  top = lax.pmax(jnp.where(s > 0, m, -jnp.inf), axis_name)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  # A device without mass (or with a NaN sum) does not take part: the max is finite or -inf.
+  top = max_shift(lax.pmax(jnp.where(s > 0, m, -jnp.inf), axis_name))
   # A device without mass has s = 0 (and m = 0): rescale it by 1, not exp(0 - top).
   return top, lax.psum(s * jnp.exp(jnp.where(s == 0, top, m) - top), axis_name)
 
