@@ -90,7 +90,7 @@ def test_core_records_cover_every_op_and_contender(core_run):
 
 def test_core_prints_table_and_targets(core_run):
   _, stdout, result = core_run
-  assert "k/where" in stdout and "Targets (issue 3)" in stdout
+  assert "k/where" in stdout and "Targets at float32" in stdout
   rows = result["targets"]["rows"]
   assert result["targets"]["flagship"] is False
   assert {r["target"] for r in rows} >= {"fwd / where_guarded", "vg_x / optax"}

@@ -145,11 +145,17 @@ NOT_ARRAYS = [
 ]
 
 
-@pytest.mark.parametrize("value", NOT_ARRAYS, ids=lambda v: type(v).__name__)
-@pytest.mark.parametrize(("name", "arg"), _array_args())
+# A list given as clip is a (low, high) pair of bounds: test_clip_bounds_must_be_numbers.
+@pytest.mark.parametrize(
+  ("name", "arg", "value"),
+  [
+    pytest.param(name, arg, value, id=f"{name}-{arg}-{type(value).__name__}")
+    for name, arg in _array_args()
+    for value in NOT_ARRAYS
+    if not (arg == "clip" and isinstance(value, list))
+  ],
+)
 def test_not_an_array_raises_type_error_naming_the_argument(name, arg, value):
-  if arg == "clip" and isinstance(value, list):
-    pytest.skip("a list is a (low, high) pair of clip bounds: test_clip_bounds_must_be_numbers")
   with pytest.raises(TypeError, match=rf"\b{arg}\b"):
     _call(name, **{arg: value})
 
@@ -378,7 +384,6 @@ STRICT_WITH_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("traced", [False, True], ids=["python_options", "array_options"])
 @pytest.mark.parametrize(
   ("dtype", "other"),
   [
@@ -389,10 +394,16 @@ STRICT_WITH_OPTIONS = {
   ],
   ids=lambda d: jnp.dtype(d).name,
 )
-@pytest.mark.parametrize("name", list(_strict_calls(jnp.float32, False)))
+@pytest.mark.parametrize(
+  ("name", "traced"),
+  [
+    pytest.param(name, traced, id=f"{name}-{'array' if traced else 'python'}_options")
+    for name in _strict_calls(jnp.float32, False)
+    for traced in (False, True)
+    if not traced or name in STRICT_WITH_OPTIONS  # traced: only functions with numeric options
+  ],
+)
 def test_strict_dtype_promotion(name, dtype, other, traced):
-  if traced and name not in STRICT_WITH_OPTIONS:
-    pytest.skip("no numeric options")
   f, value = _strict_calls(other, traced)[name]
   a = jnp.asarray(value, dtype)
 

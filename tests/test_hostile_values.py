@@ -504,7 +504,11 @@ def test_topk_full_vocabulary_nearly_equal_is_nonnegative():
   log_probs = _log_softmax(b).astype(np.float32)
   out = np.asarray(kd.kl_div_from_topk(a, ids, log_probs, temperature=10.0))
   assert out.min() >= 0.0, (out < 0).sum()
-  np.testing.assert_allclose(out, ref_kl(a, b, 10.0), atol=1e-6)
+  # The top-k path sums p * (log p - log q) over float32 log-probabilities of magnitude
+  # about log V, each rounded to about eps * log V: a few of those is the error to expect
+  # (jax 0.7 and 0.10 round differently, up to 1.0e-6 measured at this seed).
+  atol = 4 * np.finfo(np.float32).eps * np.log(1000)
+  np.testing.assert_allclose(out, ref_kl(a, b, 10.0), atol=atol)
 
 
 def test_generalized_kl_divergence_nearly_equal_is_nonnegative():
