@@ -658,7 +658,8 @@ def test_axis_batch_jit_and_vmap(rng):
   moved = divergence_from_logits(
     np.moveaxis(z, 1, -1), np.moveaxis(y, 1, -1), divergence=spec, temperature=1.5
   )
-  np.testing.assert_allclose(f(z, y), moved, rtol=1e-6)
+  # float32, jitted vs eager: XLA fuses differently (jax 0.7 differs by ~2 ulp).
+  np.testing.assert_allclose(f(z, y), moved, rtol=1e-5)
   vmapped = jax.vmap(lambda a, b: divergence_from_logits(a, b, divergence=spec))(z, y)
   np.testing.assert_allclose(vmapped, divergence_from_logits(z, y, divergence=spec), rtol=1e-6)
   flat = divergence_from_logits(z, y[0], divergence=spec, axis=(1, 2))
