@@ -19,6 +19,7 @@ Every section times its contenders the same way:
 * the reported figure is the median over repeats.
 """
 
+import argparse
 import contextlib
 import gc
 import importlib.metadata
@@ -196,3 +197,61 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
   tmp = path.with_suffix(path.suffix + ".tmp")
   tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
   tmp.replace(path)
+
+
+def target_row(target: str, limit: float, value: float | None) -> dict[str, Any]:
+  """One row of a section's targets: ``value <= limit`` (``None`` when not measured)."""
+  return {
+    "target": target,
+    "limit": limit,
+    "value": value,
+    "pass": None if value is None else value <= limit,
+  }
+
+
+def print_ratio_report(result: dict[str, Any], key: str) -> None:
+  """The report of a value_and_grad section whose records are grouped by ``key``.
+
+  One line per record (median ms and temp bytes, each with its ratio to the
+  group's baseline), then the targets; used by the logits and divergences sections.
+  """
+  print(describe_machine(result["machine"]))
+  s = result["settings"]
+  print(
+    f"value_and_grad wrt the student's logits, shape {tuple(s['shape'])} float32, "
+    f"T = {s['temperature']}, median of {s['repeats']}"
+  )
+  width = max([len(key), *(len(str(r[key])) for r in result["records"])])
+  header = f"{key:{width}} {'contender':16} {'ms':>9} {'ratio':>6} {'temp':>9} {'ratio':>6}"
+  print(header)
+  print("-" * len(header))
+  for r in result["records"]:
+    print(
+      f"{r[key]:{width}} {r['contender']:16} {fmt_ms(r['median_ms']):>9} "
+      f"{fmt_ratio(r['time_ratio']):>6} {fmt_bytes(r['temp_bytes']):>9} "
+      f"{fmt_ratio(r['temp_ratio']):>6}"
+    )
+  targets = result["targets"]
+  note = "" if targets["full_size"] else " (indicative only: not the (4096, 8192) size)"
+  print(f"Targets{note}:")
+  target_width = max((len(row["target"]) for row in targets["rows"]), default=0)
+  for row in targets["rows"]:
+    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
+    print(
+      f"  {verdict:4}  {row['target']:{target_width}} {fmt_ratio(row['value']):>6} <= {row['limit']}"
+    )
+
+
+def logits_parser(
+  doc: str, quick_shape: tuple[int, int], full_shape: tuple[int, int], out: Path
+) -> argparse.ArgumentParser:
+  """The options shared by the sections timed on ``[rows, classes]`` logits."""
+  p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help=f"shape {quick_shape}, 3 repeats")
+  p.add_argument("--rows", type=int, default=None, help="rows (with --classes)")
+  p.add_argument("--classes", type=int, default=full_shape[1])
+  p.add_argument("--temperature", type=float, default=2.0)
+  p.add_argument("--repeats", type=int, default=None, help="repeats (default 7, quick 3)")
+  p.add_argument("--out", type=Path, default=out)
+  p.add_argument("--seed", type=int, default=0)
+  return p

@@ -36,14 +36,13 @@ for _p in (str(HERE.parent), str(HERE)):
 
 from _harness import (  # noqa: E402
   compile_jax,
-  describe_machine,
-  fmt_bytes,
-  fmt_ms,
-  fmt_ratio,
+  logits_parser,
   machine_info,
   median_ms,
+  print_ratio_report,
   ratio,
   round_robin,
+  target_row,
   write_json,
 )
 
@@ -177,66 +176,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str, Any]:
-  rows = []
-  for r in records:
-    if r["contender"] != "engine":
-      continue
+  rows = [
+    target_row(f"{r['divergence']} {what} / straightforward", limit, value)
+    for r in records
+    if r["contender"] == "engine"
     for what, limit, value in (
       ("time", TIME_TARGET, r["time_ratio"]),
       ("temp bytes", TEMP_TARGET, r["temp_ratio"]),
-    ):
-      rows.append(
-        {
-          "target": f"{r['divergence']} {what} / straightforward",
-          "limit": limit,
-          "value": value,
-          "pass": None if value is None else value <= limit,
-        }
-      )
+    )
+  ]
   return {"full_size": full_size, "rows": rows}
 
 
-def print_report(result: dict[str, Any]) -> None:
-  print(describe_machine(result["machine"]))
-  s = result["settings"]
-  print(
-    f"value_and_grad wrt the student's logits, shape {tuple(s['shape'])} float32, "
-    f"T = {s['temperature']}, median of {s['repeats']}"
-  )
-  header = f"{'divergence':16} {'contender':16} {'ms':>9} {'ratio':>6} {'temp':>9} {'ratio':>6}"
-  print(header)
-  print("-" * len(header))
-  for r in result["records"]:
-    print(
-      f"{r['divergence']:16} {r['contender']:16} {fmt_ms(r['median_ms']):>9} "
-      f"{fmt_ratio(r['time_ratio']):>6} {fmt_bytes(r['temp_bytes']):>9} "
-      f"{fmt_ratio(r['temp_ratio']):>6}"
-    )
-  targets = result["targets"]
-  note = "" if targets["full_size"] else " (indicative only: not the (4096, 8192) size)"
-  print(f"Targets{note}:")
-  for row in targets["rows"]:
-    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
-    print(f"  {verdict:4}  {row['target']:44} {fmt_ratio(row['value']):>6} <= {row['limit']}")
-
-
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help=f"shape {QUICK_SHAPE}, 3 repeats")
-  p.add_argument("--rows", type=int, default=None, help="rows (with --classes)")
-  p.add_argument("--classes", type=int, default=FULL_SHAPE[1])
-  p.add_argument("--temperature", type=float, default=2.0)
+  p = logits_parser(__doc__, QUICK_SHAPE, FULL_SHAPE, HERE / "results")
   p.add_argument("--divergences", default=None, help="comma-separated names (default: all)")
-  p.add_argument("--repeats", type=int, default=None, help="repeats (default 7, quick 3)")
-  p.add_argument("--out", type=Path, default=HERE / "results")
-  p.add_argument("--seed", type=int, default=0)
   return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   result = run(args)
-  print_report(result)
+  print_ratio_report(result, "divergence")
   write_json(Path(args.out) / "divergences.json", result)
   print(f"divergences: wrote {Path(args.out) / 'divergences.json'}")
   return 0

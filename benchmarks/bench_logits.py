@@ -39,14 +39,13 @@ if str(HERE) not in sys.path:
 
 from _harness import (  # noqa: E402
   compile_jax,
-  describe_machine,
-  fmt_bytes,
-  fmt_ms,
-  fmt_ratio,
+  logits_parser,
   machine_info,
   median_ms,
+  print_ratio_report,
   ratio,
   round_robin,
+  target_row,
   write_json,
 )
 
@@ -195,59 +194,19 @@ def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str
       ("time", time_target, ours["time_ratio"]),
       ("temp bytes", temp_target, ours["temp_ratio"]),
     ):
-      if target is None:
-        continue
-      rows.append(
-        {
-          "target": f"{group} {what} / {ours['baseline']}",
-          "limit": target,
-          "value": value,
-          "pass": None if value is None else value <= target,
-        }
-      )
+      if target is not None:
+        rows.append(target_row(f"{group} {what} / {ours['baseline']}", target, value))
   return {"full_size": full_size, "rows": rows}
 
 
-def print_report(result: dict[str, Any]) -> None:
-  print(describe_machine(result["machine"]))
-  s = result["settings"]
-  print(
-    f"value_and_grad wrt the student's logits, shape {tuple(s['shape'])} float32, "
-    f"T = {s['temperature']}, median of {s['repeats']}"
-  )
-  header = f"{'group':8} {'contender':16} {'ms':>9} {'ratio':>6} {'temp':>9} {'ratio':>6}"
-  print(header)
-  print("-" * len(header))
-  for r in result["records"]:
-    print(
-      f"{r['group']:8} {r['contender']:16} {fmt_ms(r['median_ms']):>9} "
-      f"{fmt_ratio(r['time_ratio']):>6} {fmt_bytes(r['temp_bytes']):>9} "
-      f"{fmt_ratio(r['temp_ratio']):>6}"
-    )
-  targets = result["targets"]
-  note = "" if targets["full_size"] else " (indicative only: not the (4096, 8192) size)"
-  print(f"Targets{note}:")
-  for row in targets["rows"]:
-    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
-    print(f"  {verdict:4}  {row['target']:40} {fmt_ratio(row['value']):>6} <= {row['limit']}")
-
-
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help=f"shape {QUICK_SHAPE}, 3 repeats")
-  p.add_argument("--rows", type=int, default=None, help="rows (with --classes)")
-  p.add_argument("--classes", type=int, default=FULL_SHAPE[1])
-  p.add_argument("--temperature", type=float, default=2.0)
-  p.add_argument("--repeats", type=int, default=None, help="repeats (default 7, quick 3)")
-  p.add_argument("--out", type=Path, default=HERE / "results")
-  p.add_argument("--seed", type=int, default=0)
-  return p
+  return logits_parser(__doc__, QUICK_SHAPE, FULL_SHAPE, HERE / "results")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   result = run(args)
-  print_report(result)
+  print_ratio_report(result, "group")
   write_json(Path(args.out) / "logits.json", result)
   print(f"logits: wrote {Path(args.out) / 'logits.json'}")
   return 0
