@@ -255,3 +255,32 @@ def logits_parser(
   p.add_argument("--out", type=Path, default=out)
   p.add_argument("--seed", type=int, default=0)
   return p
+
+
+def timing_records(
+  times: dict[str, list[float]], infos: dict[str, dict[str, Any]], baseline: str, **fields: Any
+) -> list[dict[str, Any]]:
+  """One record per contender: median and every time, XLA memory, ratios to ``baseline``.
+
+  ``fields`` (the case: shape, dtype, temperature, ...) are copied into each record.
+  """
+  base_ms, base_temp = median_ms(times[baseline]), infos[baseline]["temp_bytes"]
+  records = []
+  for contender, seconds in times.items():
+    ms = median_ms(seconds)
+    records.append(
+      {
+        **fields,
+        "contender": contender,
+        "median_ms": ms,
+        "times_ms": [1e3 * t for t in seconds],
+        "repeats": len(seconds),
+        "temp_bytes": infos[contender]["temp_bytes"],
+        "output_bytes": infos[contender]["output_bytes"],
+        "compile_s": infos[contender]["compile_s"],
+        "baseline": baseline,
+        "time_ratio": ratio(ms, base_ms),
+        "temp_ratio": ratio(infos[contender]["temp_bytes"], base_temp),
+      }
+    )
+  return records

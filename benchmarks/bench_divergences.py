@@ -38,11 +38,10 @@ from _harness import (  # noqa: E402
   compile_jax,
   logits_parser,
   machine_info,
-  median_ms,
   print_ratio_report,
-  ratio,
   round_robin,
   target_row,
+  timing_records,
   write_json,
 )
 
@@ -139,27 +138,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     atol = (1e-5 if spec.formula.smooth else 5e-2) * float(jnp.max(jnp.abs(g0)))
     np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=atol)
     times = round_robin(thunks, repeats)
-    base_ms, base_temp = median_ms(times["straightforward"]), infos["straightforward"]["temp_bytes"]
-    for contender in fns:
-      ms = median_ms(times[contender])
-      records.append(
-        {
-          "divergence": name,
-          "params": {k: v for k, v in spec.params},
-          "contender": contender,
-          "shape": list(shape),
-          "dtype": "float32",
-          "temperature": args.temperature,
-          "median_ms": ms,
-          "times_ms": [1e3 * t for t in times[contender]],
-          "repeats": repeats,
-          "temp_bytes": infos[contender]["temp_bytes"],
-          "output_bytes": infos[contender]["output_bytes"],
-          "compile_s": infos[contender]["compile_s"],
-          "time_ratio": ratio(ms, base_ms),
-          "temp_ratio": ratio(infos[contender]["temp_bytes"], base_temp),
-        }
-      )
+    records += timing_records(
+      times,
+      infos,
+      "straightforward",
+      divergence=name,
+      params=dict(spec.params),
+      shape=list(shape),
+      dtype="float32",
+      temperature=args.temperature,
+    )
   return {
     "section": "divergences",
     "machine": machine_info(),

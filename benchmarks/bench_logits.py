@@ -41,11 +41,10 @@ from _harness import (  # noqa: E402
   compile_jax,
   logits_parser,
   machine_info,
-  median_ms,
   print_ratio_report,
-  ratio,
   round_robin,
   target_row,
+  timing_records,
   write_json,
 )
 
@@ -149,28 +148,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     np.testing.assert_allclose(v1, v0, rtol=1e-4)
     np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=1e-6 * float(jnp.max(jnp.abs(g0))))
     times = round_robin(thunks, repeats)
-    baseline = next(iter(fns))
-    base_ms, base_temp = median_ms(times[baseline]), infos[baseline]["temp_bytes"]
-    for name in fns:
-      ms = median_ms(times[name])
-      records.append(
-        {
-          "group": group,
-          "contender": name,
-          "shape": list(shape),
-          "dtype": "float32",
-          "temperature": args.temperature,
-          "median_ms": ms,
-          "times_ms": [1e3 * t for t in times[name]],
-          "repeats": repeats,
-          "temp_bytes": infos[name]["temp_bytes"],
-          "output_bytes": infos[name]["output_bytes"],
-          "compile_s": infos[name]["compile_s"],
-          "baseline": baseline,
-          "time_ratio": ratio(ms, base_ms),
-          "temp_ratio": ratio(infos[name]["temp_bytes"], base_temp),
-        }
-      )
+    records += timing_records(
+      times,
+      infos,
+      next(iter(fns)),
+      group=group,
+      shape=list(shape),
+      dtype="float32",
+      temperature=args.temperature,
+    )
   return {
     "section": "logits",
     "machine": machine_info(),
