@@ -5,6 +5,7 @@ Same outputs as optax wherever optax is finite; finite where optax gives NaN
 per-example mask.
 """
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -152,7 +153,7 @@ def generalized_kl_divergence(
 
   with ``q = exp(log_predictions)``. Equals :func:`kl_divergence` for
   normalised ``p`` and ``q``. Zero-mass conventions, args and ``where`` as in
-  :func:`kl_divergence`. ``convex_kl_divergence`` is the same function.
+  :func:`kl_divergence`. ``convex_kl_divergence`` is its deprecated alias (it warns, as optax's does).
   Never below 0 (each term is ``>= 0``): a sum rounded below 0 is clamped,
   with the gradient of the unclamped sum; NaN propagates.
 
@@ -171,4 +172,30 @@ def generalized_kl_divergence(
   return nonnegative(out).astype(out_dtype)
 
 
-convex_kl_divergence = generalized_kl_divergence
+def convex_kl_divergence(
+  log_predictions: jax.typing.ArrayLike,
+  targets: jax.typing.ArrayLike,
+  axis: Axis = -1,
+  where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  """Deprecated alias of :func:`generalized_kl_divergence`, as in optax.
+
+  Emits a ``DeprecationWarning`` (optax's message) and returns
+  ``generalized_kl_divergence(log_predictions, targets, axis, where)``.
+
+  Examples:
+    >>> import warnings, jax.numpy as jnp
+    >>> from kldiv_jax import convex_kl_divergence
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...   warnings.simplefilter("always")
+    ...   out = convex_kl_divergence(jnp.log(jnp.array([2.0, 1.0])), jnp.array([1.0, 1.0]))
+    >>> out, caught[0].category.__name__
+    (Array(0.30685282, dtype=float32), 'DeprecationWarning')
+  """
+  warnings.warn(
+    "The function convex_kl_divergence is deprecated. "
+    "Please use generalized_kl_divergence instead.",
+    DeprecationWarning,
+    stacklevel=2,
+  )
+  return generalized_kl_divergence(log_predictions, targets, axis, where)

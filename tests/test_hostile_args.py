@@ -13,6 +13,11 @@ from _references import count_compiles
 
 import kldiv_jax as kj
 
+# convex_kl_divergence is optax's deprecated alias: it warns on every call.
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:The function convex_kl_divergence is deprecated:DeprecationWarning"
+)
+
 
 def _normal(shape, seed):
   return np.random.default_rng(seed).normal(size=shape).astype(np.float32)
