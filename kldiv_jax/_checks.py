@@ -202,6 +202,19 @@ def normalize_axis(name: str, axis: Axis, ndim: int) -> tuple[int, ...]:
   return tuple(sorted(out))
 
 
+def mask_array(name: str, where: object) -> jax.Array:
+  """``where`` as a boolean JAX array, or a ``TypeError`` naming ``name``.
+
+  The first step of every ``where`` argument; each path then reads the
+  shape its way (:func:`split_where` for the logit and optax losses, a token
+  mask for the fused head, an example or slot mask for top-k).
+  """
+  w = jnp.asarray(as_array(name, "where", where, MASK))
+  if w.dtype != jnp.bool_:
+    raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
+  return w
+
+
 def split_where(
   name: str, where: jax.typing.ArrayLike | None, shape: tuple[int, ...], axes: tuple[int, ...]
 ) -> tuple[jax.Array | None, jax.Array | None]:
@@ -215,9 +228,7 @@ def split_where(
   """
   if where is None:
     return None, None
-  w = jnp.asarray(as_array(name, "where", where, MASK))
-  if w.dtype != jnp.bool_:
-    raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
+  w = mask_array(name, where)
   out_shape = tuple(d for i, d in enumerate(shape) if i not in axes)
   if len(axes) > 0 and w.shape == out_shape and w.ndim > 0:
     return None, w
@@ -348,3 +359,15 @@ def check_unit_interval(name: str, option: str, value: object) -> tuple[float | 
   if static and not 0.0 <= out <= 1.0:
     raise ValueError(f"{name}: {option} must be a number in [0, 1]; got {value!r}.")
   return out, static
+
+
+def check_normalizer(name: str, value: object) -> float | jax.Array:
+  """A loss's ``normalizer``: a real scalar; a static one must be positive and finite.
+
+  (0 is invalid, not "no tokens": a zero count with a non-zero total is a bug
+  to surface.) A traced one is the caller's to test (``positive_finite``).
+  """
+  out, static = real_scalar(name, "normalizer", value)
+  if static and not (np.isfinite(out) and out > 0):
+    raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
+  return out

@@ -1,77 +1,36 @@
 """Knowledge-distillation loss from student and teacher logits (Hinton et al.)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from kldiv_jax import _vocab_parallel as vocab_parallel
+from kldiv_jax._ce import ce_rows
 from kldiv_jax._checks import (
   check_bool,
-  check_choice,
   check_int,
-  compute_dtype,
+  check_normalizer,
+  check_temperature,
+  check_unit_interval,
   ids_differ,
   ids_in_range,
   index_array,
-  real_scalar,
 )
-from kldiv_jax._logits import (
-  check_temperature,
-  check_unit_interval,
-  gjsd_kernel,
-  is_zero,
-  kl_kernel,
-  map_rows,
-  normalizer,
-  prepare,
-  row_stats,
-  scaled,
-)
+from kldiv_jax._divergence_api import Divergence, as_divergence
+from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
-from kldiv_jax._rows import ce_grad, compiled, label_hit, row_sum
-
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-
-
-# Cross entropy -log softmax(z)[label] per row, at temperature 1.
+from kldiv_jax._rows import prepare
+from kldiv_jax._vocab_parallel import any_class, check_axis_name, global_classes
 
 
-def _ce_rows(z, labels, masks):
-  one = jnp.ones((), compute_dtype(z.dtype))
+def loss_divergence(name: str, divergence: object, beta: float | jax.Array) -> Divergence:
+  """The :class:`Divergence` of a loss's ``divergence=`` and legacy ``beta=`` arguments.
 
-  def stats(z, labels, *masks):
-    u, _ = scaled(z, one, masks)
-    m, _, s = row_stats(u)
-    return m, s, jnp.sum(jnp.where(label_hit(labels, u.shape), u, 0.0), axis=-1, keepdims=True)
-
-  m, s, picked = map_rows(stats, (z, labels, *masks), z.shape[0])
-  has, inv_s, log_s = normalizer(s)
-  return jnp.where(has, log_s + m - picked, 0.0), (m, inv_s)
-
-
-@jax.custom_jvp
-def ce_kernel(z, labels, masks):
-  """Cross entropy per row of ``[rows, classes]`` logits; ``labels`` ``[rows, 1]``.
-
-  Masked classes leave the softmax; a row without mass gives 0; a label on a
-  class without mass gives ``+inf``. Labels must lie in ``[0, classes)``.
+  The string ``"jsd"`` takes its ``beta`` from the loss's ``beta`` argument
+  (checked, errors naming ``name``); every other name its defaults; a
+  :class:`Divergence` is used as it is.
   """
-  return _ce_rows(z, labels, masks)[0][:, 0]
-
-
-def _ce_kernel_jvp(primals, tangents):
-  z, labels, masks = primals
-  dz = tangents[0]
-  ce, (m, inv_s) = _ce_rows(z, labels, masks)
-  if is_zero(dz):
-    return ce[:, 0], jnp.zeros_like(ce[:, 0])
-  return ce[:, 0], row_sum(ce_grad(z, labels, masks, m, inv_s), dz)[:, 0]
-
-
-ce_kernel.defjvp(_ce_kernel_jvp, symbolic_zeros=True)
-ce_kernel = compiled(ce_kernel)
+  if isinstance(divergence, str) and divergence == "jsd":
+    return Divergence("jsd", beta=beta)
+  return as_divergence(name, divergence)
 
 
 def _check_labels(name, labels, token_shape):
@@ -84,13 +43,6 @@ def _check_labels(name, labels, token_shape):
   return labels
 
 
-def _check_normalizer(name: str, value: object) -> float | jax.Array:
-  out, static = real_scalar(name, "normalizer", value)
-  if static and not positive_finite(out):
-    raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
-  return out
-
-
 def distillation_loss(
   student_logits: jax.typing.ArrayLike,
   teacher_logits: jax.typing.ArrayLike,
@@ -98,7 +50,7 @@ def distillation_loss(
   *,
   temperature: float | jax.typing.ArrayLike = 1.0,
   alpha: float | jax.typing.ArrayLike = 0.5,
-  divergence: str = "forward_kl",
+  divergence: str | Divergence = "forward_kl",
   beta: float | jax.typing.ArrayLike = 0.5,
   scale_by_temperature_squared: bool = True,
   ignore_index: int = -100,
@@ -115,9 +67,13 @@ def distillation_loss(
          + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
 
   with student logits :math:`s`, teacher logits :math:`t`, labels :math:`y`
-  and :math:`D` one of ``"forward_kl"`` (:math:`\mathrm{KL}(p_t\|p_s)`,
-  Hinton et al.), ``"reverse_kl"`` (:math:`\mathrm{KL}(p_s\|p_t)`) or
-  ``"jsd"`` (:func:`generalized_jsd` with ``beta``). :math:`T^2` keeps the
+  and :math:`D` any divergence of :func:`divergence_from_logits`:
+  ``"forward_kl"`` (:math:`\mathrm{KL}(p_t\|p_s)`, Hinton et al., the
+  default), ``"reverse_kl"`` (:math:`\mathrm{KL}(p_s\|p_t)`), ``"jsd"``
+  (:func:`generalized_jsd` with ``beta``), ``"symmetric_kl"``, ``"skew_kl"``,
+  ``"skew_reverse_kl"``, ``"tvd"``, or a :class:`Divergence` with its
+  parameters (``Divergence("alpha_beta", alpha=0.5, beta=0.5)``; traced
+  parameters are allowed and never recompile). :math:`T^2` keeps the
   soft-target gradients on the scale of the hard-target ones (Hinton et al.);
   drop it with ``scale_by_temperature_squared=False``. The cross entropy uses
   the student's raw logits (temperature 1).
@@ -140,8 +96,8 @@ def distillation_loss(
   ``ignore_index``. NaN in the
   logits of a valid token makes the loss NaN. A traced option outside its
   range (``temperature`` not positive and finite, ``alpha`` or ``beta``
-  outside ``[0, 1]``, ``normalizer`` not positive and finite; NaN fails
-  every test) makes the loss NaN, value and gradients, whether or not the
+  outside ``[0, 1]``, ``normalizer`` not positive and finite, a
+  :class:`Divergence` parameter outside its range; NaN fails every test) makes the loss NaN, value and gradients, whether or not the
   option is used; as a Python number it raises ``ValueError``.
 
   Args:
@@ -152,8 +108,11 @@ def distillation_loss(
     temperature: positive, finite softmax temperature of the divergence (a
       traced scalar is allowed).
     alpha: weight of the distillation term, in ``[0, 1]``.
-    divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
-    beta: the ``"jsd"`` mixture weight, in ``[0, 1]``.
+    divergence: a divergence name (its default parameters) or a
+      :class:`Divergence`, as in :func:`divergence_from_logits`.
+    beta: the mixture weight of ``divergence="jsd"`` given as a string, in
+      ``[0, 1]`` (kept for TRL-style calls; a :class:`Divergence` carries its
+      own parameters, and the other names ignore it).
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     ignore_index: the label (an int) of tokens to leave out.
     where: a per-token mask ``[...]``, or a class mask broadcastable to the
@@ -193,30 +152,25 @@ def distillation_loss(
     (2015), arXiv:1503.02531.
   """
   name = "distillation_loss"
-  check_choice(name, "divergence", divergence, DIVERGENCES)
   alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
-  beta, beta_static = check_unit_interval(name, "beta", beta)
+  beta, _ = check_unit_interval(name, "beta", beta)
+  spec = loss_divergence(name, divergence, beta)
   temperature, t_static = check_temperature(name, temperature)
   scale_by_temperature_squared = check_bool(
     name, "scale_by_temperature_squared", scale_by_temperature_squared
   )
   ignore_index = check_int(name, "ignore_index", ignore_index)
   if axis_name is not None:
-    vocab_parallel.check_axis_name(name, axis_name)
+    check_axis_name(name, axis_name)
   rows = prepare(
     name, ("student_logits", "teacher_logits"), student_logits, teacher_logits, -1, where
   )
   if normalizer is not None:
-    normalizer = _check_normalizer(name, normalizer)
+    normalizer = check_normalizer(name, normalizer)
   masks = rows.masks
   valid = jnp.ones((rows.z.shape[0], 1), jnp.bool_)
   for m in masks:
-    if m.shape[1] == 1:
-      valid = valid & m
-    elif axis_name is None:
-      valid = valid & jnp.any(m, axis=1, keepdims=True)
-    else:
-      valid = valid & vocab_parallel.any_class(m, axis_name)
+    valid = valid & (m if m.shape[1] == 1 else any_class(m, axis_name))
   labelled = None  # with labels: which tokens' labels are not ignore_index
   if labels is not None:
     # Compared in the labels' own dtype: a cast could wrap an id onto another.
@@ -232,30 +186,16 @@ def distillation_loss(
       total = jnp.where(jnp.any(labelled), jnp.nan, total)
   else:
     t = jnp.asarray(temperature).astype(cdt)
-    kl, gjsd, ce_rows = kl_kernel, gjsd_kernel, ce_kernel
-    if axis_name is not None:
-      kl, gjsd, ce_rows = (
-        functools.partial(k, axis_name)
-        for k in (vocab_parallel.kl_kernel, vocab_parallel.gjsd_kernel, vocab_parallel.ce_kernel)
-      )
-    if divergence == "forward_kl":
-      div = kl(rows.z, rows.y, t, masks)
-    elif divergence == "reverse_kl":
-      div = kl(rows.y, rows.z, t, masks)
-    else:
-      div = gjsd(rows.z, rows.y, t, masks, beta, beta_static)
+    div = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name)
     if scale_by_temperature_squared:
       div = div * (temperature**2 if t_static else t * t)
     if labels is None:
       per_row = div
     else:
       assert labelled is not None  # set with labels
-      num_classes = rows.z.shape[1]
-      if axis_name is not None:
-        num_classes *= lax.axis_size(axis_name)
-      in_range = ids_in_range(labels, num_classes)
+      in_range = ids_in_range(labels, global_classes(rows.z.shape[1], axis_name))
       safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
-      ce = ce_rows(rows.z, safe, masks)
+      ce = ce_rows(rows.z, safe, masks, axis_name)
       ce = nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
       if alpha_static and alpha == 1.0:
         per_row = div
@@ -272,4 +212,4 @@ def distillation_loss(
   valid = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
   if normalizer is not None:
     valid = (*valid, positive_finite(normalizer))
-  return nan_unless((total / denominator).astype(rows.out_dtype), *valid)
+  return nan_unless((total / denominator).astype(rows.out_dtype), *valid, *spec.valid())

@@ -267,6 +267,27 @@ def divergence_from_logits(
   """
   name = "divergence_from_logits"
   spec = as_divergence(name, divergence)
+  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name)
+
+
+def per_example(
+  name: str,
+  spec: Divergence,
+  logits: jax.typing.ArrayLike,
+  target_logits: jax.typing.ArrayLike,
+  temperature: float | jax.typing.ArrayLike,
+  axis: Axis,
+  where: jax.typing.ArrayLike | None,
+  axis_name: str | None,
+) -> jax.Array:
+  """The body of every per-example loss from logits: validate, lay out, run, reduce.
+
+  Checks the temperature and ``axis_name`` (errors name ``name``), lays the
+  logits out as rows (:func:`kldiv_jax._rows.prepare`), runs the engine and
+  gives the result the output's shape and dtype. Empty inputs give zeros.
+  NaN unless a traced temperature is positive and finite and the spec's
+  traced parameters are in range.
+  """
   temperature, _ = check_temperature(name, temperature)
   if axis_name is not None:
     check_axis_name(name, axis_name)

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._divergences import FORMULAS, Classes, Formula
-from kldiv_jax._numerics import max_shift, nonnegative
+from kldiv_jax._numerics import nonnegative
 from kldiv_jax._rows import (
   compiled,
   is_zero,
@@ -67,6 +67,7 @@ from kldiv_jax._rows import (
   row_stats,
   scaled,
 )
+from kldiv_jax._vocab_parallel import combine, global_classes
 
 if TYPE_CHECKING:  # the spec's module imports this one
   from kldiv_jax._divergence_api import Divergence
@@ -132,15 +133,6 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
   return tuple(out)
 
 
-def _combine(m, s, axis_name):
-  """Global max and sum of exponentials from each device's (``stop_gradient``) max and sum."""
-  m = lax.stop_gradient(m)
-  # A device without mass (or with a NaN sum) does not take part: the max is finite or -inf.
-  top = max_shift(lax.pmax(jnp.where(s > 0, m, -jnp.inf), axis_name))
-  # A device without mass has s = 0 (and m = 0): rescale it by 1, not exp(0 - top).
-  return top, lax.psum(s * jnp.exp(jnp.where(s == 0, top, m) - top), axis_name)
-
-
 def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> Stats:
   def local(z, y, *masks):
     u, _ = scaled(z, temperature, masks)
@@ -161,10 +153,10 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
     return Stats(mu, su, mv, sv, same, tuple(class_sums))
 
   rows, classes = z.shape
-  num_classes = classes * lax.axis_size(axis_name)
+  num_classes = global_classes(classes, axis_name)
   mu, su, mv, sv, same = map_rows(lambda *a: local(*a)[2], (z, y, *masks), rows, num_classes)
-  mu, su = _combine(mu, su, axis_name)
-  mv, sv = _combine(mv, sv, axis_name)
+  mu, su = combine(mu, su, axis_name)
+  mv, sv = combine(mv, sv, axis_name)
   same = lax.psum((~same).astype(jnp.int32), axis_name) == 0
 
   def sums(z, y, mu, su, mv, sv, *masks):

@@ -19,13 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kldiv_jax import _vocab_parallel as vocab_parallel
-from kldiv_jax._checks import MASK, as_array, check_bool, check_choice, check_float, compute_dtype
-from kldiv_jax._distill import DIVERGENCES
-from kldiv_jax._distill import _check_normalizer as check_normalizer
-from kldiv_jax._logits import check_temperature, check_unit_interval, gjsd_kernel, kl_kernel
+from kldiv_jax._checks import (
+  check_bool,
+  check_float,
+  check_normalizer,
+  check_temperature,
+  check_unit_interval,
+  compute_dtype,
+  mask_array,
+)
+from kldiv_jax._distill import loss_divergence
+from kldiv_jax._divergence_api import Divergence
+from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
 from kldiv_jax._rows import compiled
+from kldiv_jax._vocab_parallel import check_axis_name
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -45,43 +53,23 @@ def _matmul(a, w, b, dtype):
   return out if b is None else out + b.astype(dtype)[None, :]
 
 
-def _chunk_divergence(z, y, temperature, beta, mask, *, divergence, static_beta, axis_name):
-  """Per-token divergence of one chunk of ``[tokens, vocab]`` float32 logits.
-
-  ``static_beta`` is the Python ``beta`` when it was static, else ``None``;
-  with ``axis_name``, the chunk holds this device's slice of the vocabulary.
-  """
-  masks = (mask,)
-  kl, gjsd = kl_kernel, gjsd_kernel
-  if axis_name is not None:
-    kl = functools.partial(vocab_parallel.kl_kernel, axis_name)
-    gjsd = functools.partial(vocab_parallel.gjsd_kernel, axis_name)
-  if divergence == "forward_kl":
-    return kl(z, y, temperature, masks)
-  if divergence == "reverse_kl":
-    return kl(y, z, temperature, masks)
-  if static_beta is not None:
-    return gjsd(z, y, temperature, masks, static_beta, True)
-  return gjsd(z, y, temperature, masks, beta, False)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(static, h, w, b, th, tw, tb, temperature, beta, mask, scale) -> jax.Array:
-  return _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale)[0]
+def _fused(static, h, w, b, th, tw, tb, temperature, params, mask, scale) -> jax.Array:
+  return _fused_fwd(static, h, w, b, th, tw, tb, temperature, params, mask, scale)[0]
 
 
-def _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
-  divergence, static_beta, chunk, axis_name = static
+def _fused_fwd(static, h, w, b, th, tw, tb, temperature, params, mask, scale):
+  key, chunk, axis_name = static
   n = h.shape[0]
-  div = functools.partial(
-    _chunk_divergence, divergence=divergence, static_beta=static_beta, axis_name=axis_name
-  )
+  # The divergence of the chunks: its static part from ``static``, traced parameters from ``params``.
+  spec = Divergence.tree_unflatten(key, params)
   acc = scale.dtype  # float32, or float64 for float64 inputs
 
   def chunk_grads(hc, thc, mc):
     z = _matmul(hc, w, b, acc)
     y = lax.stop_gradient(_matmul(thc, tw, tb, acc))
-    loss, vjp = jax.vjp(lambda z: jnp.sum(div(z, y, temperature, beta, mc)), z)
+    per_token = lambda z: divergence_rows(z, y, temperature, (mc,), spec, axis_name)  # noqa: E731
+    loss, vjp = jax.vjp(lambda z: jnp.sum(per_token(z)), z)
     (dz,) = vjp(jnp.ones_like(loss))
     gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
     if axis_name is not None:  # each device holds a slice of the head: sum the parts
@@ -134,11 +122,12 @@ def _fused_fwd(static, h, w, b, th, tw, tb, temperature, beta, mask, scale):
     loss, grad_b = loss + part, grad_b + gb
     grad_w = add_weight_grad(grad_w, h[tail:], dz)
     grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, tail, axis=0)
-  return loss * scale, (grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, beta))
+  residuals = (grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, params))
+  return loss * scale, residuals
 
 
 def _fused_bwd(static, residuals, g):
-  grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, beta) = residuals
+  grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, params) = residuals
   s = (g * scale).astype(scale.dtype)
   zeros = lambda a: None if a is None else jnp.zeros_like(a)  # noqa: E731
   return (
@@ -149,7 +138,7 @@ def _fused_bwd(static, residuals, g):
     zeros(tw),
     zeros(tb),
     zeros(temperature),
-    zeros(beta),
+    tuple(jnp.zeros_like(x) for x in params),
     None,
     jnp.zeros_like(scale),
   )
@@ -198,7 +187,7 @@ def fused_linear_kl_div(
   bias: jax.typing.ArrayLike | None = None,
   target_bias: jax.typing.ArrayLike | None = None,
   temperature: float | jax.typing.ArrayLike = 1.0,
-  divergence: str = "forward_kl",
+  divergence: str | Divergence = "forward_kl",
   beta: float | jax.typing.ArrayLike = 0.5,
   scale_by_temperature_squared: bool = True,
   where: jax.typing.ArrayLike | None = None,
@@ -217,8 +206,8 @@ def fused_linear_kl_div(
      L = \frac{1}{N} \sum_{\text{tokens}} T^2\,
          D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
 
-  with :math:`D` ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"`` (with
-  ``beta``), :math:`T^2` unless ``scale_by_temperature_squared=False``, and
+  with :math:`D` any divergence of :func:`divergence_from_logits` (a name
+  or a :class:`Divergence`; ``"jsd"`` as a string takes ``beta``), :math:`T^2` unless ``scale_by_temperature_squared=False``, and
   :math:`N` the number of tokens ``where`` selects (at least 1), or
   ``normalizer``. Equal to ``distillation_loss(hidden @ weight + bias,
   target_hidden @ target_weight + target_bias, ...)`` in value and gradients,
@@ -227,12 +216,13 @@ def fused_linear_kl_div(
   the gradients wrt ``hidden``, ``weight`` and ``bias`` at once (as Liger
   Kernel's fused-linear losses do); the backward pass scales them.
 
-  The teacher (``target_*``) receives no gradient, nor do ``temperature``
-  and ``beta`` (zeros). Reverse mode only (``jax.grad``, ``value_and_grad``);
+  The teacher (``target_*``) receives no gradient, nor do ``temperature``,
+  ``beta`` and traced :class:`Divergence` parameters (zeros). Reverse mode only (``jax.grad``, ``value_and_grad``);
   use :func:`distillation_loss` on materialised logits for ``jvp`` or
   Hessians. NaN and invalid traced options as in :func:`distillation_loss`:
   NaN in the hidden states, heads or biases of a selected token, or a traced
-  ``temperature``, ``beta`` or ``normalizer`` outside its range, makes the
+  ``temperature``, ``beta``, divergence parameter or ``normalizer`` outside
+  its range, makes the
   loss and the gradients NaN. Matmuls accumulate in float32 (``preferred_element_type``);
   gradients come back in the inputs' dtypes.
 
@@ -245,8 +235,10 @@ def fused_linear_kl_div(
     target_bias: optional teacher bias ``[V]``.
     temperature: positive, finite softmax temperature (a traced scalar is
       allowed).
-    divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"``.
-    beta: the ``"jsd"`` mixture weight in ``[0, 1]``.
+    divergence: a divergence name (its default parameters) or a
+      :class:`Divergence`, as in :func:`divergence_from_logits`.
+    beta: the mixture weight of ``divergence="jsd"`` given as a string, in
+      ``[0, 1]`` (a :class:`Divergence` carries its own parameters).
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     where: a token mask of shape ``hidden.shape[:-1]``.
     normalizer: the denominator instead of the number of selected tokens
@@ -288,8 +280,8 @@ def fused_linear_kl_div(
     (2024), arXiv:2410.10989.
   """
   name = "fused_linear_kl_div"
-  check_choice(name, "divergence", divergence, DIVERGENCES)
-  beta, beta_static = check_unit_interval(name, "beta", beta)
+  beta, _ = check_unit_interval(name, "beta", beta)
+  spec = loss_divergence(name, divergence, beta)
   temperature, _ = check_temperature(name, temperature)
   scale_by_temperature_squared = check_bool(
     name, "scale_by_temperature_squared", scale_by_temperature_squared
@@ -307,7 +299,7 @@ def fused_linear_kl_div(
       f"{name}: weight and target_weight must have the same vocabulary size; got shapes "
       f"{np.shape(weight)} and {np.shape(target_weight)}."
     )
-  num_shards = 1 if axis_name is None else vocab_parallel.check_axis_name(name, axis_name)
+  num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
   cdt = compute_dtype(out_dtype)
   # The token count is explicit: reshape(-1, 0) is ambiguous for H = 0.
   n = int(np.prod(token_shape, dtype=np.int64))
@@ -316,9 +308,7 @@ def fused_linear_kl_div(
   if where is None:
     mask = jnp.ones((n, 1), jnp.bool_)
   else:
-    w_arr = jnp.asarray(as_array(name, "where", where, MASK))
-    if w_arr.dtype != jnp.bool_:
-      raise TypeError(f"{name}: where must be a boolean mask; got dtype {w_arr.dtype}.")
+    w_arr = mask_array(name, where)
     if w_arr.shape != token_shape:
       raise ValueError(
         f"{name}: where must be a token mask of shape {token_shape}; got {w_arr.shape}."
@@ -337,7 +327,7 @@ def fused_linear_kl_div(
     ):
       raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
     chunk = int(min(chunk_size, max(n, 1)))
-  valid = (positive_finite(temperature), in_unit_interval(beta))
+  valid = (positive_finite(temperature), in_unit_interval(beta), *spec.valid())
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
   else:
@@ -360,8 +350,8 @@ def fused_linear_kl_div(
   w_arr = w_arr + zero.astype(w_arr.dtype)
   if b_arr is not None:
     b_arr = b_arr + zero.astype(b_arr.dtype)
-  static = (divergence, beta if beta_static else None, chunk, axis_name)
-  beta_arr = jnp.asarray(beta, cdt)
+  static = (spec.key, chunk, axis_name)
+  params = tuple(jnp.asarray(x).astype(cdt) for x in spec.traced)
   loss = _fused(
     static,
     h,
@@ -371,7 +361,7 @@ def fused_linear_kl_div(
     jnp.asarray(target_weight),
     tb_arr,
     t,
-    beta_arr,
+    params,
     mask,
     scale,
   )

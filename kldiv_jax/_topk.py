@@ -19,13 +19,12 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import (
-  MASK,
-  as_array,
   check_float,
   check_temperature,
   compute_dtype,
   ids_in_range,
   index_array,
+  mask_array,
 )
 from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite
@@ -113,9 +112,7 @@ def _split_mask(name, where, batch_shape, slot_shape):
   """``(example_mask, slot_mask)`` from ``where`` (one of them ``None``)."""
   if where is None:
     return None, None
-  w = jnp.asarray(as_array(name, "where", where, MASK))
-  if w.dtype != jnp.bool_:
-    raise TypeError(f"{name}: where must be a boolean mask; got dtype {w.dtype}.")
+  w = mask_array(name, where)
   target, kind = (slot_shape, "slot") if w.ndim == len(slot_shape) else (batch_shape, "example")
   try:
     ok = jnp.broadcast_shapes(w.shape, target) == tuple(target)
