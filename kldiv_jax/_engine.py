@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._divergences import FORMULAS, Classes, Formula
+from kldiv_jax._divergences import FORMULAS, Classes, Formula, Norms
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._rows import (
   compiled,
@@ -141,6 +141,20 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
     mv, ev, sv = row_stats(v)
     same = jnp.all(u == v, axis=-1, keepdims=True)
     return u, v, (mu, su, mv, sv, same), eu, ev
+
+  one_pass = None if formula.one_pass is None else formula.one_pass(params)
+  if axis_name is None and one_pass is not None:
+    # One pass per block: the sums of exponentials and the formula's unnormalised sums.
+    def fn(z, y, *masks):
+      u, v, (mu, su, mv, sv, same), eu, ev = local(z, y, *masks)
+      terms = one_pass.terms(u - mu, v - mv, eu, ev)
+      return (mu, su, mv, sv, same, *(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
+
+    mu, su, mv, sv, same, *sums = map_rows(fn, (z, y, *masks), z.shape[0])
+    f, a, b, partials = one_pass.finish(tuple(sums), Norms(*normalizer(su), *normalizer(sv)))
+    class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
+    class_sums += [d for d, need in zip(partials, needs.params) if need]
+    return Stats(mu, su, mv, sv, same, tuple(class_sums))
 
   if axis_name is None:
 
