@@ -73,15 +73,17 @@ if TYPE_CHECKING:  # the spec's module imports this one
   from kldiv_jax._divergence_api import Divergence
 
 
-class Stats(NamedTuple):
-  """Per-row statistics ``[rows, 1]``: maxes and sums of exponentials, then class sums."""
+def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
+  """Whether each row of ``u`` equals that of ``v`` (``[rows, 1]``), ``-inf`` equal to ``-inf``.
 
-  mu: jax.Array
-  su: jax.Array
-  mv: jax.Array
-  sv: jax.Array
-  same: jax.Array  # the two rows are identical (after temperature and masks)
-  sums: tuple[jax.Array, ...]  # sum f, then those of ``Needs``
+  A sum of ``|u - v|`` with ``-inf`` raised to the most negative float (whose
+  ``exp`` is 0 too, so the distributions are equal either way): without a
+  select, so that XLA:CPU reduces it as fast as a sum of exponentials (a
+  boolean ``all`` or a select inside the reduction costs 3 to 6 times more).
+  A NaN makes the row not identical (it is NaN anyway).
+  """
+  lowest = jnp.finfo(u.dtype).min
+  return jnp.sum(jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest)), -1, keepdims=True) == 0
 
 
 class Needs(NamedTuple):
@@ -102,9 +104,15 @@ def class_terms(u, mu, su, v, mv, sv, eu=None, ev=None) -> Classes:
   """:class:`Classes` of scaled logits ``u``, ``v`` (``-inf`` without mass) given row stats.
 
   ``eu``, ``ev`` are ``exp(u - mu)``, ``exp(v - mv)`` when already computed.
+  The per-row normalisers are computed once per row: behind
+  ``lax.optimization_barrier``, XLA cannot fuse them into the elementwise
+  pass, which would recompute a ``log`` and a division for every class.
   """
   _, inv_su, log_su = normalizer(su)
   _, inv_sv, log_sv = normalizer(sv)
+  mu, inv_su, log_su, mv, inv_sv, log_sv = lax.optimization_barrier(
+    (mu, inv_su, log_su, mv, inv_sv, log_sv)
+  )
   eu = jnp.exp(u - mu) if eu is None else eu
   ev = jnp.exp(v - mv) if ev is None else ev
   return Classes(v - mv - log_sv, u - mu - log_su, ev * inv_sv, eu * inv_su)
@@ -133,42 +141,119 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
   return tuple(out)
 
 
-def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> Stats:
+class Rows(NamedTuple):
+  """Per-row outcomes ``[rows, 1]``: the value and everything the derivative rule needs.
+
+  Computed per block of rows with the statistics (:func:`_statistics`), so
+  that the elementwise pass of the rule reads them and XLA does not fuse
+  their per-row arithmetic into it (once per class instead of once per row).
+  """
+
+  value: jax.Array  # sum f, never below 0; 0 on identical rows; NaN on invalid rows
+  nan: jax.Array  # NaN on invalid rows, else 0: added to every derivative's coefficient
+  mu: jax.Array
+  inv_su: jax.Array
+  log_su: jax.Array
+  mv: jax.Array
+  inv_sv: jax.Array
+  log_sv: jax.Array
+  a: tuple[jax.Array, ...]  # (zero, sum a) when the rule needs them, else ()
+  b: tuple[jax.Array, ...]  # (zero, sum b) likewise
+  params: tuple[jax.Array, ...]  # d value / d theta per needed parameter
+
+
+def _row_sum_or_zero(total, same, infinite):
+  """``(zero, total)``: a class sum, 0 on identical rows and where it is not finite on
+  ``+inf`` rows."""
+  zero = same | (infinite & ~jnp.isfinite(total))
+  return zero, jnp.where(zero, 0.0, total)
+
+
+def _outcomes(needs: Needs, mu, su, mv, sv, same, sums) -> Rows:
+  """The :class:`Rows` from a block's statistics: ``sum f`` and the sums ``needs`` names.
+
+  The value is ``sum f`` clamped below at 0, 0 on identical rows, NaN on rows with a NaN
+  or ``+inf`` logit (the options' range tests are the caller's: ``nan_unless``).
+  """
+  ok = jnp.isfinite(su) & jnp.isfinite(sv)
+  # log(-1): a NaN only where one is meant to be (jax.debug_nans stays quiet elsewhere).
+  nan = jnp.log(jnp.where(ok, 1.0, -1.0))
+  value = nonnegative(jnp.where(same, 0.0, sums[0])) + nan
+  infinite = value == jnp.inf
+  rest = iter(sums[1:])
+  a = _row_sum_or_zero(next(rest), same, infinite) if needs.a else ()
+  b = _row_sum_or_zero(next(rest), same, infinite) if needs.b else ()
+  params = tuple(
+    _row_sum_or_zero(next(rest), same, infinite)[1] + nan for need in needs.params if need
+  )
+  _, inv_su, log_su = normalizer(su)
+  _, inv_sv, log_sv = normalizer(sv)
+  return Rows(value, nan, mu, inv_su, log_su, mv, inv_sv, log_sv, a, b, params)
+
+
+def _per_block(fn, arrays, num_rows, num_classes=None):
+  """:func:`map_rows` of ``fn`` returning :class:`Rows` (flattened through the row loop)."""
+  tree = []
+
+  def flat(*arrays):
+    leaves, treedef = jax.tree.flatten(fn(*arrays))
+    tree[:] = [treedef]
+    return tuple(leaves)
+
+  leaves = map_rows(flat, arrays, num_rows, num_classes)
+  return jax.tree.unflatten(tree[0], leaves)
+
+
+def _same_one_pass(mu, su, mv, sv, sums):
+  """Equal rows, as the one-pass sums see them (no extra pass over the classes): equal
+  maxes, sums of exponentials equal to rounding, and no weighted log-ratio left."""
+  same = (mu == mv) & (jnp.abs(su - sv) <= 8 * jnp.finfo(su.dtype).eps * su)
+  for g in sums:
+    same = same & (g == 0)
+  return same
+
+
+def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> Rows:
   def local(z, y, *masks):
     u, _ = scaled(z, temperature, masks)
     v, _ = scaled(y, temperature, masks)
     mu, eu, su = row_stats(u)
     mv, ev, sv = row_stats(v)
-    same = jnp.all(u == v, axis=-1, keepdims=True)
-    return u, v, (mu, su, mv, sv, same), eu, ev
+    return u, v, (mu, su, mv, sv), eu, ev
 
   one_pass = None if formula.one_pass is None else formula.one_pass(params)
   if axis_name is None and one_pass is not None:
     # One pass per block: the sums of exponentials and the formula's unnormalised sums.
     def fn(z, y, *masks):
-      u, v, (mu, su, mv, sv, same), eu, ev = local(z, y, *masks)
+      u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
       terms = one_pass.terms(u - mu, v - mv, eu, ev)
-      return (mu, su, mv, sv, same, *(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
+      sums = tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms)
+      same = _same_one_pass(mu, su, mv, sv, sums)
+      f, a, b, partials = one_pass.finish(sums, Norms(*normalizer(su), *normalizer(sv)))
+      class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
+      class_sums += [d for d, need in zip(partials, needs.params) if need]
+      return _outcomes(needs, mu, su, mv, sv, same, class_sums)
 
-    mu, su, mv, sv, same, *sums = map_rows(fn, (z, y, *masks), z.shape[0])
-    f, a, b, partials = one_pass.finish(tuple(sums), Norms(*normalizer(su), *normalizer(sv)))
-    class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
-    class_sums += [d for d, need in zip(partials, needs.params) if need]
-    return Stats(mu, su, mv, sv, same, tuple(class_sums))
+    return _per_block(fn, (z, y, *masks), z.shape[0])
 
   if axis_name is None:
 
     def fn(z, y, *masks):
-      u, v, stats, eu, ev = local(z, y, *masks)
-      c = class_terms(u, *stats[:2], v, *stats[2:4], eu, ev)
-      return (*stats, *_class_sums(formula, params, needs, c))
+      u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
+      same = identical_rows(u, v)
+      c = class_terms(u, mu, su, v, mv, sv, eu, ev)
+      return _outcomes(needs, mu, su, mv, sv, same, _class_sums(formula, params, needs, c))
 
-    mu, su, mv, sv, same, *class_sums = map_rows(fn, (z, y, *masks), z.shape[0])
-    return Stats(mu, su, mv, sv, same, tuple(class_sums))
+    return _per_block(fn, (z, y, *masks), z.shape[0])
 
   rows, classes = z.shape
   num_classes = global_classes(classes, axis_name)
-  mu, su, mv, sv, same = map_rows(lambda *a: local(*a)[2], (z, y, *masks), rows, num_classes)
+
+  def first(z, y, *masks):
+    u, v, stats, _, _ = local(z, y, *masks)
+    return (*stats, identical_rows(u, v))
+
+  mu, su, mv, sv, same = map_rows(first, (z, y, *masks), rows, num_classes)
   mu, su = combine(mu, su, axis_name)
   mv, sv = combine(mv, sv, axis_name)
   same = lax.psum((~same).astype(jnp.int32), axis_name) == 0
@@ -178,59 +263,38 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
     v, _ = scaled(y, temperature, masks)
     return _class_sums(formula, params, needs, class_terms(u, mu, su, v, mv, sv))
 
-  out = map_rows(sums, (z, y, mu, su, mv, sv, *masks), rows, num_classes)
-  return Stats(mu, su, mv, sv, same, lax.psum(out, axis_name))
+  out = lax.psum(map_rows(sums, (z, y, mu, su, mv, sv, *masks), rows, num_classes), axis_name)
+  return _outcomes(needs, mu, su, mv, sv, same, out)
 
 
-class Rows(NamedTuple):
-  """Per-row outcomes ``[rows, 1]``: the value and what the derivative rule must know."""
+def _softmax_grad(w, prob, zero_total, nan):
+  """``w - prob * sum(w)``: the gradient wrt logits of ``sum f`` given ``w = x df/dx``.
 
-  value: jax.Array
-  nan: jax.Array  # NaN on invalid rows, else 0: added to every derivative's coefficient
-  zero: jax.Array  # identical rows: every derivative is 0
-  infinite: jax.Array  # +inf rows: derivatives that are not finite there are 0
-
-
-def _rows(stats) -> Rows:
-  """The value per row: ``sum f``, never below 0, 0 on identical rows, NaN on rows with a
-  NaN or ``+inf`` logit (the options' range tests are the caller's: ``nan_unless``)."""
-  ok = jnp.isfinite(stats.su) & jnp.isfinite(stats.sv)
-  # log(-1): a NaN only where one is meant to be (jax.debug_nans stays quiet elsewhere).
-  nan = jnp.log(jnp.where(ok, 1.0, -1.0))
-  value = nonnegative(jnp.where(stats.same, 0.0, stats.sums[0])) + nan
-  return Rows(value, nan, stats.same, value == jnp.inf)
+  ``zero_total`` is ``(zero, sum w)`` from :func:`_row_sum_or_zero`; ``nan`` the rows'
+  NaN term.
+  """
+  zero, total = zero_total
+  return jnp.where(zero, 0.0, w - prob * total) + nan
 
 
-def _row_sum_or_zero(total, rows):
-  """A class sum, 0 on identical rows and where it is not finite on ``+inf`` rows."""
-  zero = rows.zero | (rows.infinite & ~jnp.isfinite(total))
-  return zero, jnp.where(zero, 0.0, total)
-
-
-def _softmax_grad(w, prob, total, rows):
-  """``w - prob * sum(w)``: the gradient wrt logits of ``sum f`` given ``w = x df/dx``."""
-  zero, total = _row_sum_or_zero(total, rows)
-  return jnp.where(zero, 0.0, w - prob * total) + rows.nan
-
-
-def _tangent(formula, params, z, y, temperature, masks, tangents, stats, needs, rows, axis_name):
+def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Rows, axis_name):
   dz, dy, dtemp, dparams = tangents
   out = jnp.zeros_like(rows.value)
-  sums = iter(stats.sums[1:])
-  sum_a = next(sums) if needs.a else None
-  sum_b = next(sums) if needs.b else None
-  if needs.a or needs.b:
+  if rows.a or rows.b:
     u, keep_u = scaled(z, temperature, masks)
     v, keep_v = scaled(y, temperature, masks)
-    c = class_terms(u, stats.mu, stats.su, v, stats.mv, stats.sv)
+    eu, ev = jnp.exp(u - rows.mu), jnp.exp(v - rows.mv)
+    lp, lq = v - rows.mv - rows.log_sv, u - rows.mu - rows.log_su
+    c = Classes(lp, lq, ev * rows.inv_sv, eu * rows.inv_su)
     _, a, b = formula.terms(c, params)
-    g_u = _softmax_grad(b, c.q, sum_b, rows) if needs.b else jnp.zeros((), out.dtype)
-    g_v = _softmax_grad(a, c.p, sum_a, rows) if needs.a else None
+    g_u = _softmax_grad(b, c.q, rows.b, rows.nan) if rows.b else jnp.zeros((), out.dtype)
+    g_v = _softmax_grad(a, c.p, rows.a, rows.nan) if rows.a else None
     local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
     out = out + (local if axis_name is None else lax.psum(local, axis_name))
-  for need, d in zip(needs.params, dparams):
-    if need:
-      out = out + (_row_sum_or_zero(next(sums), rows)[1] + rows.nan) * d.astype(out.dtype)
+  partials = iter(rows.params)
+  for d in dparams:
+    if d is not None and not is_zero(d):
+      out = out + next(partials) * d.astype(out.dtype)
   return out
 
 
@@ -238,8 +302,8 @@ def _tangent(formula, params, z, y, temperature, masks, tangents, stats, needs, 
 def _kernel(key, axis_name, z, y, temperature, traced, masks):
   formula = FORMULAS[key[0]]
   params = _params(key, traced, temperature.dtype)
-  stats = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name)
-  return _rows(stats).value[:, 0]
+  rows = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name)
+  return rows.value[:, 0]
 
 
 def _kernel_jvp(key, axis_name, primals, tangents):
@@ -255,11 +319,9 @@ def _kernel_jvp(key, axis_name, primals, tangents):
     b=not (is_zero(dz) and is_zero(dtemp)),
     params=tuple(d is not None and not is_zero(d) for d in dparams),
   )
-  stats = _statistics(formula, params, needs, z, y, temperature, masks, axis_name)
-  rows = _rows(stats)
-  tangents = (dz, dy, dtemp, dparams)
+  rows = _statistics(formula, params, needs, z, y, temperature, masks, axis_name)
   tangent = _tangent(
-    formula, params, z, y, temperature, masks, tangents, stats, needs, rows, axis_name
+    formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, axis_name
   )
   return rows.value[:, 0], tangent[:, 0]
 
