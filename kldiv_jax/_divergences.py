@@ -48,7 +48,6 @@ from kldiv_jax._numerics import (
   is_static,
   keep,
   log_ratio_mix,
-  log_ratios_mix,
   mix_quotient,
   times,
   weigh,
@@ -202,8 +201,19 @@ REVERSE_PASS = OnePass(lambda u0, v0, eu, ev: _kl_pass_terms(v0, u0, ev, eu), _r
 
 
 def _jsd_logs(c, beta):
-  """``(log(p/m), log(q/m))`` for ``m = beta p + (1 - beta) q``."""
-  return log_ratios_mix(c.p, c.lp, c.q, c.lq, beta)
+  """``(log(p/m), log(q/m))`` for ``m = beta p + (1 - beta) q``, each 0 without its mass.
+
+  As TRL computes them (``log p - log m``, one ``log`` per class): as fast as
+  the hand-written kernel this engine replaced. Near ``p = q`` the difference
+  cancels to an absolute error of a few ``eps * |log p|``
+  (:func:`~kldiv_jax._numerics.log_ratios_mix` is exact there, at about 15%
+  more time); identical rows are exactly 0 anyway (the engine's row flag).
+  """
+  m = beta * c.p + (1.0 - beta) * c.q
+  log_m = jnp.log(jnp.where(m > 0, m, 1.0))  # a NaN m (a NaN row) propagates
+  hp, hq = c.p > 0, c.q > 0
+  log_pm = jnp.where(hp, jnp.where(hp, c.lp, 0.0) - log_m, 0.0)
+  return log_pm, jnp.where(hq, jnp.where(hq, c.lq, 0.0) - log_m, 0.0)
 
 
 def _jsd_interior(c, beta):
