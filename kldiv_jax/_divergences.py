@@ -210,7 +210,7 @@ def _jsd_logs(c, beta):
   more time); identical rows are exactly 0 anyway (the engine's row flag).
   """
   m = beta * c.p + (1.0 - beta) * c.q
-  log_m = jnp.log(jnp.where(m > 0, m, 1.0))  # a NaN m (a NaN row) propagates
+  log_m = jnp.log(jnp.where(m != 0, m, 1.0))  # a NaN m (a NaN row) propagates
   hp, hq = c.p > 0, c.q > 0
   log_pm = jnp.where(hp, jnp.where(hp, c.lp, 0.0) - log_m, 0.0)
   return log_pm, jnp.where(hq, jnp.where(hq, c.lq, 0.0) - log_m, 0.0)
