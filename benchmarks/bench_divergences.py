@@ -131,12 +131,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for contender, fn in fns.items():
       vg = jax.value_and_grad(lambda s, t, fn=fn: fn(s, t, args.temperature))
       thunks[contender], infos[contender] = compile_jax(vg, student, teacher)
-    # Same values and gradients before timing anything. TVD's gradient jumps where p = q,
-    # so rounding may flip a class's sign and move its row by ~p: a looser check there.
+    # Same values and gradients before timing anything, to float32 rounding: both sides
+    # round, so an element's tolerance is relative to the largest gradient element. TVD's
+    # gradient jumps where p = q, so rounding may flip a class's sign on either side: a few
+    # elements may differ by ~p there (at (4096, 8192), seed 0, one does: row 1528, class
+    # 2538, where the engine gives float64's +5.9e-9 and the straightforward code -1.8e-8).
     (v0, g0), (v1, g1) = (thunks[c]() for c in fns)
     np.testing.assert_allclose(v1, v0, rtol=2e-4)
-    atol = (1e-5 if spec.formula.smooth else 5e-2) * float(jnp.max(jnp.abs(g0)))
-    np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=atol)
+    g0, g1 = np.asarray(g0), np.asarray(g1)
+    atol = 1e-5 * float(np.max(np.abs(g0)))
+    if spec.formula.smooth:
+      np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=atol)
+    else:
+      flipped = int(np.sum(~np.isclose(g1, g0, rtol=1e-3, atol=atol)))
+      assert flipped <= 16, f"{name}: {flipped} gradient elements differ"
     times = round_robin(thunks, repeats)
     records += timing_records(
       times,

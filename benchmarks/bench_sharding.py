@@ -1,7 +1,8 @@
 """Sharding benchmarks: per-device memory of the vocabulary-parallel losses.
 
 ``vocab_parallel_memory()`` compiles (without running) ``value_and_grad`` of
-``kl_div_from_logits`` and of ``fused_linear_kl_div`` twice: on one device,
+``kl_div_from_logits``, of ``divergence_from_logits`` for every other divergence
+and of ``fused_linear_kl_div`` twice: on one device,
 and inside ``jax.shard_map`` on 8 simulated CPU devices with the vocabulary
 split over the mesh axis ``"vocab"`` (``axis_name="vocab"``). It reports XLA's
 compiled memory analysis of both (temp, argument and output bytes) and the
@@ -166,6 +167,38 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
     )
   )
 
+  # Every other divergence of the engine, per example (the same shapes).
+  others = {
+    "reverse_kl": kd.Divergence("reverse_kl"),
+    "jsd": kd.Divergence("jsd"),
+    "symmetric_kl": kd.Divergence("symmetric_kl"),
+    "skew_kl": kd.Divergence("skew_kl"),
+    "skew_reverse_kl": kd.Divergence("skew_reverse_kl"),
+    "tvd": kd.Divergence("tvd"),
+    "alpha_beta": kd.Divergence("alpha_beta", alpha=0.5, beta=0.3),
+  }
+  for name, div in others.items():
+
+    def per_example(axis_name, div=div):
+      return lambda a, b: jnp.sum(
+        kd.divergence_from_logits(a, b, divergence=div, temperature=2.0, axis_name=axis_name)
+      )
+
+    sharded_div = jax.shard_map(
+      per_example("vocab"), mesh=mesh, in_specs=P(None, "vocab"), out_specs=P()
+    )
+    rows.append(
+      row(
+        f"divergence_from_logits {name} value_and_grad",
+        f"[{n}, {v}]",
+        jax.value_and_grad(per_example(None)),
+        (spec((n, v)), spec((n, v))),
+        jax.value_and_grad(sharded_div),
+        (spec((n, v), P(None, "vocab")),) * 2,
+        v,
+      )
+    )
+
   n, h, v = shapes["fused"]
 
   def fused(axis_name):
@@ -200,7 +233,7 @@ def print_table(result: dict[str, Any]) -> None:
     "compiled (not run); MiB per device"
   )
   head = (
-    f"{'program':52} {'shape':22} {'temp 1':>8} {'temp 8':>8} {'ratio':>6} "
+    f"{'program':60} {'shape':22} {'temp 1':>8} {'temp 8':>8} {'ratio':>6} "
     f"{'arg+out+temp 1':>15} {'... 8':>8} {'ratio':>6} {'per-dev':>7} {'gather':>6}"
   )
   print(head)
@@ -209,7 +242,7 @@ def print_table(result: dict[str, Any]) -> None:
     s, p = r["single"], r["sharded"]
     tot = lambda m: m["temp_bytes"] + m["argument_bytes"] + m["output_bytes"]  # noqa: E731
     print(
-      f"{r['program']:52} {r['shape']:22} {_mib(s['temp_bytes'])} {_mib(p['temp_bytes'])} "
+      f"{r['program']:60} {r['shape']:22} {_mib(s['temp_bytes'])} {_mib(p['temp_bytes'])} "
       f"{r['temp_ratio']:6.3f} {_mib(tot(s)):>15} {_mib(tot(p))} {r['total_ratio']:6.3f} "
       f"{'yes' if r['per_device'] else 'NO':>7} {len(r['all_gathers']):6d}"
     )

@@ -131,8 +131,35 @@ def _ab_terms(c, alpha, beta):
   return f, a, b
 
 
+def _ab_positive(c, alpha: float, beta: float):
+  """``(f, a, b)`` for static ``alpha, beta > 0``, with one ``exp`` per class.
+
+  Then ``p^s`` and ``q^s`` are at most 1 (``s = alpha + beta > 0``), so the
+  weighted partials need no overflow guard: ``a = T expm1(beta d) / beta``,
+  ``b = T expm1(-alpha d) / alpha`` with ``T = p^alpha q^beta``, and the one
+  ``exp`` is ``T`` where both sides have mass and ``r^s`` (``r`` the side
+  with mass) where one has: there ``f = r^s / (x s)`` with ``x`` the other
+  side's exponent, whose weighted partial is 0 and ``r``'s is ``r^s / x``
+  (the limits of :func:`_ab_one_sided`).
+  """
+  s = alpha + beta
+  has_p, has_q = c.lp > -jnp.inf, c.lq > -jnp.inf
+  both = has_p & has_q
+  lp, lq = jnp.where(has_p, c.lp, 0.0), jnp.where(has_q, c.lq, 0.0)
+  d = jnp.where(both, lp - lq, 0.0)
+  e = jnp.exp(jnp.where(both, alpha * lp + beta * lq, s * (lp + lq)))
+  a_in, b_in = e * jnp.expm1(beta * d) / beta, e * jnp.expm1(-alpha * d) / alpha
+  only_p, only_q = has_p & ~has_q, has_q & ~has_p
+  a = jnp.where(both, a_in, jnp.where(only_p, e / beta, 0.0))
+  b = jnp.where(both, b_in, jnp.where(only_q, e / alpha, 0.0))
+  one_sided = jnp.where(only_p, e / (beta * s), jnp.where(only_q, e / (alpha * s), 0.0))
+  return jnp.where(both, (a_in + b_in) / s, one_sided), a, b
+
+
 def alpha_beta(c, params):
   alpha, beta = params
+  if all(is_static(x) and x > 0 for x in params):
+    return _ab_positive(c, float(alpha), float(beta))
   return _ab_sides(c, alpha, beta, _ab_terms(c, alpha, beta), (0, 1, 2))
 
 

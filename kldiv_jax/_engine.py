@@ -10,6 +10,8 @@ with or without a class axis split over a mesh axis (``axis_name``). For rows
    the global max, so one pass over the data gives both);
 2. per row, the sums over classes of the formula's ``f`` (the value) and,
    for the derivative rule, of ``a``, ``b`` and ``df/dtheta`` (``psum``-ed).
+   A formula with a one-pass form (:class:`kldiv_jax._divergences.OnePass`:
+   the KL family) gets these sums in the first pass, from unnormalised terms.
 
 The rule then computes the derivatives per class, elementwise, from those
 per-row statistics (no residual of the vocabulary's size):
@@ -26,13 +28,16 @@ Symbolic-zero tangents skip their sums: a teacher under ``stop_gradient`` and
 a constant temperature cost nothing. The rule is plain JAX, so ``jvp``,
 ``jax.hessian`` and higher derivatives work. On CPU the passes run over blocks
 of rows (:func:`kldiv_jax._rows.map_rows`); on one device both passes share a
-block.
+block, and the per-row coefficients of the rule (:class:`Rows`) are computed
+there too, so that the rule's elementwise pass only reads them.
 
 Row conventions: the value is ``sum f`` clamped below at 0 by
 :func:`kldiv_jax._numerics.nonnegative` (rounding never makes a divergence
 negative), and exactly 0 with zero derivatives where the two rows are
 identical after temperature and masks (a per-row flag: under ``jit`` XLA may
-round the two sides' identical arithmetic differently). NaN, in the value and
+round the two sides' identical arithmetic differently; :func:`identical_rows`,
+or for a one-pass formula its sums: equal maxes, sums of exponentials equal
+to 8 ulps and every weighted log-ratio sum exactly 0). NaN, in the value and
 every derivative, where a logit is NaN or ``+inf``; a traced temperature or
 parameter out of range is the caller's to test (``nan_unless``, as
 :func:`kldiv_jax._divergence_api.divergence_from_logits` does). On a row
@@ -40,8 +45,7 @@ whose value is ``+inf``, a derivative that is not finite there is 0 (forward
 KL with student mass missing: finite gradient wrt the student, 0 wrt the
 teacher). A row without mass on either side is 0 with zero gradients; where
 one side is the zero measure, the value is the formula's at 0 (``KL(0 || q) =
-0``) and its derivatives are those of that function (0 wrt ``q`` there, where
-the former KL kernels gave ``q - p``).
+0``) and its derivatives are those of that function (0 wrt ``q`` there).
 
 Reusing the per-class math elsewhere: the chunked fused LM-head loss calls
 :func:`divergence_rows` per chunk of logits; a path that has log-probabilities
