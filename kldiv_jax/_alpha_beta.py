@@ -144,16 +144,19 @@ def _ab_positive(c, alpha: float, beta: float):
   """
   s = alpha + beta
   has_p, has_q = c.lp > -jnp.inf, c.lq > -jnp.inf
-  both = has_p & has_q
-  lp, lq = jnp.where(has_p, c.lp, 0.0), jnp.where(has_q, c.lq, 0.0)
-  d = jnp.where(both, lp - lq, 0.0)
-  e = jnp.exp(jnp.where(both, alpha * lp + beta * lq, s * (lp + lq)))
+  # Each side's log-mass, the other's where it has none (0 where neither has): then
+  # alpha lp + beta lq is log T where both have mass and s log r where one has, and the
+  # log-ratio d is 0 where one has none. Nested selects on has_p and has_q only (a mask
+  # of both, used by every select, is one XLA:CPU would write out in full).
+  lp = jnp.where(has_p, c.lp, jnp.where(has_q, c.lq, 0.0))
+  lq = jnp.where(has_q, c.lq, jnp.where(has_p, c.lp, 0.0))
+  d = lp - lq
+  e = jnp.exp(alpha * lp + beta * lq)
   a_in, b_in = e * jnp.expm1(beta * d) / beta, e * jnp.expm1(-alpha * d) / alpha
-  only_p, only_q = has_p & ~has_q, has_q & ~has_p
-  a = jnp.where(both, a_in, jnp.where(only_p, e / beta, 0.0))
-  b = jnp.where(both, b_in, jnp.where(only_q, e / alpha, 0.0))
-  one_sided = jnp.where(only_p, e / (beta * s), jnp.where(only_q, e / (alpha * s), 0.0))
-  return jnp.where(both, (a_in + b_in) / s, one_sided), a, b
+  a = jnp.where(has_p, jnp.where(has_q, a_in, e / beta), 0.0)
+  b = jnp.where(has_q, jnp.where(has_p, b_in, e / alpha), 0.0)
+  f_p = jnp.where(has_q, (a_in + b_in) / s, e / (beta * s))
+  return jnp.where(has_p, f_p, jnp.where(has_q, e / (alpha * s), 0.0)), a, b
 
 
 def alpha_beta(c, params):

@@ -57,6 +57,17 @@ def nonnegative(x: jax.Array) -> jax.Array:
 nonnegative.defjvp(lambda primals, tangents: (nonnegative(primals[0]), tangents[0]))
 
 
+def divide_logits(z: jax.Array, temperature, keep: jax.Array | None = None) -> jax.Array:
+  """``z / T`` where ``keep`` (default: ``z != -inf``), ``-inf`` elsewhere.
+
+  The ``-inf`` logits are selected around the division: ``d(-inf / T)/dT`` is
+  ``inf``, and ``inf * 0`` would make the gradient wrt a traced temperature
+  NaN. NaN logits are kept (and propagate).
+  """
+  keep = z != -jnp.inf if keep is None else keep
+  return jnp.where(keep, jnp.where(keep, z, 0.0) / temperature, -jnp.inf)
+
+
 def positive_finite(x):
   """The range test of a temperature or a normalizer: ``0 < x < inf`` (NaN fails)."""
   return (x > 0) & (x < jnp.inf)

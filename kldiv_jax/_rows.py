@@ -27,7 +27,7 @@ from kldiv_jax._checks import (
   normalize_axis,
   split_where,
 )
-from kldiv_jax._numerics import max_shift
+from kldiv_jax._numerics import divide_logits, max_shift
 
 # Elements per block of rows for the CPU row statistics (512 KiB of float32).
 _BLOCK_ELEMENTS = 1 << 17
@@ -136,7 +136,7 @@ def scaled(z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...]):
   keep = z != -jnp.inf
   for m in masks:
     keep = keep & m
-  return jnp.where(keep, jnp.where(keep, z, 0.0) / temperature, -jnp.inf), keep
+  return divide_logits(z, temperature, keep), keep
 
 
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -27,32 +27,30 @@ from kldiv_jax._checks import (
   mask_array,
 )
 from kldiv_jax._compat import take_along_last_axis_filled
-from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite
+from kldiv_jax._numerics import (
+  divide_logits,
+  max_shift,
+  nan_unless,
+  nonnegative,
+  positive_finite,
+)
 from kldiv_jax._pointwise import kl_log_kernel
+from kldiv_jax._rows import normalizer, row_stats
 
 
 def _divide(z: jax.Array, temperature, is_static: bool) -> jax.Array:
-  """``z / T``; for a traced ``T``, ``-inf`` entries are selected around the division.
-
-  (``d(-inf / T)/dT`` is ``inf``, and ``inf * 0`` would poison the gradient
-  wrt ``T``.)
-  """
+  """``z / T``: a plain division for a static ``T``, else :func:`divide_logits`."""
   if is_static:
     return z / temperature if temperature != 1.0 else z
-  finite = z != -jnp.inf
-  return jnp.where(finite, jnp.where(finite, z, 0.0) / temperature, -jnp.inf)
+  return divide_logits(z, temperature)
 
 
-def _logsumexp(x: jax.Array, axis: int = -1) -> jax.Array:
-  """``log sum exp x`` with a ``stop_gradient`` max; ``-inf`` for an all ``-inf`` row.
-
-  The ``log`` of an empty row's zero sum is selected around (its derivative
-  would be ``0 / 0``).
-  """
-  m = lax.stop_gradient(max_shift(jnp.max(x, axis=axis, keepdims=True)))
-  s = jnp.sum(jnp.exp(x - m), axis=axis, keepdims=True)
-  has = s != 0
-  return jnp.where(has, jnp.log(jnp.where(has, s, 1.0)) + m, -jnp.inf)
+def _logsumexp(x: jax.Array) -> jax.Array:
+  """``log sum exp x`` over the last axis with a ``stop_gradient`` max; ``-inf`` for an all
+  ``-inf`` row (:func:`~kldiv_jax._rows.row_stats`, :func:`~kldiv_jax._rows.normalizer`)."""
+  m, _, s = row_stats(x)
+  has, _, log_s = normalizer(s)
+  return jnp.where(has, log_s + m, -jnp.inf)
 
 
 @jax.custom_jvp
