@@ -124,6 +124,9 @@ def class_terms(u, mu, su, v, mv, sv, eu=None, ev=None) -> Classes:
 
 def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
   f, a, b = formula.terms(c, params)
+  # Written out per block (in cache) before the sums: XLA:CPU would otherwise recompute
+  # a shared transcendental (alpha-beta's expm1) in each sum's fusion.
+  f, a, b = lax.optimization_barrier((f, a if needs.a else f, b if needs.b else f))
   infinite = f == jnp.inf
 
   def total(x, partial=True):
