@@ -205,9 +205,10 @@ def _jsd_logs(c, beta):
 
   As TRL computes them (``log p - log m``, one ``log`` per class): as fast as
   the hand-written kernel this engine replaced. Near ``p = q`` the difference
-  cancels to an absolute error of a few ``eps * |log p|``
-  (:func:`~kldiv_jax._numerics.log_ratios_mix` is exact there, at about 15%
-  more time); identical rows are exactly 0 anyway (the engine's row flag).
+  cancels to an absolute error of a few ``eps * |log p|`` (the ``log1p`` form
+  of :func:`~kldiv_jax._numerics.log_ratio_mix`, applied to both sides, is
+  exact there, at about 15% more time); identical rows are exactly 0 anyway
+  (the engine's row flag).
   """
   m = beta * c.p + (1.0 - beta) * c.q
   log_m = jnp.log(jnp.where(m != 0, m, 1.0))  # a NaN m (a NaN row) propagates

@@ -114,9 +114,12 @@ def class_terms(u, mu, su, v, mv, sv, eu=None, ev=None) -> Classes:
   """
   _, inv_su, log_su = normalizer(su)
   _, inv_sv, log_sv = normalizer(sv)
-  mu, inv_su, log_su, mv, inv_sv, log_sv = lax.optimization_barrier(
-    (mu, inv_su, log_su, mv, inv_sv, log_sv)
-  )
+  norms = lax.optimization_barrier((mu, inv_su, log_su, mv, inv_sv, log_sv))
+  return normalized(u, v, *norms, eu, ev)
+
+
+def normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu=None, ev=None) -> Classes:
+  """:class:`Classes` of ``u``, ``v`` from their row maxes and normalisers."""
   eu = jnp.exp(u - mu) if eu is None else eu
   ev = jnp.exp(v - mv) if ev is None else ev
   return Classes(v - mv - log_sv, u - mu - log_su, ev * inv_sv, eu * inv_su)
@@ -290,9 +293,8 @@ def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Rows, ax
   if rows.a or rows.b:
     u, keep_u = scaled(z, temperature, masks)
     v, keep_v = scaled(y, temperature, masks)
-    eu, ev = jnp.exp(u - rows.mu), jnp.exp(v - rows.mv)
-    lp, lq = v - rows.mv - rows.log_sv, u - rows.mu - rows.log_su
-    c = Classes(lp, lq, ev * rows.inv_sv, eu * rows.inv_su)
+    norms = (rows.mu, rows.inv_su, rows.log_su, rows.mv, rows.inv_sv, rows.log_sv)
+    c = normalized(u, v, *norms)
     _, a, b = formula.terms(c, params)
     g_u = _softmax_grad(b, c.q, rows.b, rows.nan) if rows.b else jnp.zeros((), out.dtype)
     g_v = _softmax_grad(a, c.p, rows.a, rows.nan) if rows.a else None

@@ -140,37 +140,22 @@ def times(p: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.where(has, p * jnp.where(has, x, 0.0), 0.0)
 
 
-def log_ratios_mix(
-  p: jax.Array, lp: jax.Array, q: jax.Array, lq: jax.Array, w: Param
-) -> tuple[jax.Array, jax.Array]:
-  """``(log(p / m), log(q / m))`` for the mixture ``m = w p + (1 - w) q``, from one ``log1p``.
+def log_ratio_mix(p: jax.Array, lp: jax.Array, q: jax.Array, lq: jax.Array, w: Param) -> jax.Array:
+  """``log(p / m)`` for the mixture ``m = w p + (1 - w) q``, where ``p > 0`` (else 0).
 
-  Each is 0 where its own side has no mass. The ``log1p`` is that of the
-  larger side, whose argument lies in ``[-1, 0]``: ``log(big / m) =
-  -log1p(c (small - big) / big)`` with ``c = 1 - w`` where ``p >= q``, ``w``
-  otherwise; the smaller side's ratio is ``log small - log big`` plus it.
-  Exactly 0 where ``p == q``; ``-log w`` for ``p`` where ``q = 0`` (``+inf``
-  at ``w = 0``). Multiplied by ``p`` (resp. ``q``), it is finite wherever the
-  mixture's KL term is.
+  One ``log1p``, factored by the larger side so that its argument lies in
+  ``[-1, 0]``: ``-log1p((1 - w)(q - p)/p)`` where ``p >= q``, ``log p - log q -
+  log1p(w (p - q)/q)`` where ``p < q``. Exactly 0 where ``p == q``; ``-log w``
+  where ``q = 0`` (``+inf`` at ``w = 0``). Multiplied by ``p``, it is finite
+  wherever the mixture's KL term is.
   """
   upper = p >= q
   big = jnp.maximum(p, q)
   x = select(upper, 1.0 - w, w) * (-jnp.abs(p - q)) / jnp.where(big > 0, big, 1.0)
-  log_big = -jnp.log1p(x)
-  has_p, has_q = p > 0, q > 0
-  # Where p < q (resp. p >= q with q > 0), the other side's log is finite: the inner
-  # selects keep -inf - -inf out of every branch.
-  lp_m = jnp.where(upper, 0.0, jnp.where(has_p, lp, 0.0) - jnp.where(upper, 0.0, lq)) + log_big
-  lq_m = jnp.where(upper, jnp.where(has_q, lq, 0.0) - jnp.where(has_q & upper, lp, 0.0), 0.0)
-  return jnp.where(has_p, lp_m, 0.0), jnp.where(has_q, lq_m + log_big, 0.0)
-
-
-def log_ratio_mix(p: jax.Array, lp: jax.Array, q: jax.Array, lq: jax.Array, w: Param) -> jax.Array:
-  """``log(p / m)`` for the mixture ``m = w p + (1 - w) q``, where ``p > 0`` (else 0).
-
-  The first of :func:`log_ratios_mix` (XLA drops the unused second).
-  """
-  return log_ratios_mix(p, lp, q, lq, w)[0]
+  has = p > 0
+  # Where p < q, log q is finite; where p = 0 the result is 0 (log p is not used).
+  offset = jnp.where(upper, 0.0, jnp.where(has, lp, 0.0) - jnp.where(upper, 0.0, lq))
+  return jnp.where(has, offset - jnp.log1p(x), 0.0)
 
 
 def mix_quotient(p: jax.Array, q: jax.Array, w: Param) -> jax.Array:
