@@ -114,8 +114,10 @@ def class_terms(u, mu, su, v, mv, sv, eu=None, ev=None) -> Classes:
   """
   _, inv_su, log_su = normalizer(su)
   _, inv_sv, log_sv = normalizer(sv)
-  norms = lax.optimization_barrier((mu, inv_su, log_su, mv, inv_sv, log_sv))
-  return normalized(u, v, *norms, eu, ev)
+  mu, inv_su, log_su, mv, inv_sv, log_sv = lax.optimization_barrier(
+    (mu, inv_su, log_su, mv, inv_sv, log_sv)
+  )
+  return normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu, ev)
 
 
 def normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu=None, ev=None) -> Classes:
