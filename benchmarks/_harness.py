@@ -284,3 +284,29 @@ def timing_records(
       }
     )
   return records
+
+
+def logits_result(
+  section: str,
+  args: Any,
+  shape: tuple[int, int],
+  repeats: int,
+  full_shape: tuple[int, int],
+  records: list[dict[str, Any]],
+  evaluate: Callable[[list[dict[str, Any]], bool], dict[str, Any]],
+) -> dict[str, Any]:
+  """The JSON payload of a logits-style section: machine, settings, records, targets."""
+  full_size = tuple(shape) == tuple(full_shape)
+  return {
+    "section": section,
+    "machine": machine_info(),
+    "settings": {
+      "shape": list(shape),
+      "temperature": args.temperature,
+      "repeats": repeats,
+      "seed": args.seed,
+      "full_size": full_size,
+    },
+    "records": records,
+    "targets": evaluate(records, full_size),
+  }

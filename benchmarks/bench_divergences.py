@@ -37,7 +37,7 @@ for _p in (str(HERE.parent), str(HERE)):
 from _harness import (  # noqa: E402
   compile_jax,
   logits_parser,
-  machine_info,
+  logits_result,
   print_ratio_report,
   round_robin,
   target_row,
@@ -133,9 +133,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       thunks[contender], infos[contender] = compile_jax(vg, student, teacher)
     # Same values and gradients before timing anything, to float32 rounding: both sides
     # round, so an element's tolerance is relative to the largest gradient element. TVD's
-    # gradient jumps where p = q, so rounding may flip a class's sign on either side: a few
-    # elements may differ by ~p there (at (4096, 8192), seed 0, one does: row 1528, class
-    # 2538, where the engine gives float64's +5.9e-9 and the straightforward code -1.8e-8).
+    # gradient jumps where p = q: where a class's p and q round to a tie on one side and not
+    # on the other, its subgradient differs, and through the softmax so does the rest of its
+    # row. A few rows may thus differ (at (4096, 8192), seed 0, one element does: row 1528,
+    # class 2538, where the engine gives float64's +5.9e-9 and the straightforward code
+    # -1.8e-8; at (256, 1024), row 226, where the engine's one-row call matches float64).
     (v0, g0), (v1, g1) = (thunks[c]() for c in fns)
     np.testing.assert_allclose(v1, v0, rtol=2e-4)
     g0, g1 = np.asarray(g0), np.asarray(g1)
@@ -143,8 +145,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if spec.formula.smooth:
       np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=atol)
     else:
-      flipped = int(np.sum(~np.isclose(g1, g0, rtol=1e-3, atol=atol)))
-      assert flipped <= 16, f"{name}: {flipped} gradient elements differ"
+      rows = int(np.sum(np.any(~np.isclose(g1, g0, rtol=1e-3, atol=atol), axis=-1)))
+      assert rows <= 4, f"{name}: the gradients of {rows} rows differ"
     times = round_robin(thunks, repeats)
     records += timing_records(
       times,
@@ -156,19 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       dtype="float32",
       temperature=args.temperature,
     )
-  return {
-    "section": "divergences",
-    "machine": machine_info(),
-    "settings": {
-      "shape": list(shape),
-      "temperature": args.temperature,
-      "repeats": repeats,
-      "seed": args.seed,
-      "full_size": shape == FULL_SHAPE,
-    },
-    "records": records,
-    "targets": evaluate_targets(records, shape == FULL_SHAPE),
-  }
+  return logits_result("divergences", args, shape, repeats, FULL_SHAPE, records, evaluate_targets)
 
 
 def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str, Any]:

@@ -40,7 +40,7 @@ if str(HERE) not in sys.path:
 from _harness import (  # noqa: E402
   compile_jax,
   logits_parser,
-  machine_info,
+  logits_result,
   print_ratio_report,
   round_robin,
   target_row,
@@ -157,19 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       dtype="float32",
       temperature=args.temperature,
     )
-  return {
-    "section": "logits",
-    "machine": machine_info(),
-    "settings": {
-      "shape": list(shape),
-      "temperature": args.temperature,
-      "repeats": repeats,
-      "seed": args.seed,
-      "full_size": shape == FULL_SHAPE,
-    },
-    "records": records,
-    "targets": evaluate_targets(records, shape == FULL_SHAPE),
-  }
+  return logits_result("logits", args, shape, repeats, FULL_SHAPE, records, evaluate_targets)
 
 
 def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str, Any]:
