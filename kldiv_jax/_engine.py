@@ -28,7 +28,7 @@ Symbolic-zero tangents skip their sums: a teacher under ``stop_gradient`` and
 a constant temperature cost nothing. The rule is plain JAX, so ``jvp``,
 ``jax.hessian`` and higher derivatives work. On CPU the passes run over blocks
 of rows (:func:`kldiv_jax._rows.map_rows`); on one device both passes share a
-block, and the per-row coefficients of the rule (:class:`Rows`) are computed
+block, and the per-row coefficients of the rule (:class:`Outcomes`) are computed
 there too, so that the rule's elementwise pass only reads them.
 
 Row conventions: the value is ``sum f`` clamped below at 0 by
@@ -153,7 +153,7 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
   return tuple(out)
 
 
-class Rows(NamedTuple):
+class Outcomes(NamedTuple):
   """Per-row outcomes ``[rows, 1]``: the value and everything the derivative rule needs.
 
   Computed per block of rows with the statistics (:func:`_statistics`), so
@@ -181,8 +181,8 @@ def _row_sum_or_zero(total, same, infinite):
   return zero, jnp.where(zero, 0.0, total)
 
 
-def _outcomes(needs: Needs, mu, su, mv, sv, same, sums) -> Rows:
-  """The :class:`Rows` from a block's statistics: ``sum f`` and the sums ``needs`` names.
+def _outcomes(needs: Needs, mu, su, mv, sv, norms: Norms, same, sums) -> Outcomes:
+  """The :class:`Outcomes` from a block's statistics: ``sum f`` and the sums ``needs`` names.
 
   The value is ``sum f`` clamped below at 0, 0 on identical rows, NaN on rows with a NaN
   or ``+inf`` logit (the options' range tests are the caller's: ``nan_unless``).
@@ -198,13 +198,16 @@ def _outcomes(needs: Needs, mu, su, mv, sv, same, sums) -> Rows:
   params = tuple(
     _row_sum_or_zero(next(rest), same, infinite)[1] + nan for need in needs.params if need
   )
-  _, inv_su, log_su = normalizer(su)
-  _, inv_sv, log_sv = normalizer(sv)
-  return Rows(value, nan, mu, inv_su, log_su, mv, inv_sv, log_sv, a, b, params)
+  n = norms
+  return Outcomes(value, nan, mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv, a, b, params)
+
+
+def _norms(su, sv) -> Norms:
+  return Norms(*normalizer(su), *normalizer(sv))
 
 
 def _per_block(fn, arrays, num_rows, num_classes=None):
-  """:func:`map_rows` of ``fn`` returning :class:`Rows` (flattened through the row loop)."""
+  """:func:`map_rows` of ``fn`` returning :class:`Outcomes` (flattened through the row loop)."""
   tree = []
 
   def flat(*arrays):
@@ -225,7 +228,7 @@ def _same_one_pass(mu, su, mv, sv, sums):
   return same
 
 
-def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> Rows:
+def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> Outcomes:
   def local(z, y, *masks):
     u, _ = scaled(z, temperature, masks)
     v, _ = scaled(y, temperature, masks)
@@ -241,10 +244,11 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
       terms = one_pass.terms(u - mu, v - mv, eu, ev)
       sums = tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms)
       same = _same_one_pass(mu, su, mv, sv, sums)
-      f, a, b, partials = one_pass.finish(sums, Norms(*normalizer(su), *normalizer(sv)))
+      norms = _norms(su, sv)
+      f, a, b, partials = one_pass.finish(sums, norms)
       class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
       class_sums += [d for d, need in zip(partials, needs.params) if need]
-      return _outcomes(needs, mu, su, mv, sv, same, class_sums)
+      return _outcomes(needs, mu, su, mv, sv, norms, same, class_sums)
 
     return _per_block(fn, (z, y, *masks), z.shape[0])
 
@@ -254,7 +258,8 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
       u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
       same = identical_rows(u, v)
       c = class_terms(u, mu, su, v, mv, sv, eu, ev)
-      return _outcomes(needs, mu, su, mv, sv, same, _class_sums(formula, params, needs, c))
+      sums = _class_sums(formula, params, needs, c)
+      return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, sums)
 
     return _per_block(fn, (z, y, *masks), z.shape[0])
 
@@ -276,7 +281,7 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
     return _class_sums(formula, params, needs, class_terms(u, mu, su, v, mv, sv))
 
   out = lax.psum(map_rows(sums, (z, y, mu, su, mv, sv, *masks), rows, num_classes), axis_name)
-  return _outcomes(needs, mu, su, mv, sv, same, out)
+  return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, out)
 
 
 def _softmax_grad(w, prob, zero_total, nan):
@@ -289,7 +294,7 @@ def _softmax_grad(w, prob, zero_total, nan):
   return jnp.where(zero, 0.0, w - prob * total) + nan
 
 
-def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Rows, axis_name):
+def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes, axis_name):
   dz, dy, dtemp, dparams = tangents
   out = jnp.zeros_like(rows.value)
   if rows.a or rows.b:
