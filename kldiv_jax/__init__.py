@@ -6,10 +6,13 @@ with finite values and gradients at zero-probability targets.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from kldiv_jax._distill import DistillationParts as DistillationParts
 from kldiv_jax._distill import distillation_loss as distillation_loss
 from kldiv_jax._divergence_api import Divergence as Divergence
 from kldiv_jax._divergence_api import divergence_from_logits as divergence_from_logits
+from kldiv_jax._fused import fused_distillation_loss as fused_distillation_loss
 from kldiv_jax._fused import fused_linear_kl_div as fused_linear_kl_div
+from kldiv_jax._fused import fused_topk_distillation_loss as fused_topk_distillation_loss
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
 from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits
@@ -19,6 +22,7 @@ from kldiv_jax._optax import kl_divergence as kl_divergence
 from kldiv_jax._optax import kl_divergence_with_log_targets as kl_divergence_with_log_targets
 from kldiv_jax._pointwise import kl_div_pointwise as kl_div_pointwise
 from kldiv_jax._rl import kl_estimate as kl_estimate
+from kldiv_jax._topk import divergence_from_topk as divergence_from_topk
 from kldiv_jax._topk import kl_div_from_topk as kl_div_from_topk
 from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
@@ -29,12 +33,16 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
   __version__ = "0.0.0"
 
 __all__ = [
+  "DistillationParts",
   "Divergence",
   "KLDivLoss",
   "convex_kl_divergence",
   "distillation_loss",
   "divergence_from_logits",
+  "divergence_from_topk",
+  "fused_distillation_loss",
   "fused_linear_kl_div",
+  "fused_topk_distillation_loss",
   "gaussian_kl",
   "generalized_jsd",
   "generalized_kl_divergence",

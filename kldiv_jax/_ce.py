@@ -31,13 +31,13 @@ from kldiv_jax._rows import (
 from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 
-def _ce_stats(axis_name, z, labels, masks):
+def _ce_stats(axis_name, cap, z, labels, masks):
   one = jnp.ones((), compute_dtype(z.dtype))
   if axis_name is not None:  # labels of this device's classes; the others hit nothing
     labels = labels - class_offset(axis_name, z.shape[1]).astype(labels.dtype)
 
   def fn(z, labels, *masks):
-    u, _ = scaled(z, one, masks)
+    u, _ = scaled(z, one, masks, cap)
     m, _, s = row_stats(u)
     picked = jnp.sum(jnp.where(label_hit(labels, u.shape), u, 0.0), axis=-1, keepdims=True)
     return m, s, picked
@@ -51,29 +51,33 @@ def _ce_stats(axis_name, z, labels, masks):
   return jnp.where(has, log_s + m - picked, 0.0), (m, inv_s, labels)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _kernel(axis_name, z, labels, masks):
-  return _ce_stats(axis_name, z, labels, masks)[0][:, 0]
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel(axis_name, cap, z, labels, masks):
+  return _ce_stats(axis_name, cap, z, labels, masks)[0][:, 0]
 
 
-def _kernel_jvp(axis_name, primals, tangents):
+def _kernel_jvp(axis_name, cap, primals, tangents):
   z, labels, masks = primals
   dz = tangents[0]
-  ce, (m, inv_s, local_labels) = _ce_stats(axis_name, z, labels, masks)
+  ce, (m, inv_s, local_labels) = _ce_stats(axis_name, cap, z, labels, masks)
   if is_zero(dz):
     return ce[:, 0], jnp.zeros_like(ce[:, 0])
-  tangent = row_sum(ce_grad(z, local_labels, masks, m, inv_s), dz)
+  tangent = row_sum(ce_grad(z, local_labels, masks, m, inv_s, cap), dz)
   if axis_name is not None:
     tangent = lax.psum(tangent, axis_name)
   return ce[:, 0], tangent[:, 0]
 
 
 _kernel.defjvp(_kernel_jvp, symbolic_zeros=True)
-_kernel = compiled(_kernel, static_argnums=0)
+_kernel = compiled(_kernel, static_argnums=(0, 1))
 
 
 def ce_rows(
-  z: jax.Array, labels: jax.Array, masks: tuple[jax.Array, ...], axis_name: str | None = None
+  z: jax.Array,
+  labels: jax.Array,
+  masks: tuple[jax.Array, ...],
+  axis_name: str | None = None,
+  cap: float | None = None,
 ) -> jax.Array:
   """Cross entropy per row of ``[rows, classes]`` logits (``[rows]``).
 
@@ -82,6 +86,7 @@ def ce_rows(
   softmax; a row without mass gives 0; a label on a class without mass gives
   ``+inf``. With ``axis_name``, inside ``jax.shard_map``, ``z`` and the
   masks hold this device's slice of the classes (``labels`` whole) and the
-  result is replicated over the axis.
+  result is replicated over the axis. ``cap``: the logits' soft-cap (a static
+  float, or ``None``).
   """
-  return _kernel(axis_name, z, labels, tuple(masks))
+  return _kernel(axis_name, cap, z, labels, tuple(masks))

@@ -13,7 +13,7 @@ code; inside, arithmetic runs in the compute dtype with explicit casts.
 """
 
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -371,3 +371,19 @@ def check_normalizer(name: str, value: object) -> float | jax.Array:
   if static and not (np.isfinite(out) and out > 0):
     raise ValueError(f"{name}: normalizer must be a positive, finite scalar; got {value!r}.")
   return out
+
+
+def check_softcap(name: str, option: str, value: object) -> float | None:
+  """A logit soft-cap: ``None``, or a positive, finite Python or NumPy number (a model
+  constant, fixed at trace time: Gemma 2's ``final_logit_softcapping``)."""
+  if value is None:
+    return None
+  if not _is_static(value) or np.ndim(cast(Any, value)) != 0:
+    raise TypeError(
+      f"{name}: {option} must be None or a positive Python number (a static model constant); "
+      f"got {_describe(value)}."
+    )
+  cap = float(np.asarray(cast(Any, value)))
+  if not (np.isfinite(cap) and cap > 0):
+    raise ValueError(f"{name}: {option} must be positive and finite; got {value!r}.")
+  return cap

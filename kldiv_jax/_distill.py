@@ -1,7 +1,10 @@
 """Knowledge-distillation loss from student and teacher logits (Hinton et al.)."""
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kldiv_jax._ce import ce_rows
 from kldiv_jax._checks import (
@@ -14,11 +17,16 @@ from kldiv_jax._checks import (
   ids_in_range,
   index_array,
 )
-from kldiv_jax._divergence_api import Divergence, as_divergence
+from kldiv_jax._divergence_api import Divergence, as_divergence, check_softcaps
 from kldiv_jax._engine import divergence_rows
-from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
+from kldiv_jax._numerics import in_unit_interval, is_static, nan_unless, positive_finite
 from kldiv_jax._rows import prepare
-from kldiv_jax._vocab_parallel import any_class, check_axis_name, global_classes
+from kldiv_jax._vocab_parallel import (
+  VOCAB_PARALLEL_PADDING,
+  any_class,
+  check_axis_name,
+  global_classes,
+)
 
 
 def loss_divergence(name: str, divergence: object, beta: float | jax.Array) -> Divergence:
@@ -31,6 +39,67 @@ def loss_divergence(name: str, divergence: object, beta: float | jax.Array) -> D
   if isinstance(divergence, str) and divergence == "jsd":
     return Divergence("jsd", beta=beta)
   return as_divergence(name, divergence)
+
+
+class DistillationParts(NamedTuple):
+  """The parts of a distillation loss, for logging: sums over the valid tokens.
+
+  ``soft``: the sum of the distillation term, :math:`T^2 D` per token (without
+  ``alpha``); ``hard``: the sum of the label cross entropy (0 without labels);
+  ``num_tokens``: the number of valid tokens (int32). Sums, not means, so that
+  they add up over micro-batches, devices (``lax.psum``) and hosts; divide by
+  the summed ``num_tokens`` to log means. They carry no gradient
+  (``stop_gradient``): differentiate the loss.
+  """
+
+  soft: jax.Array
+  hard: jax.Array
+  num_tokens: jax.Array
+
+  @classmethod
+  def of(cls, soft, hard, num_tokens, checks=()) -> "DistillationParts":
+    """The parts, without gradient; NaN (the sums) unless the option ``checks`` hold."""
+    soft, hard = (lax.stop_gradient(nan_unless(x, *checks)) for x in (soft, hard))
+    return cls(soft, hard, lax.stop_gradient(num_tokens.astype(jnp.int32)))
+
+
+class LossWeights(NamedTuple):
+  """Which terms a distillation loss computes (static) and how it mixes them."""
+
+  soft: bool  # the divergence (skipped for a static alpha = 0, unless parts are wanted)
+  hard: bool  # the cross entropy (with labels; skipped for a static alpha = 1 likewise)
+  labelled: bool
+
+  def mix(self, soft, hard, alpha, dtype):
+    """``alpha soft + (1 - alpha) hard`` with labels, ``soft`` without."""
+    if not self.labelled:
+      return soft
+    if is_static(alpha) and alpha == 1.0:
+      return soft
+    if is_static(alpha) and alpha == 0.0:
+      return hard
+    a = alpha if is_static(alpha) else jnp.asarray(alpha).astype(dtype)
+    return a * soft + (1.0 - a) * hard
+
+
+def loss_weights(alpha, alpha_static: bool, labelled: bool, parts: bool) -> LossWeights:
+  """:class:`LossWeights` of a loss with (``labelled``) or without labels."""
+  soft = not labelled or parts or not (alpha_static and alpha == 0.0)
+  hard = labelled and (parts or not (alpha_static and alpha == 1.0))
+  return LossWeights(soft, hard, labelled)
+
+
+def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None) -> jax.Array:
+  """The cross entropy per row (``[rows]``) of the student's raw logits at temperature 1.
+
+  ``labels`` ``[rows, 1]`` in their own dtype; ``labelled`` which are not
+  ``ignore_index``. A labelled row whose label is outside the (global) class
+  axis is NaN; the others are those of :func:`kldiv_jax._ce.ce_rows`.
+  """
+  in_range = ids_in_range(labels, global_classes(z.shape[1], axis_name))
+  safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
+  ce = ce_rows(z, safe, masks, axis_name, cap)
+  return nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
 
 
 def _check_labels(name, labels, token_shape):
@@ -57,7 +126,10 @@ def distillation_loss(
   where: jax.typing.ArrayLike | None = None,
   normalizer: float | jax.typing.ArrayLike | None = None,
   axis_name: str | None = None,
-) -> jax.Array:
+  softcap: float | None = None,
+  target_softcap: float | None = None,
+  return_parts: bool = False,
+) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Knowledge-distillation loss: softened teacher divergence plus label cross entropy.
 
   .. math::
@@ -134,9 +206,25 @@ def distillation_loss(
       in_specs=(P("data", "vocab"), P("data", "vocab"), P("data")),
       out_specs=P())``, with ``n`` the global number of valid tokens, is the
       loss of the whole batch.
+    softcap: soft-cap the student's logits, ``softcap * tanh(s / softcap)``
+      (Gemma 2), before the temperature and for the cross entropy too;
+      ``None`` (the default) costs nothing. A static positive number.
+    target_softcap: likewise for the teacher's logits.
+    return_parts: also return a :class:`DistillationParts` ``(soft, hard,
+      num_tokens)``: the sums over the valid tokens of :math:`T^2 D` and of
+      the cross entropy, and their number, for logging that stays right when
+      summed over micro-batches and hosts.
+
+  Vocabularies of different sizes: the teacher's logits may have more or
+  fewer classes than the student's; the shared classes are the first ones
+  and the others are padding without mass on either side (both logits are
+  cut to the shared classes, as in :func:`divergence_from_logits`; the cross
+  entropy is then over the shared classes, and a label beyond them is out of
+  range). Not with ``axis_name``: cut before sharding.
 
   Returns:
-    A scalar, in the promoted logits dtype.
+    A scalar, in the promoted logits dtype; with ``return_parts``, ``(loss,
+    parts)``.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -160,11 +248,13 @@ def distillation_loss(
     name, "scale_by_temperature_squared", scale_by_temperature_squared
   )
   ignore_index = check_int(name, "ignore_index", ignore_index)
+  caps = check_softcaps(name, softcap, target_softcap)
+  return_parts = check_bool(name, "return_parts", return_parts)
   if axis_name is not None:
     check_axis_name(name, axis_name)
-  rows = prepare(
-    name, ("student_logits", "teacher_logits"), student_logits, teacher_logits, -1, where
-  )
+  padding = "allowed" if axis_name is None else VOCAB_PARALLEL_PADDING
+  what = ("student_logits", "teacher_logits")
+  rows = prepare(name, what, student_logits, teacher_logits, -1, where, padding)
   if normalizer is not None:
     normalizer = check_normalizer(name, normalizer)
   masks = rows.masks
@@ -179,37 +269,33 @@ def distillation_loss(
     valid = valid & labelled
     masks = (*masks, labelled)
   cdt = rows.cdt
+  weights = loss_weights(alpha, alpha_static, labels is not None, return_parts)
+  t = jnp.asarray(temperature).astype(cdt)
+  t2 = temperature**2 if t_static else t * t
+  t2 = t2 if scale_by_temperature_squared else 1.0
   if rows.empty:
-    total = jnp.zeros((), cdt)
-    if labelled is not None and not (alpha_static and alpha == 1.0):
+    soft = hard = jnp.zeros((), cdt)
+    if labelled is not None and weights.hard:
       # Without classes every label is out of range: NaN, as documented.
-      total = jnp.where(jnp.any(labelled), jnp.nan, total)
+      hard = jnp.where(jnp.any(labelled), jnp.nan, hard)
   else:
-    t = jnp.asarray(temperature).astype(cdt)
-    div = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name)
-    if scale_by_temperature_squared:
-      div = div * (temperature**2 if t_static else t * t)
-    if labels is None:
-      per_row = div
-    else:
-      assert labelled is not None  # set with labels
-      in_range = ids_in_range(labels, global_classes(rows.z.shape[1], axis_name))
-      safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
-      ce = ce_rows(rows.z, safe, masks, axis_name)
-      ce = nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
-      if alpha_static and alpha == 1.0:
-        per_row = div
-      elif alpha_static and alpha == 0.0:
-        per_row = ce
-      else:
-        a = alpha if alpha_static else jnp.asarray(alpha).astype(cdt)
-        per_row = a * div + (1.0 - a) * ce
-    total = jnp.sum(per_row)
+    soft = hard = jnp.zeros((rows.z.shape[0],), cdt)
+    if weights.soft:
+      soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps) * t2
+    if weights.hard:
+      assert labels is not None and labelled is not None  # weights.hard: there are labels
+      hard = hard_rows(rows.z, labels, labelled, masks, axis_name, caps[0])
+    soft, hard = jnp.sum(soft), jnp.sum(hard)
+  total = weights.mix(soft, hard, alpha, cdt)
   if normalizer is None:
     denominator = jnp.maximum(jnp.sum(valid), 1).astype(cdt)
   else:
     denominator = normalizer.astype(cdt) if isinstance(normalizer, jax.Array) else normalizer
-  valid = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
+  checks = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
   if normalizer is not None:
-    valid = (*valid, positive_finite(normalizer))
-  return nan_unless((total / denominator).astype(rows.out_dtype), *valid, *spec.valid())
+    checks = (*checks, positive_finite(normalizer))
+  checks = (*checks, *spec.valid())
+  loss = nan_unless((total / denominator).astype(rows.out_dtype), *checks)
+  if not return_parts:
+    return loss
+  return loss, DistillationParts.of(soft, hard, jnp.sum(valid), checks)

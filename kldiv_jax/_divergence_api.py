@@ -14,12 +14,12 @@ from typing import cast
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax._checks import Axis, check_temperature, real_scalar
+from kldiv_jax._checks import Axis, check_softcap, check_temperature, real_scalar
 from kldiv_jax._divergences import FORMULAS, Formula
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import Param, nan_unless, positive_finite
 from kldiv_jax._rows import prepare
-from kldiv_jax._vocab_parallel import check_axis_name
+from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name
 
 
 @jax.tree_util.register_pytree_node_class
@@ -136,6 +136,13 @@ def _check_param(name, key, value, bounds):
   return x
 
 
+def check_softcaps(name: str, softcap: object, target_softcap: object):
+  """``(softcap, target_softcap)``, each ``None`` or a positive float (errors name ``name``)."""
+  return check_softcap(name, "softcap", softcap), check_softcap(
+    name, "target_softcap", target_softcap
+  )
+
+
 def as_divergence(name: str, divergence: object) -> Divergence:
   """``divergence`` (a name or a :class:`Divergence`) as a :class:`Divergence`.
 
@@ -164,6 +171,8 @@ def divergence_from_logits(
   axis: Axis = -1,
   where: jax.typing.ArrayLike | None = None,
   axis_name: str | None = None,
+  softcap: float | None = None,
+  target_softcap: float | None = None,
 ) -> jax.Array:
   r"""Per-example divergence between two softmax distributions given as logits.
 
@@ -238,6 +247,23 @@ def divergence_from_logits(
       inside ``jax.shard_map`` (vocabulary parallelism): each device passes
       its slice of the classes; only per-example scalars cross devices
       (``pmax``/``psum``), and values and gradients equal the unsharded ones.
+    softcap: soft-cap the student's logits, ``softcap * tanh(logits /
+      softcap)`` (Gemma 2's final-logit soft-capping), before the
+      temperature; ``None`` (the default) costs nothing. A static positive
+      number. Differentiable: the gradient goes through the ``tanh``.
+    target_softcap: likewise for the teacher's logits.
+
+  Vocabularies of different sizes: with one class axis, ``logits`` and
+  ``target_logits`` may have different numbers of classes (a padded
+  vocabulary, a teacher from the same family with more logits). The shared
+  classes are the first ones; the classes only one side has are padding and
+  carry no mass on either side (a class ``where`` may have either length).
+  Why: such ids are padding no tokenizer produces, so a student must neither
+  be taught nor charged to put mass where its teacher cannot. Equal to the
+  call on both logits cut to the shared classes, with zero gradient wrt the
+  cut ones. Not with ``axis_name`` (each device's slices of the two
+  vocabularies would not hold the same classes): cut the logits, or the LM
+  heads, to the shared classes before sharding.
 
   Returns:
     The divergence per example, shape ``[...]`` (the inputs without
@@ -267,7 +293,8 @@ def divergence_from_logits(
   """
   name = "divergence_from_logits"
   spec = as_divergence(name, divergence)
-  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name)
+  caps = check_softcaps(name, softcap, target_softcap)
+  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name, caps)
 
 
 def per_example(
@@ -279,6 +306,7 @@ def per_example(
   axis: Axis,
   where: jax.typing.ArrayLike | None,
   axis_name: str | None,
+  caps: tuple[float | None, float | None] = (None, None),
 ) -> jax.Array:
   """The body of every per-example loss from logits: validate, lay out, run, reduce.
 
@@ -291,10 +319,13 @@ def per_example(
   temperature, _ = check_temperature(name, temperature)
   if axis_name is not None:
     check_axis_name(name, axis_name)
-  rows = prepare(name, ("logits", "target_logits"), logits, target_logits, axis, where)
+  padding = "allowed" if axis_name is None else VOCAB_PARALLEL_PADDING
+  what = ("logits", "target_logits")
+  rows = prepare(name, what, logits, target_logits, axis, where, padding)
   if rows.empty:
     out = jnp.zeros(rows.out_shape, rows.out_dtype)
   else:
     t = jnp.asarray(temperature).astype(rows.cdt)
-    out = rows.finish(divergence_rows(rows.z, rows.y, t, rows.masks, spec, axis_name))
+    out = divergence_rows(rows.z, rows.y, t, rows.masks, spec, axis_name, caps)
+    out = rows.finish(out)
   return nan_unless(out, positive_finite(temperature), *spec.valid())

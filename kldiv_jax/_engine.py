@@ -228,10 +228,12 @@ def _same_one_pass(mu, su, mv, sv, sums):
   return same
 
 
-def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> Outcomes:
+def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps) -> Outcomes:
+  cap_z, cap_y = caps
+
   def local(z, y, *masks):
-    u, _ = scaled(z, temperature, masks)
-    v, _ = scaled(y, temperature, masks)
+    u, _ = scaled(z, temperature, masks, cap_z)
+    v, _ = scaled(y, temperature, masks, cap_y)
     mu, eu, su = row_stats(u)
     mv, ev, sv = row_stats(v)
     return u, v, (mu, su, mv, sv), eu, ev
@@ -276,8 +278,8 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name) -> 
   same = lax.psum((~same).astype(jnp.int32), axis_name) == 0
 
   def sums(z, y, mu, su, mv, sv, *masks):
-    u, _ = scaled(z, temperature, masks)
-    v, _ = scaled(y, temperature, masks)
+    u, _ = scaled(z, temperature, masks, cap_z)
+    v, _ = scaled(y, temperature, masks, cap_y)
     return _class_sums(formula, params, needs, class_terms(u, mu, su, v, mv, sv))
 
   out = lax.psum(map_rows(sums, (z, y, mu, su, mv, sv, *masks), rows, num_classes), axis_name)
@@ -294,18 +296,20 @@ def _softmax_grad(w, prob, zero_total, nan):
   return jnp.where(zero, 0.0, w - prob * total) + nan
 
 
-def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes, axis_name):
+def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes, axis_name, caps):
   dz, dy, dtemp, dparams = tangents
   out = jnp.zeros_like(rows.value)
   if rows.a or rows.b:
-    u, keep_u = scaled(z, temperature, masks)
-    v, keep_v = scaled(y, temperature, masks)
+    u, keep_u = scaled(z, temperature, masks, caps[0])
+    v, keep_v = scaled(y, temperature, masks, caps[1])
     norms = (rows.mu, rows.inv_su, rows.log_su, rows.mv, rows.inv_sv, rows.log_sv)
     c = normalized(u, v, *norms)
     _, a, b = formula.terms(c, params)
     g_u = _softmax_grad(b, c.q, rows.b, rows.nan) if rows.b else jnp.zeros((), out.dtype)
     g_v = _softmax_grad(a, c.p, rows.a, rows.nan) if rows.a else None
-    local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v)
+    local = logit_tangents(
+      temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v, (z, y), caps
+    )
     out = out + (local if axis_name is None else lax.psum(local, axis_name))
   partials = iter(rows.params)
   for d in dparams:
@@ -314,15 +318,15 @@ def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes
   return out
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _kernel(key, axis_name, z, y, temperature, traced, masks):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _kernel(key, axis_name, caps, z, y, temperature, traced, masks):
   formula = FORMULAS[key[0]]
   params = _params(key, traced, temperature.dtype)
-  rows = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name)
+  rows = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name, caps)
   return rows.value[:, 0]
 
 
-def _kernel_jvp(key, axis_name, primals, tangents):
+def _kernel_jvp(key, axis_name, caps, primals, tangents):
   z, y, temperature, traced, masks = primals
   dz, dy, dtemp, dtraced, _ = tangents
   formula = FORMULAS[key[0]]
@@ -335,15 +339,15 @@ def _kernel_jvp(key, axis_name, primals, tangents):
     b=not (is_zero(dz) and is_zero(dtemp)),
     params=tuple(d is not None and not is_zero(d) for d in dparams),
   )
-  rows = _statistics(formula, params, needs, z, y, temperature, masks, axis_name)
+  rows = _statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps)
   tangent = _tangent(
-    formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, axis_name
+    formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, axis_name, caps
   )
   return rows.value[:, 0], tangent[:, 0]
 
 
 _kernel.defjvp(_kernel_jvp, symbolic_zeros=True)
-_kernel = compiled(_kernel, static_argnums=(0, 1))
+_kernel = compiled(_kernel, static_argnums=(0, 1, 2))
 
 
 def divergence_rows(
@@ -353,6 +357,7 @@ def divergence_rows(
   masks: tuple[jax.Array, ...],
   divergence: "Divergence",
   axis_name: str | None = None,
+  caps: tuple[float | None, float | None] = (None, None),
 ) -> jax.Array:
   """``D(softmax(y/T), softmax(z/T))`` per row of ``[rows, classes]`` logits (``[rows]``).
 
@@ -364,8 +369,10 @@ def divergence_rows(
   ``axis_name``, inside ``jax.shard_map``, the arrays hold this device's
   slice of the classes and the result is replicated over the axis. Compiled
   once per shapes and static arguments when called eagerly (``_rows.compiled``).
-  Not tested here: the temperature's and traced parameters' ranges (the
-  caller applies ``nan_unless`` with ``positive_finite`` and
-  ``divergence.valid()``).
+  ``caps``: the student's and the teacher's logit soft-caps (static floats, or
+  ``None``), applied before the temperature. Not tested here: the temperature's
+  and traced parameters' ranges (the caller applies ``nan_unless`` with
+  ``positive_finite`` and ``divergence.valid()``).
   """
-  return _kernel(divergence.key, axis_name, z, y, temperature, divergence.traced, tuple(masks))
+  key = divergence.key
+  return _kernel(key, axis_name, tuple(caps), z, y, temperature, divergence.traced, tuple(masks))

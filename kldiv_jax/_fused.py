@@ -12,7 +12,7 @@ gradients themselves.
 """
 
 import functools
-from typing import cast
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -21,19 +21,31 @@ from jax import lax
 
 from kldiv_jax._checks import (
   check_bool,
+  check_choice,
   check_float,
+  check_int,
   check_normalizer,
   check_temperature,
   check_unit_interval,
   compute_dtype,
+  ids_differ,
+  index_array,
   mask_array,
 )
-from kldiv_jax._distill import loss_divergence
-from kldiv_jax._divergence_api import Divergence
+from kldiv_jax._distill import (
+  DistillationParts,
+  LossWeights,
+  hard_rows,
+  loss_divergence,
+  loss_weights,
+)
+from kldiv_jax._divergence_api import Divergence, check_softcaps
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
-from kldiv_jax._rows import compiled
-from kldiv_jax._vocab_parallel import check_axis_name
+from kldiv_jax._rows import compiled, shared_classes
+from kldiv_jax._sparse import topk_rows
+from kldiv_jax._topk import TAILS, check_ids, check_teacher_vocab, topk_teacher
+from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -53,28 +65,62 @@ def _matmul(a, w, b, dtype):
   return out if b is None else out + b.astype(dtype)[None, :]
 
 
+class Static(NamedTuple):
+  """The static part of a fused call (hashable): what each chunk computes."""
+
+  teacher: str  # "dense" (hidden states and a head) or "topk"
+  key: tuple  # the divergence's Divergence.key
+  chunk: int
+  axis_name: str | None
+  caps: tuple[float | None, float | None]
+  weights: LossWeights
+  tail: bool  # top-k: the tail bucket
+
+
+def _chunk_soft(static: Static, z, teacher, whole, temperature, spec, mask):
+  """The divergence per row of a chunk's student logits ``z`` against its teacher."""
+  if static.teacher == "dense":
+    (thc,) = teacher
+    tw, tb = whole
+    y = lax.stop_gradient(_matmul(thc, tw, tb, z.dtype))
+    return divergence_rows(z, y, temperature, (mask,), spec, static.axis_name, static.caps)
+  ids, lp, keep, dropped = teacher
+  keep = keep & mask
+  return topk_rows(
+    z, ids, lp, keep, dropped, temperature, spec, static.tail, static.caps[0], static.axis_name
+  )
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(static, h, w, b, th, tw, tb, temperature, params, mask, scale) -> jax.Array:
-  return _fused_fwd(static, h, w, b, th, tw, tb, temperature, params, mask, scale)[0]
+def _fused(static, h, w, b, teacher, whole, temperature, params, tokens, coefs) -> tuple:
+  return _fused_fwd(static, h, w, b, teacher, whole, temperature, params, tokens, coefs)[0]
 
 
-def _fused_fwd(static, h, w, b, th, tw, tb, temperature, params, mask, scale):
-  key, chunk, axis_name = static
+def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tokens, coefs):
   n = h.shape[0]
+  chunk, axis_name, weights = static.chunk, static.axis_name, static.weights
   # The divergence of the chunks: its static part from ``static``, traced parameters from ``params``.
-  spec = Divergence.tree_unflatten(key, params)
-  acc = scale.dtype  # float32, or float64 for float64 inputs
+  spec = Divergence.tree_unflatten(static.key, params)
+  acc = coefs.dtype  # float32, or float64 for float64 inputs
 
-  def chunk_grads(hc, thc, mc):
+  def chunk_grads(hc, teacher_c, tokens_c):
+    mask, labels, labelled = tokens_c
     z = _matmul(hc, w, b, acc)
-    y = lax.stop_gradient(_matmul(thc, tw, tb, acc))
-    per_token = lambda z: divergence_rows(z, y, temperature, (mc,), spec, axis_name)  # noqa: E731
-    loss, vjp = jax.vjp(lambda z: jnp.sum(per_token(z)), z)
+
+    def objective(z):
+      soft = hard = jnp.zeros((), acc)
+      if weights.soft:
+        soft = jnp.sum(_chunk_soft(static, z, teacher_c, whole, temperature, spec, mask))
+      if weights.hard:
+        hard = jnp.sum(hard_rows(z, labels, labelled, (mask,), axis_name, static.caps[0]))
+      return coefs[0] * soft + coefs[1] * hard, (soft, hard)
+
+    loss, vjp, parts = jax.vjp(objective, z, has_aux=True)
     (dz,) = vjp(jnp.ones_like(loss))
     gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
     if axis_name is not None:  # each device holds a slice of the head: sum the parts
       gh = lax.psum(gh, axis_name)
-    return loss, gh, dz, jnp.sum(dz, axis=0)
+    return (loss, *parts), gh, dz, jnp.sum(dz, axis=0)
 
   def add_weight_grad(grad_w, hc, dz):
     # grad_w += hc^T dz, a block of vocabulary columns at a time: a dot writes
@@ -97,51 +143,67 @@ def _fused_fwd(static, h, w, b, th, tw, tb, temperature, params, mask, scale):
   # ``full_like``: inside jax.shard_map, loop carries keep the mesh axes their
   # values vary over (the loss those of the tokens, the head's gradients the
   # head's, see fused_linear_kl_div).
-  loss = _token_zero(h, th, mask).astype(acc)
+  zero = _token_zero(h, *teacher, *tokens).astype(acc)
+  totals = (zero, zero, zero)
   grad_h = lax.full_like(h, 0, acc)
   grad_w = lax.full_like(w, 0, acc)
   grad_b = lax.full_like(w, 0, acc, shape=w.shape[1:])
 
-  def body(i, carry):
-    loss, grad_h, grad_w, grad_b = carry
-    start = i * chunk
-    rows = lambda a: lax.dynamic_slice_in_dim(a, start, chunk, axis=0)  # noqa: E731
-    hc = rows(h)
-    part, gh, dz, gb = chunk_grads(hc, rows(th), rows(mask))
-    grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
-    return loss + part, grad_h, add_weight_grad(grad_w, hc, dz), grad_b + gb
+  def rows_of(start, size):
+    def cut(a):
+      return lax.dynamic_slice_in_dim(a, start, size, axis=0)
 
-  carry = (loss, grad_h, grad_w, grad_b)
+    return cut
+
+  def body(i, carry):
+    totals, grad_h, grad_w, grad_b = carry
+    start = i * chunk
+    cut = rows_of(start, chunk)
+    hc = cut(h)
+    parts, gh, dz, gb = chunk_grads(hc, jax.tree.map(cut, teacher), jax.tree.map(cut, tokens))
+    grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
+    totals = tuple(t + p for t, p in zip(totals, parts))
+    return totals, grad_h, add_weight_grad(grad_w, hc, dz), grad_b + gb
+
+  carry = (totals, grad_h, grad_w, grad_b)
   num_full = n // chunk
   if num_full:
     carry = lax.fori_loop(0, num_full, body, carry)
-  loss, grad_h, grad_w, grad_b = carry
+  totals, grad_h, grad_w, grad_b = carry
   tail = num_full * chunk
   if tail < n:  # the uneven last chunk, with static shapes
-    part, gh, dz, gb = chunk_grads(h[tail:], th[tail:], mask[tail:])
-    loss, grad_b = loss + part, grad_b + gb
+    cut = lambda a: a[tail:]  # noqa: E731
+    parts, gh, dz, gb = chunk_grads(h[tail:], jax.tree.map(cut, teacher), jax.tree.map(cut, tokens))
+    totals = tuple(t + p for t, p in zip(totals, parts))
+    grad_b = grad_b + gb
     grad_w = add_weight_grad(grad_w, h[tail:], dz)
     grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, tail, axis=0)
-  residuals = (grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, params))
-  return loss * scale, residuals
+  operands = (h, w, b, teacher, whole, temperature, params, tokens, coefs)
+  return totals, (grad_h, grad_w, grad_b, operands)
 
 
 def _fused_bwd(static, residuals, g):
-  grad_h, grad_w, grad_b, scale, (h, w, b, th, tw, tb, temperature, params) = residuals
-  s = (g * scale).astype(scale.dtype)
-  zeros = lambda a: None if a is None else jnp.zeros_like(a)  # noqa: E731
+  grad_h, grad_w, grad_b, (h, w, b, teacher, whole, temperature, params, tokens, coefs) = residuals
+  s = g[0].astype(coefs.dtype)  # the parts (g[1], g[2]) carry no gradient
+  zeros = lambda tree: jax.tree.map(_zero_cotangent, tree)  # noqa: E731
   return (
     (grad_h * s).astype(h.dtype),
     (grad_w * s).astype(w.dtype),
     None if b is None else (grad_b * s).astype(b.dtype),
-    zeros(th),
-    zeros(tw),
-    zeros(tb),
+    zeros(teacher),
+    zeros(whole),
     zeros(temperature),
-    tuple(jnp.zeros_like(x) for x in params),
-    None,
-    jnp.zeros_like(scale),
+    zeros(params),
+    zeros(tokens),
+    zeros(coefs),
   )
+
+
+def _zero_cotangent(x):
+  """A zero cotangent: float0 for integer and boolean operands."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -152,7 +214,8 @@ def _token_zero(*token_arrays):
   """A scalar 0 that varies over the mesh axes of the token arrays (inside ``jax.shard_map``)."""
   zero = jnp.zeros((), jnp.float32)
   for a in token_arrays:
-    zero = zero + lax.full_like(a, 0, jnp.float32, shape=())
+    if a is not None:
+      zero = zero + lax.full_like(a, 0, jnp.float32, shape=())
   return zero
 
 
@@ -178,6 +241,310 @@ def _check_linear(name, what, hidden, weight, bias):
   return dtype
 
 
+def _check_chunk(name, chunk_size, n, vocab_size):
+  if chunk_size is None:
+    # The global vocabulary: a vocabulary-parallel call makes the unsharded
+    # call's chunks, each device holding a slice of their logits.
+    return default_chunk_size(n, vocab_size)
+  if (
+    not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1
+  ):
+    raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
+  return int(min(chunk_size, max(n, 1)))
+
+
+def _token_mask(name, where, token_shape, n):
+  if where is None:
+    return jnp.ones((n, 1), jnp.bool_)
+  w_arr = mask_array(name, where)
+  if w_arr.shape != token_shape:
+    raise ValueError(
+      f"{name}: where must be a token mask of shape {token_shape}; got {w_arr.shape}."
+    )
+  return w_arr.reshape(n, 1)
+
+
+def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options):
+  """The body of the fused losses: validate, lay out (tokens as rows, shared classes), run the
+  chunked kernel, normalise. ``teacher_args``: ``(target_hidden, target_weight, target_bias)``
+  or ``(topk_indices, topk_log_probs, tail, teacher_vocab_size)``."""
+  o = options
+  alpha, alpha_static = check_unit_interval(name, "alpha", o["alpha"])
+  beta, _ = check_unit_interval(name, "beta", o["beta"])
+  spec = loss_divergence(name, o["divergence"], beta)
+  temperature, t_static = check_temperature(name, o["temperature"])
+  scale_t2 = check_bool(name, "scale_by_temperature_squared", o["scale_by_temperature_squared"])
+  ignore_index = check_int(name, "ignore_index", o["ignore_index"])
+  return_parts = check_bool(name, "return_parts", o["return_parts"])
+  caps = check_softcaps(name, o["softcap"], o["target_softcap"])
+  axis_name = o["axis_name"]
+  out_dtype = _check_linear(name, "student", hidden, weight, bias)
+  num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
+  token_shape = tuple(np.shape(hidden)[:-1])
+  n = int(np.prod(token_shape, dtype=np.int64))  # explicit: reshape(-1, 0) is ambiguous
+  cdt = compute_dtype(out_dtype)
+  vocab = np.shape(weight)[1]
+  w_arr = jnp.asarray(weight)
+  b_arr = None if bias is None else jnp.asarray(bias)
+  tail = False
+  bad = None
+  if teacher_kind == "dense":
+    target_hidden, target_weight, target_bias = teacher_args
+    _check_linear(name, "teacher", target_hidden, target_weight, target_bias)
+    if tuple(np.shape(target_hidden)[:-1]) != token_shape:
+      raise ValueError(
+        f"{name}: hidden and target_hidden must have the same tokens; got shapes "
+        f"{np.shape(hidden)} and {np.shape(target_hidden)}."
+      )
+    tw = jnp.asarray(target_weight)
+    tb = None if target_bias is None else jnp.asarray(target_bias)
+    if tw.shape[1] != vocab:
+      if axis_name is not None:
+        raise ValueError(
+          f"{name}: weight and target_weight must have the same vocabulary size "
+          f"({VOCAB_PARALLEL_PADDING}); got shapes {np.shape(weight)} and {tw.shape}."
+        )
+      vocab = min(vocab, tw.shape[1])  # the shared classes (see _rows.shared_classes)
+      tw = shared_classes(tw, vocab, 1)
+      tb = None if tb is None else shared_classes(tb, vocab, 0)
+    th = jnp.asarray(target_hidden).reshape(n, np.shape(target_hidden)[-1])
+    teacher, whole = (th,), (tw, tb)
+  else:
+    ids_in, lp_in, tail_name, teacher_vocab_size = teacher_args
+    check_float(name, ("topk_log_probs",), lp_in)
+    idx = index_array(name, "topk_indices", ids_in, "token ids")
+    lp = jnp.asarray(lp_in)
+    if idx.shape != lp.shape or idx.shape[:-1] != token_shape or idx.ndim != len(token_shape) + 1:
+      raise ValueError(
+        f"{name}: topk_indices and topk_log_probs must both have shape hidden.shape[:-1] + (k,) "
+        f"= {token_shape} + (k,); got {idx.shape} and {lp.shape}."
+      )
+    if idx.shape[-1] < 1:
+      raise ValueError(f"{name}: the number of top-k entries must be at least 1; got k = 0.")
+    check_choice(name, "tail", tail_name, TAILS)
+    tail = tail_name == "bucket"
+    global_vocab = vocab * num_shards
+    teacher_vocab = check_teacher_vocab(name, teacher_vocab_size, global_vocab, axis_name)
+    check_ids(name, idx, lp, None, o["where"], teacher_vocab)
+    shared = min(global_vocab, teacher_vocab)  # equal with axis_name (checked)
+    vocab = shared // num_shards
+    k = idx.shape[-1]
+    t = topk_teacher(idx.reshape(n, k), lp.astype(cdt).reshape(n, k), None, shared, teacher_vocab)
+    teacher, whole, bad = (t.ids, t.lp, t.keep, t.dropped), (), t.bad[:, None]
+  if vocab != w_arr.shape[1]:
+    w_arr = shared_classes(w_arr, vocab, 1)
+    b_arr = None if b_arr is None else shared_classes(b_arr, vocab, 0)
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+  mask = _token_mask(name, o["where"], token_shape, n)
+  labels = labelled = None
+  if o["labels"] is not None:
+    labels = index_array(name, "labels", o["labels"], "class indices")
+    if labels.shape != token_shape:
+      raise ValueError(
+        f"{name}: labels must have shape hidden.shape[:-1] = {token_shape}; got {labels.shape}."
+      )
+    labels = labels.reshape(n, 1)
+    labelled = ids_differ(labels, ignore_index)
+    mask = mask & labelled
+  chunk = _check_chunk(name, o["chunk_size"], n, vocab * num_shards)
+  weights = loss_weights(alpha, alpha_static, labels is not None, return_parts)
+  checks = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
+  checks = (*checks, *spec.valid())
+  normalizer = o["normalizer"]
+  if normalizer is None:
+    denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
+  else:
+    normalizer = check_normalizer(name, normalizer)
+    checks = (*checks, positive_finite(normalizer))
+    denominator = jnp.asarray(normalizer).astype(cdt)
+  if bad is not None:
+    checks = (*checks, ~jnp.any(bad & mask))
+  t = jnp.asarray(temperature, cdt)
+  t2 = (t * t if not t_static else jnp.asarray(temperature**2, cdt)) if scale_t2 else None
+  t2 = jnp.ones((), cdt) if t2 is None else t2
+  if labels is None:
+    coefs = jnp.stack([t2, jnp.zeros((), cdt)])
+  else:
+    a = jnp.asarray(alpha, cdt)
+    coefs = jnp.stack([a * t2, 1.0 - a])
+  coefs = coefs / denominator
+  num_tokens = jnp.sum(mask)
+  if n == 0 or vocab == 0:  # no tokens, or no vocabulary: nothing to sum
+    zero = jnp.zeros((), out_dtype)
+    loss = nan_unless(zero, *checks)
+    return (loss, DistillationParts.of(zero, zero, num_tokens, checks)) if return_parts else loss
+  # Inside jax.shard_map with the tokens split (over "data", say), the head's
+  # gradient in the custom VJP varies over the tokens' mesh axes, and must have
+  # the head's type: adding a 0 that varies like the tokens makes the head vary
+  # alike, and autodiff then sums its gradient over those axes. Outside
+  # shard_map it is a no-op, which XLA folds away.
+  zero = _token_zero(h, *teacher, mask)
+  w_arr = w_arr + zero.astype(w_arr.dtype)
+  if b_arr is not None:
+    b_arr = b_arr + zero.astype(b_arr.dtype)
+  static = Static(teacher_kind, spec.key, chunk, axis_name, caps, weights, tail)
+  params = tuple(jnp.asarray(x).astype(cdt) for x in spec.traced)
+  tokens = (mask, labels, labelled)
+  totals = _fused(static, h, w_arr, b_arr, teacher, whole, t, params, tokens, coefs)
+  # Arrays: the cast restates ``_fused``'s annotation, which the checker loses
+  # to jax.custom_vjp's unannotated ``__new__`` (it may return jax's custom_vjp3).
+  loss, soft, hard = cast(tuple[jax.Array, jax.Array, jax.Array], totals)
+  loss = nan_unless(loss.astype(out_dtype), *checks)
+  if not return_parts:
+    return loss
+  return loss, DistillationParts.of(soft * t2, hard, num_tokens, checks)
+
+
+def fused_distillation_loss(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  target_hidden: jax.typing.ArrayLike,
+  target_weight: jax.typing.ArrayLike,
+  *,
+  labels: jax.typing.ArrayLike | None = None,
+  alpha: float | jax.typing.ArrayLike = 0.5,
+  ignore_index: int = -100,
+  bias: jax.typing.ArrayLike | None = None,
+  target_bias: jax.typing.ArrayLike | None = None,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  divergence: str | Divergence = "forward_kl",
+  beta: float | jax.typing.ArrayLike = 0.5,
+  scale_by_temperature_squared: bool = True,
+  where: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+  softcap: float | None = None,
+  target_softcap: float | None = None,
+  return_parts: bool = False,
+) -> jax.Array | tuple[jax.Array, DistillationParts]:
+  r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
+
+  With student logits :math:`s = h W + b` and teacher logits
+  :math:`t = h_T W_T + b_T`, exactly :func:`distillation_loss`:
+
+  .. math::
+
+     L = \frac{1}{N} \sum_{\text{valid tokens}} \Big[\alpha\, T^2\,
+         D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
+         + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
+
+  with the cross-entropy term only when ``labels`` are given (else
+  :math:`T^2 D` alone), :math:`D` any divergence of
+  :func:`divergence_from_logits` (a name or a :class:`Divergence`;
+  ``"jsd"`` as a string takes ``beta``), :math:`T^2` unless
+  ``scale_by_temperature_squared=False``, and :math:`N` the number of valid
+  tokens (``where`` and ``labels != ignore_index``, at least 1) or
+  ``normalizer``. Equal to ``distillation_loss(hidden @ weight + bias,
+  target_hidden @ target_weight + target_bias, labels, ...)`` in value and
+  gradients wrt ``hidden``, ``weight`` and ``bias``, but the ``[tokens,
+  vocab]`` logits exist only ``chunk_size`` tokens at a time: each chunk's
+  logits give its divergence *and* its cross entropy (no second pass over the
+  head for the hard loss), and the forward pass folds the chunk's gradient
+  into the gradients wrt ``hidden``, ``weight`` and ``bias`` at once (as
+  Liger Kernel's fused-linear distillation losses do); the backward pass
+  scales them.
+
+  The teacher (``target_*``) receives no gradient, nor do ``temperature``,
+  ``alpha``, ``beta`` and traced :class:`Divergence` parameters (zeros).
+  Reverse mode only (``jax.grad``, ``value_and_grad``); use
+  :func:`distillation_loss` on materialised logits for ``jvp`` or Hessians.
+  NaN and invalid traced options as in :func:`distillation_loss`. Matmuls
+  accumulate in float32 (``preferred_element_type``); gradients come back in
+  the inputs' dtypes.
+
+  Args:
+    hidden: the student's hidden states ``[..., H]``.
+    weight: the student's LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
+    target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
+    target_weight: the teacher's LM head ``[H_T, V_T]``. ``V_T`` may differ
+      from ``V``: the shared classes are the first ``min(V, V_T)`` and the
+      others carry no mass on either side (as in :func:`distillation_loss`;
+      not with ``axis_name``).
+    labels: optional integer token ids ``hidden.shape[:-1]``: adds the
+      cross entropy, weighted ``1 - alpha``, inside the same chunks.
+    alpha: weight of the distillation term with labels, in ``[0, 1]``.
+    ignore_index: the label of tokens to leave out.
+    bias: optional student bias ``[V]``.
+    target_bias: optional teacher bias ``[V_T]``.
+    temperature: positive, finite softmax temperature (a traced scalar is
+      allowed).
+    divergence: a divergence name (its default parameters) or a
+      :class:`Divergence`, as in :func:`divergence_from_logits`.
+    beta: the mixture weight of ``divergence="jsd"`` given as a string.
+    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
+    where: a token mask of shape ``hidden.shape[:-1]``.
+    normalizer: the denominator instead of the number of valid tokens (a
+      global token count for gradient accumulation), positive and finite.
+    chunk_size: tokens per chunk; ``None`` picks a power of two giving about
+      ``2**22`` logits per chunk and side. The last chunk may be smaller.
+    axis_name: for vocabulary parallelism: the name of a mesh axis over which
+      the V axis of ``weight``, ``bias``, ``target_weight`` and
+      ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
+      states and labels whole on that axis). Each device computes its slice of
+      every chunk's logits; the softmax statistics are combined with
+      ``lax.pmax`` and ``lax.psum`` (per-token scalars only; a label's logit
+      comes from the device that holds it), the gradient wrt ``hidden`` is
+      summed over the axis, the gradients wrt ``weight`` and ``bias`` stay
+      local slices. Values and gradients equal the unsharded call's, with the
+      same chunks (``chunk_size=None`` uses the global vocabulary); the
+      result is replicated over ``axis_name``. E.g. ``jax.shard_map(lambda h,
+      w, th, tw, y: fused_distillation_loss(h, w, th, tw, labels=y,
+      axis_name="vocab"), mesh=mesh, in_specs=(P(), P(None, "vocab"), P(),
+      P(None, "vocab"), P()), out_specs=P())``; with the tokens also split
+      over ``"data"``, pass the global token count as ``normalizer`` and
+      ``lax.psum`` the result over ``"data"``.
+    softcap: soft-cap the student's logits, ``softcap * tanh(s / softcap)``
+      (Gemma 2), before the temperature and for the cross entropy;
+      ``None`` costs nothing.
+    target_softcap: likewise for the teacher's logits.
+    return_parts: also return a :class:`DistillationParts` ``(soft, hard,
+      num_tokens)``: sums over the valid tokens, for logging that stays right
+      when summed over micro-batches and hosts.
+
+  Returns:
+    A scalar in the promoted dtype of ``hidden`` and ``weight``; with
+    ``return_parts``, ``(loss, parts)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import distillation_loss, fused_distillation_loss
+    >>> k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
+    >>> th, tw = jax.random.normal(k3, (6, 5)), jax.random.normal(k4, (5, 10))
+    >>> y = jnp.array([1, 2, 3, -100, 4, 5])
+    >>> fused, parts = fused_distillation_loss(
+    ...   h, w, th, tw, labels=y, temperature=2.0, chunk_size=4, return_parts=True
+    ... )
+    >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, y, temperature=2.0)))
+    True
+    >>> int(parts.num_tokens)
+    5
+
+  References:
+    Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM Training*
+    (2024), arXiv:2410.10989.
+  """
+  options = dict(
+    labels=labels,
+    alpha=alpha,
+    ignore_index=ignore_index,
+    temperature=temperature,
+    divergence=divergence,
+    beta=beta,
+    scale_by_temperature_squared=scale_by_temperature_squared,
+    where=where,
+    normalizer=normalizer,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+    softcap=softcap,
+    target_softcap=target_softcap,
+    return_parts=return_parts,
+  )
+  teacher = (target_hidden, target_weight, target_bias)
+  return _fused_loss("fused_distillation_loss", hidden, weight, bias, "dense", teacher, options)
+
+
 def fused_linear_kl_div(
   hidden: jax.typing.ArrayLike,
   weight: jax.typing.ArrayLike,
@@ -194,76 +561,53 @@ def fused_linear_kl_div(
   normalizer: float | jax.typing.ArrayLike | None = None,
   chunk_size: int | None = None,
   axis_name: str | None = None,
-) -> jax.Array:
+  labels: jax.typing.ArrayLike | None = None,
+  alpha: float | jax.typing.ArrayLike = 0.5,
+  ignore_index: int = -100,
+  softcap: float | None = None,
+  target_softcap: float | None = None,
+  return_parts: bool = False,
+) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Distillation loss from hidden states and LM heads, chunked over tokens.
 
-  With student logits :math:`s = h W + b` and teacher logits
-  :math:`t = h_T W_T + b_T`, the distillation term of
-  :func:`distillation_loss` (no labels):
+  The name this loss had before it took labels: :func:`fused_distillation_loss`,
+  with the same arguments and results (errors name ``fused_linear_kl_div``).
+  Without ``labels`` it is the distillation term of :func:`distillation_loss`,
 
   .. math::
 
      L = \frac{1}{N} \sum_{\text{tokens}} T^2\,
-         D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
+         D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big),
 
-  with :math:`D` any divergence of :func:`divergence_from_logits` (a name
-  or a :class:`Divergence`; ``"jsd"`` as a string takes ``beta``), :math:`T^2` unless ``scale_by_temperature_squared=False``, and
-  :math:`N` the number of tokens ``where`` selects (at least 1), or
-  ``normalizer``. Equal to ``distillation_loss(hidden @ weight + bias,
-  target_hidden @ target_weight + target_bias, ...)`` in value and gradients,
-  but the ``[tokens, vocab]`` logits exist only ``chunk_size`` tokens at a
-  time: the forward pass computes each chunk's gradients and folds them into
-  the gradients wrt ``hidden``, ``weight`` and ``bias`` at once (as Liger
-  Kernel's fused-linear losses do); the backward pass scales them.
-
-  The teacher (``target_*``) receives no gradient, nor do ``temperature``,
-  ``beta`` and traced :class:`Divergence` parameters (zeros). Reverse mode only (``jax.grad``, ``value_and_grad``);
-  use :func:`distillation_loss` on materialised logits for ``jvp`` or
-  Hessians. NaN and invalid traced options as in :func:`distillation_loss`:
-  NaN in the hidden states, heads or biases of a selected token, or a traced
-  ``temperature``, ``beta``, divergence parameter or ``normalizer`` outside
-  its range, makes the
-  loss and the gradients NaN. Matmuls accumulate in float32 (``preferred_element_type``);
-  gradients come back in the inputs' dtypes.
+  with student logits :math:`s = h W + b` and teacher logits :math:`t = h_T
+  W_T + b_T`, never materialised for all tokens at once.
 
   Args:
     hidden: the student's hidden states ``[..., H]``.
-    weight: the student's LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
+    weight: the student's LM head ``[H, V]``.
     target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
-    target_weight: the teacher's LM head ``[H_T, V]``.
+    target_weight: the teacher's LM head ``[H_T, V_T]``.
     bias: optional student bias ``[V]``.
-    target_bias: optional teacher bias ``[V]``.
-    temperature: positive, finite softmax temperature (a traced scalar is
-      allowed).
-    divergence: a divergence name (its default parameters) or a
-      :class:`Divergence`, as in :func:`divergence_from_logits`.
-    beta: the mixture weight of ``divergence="jsd"`` given as a string, in
-      ``[0, 1]`` (a :class:`Divergence` carries its own parameters).
+    target_bias: optional teacher bias ``[V_T]``.
+    temperature: positive, finite softmax temperature.
+    divergence: a divergence name or a :class:`Divergence`.
+    beta: the mixture weight of ``divergence="jsd"`` given as a string.
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     where: a token mask of shape ``hidden.shape[:-1]``.
-    normalizer: the denominator instead of the number of selected tokens
-      (a global token count for gradient accumulation), positive and finite.
-    chunk_size: tokens per chunk; ``None`` picks a power of two giving about
-      ``2**22`` logits per chunk and side. The last chunk may be smaller.
-    axis_name: for vocabulary parallelism: the name of a mesh axis over which
-      the V axis of ``weight``, ``bias``, ``target_weight`` and
-      ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
-      states whole on that axis). Each device computes its slice of every
-      chunk's logits; the softmax statistics are combined with ``lax.pmax``
-      and ``lax.psum`` (per-token scalars only), the gradient wrt ``hidden``
-      is summed over the axis, the gradients wrt ``weight`` and ``bias`` stay
-      local slices. Values and gradients equal the unsharded call's, with
-      the same chunks (``chunk_size=None`` uses the global vocabulary), so a
-      device holds ``1/num_shards`` of each chunk's logits; the result is
-      replicated over ``axis_name``. E.g. ``jax.shard_map(lambda h, w, th,
-      tw: fused_linear_kl_div(h, w, th, tw, axis_name="vocab"), mesh=mesh,
-      in_specs=(P(), P(None, "vocab"), P(), P(None, "vocab")),
-      out_specs=P())``; with the tokens also split over ``"data"``, pass the
-      global token count as ``normalizer`` and ``lax.psum`` the result over
-      ``"data"``.
+    normalizer: the denominator instead of the number of selected tokens.
+    chunk_size: tokens per chunk (``None``: about ``2**22`` logits per chunk).
+    axis_name: vocabulary parallelism, as in :func:`fused_distillation_loss`.
+    labels: optional token ids: adds the cross entropy, as in
+      :func:`fused_distillation_loss`.
+    alpha: weight of the distillation term with labels.
+    ignore_index: the label of tokens to leave out.
+    softcap: the student's logit soft-cap.
+    target_softcap: the teacher's logit soft-cap.
+    return_parts: also return the :class:`DistillationParts`.
 
   Returns:
-    A scalar, in the promoted dtype of ``hidden`` and ``weight``.
+    A scalar, in the promoted dtype of ``hidden`` and ``weight``; with
+    ``return_parts``, ``(loss, parts)``.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -274,98 +618,128 @@ def fused_linear_kl_div(
     >>> fused = fused_linear_kl_div(h, w, th, tw, temperature=2.0, chunk_size=4)
     >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, temperature=2.0)))
     True
-
-  References:
-    Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM Training*
-    (2024), arXiv:2410.10989.
   """
-  name = "fused_linear_kl_div"
-  beta, _ = check_unit_interval(name, "beta", beta)
-  spec = loss_divergence(name, divergence, beta)
-  temperature, _ = check_temperature(name, temperature)
-  scale_by_temperature_squared = check_bool(
-    name, "scale_by_temperature_squared", scale_by_temperature_squared
+  options = dict(
+    labels=labels,
+    alpha=alpha,
+    ignore_index=ignore_index,
+    temperature=temperature,
+    divergence=divergence,
+    beta=beta,
+    scale_by_temperature_squared=scale_by_temperature_squared,
+    where=where,
+    normalizer=normalizer,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+    softcap=softcap,
+    target_softcap=target_softcap,
+    return_parts=return_parts,
   )
-  out_dtype = _check_linear(name, "student", hidden, weight, bias)
-  _check_linear(name, "teacher", target_hidden, target_weight, target_bias)
-  token_shape = tuple(np.shape(hidden)[:-1])
-  if tuple(np.shape(target_hidden)[:-1]) != token_shape:
-    raise ValueError(
-      f"{name}: hidden and target_hidden must have the same tokens; got shapes "
-      f"{np.shape(hidden)} and {np.shape(target_hidden)}."
-    )
-  if np.shape(weight)[1] != np.shape(target_weight)[1]:
-    raise ValueError(
-      f"{name}: weight and target_weight must have the same vocabulary size; got shapes "
-      f"{np.shape(weight)} and {np.shape(target_weight)}."
-    )
-  num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
-  cdt = compute_dtype(out_dtype)
-  # The token count is explicit: reshape(-1, 0) is ambiguous for H = 0.
-  n = int(np.prod(token_shape, dtype=np.int64))
-  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
-  th = jnp.asarray(target_hidden).reshape(n, np.shape(target_hidden)[-1])
-  if where is None:
-    mask = jnp.ones((n, 1), jnp.bool_)
-  else:
-    w_arr = mask_array(name, where)
-    if w_arr.shape != token_shape:
-      raise ValueError(
-        f"{name}: where must be a token mask of shape {token_shape}; got {w_arr.shape}."
-      )
-    mask = w_arr.reshape(n, 1)
-  if chunk_size is None:
-    # The global vocabulary: a vocabulary-parallel call makes the unsharded
-    # call's chunks, each device holding a slice of their logits.
-    vocab_size = np.shape(weight)[1] * num_shards
-    chunk = default_chunk_size(n, vocab_size)
-  else:
-    if (
-      not isinstance(chunk_size, (int, np.integer))
-      or isinstance(chunk_size, bool)
-      or chunk_size < 1
-    ):
-      raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
-    chunk = int(min(chunk_size, max(n, 1)))
-  valid = (positive_finite(temperature), in_unit_interval(beta), *spec.valid())
-  if normalizer is None:
-    denominator = jnp.maximum(jnp.sum(mask), 1).astype(cdt)
-  else:
-    normalizer = check_normalizer(name, normalizer)
-    valid = (*valid, positive_finite(normalizer))
-    denominator = jnp.asarray(normalizer).astype(cdt)
-  t = jnp.asarray(temperature, cdt)
-  scale = (t * t if scale_by_temperature_squared else jnp.ones((), cdt)) / denominator
-  if n == 0 or np.shape(weight)[1] == 0:  # no tokens, or no vocabulary: nothing to sum
-    return nan_unless(jnp.zeros((), out_dtype), *valid)
-  b_arr = None if bias is None else jnp.asarray(bias)
-  tb_arr = None if target_bias is None else jnp.asarray(target_bias)
-  w_arr = jnp.asarray(weight)
-  # Inside jax.shard_map with the tokens split (over "data", say), the head's
-  # gradient in the custom VJP varies over the tokens' mesh axes, and must have
-  # the head's type: adding a 0 that varies like the tokens makes the head vary
-  # alike, and autodiff then sums its gradient over those axes. Outside
-  # shard_map it is a no-op, which XLA folds away.
-  zero = _token_zero(h, th, mask)
-  w_arr = w_arr + zero.astype(w_arr.dtype)
-  if b_arr is not None:
-    b_arr = b_arr + zero.astype(b_arr.dtype)
-  static = (spec.key, chunk, axis_name)
-  params = tuple(jnp.asarray(x).astype(cdt) for x in spec.traced)
-  loss = _fused(
-    static,
-    h,
-    w_arr,
-    b_arr,
-    th,
-    jnp.asarray(target_weight),
-    tb_arr,
-    t,
-    params,
-    mask,
-    scale,
+  teacher = (target_hidden, target_weight, target_bias)
+  return _fused_loss("fused_linear_kl_div", hidden, weight, bias, "dense", teacher, options)
+
+
+def fused_topk_distillation_loss(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  topk_indices: jax.typing.ArrayLike,
+  topk_log_probs: jax.typing.ArrayLike,
+  *,
+  labels: jax.typing.ArrayLike | None = None,
+  alpha: float | jax.typing.ArrayLike = 0.5,
+  ignore_index: int = -100,
+  bias: jax.typing.ArrayLike | None = None,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  divergence: str | Divergence = "forward_kl",
+  tail: str = "renormalize",
+  scale_by_temperature_squared: bool = True,
+  where: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+  softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
+  return_parts: bool = False,
+) -> jax.Array | tuple[jax.Array, DistillationParts]:
+  r"""Distillation loss from the student's hidden states and LM head and a top-k teacher.
+
+  :func:`fused_distillation_loss` with the teacher given as its stored top-k
+  token ids and log-probabilities (offline distillation, an inference
+  server's logprobs): per valid token
+
+  .. math::
+
+     \alpha\, T^2\, D_k\big(p, \mathrm{softmax}(s/T)\big)
+     + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big),
+
+  averaged over the valid tokens (or divided by ``normalizer``), with
+  :math:`s = h W + b` computed ``chunk_size`` tokens at a time and
+  :math:`D_k` the top-k divergence of :func:`divergence_from_topk` (``tail``
+  ``"renormalize"`` or ``"bucket"``, padding with ``-inf`` log-probabilities,
+  repeated ids, ``teacher_vocab_size``). Equal, in value and gradients wrt
+  ``hidden``, ``weight`` and ``bias``, to :func:`divergence_from_topk` on the
+  materialised logits ``hidden @ weight + bias`` mixed with their cross
+  entropy as :func:`distillation_loss` mixes them; no ``[tokens, vocab]``
+  array exists, forward or backward. Without ``labels``: :math:`T^2 D_k`
+  alone.
+
+  Ids with mass outside ``[0, teacher_vocab_size)``: ``ValueError`` when
+  the values are known, NaN loss under ``jit``. Gradients, options and
+  ``axis_name`` as in :func:`fused_distillation_loss` (the top-k arrays and
+  labels whole on the vocabulary axis).
+
+  Args:
+    hidden: the student's hidden states ``[..., H]``.
+    weight: the student's LM head ``[H, V]``.
+    topk_indices: the teacher's token ids ``[..., k]`` (``hidden``'s tokens).
+    topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
+    labels: optional token ids ``hidden.shape[:-1]``: adds the cross entropy.
+    alpha: weight of the distillation term with labels, in ``[0, 1]``.
+    ignore_index: the label of tokens to leave out.
+    bias: optional student bias ``[V]``.
+    temperature: positive, finite softmax temperature.
+    divergence: a divergence name or a :class:`Divergence`.
+    tail: ``"renormalize"`` or ``"bucket"`` (:func:`divergence_from_topk`).
+    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
+    where: a token mask of shape ``hidden.shape[:-1]``.
+    normalizer: the denominator instead of the number of valid tokens.
+    chunk_size: tokens per chunk (``None``: about ``2**22`` logits per chunk).
+    axis_name: vocabulary parallelism over the V axis of ``weight`` and
+      ``bias``.
+    softcap: the student's logit soft-cap.
+    teacher_vocab_size: the teacher's vocabulary size when it differs.
+    return_parts: also return the :class:`DistillationParts`.
+
+  Returns:
+    A scalar in the promoted dtype of ``hidden`` and ``weight``; with
+    ``return_parts``, ``(loss, parts)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import divergence_from_topk, fused_topk_distillation_loss
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
+    >>> top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(jax.random.normal(k3, (6, 10))), 3)
+    >>> fused = fused_topk_distillation_loss(h, w, top_ids, top_lp, tail="bucket", chunk_size=4)
+    >>> direct = divergence_from_topk(h @ w, top_ids, top_lp, tail="bucket").mean()
+    >>> bool(jnp.allclose(fused, direct))
+    True
+  """
+  options = dict(
+    labels=labels,
+    alpha=alpha,
+    ignore_index=ignore_index,
+    temperature=temperature,
+    divergence=divergence,
+    beta=0.5,
+    scale_by_temperature_squared=scale_by_temperature_squared,
+    where=where,
+    normalizer=normalizer,
+    chunk_size=chunk_size,
+    axis_name=axis_name,
+    softcap=softcap,
+    target_softcap=None,
+    return_parts=return_parts,
   )
-  # An array: the cast restates ``_fused``'s annotation, which the checker loses
-  # to jax.custom_vjp's unannotated ``__new__`` (it may return jax's custom_vjp3).
-  loss = cast(jax.Array, loss)
-  return nan_unless(loss.astype(out_dtype), *valid)
+  teacher = (topk_indices, topk_log_probs, tail, teacher_vocab_size)
+  return _fused_loss("fused_topk_distillation_loss", hidden, weight, bias, "topk", teacher, options)

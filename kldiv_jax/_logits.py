@@ -11,7 +11,7 @@ derivative rules and the vocabulary-parallel passes are the engine's
 import jax
 
 from kldiv_jax._checks import Axis, check_choice, check_unit_interval
-from kldiv_jax._divergence_api import Divergence, per_example
+from kldiv_jax._divergence_api import Divergence, check_softcaps, per_example
 
 DIRECTIONS = ("forward", "reverse")
 
@@ -25,6 +25,8 @@ def kl_div_from_logits(
   axis: Axis = -1,
   where: jax.typing.ArrayLike | None = None,
   axis_name: str | None = None,
+  softcap: float | None = None,
+  target_softcap: float | None = None,
 ) -> jax.Array:
   r"""Per-example KL divergence between two softmax distributions given as logits.
 
@@ -97,6 +99,13 @@ def kl_div_from_logits(
       in_specs=P("data", "vocab"), out_specs=P("data"))`` takes logits
       ``[batch, vocab]`` split over both axes and gives the ``[batch]``
       divergences split over ``"data"``. ``None`` (default): no collectives.
+    softcap: soft-cap the student's logits before the temperature,
+      ``softcap * tanh(logits / softcap)``, as in
+      :func:`divergence_from_logits` (``None``: none, at no cost).
+    target_softcap: likewise for the teacher's logits.
+
+  Vocabularies of different sizes are cut to the shared first classes, as
+  in :func:`divergence_from_logits`.
 
   Returns:
     The divergence per example, shape ``[...]`` (the inputs without
@@ -119,7 +128,8 @@ def kl_div_from_logits(
   name = "kl_div_from_logits"
   check_choice(name, "direction", direction, DIRECTIONS)
   spec = Divergence("forward_kl" if direction == "forward" else "reverse_kl")
-  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name)
+  caps = check_softcaps(name, softcap, target_softcap)
+  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name, caps)
 
 
 def generalized_jsd(
@@ -131,6 +141,8 @@ def generalized_jsd(
   axis: Axis = -1,
   where: jax.typing.ArrayLike | None = None,
   axis_name: str | None = None,
+  softcap: float | None = None,
+  target_softcap: float | None = None,
 ) -> jax.Array:
   r"""Per-example generalized Jensen-Shannon divergence from logits (TRL's GKD loss).
 
@@ -175,6 +187,9 @@ def generalized_jsd(
       generalized_jsd(s, t, beta=0.5, axis_name="vocab"), mesh=mesh,
       in_specs=P(None, "vocab"), out_specs=P())``. Values and gradients equal
       the unsharded ones; the result is replicated over ``axis_name``.
+    softcap: soft-cap the student's logits before the temperature, as in
+      :func:`divergence_from_logits`.
+    target_softcap: likewise for the teacher's logits.
 
   Returns:
     The divergence per example, shape ``[...]``, in the promoted input dtype.
@@ -197,4 +212,5 @@ def generalized_jsd(
   name = "generalized_jsd"
   beta, _ = check_unit_interval(name, "beta", beta)
   spec = Divergence("jsd", beta=beta)
-  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name)
+  caps = check_softcaps(name, softcap, target_softcap)
+  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name, caps)

@@ -68,6 +68,26 @@ def divide_logits(z: jax.Array, temperature, keep: jax.Array | None = None) -> j
   return jnp.where(keep, jnp.where(keep, z, 0.0) / temperature, -jnp.inf)
 
 
+def soft_cap(z: jax.Array, cap: float | None) -> jax.Array:
+  """Logit soft-capping, ``cap * tanh(z / cap)`` (Gemma 2), or ``z`` for ``cap=None``.
+
+  ``+inf`` stays ``+inf`` (a logit the conventions make NaN, not ``cap``);
+  ``-inf`` becomes ``-cap``, so the callers decide a class's mass from the raw
+  logits (:func:`kldiv_jax._rows.scaled`).
+  """
+  if cap is None:
+    return z
+  return jnp.where(z == jnp.inf, z, cap * jnp.tanh(z / cap))
+
+
+def soft_cap_slope(z: jax.Array, cap: float | None) -> jax.Array | None:
+  """``d soft_cap(z) / dz = 1 - tanh(z / cap)**2``, or ``None`` for ``cap=None``."""
+  if cap is None:
+    return None
+  t = jnp.tanh(z / cap)
+  return 1.0 - t * t
+
+
 def positive_finite(x):
   """The range test of a temperature or a normalizer: ``0 < x < inf`` (NaN fails)."""
   return (x > 0) & (x < jnp.inf)

@@ -24,10 +24,11 @@ from kldiv_jax._checks import (
   broadcast_shapes,
   check_float,
   compute_dtype,
+  mask_array,
   normalize_axis,
   split_where,
 )
-from kldiv_jax._numerics import divide_logits, max_shift
+from kldiv_jax._numerics import divide_logits, max_shift, soft_cap, soft_cap_slope
 
 # Elements per block of rows for the CPU row statistics (512 KiB of float32).
 _BLOCK_ELEMENTS = 1 << 17
@@ -126,17 +127,21 @@ def map_rows(fn, arrays, num_rows, num_classes=None):
   return lax.fori_loop(1, -(-num_rows // block), body, init)
 
 
-def scaled(z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...]):
-  """``(z / T, keep)`` in the compute dtype, ``-inf`` where ``z`` is or a mask is off.
+def scaled(
+  z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...], cap: float | None = None
+):
+  """``(soft_cap(z) / T, keep)`` in the compute dtype, ``-inf`` where ``z`` is or a mask is off.
 
   ``-inf`` logits are selected around the division: ``-inf / T`` has a NaN
-  derivative wrt ``T``. NaN logits are kept (and propagate).
+  derivative wrt ``T``. NaN logits are kept (and propagate). ``cap``: the
+  soft-cap applied before the temperature (:func:`kldiv_jax._numerics.soft_cap`);
+  a class's mass is decided from the raw logit (``-inf`` has none, capped or not).
   """
   z = z.astype(temperature.dtype)
   keep = z != -jnp.inf
   for m in masks:
     keep = keep & m
-  return divide_logits(z, temperature, keep), keep
+  return divide_logits(soft_cap(z, cap), temperature, keep), keep
 
 
 def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -184,6 +189,7 @@ def prepare(
   target_logits: jax.typing.ArrayLike,
   axis: Axis,
   where: jax.typing.ArrayLike | None,
+  padding: str | None = "allowed",
 ) -> Rows:
   """Validates a pair of logits (named ``what``) and lays them out as ``[rows, classes]``.
 
@@ -191,6 +197,12 @@ def prepare(
   dtype (the kernels upcast). ``where`` becomes a mask of shape
   ``[rows or 1, classes or 1]``, not broadcast further (broadcasting a
   vocabulary mask to every row would cost a full-size temporary).
+
+  Vocabularies of different sizes (one class axis, at least 2 classes each):
+  the shared classes are the first ones and the others are padding, without
+  mass on either side (:func:`shared_classes`); both logits, and a class
+  ``where`` longer than the shared classes, are cut to them. ``padding`` is
+  ``"allowed"``, or the reason it is not (``axis_name``'s), put in the error.
   """
   out_dtype = check_float(name, what, logits, target_logits)
   ls, ts = tuple(np.shape(logits)), tuple(np.shape(target_logits))
@@ -203,10 +215,25 @@ def prepare(
   padded = [(1,) * (ndim - len(s)) + s for s in (ls, ts)]
   for a in axes:
     if padded[0][a] != padded[1][a]:
+      sizes = (padded[0][a], padded[1][a])
+      if len(axes) == 1 and min(sizes) >= 2 and padding == "allowed":
+        continue
+      why = "" if padding in (None, "allowed") else f" ({padding})"
       raise ValueError(
-        f"{name}: {' and '.join(what)} must have the same number of classes along axis {a}; "
-        f"got shapes {ls} and {ts}."
+        f"{name}: {' and '.join(what)} must have the same number of classes along axis {a}"
+        f"{why}; got shapes {ls} and {ts}."
       )
+  if len(axes) == 1 and padded[0][axes[0]] != padded[1][axes[0]]:
+    a = axes[0]
+    shared = min(padded[0][a], padded[1][a])
+    logits = shared_classes(logits, shared, a - (ndim - len(ls)))
+    target_logits = shared_classes(target_logits, shared, a - (ndim - len(ts)))
+    example = np.broadcast_shapes(*(s[:a] + s[a + 1 :] for s in padded))
+    w_shape = tuple(np.shape(where)) if where is not None else ()
+    is_class_mask = len(w_shape) >= ndim - a and w_shape != example
+    if where is not None and is_class_mask and w_shape[a - ndim] > shared:
+      where = shared_classes(mask_array(name, where), shared, np.ndim(where) + a - ndim)
+    ls, ts = tuple(np.shape(logits)), tuple(np.shape(target_logits))
   shape = broadcast_shapes(name, ls, ts)
   element, example = split_where(name, where, shape, axes)
   batch_axes = tuple(i for i in range(ndim) if i not in axes)
@@ -237,6 +264,22 @@ def prepare(
   return Rows(z, y, masks, out_shape, out_dtype)
 
 
+def shared_classes(x: jax.typing.ArrayLike, size: int, axis: int = -1) -> jax.Array:
+  """The first ``size`` classes of ``x`` along ``axis``: the classes two vocabularies share.
+
+  The convention for a teacher and a student whose vocabularies differ in
+  size (a padded vocabulary, or a bigger model of the same family, Qwen2.5-3B's
+  151,936 logits against 72B's 152,064): the shared token ids are the first
+  ones, and the classes only one side has carry no mass on either side. They
+  are padding ids no tokenizer produces, so the teacher's mass there is
+  rounding, and a student must not be taught (nor charged) to put mass on ids
+  its teacher cannot express. Cutting both sides to the shared classes is that
+  convention, and its gradient wrt the cut classes is 0.
+  """
+  x = jnp.asarray(x)
+  return x if x.shape[axis] == size else lax.slice_in_dim(x, 0, size, axis=axis)
+
+
 def row_sum(g: jax.Array, dx: jax.Array) -> jax.Array:
   """``sum(g * dx)`` over the class axis, kept: a tangent contracted per row."""
   return jnp.sum(g * dx.astype(g.dtype), axis=-1, keepdims=True)
@@ -247,33 +290,47 @@ def label_hit(labels: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return lax.broadcasted_iota(labels.dtype, shape, 1) == labels
 
 
-def ce_grad(z, labels, masks, m, inv_s):
+def ce_grad(z, labels, masks, m, inv_s, cap=None):
   """``d CE / dz``: ``softmax(z) - onehot(label)`` per class, 0 on rows without mass.
 
   ``m`` and ``inv_s`` are the row max and inverse sum of exponentials of the
-  (masked) logits, ``labels`` index the classes of ``z`` (local ones for the
-  vocabulary-parallel kernel, where a label on another device hits nothing).
+  (masked, soft-capped by ``cap``) logits, ``labels`` index the classes of
+  ``z`` (local ones for the vocabulary-parallel kernel, where a label on
+  another device hits nothing). With ``cap``, times the cap's slope.
   """
-  u, _ = scaled(z, jnp.ones((), inv_s.dtype), masks)
+  u, _ = scaled(z, jnp.ones((), inv_s.dtype), masks, cap)
   hit = label_hit(labels, u.shape).astype(inv_s.dtype)
-  return jnp.where(inv_s != 0, jnp.exp(u - m) * inv_s - hit, 0.0)
+  g = jnp.where(inv_s != 0, jnp.exp(u - m) * inv_s - hit, 0.0)
+  return times_slope(g, z, cap)
 
 
-def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v):
+def times_slope(g: jax.Array, z: jax.Array, cap: float | None) -> jax.Array:
+  """``g * d soft_cap(z)/dz``: a derivative wrt capped logits taken back to the raw ones."""
+  slope = soft_cap_slope(z.astype(g.dtype), cap)
+  return g if slope is None else g * slope
+
+
+def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, raw=None, caps=None):
   """Per-row tangent of a divergence of ``softmax(u)``, ``softmax(v)`` (``[rows, 1]``).
 
   ``tangents`` are ``(dz, dy, dtemp)`` for the raw logits ``z``, ``y`` and
-  the temperature, where ``u = z / T`` and ``v = y / T``; ``g_u``, ``g_v``
-  are the derivatives wrt ``u`` and ``v`` (``g_v`` may be ``None`` when
-  ``dy`` and ``dtemp`` are symbolic zeros, which are skipped). Sums over the
-  classes held here: the vocabulary-parallel kernels ``psum`` the result.
+  the temperature, where ``u = soft_cap(z) / T`` and ``v = soft_cap(y) / T``
+  (``raw = (z, y)`` and ``caps`` their soft-caps, ``None`` for none);
+  ``g_u``, ``g_v`` are the derivatives wrt ``u`` and ``v`` (``g_v`` may be
+  ``None`` when ``dy`` and ``dtemp`` are symbolic zeros, which are skipped).
+  Sums over the classes held here: the vocabulary-parallel kernels ``psum``
+  the result.
   """
   dz, dy, dtemp = tangents
+  cap_z, cap_y = (None, None) if caps is None or raw is None else caps
+  z, y = (None, None) if raw is None else raw
   out = jnp.zeros((u.shape[0], 1), g_u.dtype)
   if not is_zero(dz):
-    out = out + row_sum(g_u / temperature, dz)
+    g = g_u / temperature
+    out = out + row_sum(g if z is None else times_slope(g, z, cap_z), dz)
   if not is_zero(dy):
-    out = out + row_sum(g_v / temperature, dy)
+    g = g_v / temperature
+    out = out + row_sum(g if y is None else times_slope(g, y, cap_y), dy)
   if not is_zero(dtemp):
     # du/dT = -u/T on kept classes, 0 on the others.
     u0 = jnp.where(keep_u, u, 0.0)

@@ -1,89 +1,39 @@
-"""KL divergence against a teacher stored as its top-k tokens (offline distillation).
+"""Divergences against a teacher stored as its top-k tokens (offline distillation).
 
 Distillation datasets store, per token, the teacher's ``k`` most likely token
 ids and their log-probabilities instead of a full-vocabulary row. The student
 still normalises over its full vocabulary, but only through a log-sum-exp
 (a reduction) and a gather of ``k`` logits: no ``[..., vocab]``
-log-probabilities are written. The log-sum-exp has a ``custom_jvp`` that
+log-probabilities are written, and the log-sum-exp's ``custom_jvp``
 recomputes the softmax in its tangent, so reverse mode saves no
-``[..., vocab]`` residual either: for float32 logits on CPU the compiled
-``value_and_grad`` writes the gradient and nothing else of that size.
-bf16/f16 logits currently cost two float32 ``[..., vocab]`` temporaries on
-XLA:CPU (an upcast copy for the reduction and the float32 gradient before its
-cast back).
+``[..., vocab]`` residual either. The kernels are the engine's top-k path
+(:mod:`kldiv_jax._sparse`); this module validates and lays out.
 """
+
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.custom_derivatives import SymbolicZero
+import numpy as np
 
 from kldiv_jax._checks import (
+  check_choice,
   check_float,
+  check_softcap,
   check_temperature,
   compute_dtype,
   ids_in_range,
   index_array,
   mask_array,
 )
-from kldiv_jax._compat import take_along_last_axis_filled
-from kldiv_jax._numerics import (
-  divide_logits,
-  max_shift,
-  nan_unless,
-  nonnegative,
-  positive_finite,
-)
-from kldiv_jax._pointwise import kl_log_kernel
-from kldiv_jax._rows import normalizer, row_stats
+from kldiv_jax._divergence_api import Divergence, as_divergence
+from kldiv_jax._numerics import nan_unless, positive_finite
+from kldiv_jax._rows import shared_classes
+from kldiv_jax._sparse import first_occurrences, topk_rows
+from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
-
-def _divide(z: jax.Array, temperature, is_static: bool) -> jax.Array:
-  """``z / T``: a plain division for a static ``T``, else :func:`divide_logits`."""
-  if is_static:
-    return z / temperature if temperature != 1.0 else z
-  return divide_logits(z, temperature)
-
-
-def _logsumexp(x: jax.Array) -> jax.Array:
-  """``log sum exp x`` over the last axis with a ``stop_gradient`` max; ``-inf`` for an all
-  ``-inf`` row (:func:`~kldiv_jax._rows.row_stats`, :func:`~kldiv_jax._rows.normalizer`)."""
-  m, _, s = row_stats(x)
-  has, _, log_s = normalizer(s)
-  return jnp.where(has, log_s + m, -jnp.inf)
-
-
-@jax.custom_jvp
-def _full_logsumexp(z: jax.Array, scale: jax.Array) -> jax.Array:
-  """``log sum exp(z * scale)`` over the last axis, ``[..., 1]``, in ``scale``'s dtype.
-
-  ``z`` is the raw logits (any float dtype, cast inside every fusion that
-  reads it) and ``scale = 1 / T``. The max is taken on the raw logits, so no
-  upcast copy is written. The rule recomputes the softmax in the tangent
-  instead of saving it: reverse mode writes no ``[..., vocab]`` residual.
-  """
-  m = jnp.max(z, axis=-1, keepdims=True).astype(scale.dtype) * scale
-  m = lax.stop_gradient(max_shift(m))
-  return jnp.log(jnp.sum(jnp.exp(z.astype(scale.dtype) * scale - m), axis=-1, keepdims=True)) + m
-
-
-def _full_logsumexp_jvp(primals, tangents):
-  z, scale = primals
-  dz, dscale = tangents
-  lse = _full_logsumexp(z, scale)
-  x = z.astype(scale.dtype) * scale
-  # d lse = sum_v softmax_v d(x_v), x = z * scale; 0 * -inf guarded at masked logits.
-  q = jnp.exp(x - max_shift(lse))
-  tangent = jnp.zeros_like(lse)
-  if not isinstance(dz, SymbolicZero):
-    tangent = tangent + jnp.sum(q * dz.astype(q.dtype), axis=-1, keepdims=True) * scale
-  if not isinstance(dscale, SymbolicZero):
-    zq = jnp.where(q > 0, z.astype(q.dtype), 0.0) * q
-    tangent = tangent + jnp.sum(zq, axis=-1, keepdims=True) * dscale
-  return lse, tangent
-
-
-_full_logsumexp.defjvp(_full_logsumexp_jvp, symbolic_zeros=True)
+TAILS = ("renormalize", "bucket")
 
 
 def _check_shapes(name, logits, indices, log_probs):
@@ -99,11 +49,8 @@ def _check_shapes(name, logits, indices, log_probs):
       f"{name}: topk_indices must have shape logits.shape[:-1] + (k,) = "
       f"{logits.shape[:-1]} + (k,); got {indices.shape} for logits of shape {logits.shape}."
     )
-  k, vocab = indices.shape[-1], logits.shape[-1]
-  if not 1 <= k <= vocab:
-    raise ValueError(
-      f"{name}: the number of top-k entries must be in [1, vocab] = [1, {vocab}]; got k = {k}."
-    )
+  if indices.shape[-1] < 1:
+    raise ValueError(f"{name}: the number of top-k entries must be at least 1; got k = 0.")
 
 
 def _split_mask(name, where, batch_shape, slot_shape):
@@ -126,19 +73,284 @@ def _split_mask(name, where, batch_shape, slot_shape):
   return (w, None) if kind == "example" else (None, w)
 
 
-def _repeated_ids(idx: jax.Array, keep: jax.Array) -> jax.Array:
-  """Whether an example holds one id at two slots with mass (``keep``), ``[...]``.
+def _concrete(*arrays):
+  """The arrays as NumPy arrays when none is traced, else ``None``."""
+  try:
+    return [np.asarray(a) for a in arrays]
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return None
 
-  One sort of the ids per example (``[..., k]``, small beside the
-  vocabulary), slots with mass first among equal ids: a repeat is then two
-  neighbours with mass and the same id.
+
+def check_ids(name, idx, lp, slot, example, num_ids):
+  """``ValueError`` for an id with mass outside ``[0, num_ids)`` when the values are known
+  (outside ``jit``); under ``jit`` such an example is NaN."""
+  masks = [m for m in (slot, example) if m is not None]
+  arrays = _concrete(idx, lp, *masks)
+  if arrays is None:
+    return
+  ids, logp = arrays[0], arrays[1]
+  mass = logp != -np.inf
+  if slot is not None:
+    mass &= arrays[2]
+  if example is not None:
+    mass &= arrays[-1][..., None]
+  bad = mass & ((ids < 0) | (ids >= num_ids))
+  if bad.any():
+    pos = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise ValueError(
+      f"{name}: topk_indices must be token ids in [0, {num_ids}) where the teacher has mass; "
+      f"got {ids[pos]} at position {pos} (pad with any id and a -inf log-probability, "
+      "or mask the slot with where)."
+    )
+
+
+class TopK(NamedTuple):
+  """A top-k teacher laid out as rows: ``ids`` int32 ``[rows, k]`` (0 where unused), ``lp``
+  in the compute dtype, ``keep`` the distinct slots with mass, ``dropped`` the slots whose ids
+  only the teacher has, ``bad`` the rows with an id out of range (``[rows]``)."""
+
+  ids: jax.Array
+  lp: jax.Array
+  keep: jax.Array
+  dropped: jax.Array
+  bad: jax.Array
+
+
+def topk_teacher(idx, lp, slot, student_classes: int, teacher_classes: int) -> TopK:
+  """Lays out a top-k teacher ``[rows, k]`` for :func:`kldiv_jax._sparse.topk_rows`.
+
+  ``student_classes`` is the student's (global) vocabulary size,
+  ``teacher_classes`` the teacher's; ids in ``[student, teacher)`` are the
+  teacher's own classes, dropped.
   """
-  if idx.shape[-1] < 2:
-    return jnp.zeros(idx.shape[:-1], jnp.bool_)
-  ids, no_mass = lax.sort((idx, (~keep).astype(jnp.int8)), dimension=idx.ndim - 1, num_keys=2)
-  with_mass = no_mass == 0
-  same = (ids[..., 1:] == ids[..., :-1]) & with_mass[..., 1:] & with_mass[..., :-1]
-  return jnp.any(same, axis=-1)
+  keep = lp != -jnp.inf
+  if slot is not None:
+    keep = keep & slot
+  in_range = ids_in_range(idx, teacher_classes)
+  bad = jnp.any(keep & ~in_range, axis=-1)
+  ids = jnp.where(keep & in_range, idx, 0).astype(jnp.int32)
+  keep = first_occurrences(ids, keep & in_range)
+  dropped = keep & (ids >= student_classes)
+  keep = keep & ~dropped
+  return TopK(jnp.where(keep, ids, 0), lp, keep, dropped, bad)
+
+
+def check_teacher_vocab(name, teacher_vocab_size, vocab, axis_name):
+  if teacher_vocab_size is None:
+    return vocab
+  if not isinstance(teacher_vocab_size, (int, np.integer)) or isinstance(teacher_vocab_size, bool):
+    raise TypeError(
+      f"{name}: teacher_vocab_size must be an int or None; got {teacher_vocab_size!r}."
+    )
+  if teacher_vocab_size < 1:
+    raise ValueError(f"{name}: teacher_vocab_size must be positive; got {teacher_vocab_size}.")
+  if axis_name is not None and teacher_vocab_size != vocab:
+    raise ValueError(
+      f"{name}: teacher_vocab_size={teacher_vocab_size} differs from the student's "
+      f"vocabulary ({vocab}), which axis_name does not support: cut the student's logits "
+      "to the shared classes before sharding."
+    )
+  return int(teacher_vocab_size)
+
+
+def topk_per_example(
+  name: str,
+  spec: Divergence,
+  logits: jax.typing.ArrayLike,
+  topk_indices: jax.typing.ArrayLike,
+  topk_log_probs: jax.typing.ArrayLike,
+  temperature: float | jax.typing.ArrayLike,
+  where: jax.typing.ArrayLike | None,
+  tail: str,
+  softcap: float | None,
+  teacher_vocab_size: int | None,
+  axis_name: str | None,
+) -> jax.Array:
+  """The body of the top-k losses: validate, lay out as rows, run the top-k path, reduce."""
+  out_dtype = check_float(name, ("logits", "topk_log_probs"), logits, topk_log_probs)
+  z = jnp.asarray(logits)
+  lp = jnp.asarray(topk_log_probs)
+  idx = index_array(name, "topk_indices", topk_indices, "token ids")
+  _check_shapes(name, z, idx, lp)
+  temperature, is_static = check_temperature(name, temperature)
+  check_choice(name, "tail", tail, TAILS)
+  cap = check_softcap(name, "softcap", softcap)
+  if axis_name is not None:
+    check_axis_name(name, axis_name)
+  example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
+  vocab = global_classes(z.shape[-1], axis_name)
+  teacher_vocab = check_teacher_vocab(name, teacher_vocab_size, vocab, axis_name)
+  check_ids(name, idx, lp, slot, example, teacher_vocab)
+  if teacher_vocab < vocab:  # the student's own classes carry no mass: cut them
+    z = shared_classes(z, teacher_vocab)
+
+  cdt = compute_dtype(out_dtype)
+  batch_shape = z.shape[:-1]
+  rows = math.prod(batch_shape)
+  k = idx.shape[-1]
+  z = z.reshape(rows, z.shape[-1])
+  lp = lp.astype(cdt).reshape(rows, k)
+  idx = idx.reshape(rows, k)
+  slot = None if slot is None else slot.reshape(rows, k)
+  if example is not None:
+    # Selected away (never multiplied), so NaN/inf in a masked row cannot leak.
+    ex = example.reshape(rows, 1)
+    z = jnp.where(ex, z, 0.0)
+    lp = jnp.where(ex, lp, 0.0)
+    slot = ex if slot is None else slot & ex
+  t = temperature if is_static else jnp.asarray(temperature).astype(cdt)
+  t = jnp.asarray(t, cdt)
+  if rows == 0 or z.shape[-1] == 0:
+    out = jnp.zeros(batch_shape, out_dtype)
+    return nan_unless(out, positive_finite(temperature), *spec.valid())
+  teacher = topk_teacher(idx, lp, slot, min(vocab, teacher_vocab), teacher_vocab)
+  tail_bucket = tail == "bucket"
+  per_row = topk_rows(
+    z, teacher.ids, teacher.lp, teacher.keep, teacher.dropped, t, spec, tail_bucket, cap, axis_name
+  )
+  per_row = nan_unless(per_row, ~teacher.bad)
+  if example is not None:
+    per_row = jnp.where(example.reshape(rows), per_row, 0.0)
+  out = per_row.reshape(batch_shape).astype(out_dtype)
+  return nan_unless(out, positive_finite(temperature), *spec.valid())
+
+
+def divergence_from_topk(
+  logits: jax.typing.ArrayLike,
+  topk_indices: jax.typing.ArrayLike,
+  topk_log_probs: jax.typing.ArrayLike,
+  *,
+  divergence: str | Divergence = "forward_kl",
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  tail: str = "renormalize",
+  where: jax.typing.ArrayLike | None = None,
+  softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
+  axis_name: str | None = None,
+) -> jax.Array:
+  r"""Per-example divergence between a top-k teacher and the student's full softmax.
+
+  The teacher is given by its top-k token ids :math:`i_j` and
+  log-probabilities :math:`l_j` (over its whole vocabulary, as distillation
+  pipelines and inference servers store them); the student by its logits
+  :math:`z` over its whole vocabulary. Both become distributions on
+  :math:`k + 1` classes, the top-k tokens and a *tail* holding the rest:
+
+  .. math::
+
+     \log q_j = rac{z_{i_j}}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
+     q_{	ext{tail}} = 1 - \sum_j q_j,
+
+  and for the teacher, with ``tail="renormalize"`` (the default),
+  :math:`p_j = e^{l_j/T} / \sum_{j'} e^{l_{j'}/T}` (the teacher's softmax at
+  temperature :math:`T`, restricted to its top-k and renormalised: exact,
+  since :math:`l_j = s_j - \log\sum e^{s}`) and :math:`p_{	ext{tail}} = 0`;
+  with ``tail="bucket"`` (TRL's ``add_tail_bucket``, verl's
+  ``forward_kl_topk_tail``), :math:`p_j = e^{l_j}` and
+  :math:`p_{	ext{tail}} = 1 - \sum_j p_j`, the teacher's own remaining mass.
+  The result is :math:`D(p, q)` over those classes, for any divergence of
+  :func:`divergence_from_logits`.
+
+  Which tail: with ``"renormalize"`` forward KL is exactly
+  :math:`\mathrm{KL}(\hat p \,\|\, q)` over the whole vocabulary (the
+  renormalised teacher has no mass elsewhere), as :func:`kl_div_from_topk`
+  has always computed; divergences that charge the student for mass where
+  the teacher has none (``reverse_kl``, ``symmetric_kl``) are ``+inf`` there
+  unless the student puts all its mass on the top-k. ``"bucket"`` keeps the
+  teacher's real tail mass, so every divergence is finite and compares the
+  total mass outside the top-k too; the teacher's mass outside its top-k is
+  unknown at another temperature, so its log-probabilities are taken as
+  they are (store them at the distillation temperature, as a server does
+  when it samples at :math:`T`) and :math:`T` scales the student only. Stored
+  masses that sum above 1 (rounding) are renormalised, with an empty tail.
+
+  Stored top-k lists as they come: a slot whose log-probability is ``-inf``
+  has no mass whatever its id (padding); a repeated id is the same token
+  and only its first slot counts (lists padded by repetition); ``where``
+  masks slots or whole examples. An id with mass outside ``[0,
+  teacher_vocab_size)`` raises ``ValueError`` when the values are known
+  (outside ``jit``), and makes its example NaN under ``jit`` (values cannot
+  be checked there); ids are never wrapped or clamped. A student row of
+  only ``-inf`` logits is the zero measure. The student's full log-sum-exp
+  never materialises a ``[..., vocab]`` temporary beyond the gradient itself,
+  in ``value_and_grad`` too.
+
+  Vocabularies of different sizes (``teacher_vocab_size``): the shared
+  classes are the first ``min(V, teacher_vocab_size)`` ids, as in
+  :func:`divergence_from_logits`; a top-k id only the teacher has carries no
+  mass (its slot leaves the teacher, which is renormalised over the shared
+  classes), and the student's classes the teacher lacks are cut.
+
+  Gradients wrt the logits (the softmax recomputed, not stored), the
+  teacher's log-probabilities, a traced temperature and traced divergence
+  parameters; ``jvp`` and ``jax.hessian`` wrt the logits where the
+  divergence is smooth. Identical distributions give exactly 0; the value is
+  never below 0.
+
+  Args:
+    logits: student logits ``[..., vocab]`` (bf16/f16 are computed in
+      float32).
+    topk_indices: integer teacher token ids ``[..., k]``, same leading shape.
+    topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
+    divergence: a name or a :class:`Divergence`, as in
+      :func:`divergence_from_logits`.
+    temperature: positive softmax temperature ``T`` (a traced scalar is
+      allowed: NaN unless positive and finite). No ``T**2`` factor.
+    tail: ``"renormalize"`` or ``"bucket"``, see above.
+    where: optional boolean per-example ``[...]`` (a masked example gives 0
+      with zero gradients, whatever its inputs hold) or per-slot ``[..., k]``
+      mask (masked slots leave the teacher's support).
+    softcap: soft-cap the student's logits before the temperature,
+      ``softcap * tanh(z / softcap)`` (``None``: none, at no cost). The
+      teacher's log-probabilities are stored after its own.
+    teacher_vocab_size: the teacher's vocabulary size when it differs from
+      the student's (``None``: the same).
+    axis_name: the mesh axis over which the student's vocabulary is split
+      inside ``jax.shard_map`` (vocabulary parallelism): each device passes
+      its slice of ``logits``, the top-k arrays whole; each id's logit comes
+      from the device that holds it and the log-sum-exp is combined with
+      ``lax.pmax``/``lax.psum`` (per-row scalars only). The result is
+      replicated over the axis.
+
+  Returns:
+    The divergence per example, ``logits.shape[:-1]``, in the promoted dtype
+    of ``logits`` and ``topk_log_probs``.
+
+  Raises:
+    TypeError: non-floating logits or log-probabilities, non-integer ids, a
+      non-boolean ``where``.
+    ValueError: mismatched shapes, an unknown ``tail``, an invalid static
+      temperature, soft-cap or ``where`` shape, an id out of range (values
+      known).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import divergence_from_topk
+    >>> logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
+    >>> ids = jnp.array([[0, 2]])
+    >>> lp = jnp.log(jnp.array([[0.6, 0.2]]))
+    >>> divergence_from_topk(logits, ids, lp)  # renormalised: [0.75, 0.25]
+    Array([0.3778...], dtype=float32)
+    >>> divergence_from_topk(logits, ids, lp, tail="bucket")  # [0.6, 0.2] and a tail of 0.2
+    Array([0.0645...], dtype=float32)
+    >>> divergence_from_topk(logits, ids, lp, divergence="jsd", tail="bucket")
+    Array([0.0143...], dtype=float32)
+  """
+  name = "divergence_from_topk"
+  spec = as_divergence(name, divergence)
+  return topk_per_example(
+    name,
+    spec,
+    logits,
+    topk_indices,
+    topk_log_probs,
+    temperature,
+    where,
+    tail,
+    softcap,
+    teacher_vocab_size,
+    axis_name,
+  )
 
 
 def kl_div_from_topk(
@@ -148,18 +360,22 @@ def kl_div_from_topk(
   *,
   temperature: float | jax.typing.ArrayLike = 1.0,
   where: jax.typing.ArrayLike | None = None,
+  tail: str = "renormalize",
+  softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
+  axis_name: str | None = None,
 ) -> jax.Array:
   r"""Per-example forward KL from a top-k teacher to the student's full softmax.
 
-  The teacher is given by its top-k token ids ``i_j`` and log-probabilities
-  ``l_j`` (at temperature 1, over the full vocabulary, as distillation
-  pipelines store them). The teacher is *renormalised over its top-k
-  support* at temperature ``T``; the student is the full-vocabulary softmax:
+  :func:`divergence_from_topk` with ``divergence="forward_kl"``. With the
+  default ``tail="renormalize"``, the teacher is *renormalised over its
+  top-k support* at temperature ``T``; the student is the full-vocabulary
+  softmax:
 
   .. math::
 
-     p_j = \frac{e^{l_j / T}}{\sum_{j'} e^{l_{j'} / T}}, \qquad
-     \log q_i = \frac{z_i}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
+     p_j = rac{e^{l_j / T}}{\sum_{j'} e^{l_{j'} / T}}, \qquad
+     \log q_i = rac{z_i}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
      \mathrm{KL} = \sum_{j=1}^{k} p_j \,(\log p_j - \log q_{i_j}).
 
   Since ``l_j = s_j - log sum_v exp(s_v)`` for the teacher's logits ``s``,
@@ -168,48 +384,24 @@ def kl_div_from_topk(
   truncated teacher and the student: ``>= 0``, and 0 iff the student puts
   all its mass on the top-k tokens in the teacher's proportions. With
   ``k = vocab`` it is the full KL ``KL(softmax(s / T) || softmax(z / T))``.
+  With ``tail="bucket"`` the teacher keeps its remaining mass ``1 - sum_j
+  exp(l_j)`` as one more class, against the student's mass outside the top-k
+  (see :func:`divergence_from_topk`).
 
-  Why renormalise: the alternative, ``sum_j exp(l_j) (l_j - log q_{i_j})``
-  with the rest of the teacher's mass ignored, is not a divergence (it can
-  be negative, and its minimiser over ``q`` is not the teacher), it is not
-  defined for ``T != 1`` without choosing a normalisation anyway, and its
-  scale depends on how much mass the top-k lists happen to cover. A third
-  option, lumping the missing mass into one "rest" class, needs the
-  student's tail mass too; the renormalised form is what TRL/Liger-style
-  offline top-k distillation uses and is exactly a KL.
+  Gradient wrt the logits: ``(q - scatter(p)) / T`` per example for the
+  renormalised form (``q`` over the full vocabulary, ``p`` scattered onto the
+  top-k ids); the softmax ``q`` is recomputed in the backward pass rather
+  than stored. Forward mode and second derivatives work (``jax.hessian`` wrt
+  the logits). The teacher's log-probabilities and a traced temperature are
+  differentiable too.
 
-  Gradient wrt the logits: ``(q - scatter(p)) / T`` per example (``q``
-  over the full vocabulary, ``p`` scattered onto the top-k ids); the softmax
-  ``q`` is recomputed in the backward pass rather than stored. Forward mode
-  and second derivatives work (``jax.hessian`` wrt the logits). The
-  teacher's log-probabilities and a traced temperature are differentiable
-  too.
-
-  Masking:
-
-  * ``where`` of the per-example shape ``logits.shape[:-1]`` (or
-    broadcastable to it, with fewer dimensions than ``topk_indices``): a
-    masked example gives 0 with zero gradients, whatever its logits hold.
-  * ``where`` of the rank of ``topk_indices`` (broadcastable to its shape):
-    a per-slot mask, e.g. for padded top-k lists. Masked slots leave the
-    teacher's support (the rest is renormalised).
-  * A slot whose log-probability is ``-inf`` has no mass either (finite
-    values and gradients; ``exp(-inf) * -inf`` is guarded). An example
-    whose slots are all masked or ``-inf`` gives 0.
-
-  Indices: a masked or ``-inf`` slot may hold any id (padding such as -1 or
-  -100 is ignored, values and gradients alike). At a slot with mass, an id
-  outside ``[0, vocab)`` (negative ids included: they are *not* wrapped)
-  gathers NaN (``jnp``'s ``mode="fill"``), so the example's value is NaN
-  rather than silently clamped or wrapped; nor are ids beyond the int32 range
-  (``int64``, ``uint32``, NumPy ``int64`` without x64). Ids with mass must be distinct,
-  as top-k produces: an example holding one id at two slots with mass gives
-  NaN (a repeated id is not a distribution over ids; merge its masses first
-  if that is what it means). A top-k id whose student logit is ``-inf``
+  Masks, padding (``-inf`` log-probabilities, repeated ids: the first slot
+  counts), ids out of range (``ValueError`` outside ``jit``, NaN inside),
+  ``softcap``, ``teacher_vocab_size`` and ``axis_name`` as in
+  :func:`divergence_from_topk`. A top-k id whose student logit is ``-inf``
   gives ``+inf`` (the true value), as does a student row of only ``-inf``
-  logits (``KL(p || 0)``, as in :func:`kl_div_from_logits`). The value is
-  never below 0; NaN in the logits or log-probabilities propagates, and a
-  traced temperature that is not positive and finite gives NaN.
+  logits. The value is never below 0; NaN in the logits or log-probabilities
+  propagates.
 
   Args:
     logits: student logits ``[..., vocab]`` (bf16/f16 are computed in float32).
@@ -220,6 +412,10 @@ def kl_div_from_topk(
       scalar is allowed (schedules) and differentiable (NaN unless positive
       and finite). No ``T**2`` factor is applied.
     where: optional boolean per-example ``[...]`` or per-slot ``[..., k]`` mask.
+    tail: ``"renormalize"`` (default) or ``"bucket"``.
+    softcap: the student's logit soft-cap, as in :func:`divergence_from_topk`.
+    teacher_vocab_size: the teacher's vocabulary size when it differs.
+    axis_name: vocabulary parallelism, as in :func:`divergence_from_topk`.
 
   Returns:
     The KL per example, shape ``logits.shape[:-1]``, in the promoted dtype of
@@ -228,8 +424,9 @@ def kl_div_from_topk(
   Raises:
     TypeError: non-floating logits or log-probabilities, non-integer indices,
       a non-boolean ``where``.
-    ValueError: mismatched shapes, ``k`` not in ``[1, vocab]``, a non-positive
-      or non-scalar static temperature, a ``where`` of an incompatible shape.
+    ValueError: mismatched shapes, a non-positive or non-scalar static
+      temperature, a ``where`` of an incompatible shape, an id out of range
+      (values known).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -243,49 +440,16 @@ def kl_div_from_topk(
     Array([0.4965...], dtype=float32)
   """
   name = "kl_div_from_topk"
-  out_dtype = check_float(name, ("logits", "topk_log_probs"), logits, topk_log_probs)
-  z = jnp.asarray(logits)
-  lp = jnp.asarray(topk_log_probs)
-  idx = index_array(name, "topk_indices", topk_indices, "token ids")
-  _check_shapes(name, z, idx, lp)
-  temperature, is_static = check_temperature(name, temperature)
-  example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
-
-  cdt = compute_dtype(out_dtype)
-  if not is_static:
-    temperature = jnp.asarray(temperature).astype(cdt)
-  lp = lp.astype(cdt)
-  if example is not None:
-    # Selected away (never multiplied), so NaN/inf in a masked row cannot leak.
-    z = jnp.where(example[..., None], z, 0.0)
-    lp = jnp.where(example[..., None], lp, 0.0)
-
-  # Teacher: log-softmax over the slots with mass; -inf elsewhere.
-  keep = lp != -jnp.inf
-  if slot is not None:
-    keep = keep & slot
-  if example is not None:
-    keep = keep & example[..., None]
-  t = jnp.where(keep, _divide(jnp.where(keep, lp, 0.0), temperature, is_static), -jnp.inf)
-  lse_t = _logsumexp(t)
-  log_p = jnp.where(keep, t - max_shift(lse_t), -jnp.inf)
-
-  # Student: full-vocabulary log-sum-exp, log-probabilities gathered at the ids.
-  # Slots without mass gather id 0: their padding ids (-1, -100) would gather
-  # a NaN that the selects below hide from the value but not from jax.debug_nans
-  # nor from the derivative wrt a traced temperature.
-  scale = 1.0 / (jnp.asarray(temperature, cdt) if is_static else temperature)
-  lse_s = _full_logsumexp(z, scale)
-  if jnp.iinfo(idx.dtype).max > jnp.iinfo(jnp.int32).max:
-    # The gather indexes in int32: an id beyond it would wrap onto a valid one.
-    idx = jnp.where(ids_in_range(idx, z.shape[-1]), idx.astype(jnp.int32), -1)
-  picked = take_along_last_axis_filled(z, jnp.where(keep, idx, 0))
-  picked = _divide(picked.astype(cdt), temperature, is_static)
-  # An all -inf student row (lse -inf) is the zero measure: log q = -inf, KL = +inf.
-  log_q = jnp.where(keep, picked - max_shift(lse_s), 0.0)
-
-  kl = nonnegative(jnp.sum(kl_log_kernel(log_q, log_p), axis=-1))
-  kl = nan_unless(kl, ~_repeated_ids(idx, keep))
-  if example is not None:
-    kl = jnp.where(example, kl, 0.0)
-  return nan_unless(kl.astype(out_dtype), positive_finite(temperature))
+  return topk_per_example(
+    name,
+    Divergence("forward_kl"),
+    logits,
+    topk_indices,
+    topk_log_probs,
+    temperature,
+    where,
+    tail,
+    softcap,
+    teacher_vocab_size,
+    axis_name,
+  )

@@ -16,6 +16,12 @@ from jax import lax
 
 from kldiv_jax._numerics import max_shift
 
+# Why vocabularies of different sizes need one size with ``axis_name`` (in the errors).
+VOCAB_PARALLEL_PADDING = (
+  "with axis_name each device's slices of two vocabularies of different sizes would not "
+  "hold the same classes: cut both to the shared classes before sharding"
+)
+
 
 def check_axis_name(name: str, axis_name: object) -> int:
   """Returns the size of mesh axis ``axis_name``; raises if it is not bound."""

@@ -258,7 +258,7 @@ def test_bad_input(kwargs, error, match):
 
 def test_bad_shapes_and_dtypes():
   with pytest.raises(ValueError, match="same number of classes"):
-    distillation_loss(jnp.zeros((2, 5)), jnp.zeros((2, 4)))
+    distillation_loss(jnp.zeros((2, 5)), jnp.zeros((2, 1)))  # (vocabularies may differ in size)
   with pytest.raises(TypeError, match="Integral inputs not supported"):
     distillation_loss(jnp.zeros((2, 5), jnp.int32), jnp.zeros((2, 5)))
 

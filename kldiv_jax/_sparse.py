@@ -1,0 +1,290 @@
+"""The engine's top-k path: any divergence between a top-k teacher and a full-softmax student.
+
+A teacher stored as its top-k token ids ``i_j`` and log-probabilities ``l_j``
+(at temperature 1, over its whole vocabulary) is compared with the student's
+softmax over its whole vocabulary on ``k + 1`` classes: the ``k`` top-k
+tokens and one *tail* class holding the rest of the mass.
+
+* Student: ``log q_j = soft_cap(z_{i_j}) / T - logsumexp(soft_cap(z) / T)``,
+  and the tail ``log(1 - sum_j q_j)``. The log-sum-exp is a reduction with a
+  ``jax.custom_jvp`` (:func:`student_lse`) that recomputes the softmax in its
+  tangent, so neither pass keeps a ``[rows, vocab]`` residual; with
+  ``axis_name`` each device reduces its slice of the vocabulary and only
+  per-row scalars cross devices.
+* Teacher, ``tail=False`` (renormalised): ``p_j = softmax(l / T)_j`` over the
+  top-k, and no mass in the tail. For forward KL this is exactly
+  ``KL(p || q)`` over the whole vocabulary (``p`` is 0 outside the top-k).
+* Teacher, ``tail=True`` (the tail bucket, TRL's ``add_tail_bucket``, verl's
+  ``forward_kl_topk_tail``): ``p_j = exp(l_j)`` and the tail ``1 - sum_j p_j``.
+  The teacher's mass outside the top-k is unknown at another temperature, so
+  the log-probabilities are taken as the teacher's at the distillation
+  temperature (as a server computes them when it samples at ``T``) and ``T``
+  scales the student only.
+
+The divergence over those ``k + 1`` classes is the formula's
+(:data:`kldiv_jax._divergences.FORMULAS`), with the same per-class partials
+``a = p df/dp`` and ``b = q df/dq`` as the dense engine: one
+``jax.custom_jvp`` (:func:`support_divergence`) whose tangent is ``sum a dlog p
++ sum b dlog q``, so derivatives of any order exist where the formula is
+smooth. The ``k``-sized arithmetic around it (renormalisation, tail masses,
+duplicates) is plain JAX.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kldiv_jax._compat import take_along_last_axis_filled
+from kldiv_jax._divergences import FORMULAS, classes
+from kldiv_jax._engine import identical_rows
+from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
+from kldiv_jax._rows import compiled, is_zero, normalizer, row_stats, times_slope
+from kldiv_jax._vocab_parallel import class_offset, combine
+
+# ---------------------------------------------------------------- student
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def student_lse(cap, axis_name, z: jax.Array, scale: jax.Array) -> jax.Array:
+  """``log sum exp(soft_cap(z) * scale)`` over the (whole) class axis, ``[rows, 1]``.
+
+  ``z`` is the raw logits (any float dtype, cast inside the fusions that read
+  it), ``scale = 1 / T``; the result is in ``scale``'s dtype, ``-inf`` for a
+  row without mass. The rule recomputes the softmax in the tangent instead
+  of saving it: reverse mode writes no ``[rows, vocab]`` residual.
+  """
+  return _lse_stats(cap, axis_name, z, scale)[0]
+
+
+def _lse_stats(cap, axis_name, z, scale):
+  # The max of the raw logits (the cap is increasing): no upcast copy of bf16 logits.
+  m = soft_cap(jnp.max(z, axis=-1, keepdims=True).astype(scale.dtype), cap) * scale
+  m = lax.stop_gradient(max_shift(m))
+  x = soft_cap(z.astype(scale.dtype), cap) * scale
+  s = jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+  if axis_name is not None:
+    m, s = combine(m, s, axis_name)
+  has, _, log_s = normalizer(s)
+  return jnp.where(has, log_s + m, -jnp.inf), x
+
+
+def _student_lse_jvp(cap, axis_name, primals, tangents):
+  z, scale = primals
+  dz, dscale = tangents
+  lse, x = _lse_stats(cap, axis_name, z, scale)
+  # d lse = sum_v softmax_v dx_v, x = soft_cap(z) * scale; 0 * -inf guarded at masked logits.
+  q = jnp.exp(x - max_shift(lse))
+  tangent = jnp.zeros_like(lse)
+  if not is_zero(dz):
+    g = times_slope(q * scale, z, cap)
+    tangent = tangent + jnp.sum(g * dz.astype(q.dtype), axis=-1, keepdims=True)
+  if not is_zero(dscale):
+    xq = jnp.where(q > 0, x, 0.0) * q
+    tangent = tangent + jnp.sum(xq, axis=-1, keepdims=True) / scale * dscale
+  if axis_name is not None:
+    tangent = lax.psum(tangent, axis_name)
+  return lse, tangent
+
+
+student_lse.defjvp(_student_lse_jvp, symbolic_zeros=True)
+student_lse = compiled(student_lse, static_argnums=(0, 1), inline=False)
+
+
+def gather_logits(z: jax.Array, ids: jax.Array, axis_name: str | None) -> jax.Array:
+  """The raw logits ``z[row, ids]`` (``ids`` int32 global ids in range), ``[rows, k]``.
+
+  With ``axis_name``, each device gathers the ids its slice holds and the
+  parts are ``psum``-ed (one id, one device).
+  """
+  if axis_name is None:
+    return take_along_last_axis_filled(z, ids)
+  local = ids - class_offset(axis_name, z.shape[-1]).astype(ids.dtype)
+  here = (local >= 0) & (local < z.shape[-1])
+  picked = jnp.take_along_axis(z, jnp.where(here, local, 0), axis=-1)
+  return lax.psum(jnp.where(here, picked, jnp.zeros((), z.dtype)), axis_name)
+
+
+# ---------------------------------------------------------------- the support
+
+
+def first_occurrences(ids: jax.Array, keep: jax.Array) -> jax.Array:
+  """``keep`` without the slots whose id an earlier kept slot of the row already holds.
+
+  Stored top-k lists are sometimes padded by repeating an entry; a repeated
+  id is the same token, so its first slot stands for it. One stable sort of
+  ``[rows, k]`` (small beside the vocabulary); slots without mass get ids no
+  kept slot has.
+  """
+  k = ids.shape[-1]
+  if k < 2:
+    return keep
+  slot = lax.broadcasted_iota(jnp.int32, ids.shape, ids.ndim - 1)
+  key = jnp.where(keep, ids.astype(jnp.int32), -1 - slot)
+  order = jnp.argsort(key, axis=-1, stable=True)
+  sorted_ids = jnp.take_along_axis(key, order, axis=-1)
+  repeat = jnp.concatenate(
+    [jnp.zeros_like(sorted_ids[..., :1], jnp.bool_), sorted_ids[..., 1:] == sorted_ids[..., :-1]],
+    axis=-1,
+  )
+  inverse = jnp.argsort(order, axis=-1)
+  return keep & ~jnp.take_along_axis(repeat, inverse, axis=-1)
+
+
+def tail_log(x: jax.Array, k: int) -> jax.Array:
+  """``log(1 - exp(x))``: the log of the mass left outside a top-k whose masses sum to
+  ``exp(x)``, ``x <= 0``; ``-inf`` (an empty tail) where that mass is below ``4 k`` ulps of 1.
+
+  A sum of ``k`` probabilities is exact to about ``k`` ulps, so a smaller tail is rounding:
+  counting it as mass would make a divergence that charges one side for mass the other
+  lacks (reverse KL) ``+inf`` between two identical top-k lists covering the vocabulary.
+  ``x`` is clamped below that first, so the derivative stays finite where the tail is
+  empty: a zero cotangent there gives 0, not NaN. NaN stays NaN.
+  """
+  top = jnp.log1p(jnp.asarray(-4.0 * k * jnp.finfo(x.dtype).eps, x.dtype))
+  out = jnp.log(-jnp.expm1(jnp.minimum(x, top)))
+  return jnp.where(x >= top, -jnp.inf, out)
+
+
+def _logsumexp(x: jax.Array) -> jax.Array:
+  """``log sum exp`` of ``[rows, k]`` with a ``stop_gradient`` max; ``-inf`` for an all
+  ``-inf`` row."""
+  m, _, s = row_stats(x)
+  has, _, log_s = normalizer(s)
+  return jnp.where(has, log_s + m, -jnp.inf)
+
+
+def teacher_log_probs(lp: jax.Array, keep: jax.Array, dropped: jax.Array, temperature, tail):
+  """The teacher's log-probabilities on ``k + 1`` classes, ``[rows, k + 1]``.
+
+  ``keep`` marks the slots with mass; ``dropped`` those whose ids the student
+  lacks (a longer teacher vocabulary): their mass leaves the teacher, which is
+  renormalised over the shared classes. See the module docstring for ``tail``.
+  """
+  t = jnp.where(keep, lp, -jnp.inf)
+  if not tail:
+    t = jnp.where(keep, jnp.where(keep, lp, 0.0) / temperature, -jnp.inf)
+    log_p = jnp.where(keep, t - max_shift(_logsumexp(t)), -jnp.inf)
+    return jnp.concatenate([log_p, jnp.full_like(log_p[:, :1], -jnp.inf)], axis=-1)
+  # Shared mass 1 - (dropped mass); the top-k's total, above 1 only by rounding.
+  k = lp.shape[-1]
+  gone = _logsumexp(jnp.where(dropped, lp, -jnp.inf))
+  log_shared = tail_log(gone, k)
+  total = _logsumexp(jnp.concatenate([t, jnp.where(dropped, lp, -jnp.inf)], axis=-1))
+  over = total > 0  # the stored masses sum above 1: renormalised, empty tail
+  log_p = jnp.where(keep, t - jnp.where(over, total, log_shared), -jnp.inf)
+  log_tail = jnp.where(over, -jnp.inf, tail_log(total, k) - log_shared)
+  return jnp.concatenate([log_p, log_tail], axis=-1)
+
+
+def student_log_probs(z, ids, keep, temperature, cap, axis_name):
+  """The student's log-probabilities on the top-k ids and the tail, ``[rows, k + 1]``.
+
+  ``ids`` hold ids in range where ``keep`` (int32; the others gather id 0 and
+  are selected away). An all ``-inf`` student row is the zero measure: every
+  class ``-inf``.
+  """
+  scale = 1.0 / temperature
+  lse = student_lse(cap, axis_name, z, jnp.asarray(scale))
+  picked = gather_logits(z, jnp.where(keep, ids, 0), axis_name).astype(lse.dtype)
+  log_q = jnp.where(keep, soft_cap(picked, cap) * scale - max_shift(lse), -jnp.inf)
+  log_q = jnp.where(keep & (picked == -jnp.inf), -jnp.inf, log_q)
+  log_tail = tail_log(_logsumexp(log_q), log_q.shape[-1])
+  log_tail = jnp.where(lse == -jnp.inf, -jnp.inf, log_tail)
+  return jnp.concatenate([log_q, log_tail], axis=-1)
+
+
+# ---------------------------------------------------------------- the divergence
+
+
+def _support_terms(key, traced, lp, lq):
+  formula = FORMULAS[key[0]]
+  traced = iter(traced)
+  params = tuple(v if v is not None else next(traced).astype(lp.dtype) for _, v in key[1])
+  return formula, params, classes(lp, lq)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def support_divergence(key, lp: jax.Array, lq: jax.Array, traced: tuple) -> jax.Array:
+  """``sum f(p, q)`` per row of ``[rows, classes]`` log-probabilities (``-inf``: no mass).
+
+  Never below 0; exactly 0 with zero derivatives where the rows are equal;
+  on a ``+inf`` row, a derivative that is not finite there is 0 (as the dense
+  engine, :mod:`kldiv_jax._engine`).
+  """
+  formula, params, c = _support_terms(key, traced, lp, lq)
+  f, _, _ = formula.terms(c, params)
+  same = identical_rows(lp, lq)
+  return jnp.where(same[:, 0], 0.0, nonnegative(jnp.sum(f, axis=-1)))
+
+
+def _support_jvp(key, primals, tangents):
+  lp, lq, traced = primals
+  dlp, dlq, dtraced = tangents
+  formula, params, c = _support_terms(key, traced, lp, lq)
+  f, a, b = formula.terms(c, params)
+  same = identical_rows(lp, lq)[:, 0]
+  value = jnp.where(same, 0.0, nonnegative(jnp.sum(f, axis=-1)))
+  infinite = value == jnp.inf
+
+  def contract(w, dx):
+    w = jnp.where(jnp.isfinite(w) | ~infinite[:, None], w, 0.0)
+    return jnp.sum(jnp.where(w == 0, 0.0, w * dx.astype(w.dtype)), axis=-1)
+
+  tangent = jnp.zeros_like(value)
+  if not is_zero(dlp):
+    tangent = tangent + contract(a, dlp)
+  if not is_zero(dlq):
+    tangent = tangent + contract(b, dlq)
+  traced_tangents = [d for d in dtraced]
+  if any(not is_zero(d) for d in traced_tangents):
+    assert formula.partials is not None  # traced parameters: the formula has some
+    partials = iter(formula.partials(c, params))
+    dts = iter(traced_tangents)
+    for _, v in key[1]:
+      d_f = next(partials)
+      if v is None:
+        d = next(dts)
+        if not is_zero(d):
+          tangent = tangent + contract(d_f, jnp.broadcast_to(d, d_f.shape))
+  return value, jnp.where(same, 0.0, tangent)
+
+
+support_divergence.defjvp(_support_jvp, symbolic_zeros=True)
+
+
+def topk_rows(
+  z: jax.Array,
+  ids: jax.Array,
+  lp: jax.Array,
+  keep: jax.Array,
+  dropped: jax.Array,
+  temperature,
+  divergence,
+  tail: bool,
+  cap: float | None = None,
+  axis_name: str | None = None,
+) -> jax.Array:
+  """The divergence per row between a top-k teacher and the student's softmax (``[rows]``).
+
+  ``z`` the student's raw logits ``[rows, vocab]`` (this device's slice with
+  ``axis_name``); ``ids`` int32 global ids ``[rows, k]``, in range where
+  ``keep``; ``lp`` the teacher's log-probabilities (compute dtype);
+  ``keep`` the slots with mass (distinct ids: :func:`first_occurrences`);
+  ``dropped`` slots whose ids only the teacher has; ``divergence`` a
+  :class:`kldiv_jax._divergence_api.Divergence`. A row without a slot with
+  mass gives 0 with zero gradients.
+  """
+  log_p = teacher_log_probs(lp, keep, dropped, temperature, tail)
+  log_q = student_log_probs(z, ids, keep, temperature, cap, axis_name)
+  # A row without a slot with mass (a masked token, all padding) has no teacher: 0, with
+  # zero gradients (two identical rows, all the mass in the tail).
+  has = jnp.any(keep | dropped, axis=-1, keepdims=True)
+  empty = jnp.where(
+    lax.broadcasted_iota(jnp.int32, log_q.shape, 1) == log_q.shape[1] - 1, 0.0, -jnp.inf
+  )
+  log_p = jnp.where(has, log_p, empty)
+  log_q = jnp.where(has, log_q, empty)
+  traced = tuple(x.astype(log_q.dtype) for x in divergence.traced)
+  return support_divergence(divergence.key, log_p, log_q, traced)
