@@ -53,8 +53,10 @@ def _head(rng, tokens=11, hidden=6, vocab=24, teacher_hidden=5, teacher_vocab=No
 # ---------------------------------------------------------------- vocabularies of different sizes
 
 
-@pytest.mark.parametrize("teacher_vocab", [20, 28])
-@pytest.mark.parametrize("case", ["forward_kl", "jsd[0.3]", "tvd", "alpha_beta[0.6,0.3]"])
+@pytest.mark.parametrize(
+  ("case", "teacher_vocab"),
+  [("forward_kl", 20), ("jsd[0.3]", 28), ("tvd", 20), ("alpha_beta[0.6,0.3]", 28)],
+)
 def test_padded_vocabulary_is_the_shared_classes(rng, case, teacher_vocab):
   """Logits of different lengths equal both cut to the shared classes; the cut classes get
   zero gradient (distillation_loss, divergence_from_logits, a class where of either length)."""
@@ -120,11 +122,15 @@ def test_padded_vocabulary_errors(rng):
 # ---------------------------------------------------------------- soft-capping
 
 
-@pytest.mark.parametrize("caps", [(3.0, None), (None, 2.0), (4.0, 2.5)])
+CAPS = [(3.0, None), (None, 2.0), (4.0, 2.5)]
+
+
 @pytest.mark.parametrize("case", IDS)
-def test_softcap_equals_capping_by_hand(rng, case, caps):
-  """Every divergence: value and gradients wrt both logits equal the logits capped by hand."""
+def test_softcap_equals_capping_by_hand(rng, case):
+  """Every divergence (the student's, the teacher's or both soft-capped, in turn): value and
+  gradients wrt both logits equal the logits capped by hand."""
   spec = DIVERGENCES[case]
+  caps = CAPS[IDS.index(case) % len(CAPS)]
   s = (4 * rng.normal(size=(5, 16))).astype(np.float32)
   t = (4 * rng.normal(size=(5, 16))).astype(np.float32)
   s[0, 3] = -np.inf
@@ -186,9 +192,15 @@ def test_softcap_errors(bad):
 
 
 @pytest.mark.parametrize(
-  "case", ["forward_kl", "reverse_kl", "jsd[0.3]", "tvd", "alpha_beta[0.6,0.3]"]
+  ("case", "alpha"),
+  [
+    ("forward_kl", 0.3),
+    ("reverse_kl", 1.0),
+    ("jsd[0.3]", 0.0),
+    ("tvd", "traced"),
+    ("alpha_beta[0.6,0.3]", 0.3),
+  ],
 )
-@pytest.mark.parametrize("alpha", [0.3, 1.0, 0.0, "traced"])
 def test_fused_with_labels_equals_distillation_loss(rng, case, alpha):
   """Value, every student gradient, and the parts, with soft-caps, where and ignore_index."""
   spec = DIVERGENCES[case]
@@ -467,7 +479,7 @@ def test_fused_topk_equals_materialised(rng):
 
 
 @pytest.mark.multidevice
-@pytest.mark.parametrize("case", ["forward_kl", "jsd[0.3]", "tvd"])
+@pytest.mark.parametrize("case", ["jsd[0.3]", "tvd"])
 def test_vocab_parallel_softcap_labels_and_topk(cpu_devices, case):
   """axis_name: soft-capped distillation_loss, the fused head with labels, and the top-k path
   (both tails) equal the unsharded calls, values and gradients."""
