@@ -234,6 +234,9 @@ def distillation_loss(
     >>> labels = jnp.array([2, -100])
     >>> distillation_loss(student, teacher, labels, temperature=2.0)
     Array(0.8441..., dtype=float32)
+    >>> loss, parts = distillation_loss(student, teacher, labels, temperature=2.0, return_parts=True)
+    >>> int(parts.num_tokens), bool(jnp.allclose(loss, 0.5 * parts.soft + 0.5 * parts.hard))
+    (1, True)
 
   References:
     Hinton, Vinyals and Dean, *Distilling the Knowledge in a Neural Network*

@@ -238,16 +238,16 @@ def divergence_from_topk(
 
   .. math::
 
-     \log q_j = rac{z_{i_j}}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
-     q_{	ext{tail}} = 1 - \sum_j q_j,
+     \log q_j = \frac{z_{i_j}}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
+     q_{\text{tail}} = 1 - \sum_j q_j,
 
   and for the teacher, with ``tail="renormalize"`` (the default),
   :math:`p_j = e^{l_j/T} / \sum_{j'} e^{l_{j'}/T}` (the teacher's softmax at
   temperature :math:`T`, restricted to its top-k and renormalised: exact,
-  since :math:`l_j = s_j - \log\sum e^{s}`) and :math:`p_{	ext{tail}} = 0`;
+  since :math:`l_j = s_j - \log\sum e^{s}`) and :math:`p_{\text{tail}} = 0`;
   with ``tail="bucket"`` (TRL's ``add_tail_bucket``, verl's
   ``forward_kl_topk_tail``), :math:`p_j = e^{l_j}` and
-  :math:`p_{	ext{tail}} = 1 - \sum_j p_j`, the teacher's own remaining mass.
+  :math:`p_{\text{tail}} = 1 - \sum_j p_j`, the teacher's own remaining mass.
   The result is :math:`D(p, q)` over those classes, for any divergence of
   :func:`divergence_from_logits`.
 
@@ -374,8 +374,8 @@ def kl_div_from_topk(
 
   .. math::
 
-     p_j = rac{e^{l_j / T}}{\sum_{j'} e^{l_{j'} / T}}, \qquad
-     \log q_i = rac{z_i}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
+     p_j = \frac{e^{l_j / T}}{\sum_{j'} e^{l_{j'} / T}}, \qquad
+     \log q_i = \frac{z_i}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
      \mathrm{KL} = \sum_{j=1}^{k} p_j \,(\log p_j - \log q_{i_j}).
 
   Since ``l_j = s_j - log sum_v exp(s_v)`` for the teacher's logits ``s``,

@@ -1,0 +1,685 @@
+"""Precision benchmark: values and gradients of every divergence on bf16 logits against float64.
+
+The contract measured (``docs/precision.md``): for identical logits every
+divergence is exactly 0 with zero gradients; for nearly equal bf16 logits at a
+large vocabulary (default ``V = 131072``) the value is never negative and its
+error against a float64 reference is float32 rounding, and the gradient's
+relative error stays under a stated bound.
+
+Data: ``rows`` rows of LLM-like logits ``base ~ N(0, std^2)`` (default 8 rows,
+``std = 4``); the teacher is ``bf16(base)``, the student ``bf16(base + delta *
+noise)`` with ``noise ~ N(0, 1)`` and ``delta`` in ``--deltas`` (default 1e-3,
+1e-2, 1e-1; in bf16 a perturbation of 1e-3 moves about 12% of the logits by one
+bf16 step and leaves the rest equal), plus the identical case (student =
+teacher) and ``step`` (one class per row one bf16 step apart: a true value of
+~1e-13, below float32 rounding), at temperatures 1 and 2. Every library call
+is jitted, values and gradients from one program (``jax.vjp``), as in a
+training step.
+
+The references are float64 NumPy from the *same bf16 values* cast to float64,
+so only the library's arithmetic is measured, not the rounding of the inputs
+to bf16: values from the formulas, gradients in closed form, ``dD/dz = (b - q
+sum b) / T`` with ``b = q df/dq`` per class (``dD/dy`` likewise with ``a = p
+df/dp``), e.g. ``(q - p) / T`` for the forward KL. Gradient errors are
+norm-wise, ``||g - g_ref|| / ||g_ref||`` over all rows, and elementwise, ``max
+|g - g_ref| / max |g_ref|``.
+
+Each case is measured twice: on the bf16 inputs (what a user gets: values and
+gradients come back in bf16, so they carry bf16's storage rounding, at most
+``2**-8`` relative per element) and on the same values cast to float32 (the
+library computes bf16 in float32, so this is the arithmetic itself; the bench
+checks that the bf16 value is the float32 one rounded). The value's error is
+compared with ``eps_f32 * S``, ``S = H(p) + H(q) + log2(V)`` (the entropies
+bound the log-probabilities that cancel in the divergence, ``log2(V)`` the
+relative error of a pairwise float32 sum of ``V`` terms in units of ``eps``);
+the float32 gradient's error with ``eps * kappa``, ``kappa = (||p log p|| + ||q
+log q||) / (T ||g_ref||)`` (:func:`gradient_condition`; the contract bounds it
+by ``2 eps kappa``). ``step`` is reported apart: its ``kappa`` is ~1e10.
+
+Also: identical logits at ``V = 248320`` (EasyDeL's case), ``distillation_loss``
+and ``fused_linear_kl_div`` (forward KL, bf16 hidden states ``[rows, H]`` and
+head ``[H, V]``, the student's hidden states perturbed), ``kl_div_from_logits``,
+``generalized_jsd``, ``kl_div_from_topk`` at ``k = V``, and, for contrast, the
+straightforward forward KL written in bf16 (``log_softmax`` + sum, jitted).
+
+  python benchmarks/bench_precision.py            # V = 131072 (about 3 minutes on 2 cores)
+  python benchmarks/bench_precision.py --quick    # V = 16384, 4 rows: a smoke test
+"""
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+for _p in (str(HERE.parent), str(HERE)):
+  if _p not in sys.path:
+    sys.path.insert(0, _p)
+
+from _harness import describe_machine, machine_info, write_json  # noqa: E402
+
+import kldiv_jax as kd  # noqa: E402
+
+EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
+U_BF16 = 2.0**-8  # bf16's unit roundoff: round-to-nearest error bound, relative
+VOCAB, QUICK_VOCAB, EASYDEL_VOCAB = 131072, 16384, 248320
+# The divergences and their parameters (alpha-beta has no defaults).
+SPECS = {
+  "forward_kl": kd.Divergence("forward_kl"),
+  "reverse_kl": kd.Divergence("reverse_kl"),
+  "jsd": kd.Divergence("jsd"),
+  "symmetric_kl": kd.Divergence("symmetric_kl"),
+  "skew_kl": kd.Divergence("skew_kl"),
+  "skew_reverse_kl": kd.Divergence("skew_reverse_kl"),
+  "tvd": kd.Divergence("tvd"),
+  "alpha_beta": kd.Divergence("alpha_beta", alpha=0.5, beta=0.5),
+}
+
+
+# ------------------------------------------------------------------ float64 references
+
+
+def log_softmax64(x: np.ndarray) -> np.ndarray:
+  x = np.asarray(x, np.float64)
+  m = np.max(x, axis=-1, keepdims=True)
+  return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+
+
+def terms64(name: str, params: dict[str, float], lp: np.ndarray, lq: np.ndarray):
+  """``(f, a, b)`` per class in float64: the term, ``p df/dp`` and ``q df/dq``.
+
+  ``p`` is the teacher's distribution, ``q`` the student's; finite logits, so
+  every probability is positive.
+  """
+  p, q = np.exp(lp), np.exp(lq)
+  if name == "forward_kl":
+    f = p * (lp - lq)
+    return f, f + p, -p
+  if name == "reverse_kl":
+    f = q * (lq - lp)
+    return f, -q, f + q
+  if name == "symmetric_kl":
+    lam = params["lam"]
+    fwd, rev = terms64("forward_kl", {}, lp, lq), terms64("reverse_kl", {}, lp, lq)
+    return tuple((1 - lam) * x + lam * y for x, y in zip(fwd, rev))
+  if name == "jsd":  # m = beta p + (1 - beta) q; df/dp = beta log(p/m), df/dq = (1-beta) log(q/m)
+    beta = params["beta"]
+    lm = np.logaddexp(lp + np.log(beta), lq + np.log1p(-beta))
+    a, b = beta * p * (lp - lm), (1 - beta) * q * (lq - lm)
+    return a + b, a, b
+  if name == "skew_kl":  # f = p log(p/m), m = alpha p + (1 - alpha) q
+    alpha = params["alpha"]
+    lm = np.logaddexp(lp + np.log(alpha), lq + np.log1p(-alpha))
+    f = p * (lp - lm)
+    pq_m = (1 - alpha) * p * np.exp(lq - lm)  # (1 - alpha) p q / m
+    return f, f + pq_m, -pq_m
+  if name == "skew_reverse_kl":  # f = q log(q/m), m = (1 - alpha) p + alpha q
+    alpha = params["alpha"]
+    lm = np.logaddexp(lp + np.log1p(-alpha), lq + np.log(alpha))
+    f = q * (lq - lm)
+    pq_m = (1 - alpha) * q * np.exp(lp - lm)
+    return f, -pq_m, f + pq_m
+  if name == "tvd":  # the subgradient sign(0) = 0 where p = q
+    sign = np.sign(p - q)
+    return 0.5 * np.abs(p - q), 0.5 * p * sign, -0.5 * q * sign
+  if name == "alpha_beta":  # -(p^a q^b - a/(a+b) p^(a+b) - b/(a+b) q^(a+b)) / (a b)
+    al, be = params["alpha"], params["beta"]
+    pq = np.exp(al * lp + be * lq)
+    pp, qq = np.exp((al + be) * lp), np.exp((al + be) * lq)
+    f = -(pq - al / (al + be) * pp - be / (al + be) * qq) / (al * be)
+    return f, -(pq - pp) / be, -(pq - qq) / al
+  raise ValueError(name)
+
+
+def reference(name: str, params: dict[str, float], z, y, temperature: float):
+  """Float64 ``(value [rows], grad wrt z, grad wrt y, H(p) [rows], H(q) [rows])``."""
+  lq = log_softmax64(np.asarray(z, np.float64) / temperature)
+  lp = log_softmax64(np.asarray(y, np.float64) / temperature)
+  p, q = np.exp(lp), np.exp(lq)
+  f, a, b = terms64(name, params, lp, lq)
+  gz = (b - q * np.sum(b, -1, keepdims=True)) / temperature
+  gy = (a - p * np.sum(a, -1, keepdims=True)) / temperature
+  return np.sum(f, -1), gz, gy, -np.sum(p * lp, -1), -np.sum(q * lq, -1)
+
+
+def gradient_condition(z, y, temperature: float, grad) -> float:
+  """``(||p log p|| + ||q log q||) / (T ||grad||)``: how far the gradient sits below the
+  rounding of the probabilities it is made of.
+
+  A float32 log-probability carries an absolute error of about ``eps |log p|``, so
+  ``p`` and ``q`` an error of ``eps p |log p|``; the gradient, a difference of such
+  terms over ``T``, is then accurate to about ``eps`` times this ratio, relatively.
+  It grows without bound as ``q -> p`` (and the gradient -> 0).
+  """
+  lq = log_softmax64(np.asarray(z, np.float64) / temperature)
+  lp = log_softmax64(np.asarray(y, np.float64) / temperature)
+  size = np.linalg.norm(np.exp(lp) * lp) + np.linalg.norm(np.exp(lq) * lq)
+  return float(size / (temperature * np.linalg.norm(grad)))
+
+
+def grad_errors(got, want) -> dict[str, float]:
+  """Norm-wise and elementwise relative errors (0 where the reference is 0 and so is got)."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  diff = got - want
+  norm, peak = np.linalg.norm(want), np.max(np.abs(want))
+  return {
+    "rel_norm": float(np.linalg.norm(diff) / norm) if norm else float(np.linalg.norm(diff)),
+    "rel_max": float(np.max(np.abs(diff)) / peak) if peak else float(np.max(np.abs(diff))),
+  }
+
+
+def as64(x) -> np.ndarray:
+  return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+# ------------------------------------------------------------------ data
+
+
+def make_logits(rows: int, vocab: int, std: float, seed: int):
+  """``(base, noise)`` in float64: the logits before bf16 rounding and the perturbation."""
+  rng = np.random.default_rng(seed)
+  return rng.normal(size=(rows, vocab)) * std, rng.normal(size=(rows, vocab))
+
+
+STEP = "step"  # the closest non-identical pair: one class per row one bf16 step apart
+
+
+def pair(base, noise, delta: float | str):
+  """bf16 ``(student, teacher)``: ``bf16(base + delta * noise)`` and ``bf16(base)``.
+
+  ``delta = STEP``: the student is the teacher with one class per row (picked at
+  random, so almost surely one of low probability) moved one bf16 step away from
+  zero: the true divergence is far below float32 rounding.
+  """
+  teacher = jnp.asarray(base, jnp.bfloat16)
+  if delta == 0:
+    return teacher, teacher
+  if delta == STEP:
+    bits = np.asarray(teacher).view(np.uint16).copy()
+    cls = np.random.default_rng(len(base)).integers(0, bits.shape[-1], size=bits.shape[0])
+    bits[np.arange(bits.shape[0]), cls] += 1
+    return jnp.asarray(bits.view(teacher.dtype)), teacher
+  return jnp.asarray(base + float(delta) * noise, jnp.bfloat16), teacher
+
+
+def fmt_delta(delta: float | str) -> str:
+  return delta if isinstance(delta, str) else f"{delta:g}"
+
+
+# ------------------------------------------------------------------ measurements
+
+
+def value_and_grads(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``jit`` of ``(values, gradients of their sum wrt every argument)``, as a training step
+  computes them: one program, the value from the same program as the gradients."""
+
+  def both(*args):
+    value, pullback = jax.vjp(fn, *args)
+    return value, pullback(jnp.ones_like(value))
+
+  return jax.jit(both)
+
+
+def measure(vg, inputs, ref_value, ref_grads, entropy, grad_names) -> dict[str, Any]:
+  """Errors of ``vg`` (from :func:`value_and_grads`) on bf16 ``inputs`` and on the same
+  values in float32, against the float64 ``ref_value`` and ``ref_grads``.
+
+  ``entropy`` is ``H(p) + H(q)`` per value (``T^2`` times it for a ``T^2``-scaled
+  loss), for the value's error in units of ``eps_f32 * S``.
+  """
+  vocab = inputs[0].shape[-1] if len(inputs) == 2 else inputs[1].shape[-1]
+  v_bf16, g_bf16 = vg(*inputs)
+  v_f32, g_f32 = vg(*(x.astype(jnp.float32) for x in inputs))
+  vb, vf, ref = as64(v_bf16), as64(v_f32), np.asarray(ref_value, np.float64)
+  identical = all(np.array_equal(as64(inputs[0]), as64(x)) for x in inputs[-1:])
+  err = np.abs(vf - ref)
+  record: dict[str, Any] = {
+    "identical": identical,
+    "ref_min": float(np.min(ref)),
+    "ref_max": float(np.max(ref)),
+    "min_value_bf16": float(np.min(vb)),
+    "min_value_f32": float(np.min(vf)),
+    "bf16_is_f32_rounded": bool(
+      np.array_equal(np.asarray(v_bf16), np.asarray(v_f32.astype(jnp.bfloat16)))
+    ),
+    "exact_zero": identical and not np.any(vf) and not np.any(vb),
+    "zero_gradients": identical and not any(np.any(as64(g)) for g in (*g_bf16, *g_f32)),
+    "value_abs_err": float(np.max(err)),
+    "value_rel_err": 0.0 if identical else float(np.max(err / ref)),
+    "value_err_over_eps_s": float(np.max(err / (EPS32 * (entropy + math.log2(vocab))))),
+    "value_abs_err_bf16": float(np.max(np.abs(vb - ref))),
+  }
+  for name, gb, gf, gref in zip(grad_names, g_bf16, g_f32, ref_grads):
+    if gref is not None:
+      record[f"grad_{name}_bf16"] = None if identical else grad_errors(gb, gref)
+      record[f"grad_{name}_f32"] = None if identical else grad_errors(gf, gref)
+  return record
+
+
+def divergence_records(base, noise, deltas, temperatures, log) -> list[dict[str, Any]]:
+  """Every divergence of ``divergence_from_logits``, per row, gradients wrt both sides."""
+  records = []
+  for name, spec in SPECS.items():
+    start = time.perf_counter()
+    for temperature in temperatures:
+      vg = value_and_grads(
+        lambda s, t, spec=spec, temperature=temperature: kd.divergence_from_logits(
+          s, t, divergence=spec, temperature=temperature
+        )
+      )
+      for delta in (0.0, *deltas, STEP):
+        s, t = pair(base, noise, delta)
+        v, gz, gy, hp, hq = reference(name, dict(spec.params), as64(s), as64(t), temperature)
+        record = {
+          "function": "divergence_from_logits",
+          "divergence": name,
+          "params": dict(spec.params),
+          "temperature": temperature,
+          "delta": delta,
+          "classes_differing": float(np.mean(as64(s) != as64(t))),
+          **measure(vg, (s, t), v, (gz, gy), hp + hq, ("student", "teacher")),
+        }
+        if not record["identical"]:
+          for side, grad in (("student", gz), ("teacher", gy)):
+            cond = gradient_condition(as64(s), as64(t), temperature, grad)
+            error = record[f"grad_{side}_f32"]["rel_norm"]
+            record[f"grad_{side}_condition"] = cond
+            record[f"grad_{side}_f32_over_eps_cond"] = error / (EPS32 * cond)
+            record[f"grad_{side}_norm_ref"] = float(np.linalg.norm(grad))
+        records.append(record)
+    log(f"  {name}: {time.perf_counter() - start:.1f} s")
+  return records
+
+
+def distillation_records(base, noise, deltas, temperatures) -> list[dict[str, Any]]:
+  """``distillation_loss``, forward KL, no labels: ``T^2`` times the mean of ``D`` over rows."""
+  records = []
+  rows = base.shape[0]
+  for temperature in temperatures:
+    t2 = temperature**2
+    vg = value_and_grads(
+      lambda s, t, temperature=temperature: kd.distillation_loss(s, t, temperature=temperature)
+    )
+    for delta in (0.0, *deltas, STEP):
+      s, t = pair(base, noise, delta)
+      v, gz, gy, hp, hq = reference("forward_kl", {}, as64(s), as64(t), temperature)
+      ref_grads = (gz * t2 / rows, gy * t2 / rows)
+      records.append(
+        {
+          "function": "distillation_loss",
+          "divergence": "forward_kl",
+          "params": {},
+          "temperature": temperature,
+          "delta": delta,
+          "classes_differing": float(np.mean(as64(s) != as64(t))),
+          **measure(
+            vg, (s, t), t2 * np.mean(v), ref_grads, t2 * np.max(hp + hq), ("student", "teacher")
+          ),
+        }
+      )
+  return records
+
+
+def fused_records(rows, vocab, hidden, std, deltas, temperatures, seed) -> list[dict[str, Any]]:
+  """``fused_linear_kl_div`` (forward KL): bf16 hidden states and one bf16 head for both sides.
+
+  The teacher's hidden states are ``bf16(h)``, the student's ``bf16(h + delta *
+  noise)``; ``h ~ N(0, 1)``, the head ``W ~ N(0, std^2 / H)`` so that the logits
+  have about ``std``'s spread. The reference is float64 from the same bf16
+  values: logits ``h W``, value ``T^2 mean D``, gradients ``T^2 / rows ((q - p) /
+  T) W^T`` wrt the hidden states and ``h^T`` times the same wrt the head.
+  """
+  rng = np.random.default_rng(seed + 1)
+  h = rng.normal(size=(rows, hidden))
+  noise = rng.normal(size=(rows, hidden))
+  w = jnp.asarray(rng.normal(size=(hidden, vocab)) * std / math.sqrt(hidden), jnp.bfloat16)
+  w64 = as64(w)
+  records = []
+  for temperature in temperatures:
+    t2 = temperature**2
+    vg = value_and_grads(
+      lambda hs, w, ht, temperature=temperature: kd.fused_linear_kl_div(
+        hs, w, ht, w, temperature=temperature
+      )
+    )
+    for delta in (0.0, *deltas):
+      hs, ht = pair(h, noise, delta)
+      hs64 = as64(hs)
+      v, gz, _, hp, hq = reference("forward_kl", {}, hs64 @ w64, as64(ht) @ w64, temperature)
+      dz = gz * t2 / rows
+      ref_grads = (dz @ w64.T, hs64.T @ dz, None)
+      records.append(
+        {
+          "function": "fused_linear_kl_div",
+          "divergence": "forward_kl",
+          "params": {},
+          "hidden": hidden,
+          "temperature": temperature,
+          "delta": delta,
+          **measure(
+            vg,
+            (hs, w, ht),
+            t2 * np.mean(v),
+            ref_grads,
+            t2 * np.max(hp + hq),
+            ("hidden", "weight", ""),
+          ),
+        }
+      )
+  return records
+
+
+def naive_forward_kl(s, t, temperature=1.0):
+  """Forward KL as often written: ``log_softmax`` of both sides and the sum, in the inputs' dtype."""
+  lq = jax.nn.log_softmax(s / temperature, axis=-1)
+  lp = jax.nn.log_softmax(t / temperature, axis=-1)
+  return jnp.sum(jnp.exp(lp) * (lp - lq), axis=-1)
+
+
+def topk_full(s, t, temperature):
+  """``kl_div_from_topk`` with ``k = V``: the teacher's float32 log-softmax of ``t`` (as a
+  distillation dataset stores it), every class, in descending order."""
+  t = jax.lax.stop_gradient(t.astype(jnp.float32))
+  order = jnp.argsort(-t, axis=-1)
+  log_probs = jnp.take_along_axis(jax.nn.log_softmax(t, axis=-1), order, axis=-1)
+  return kd.kl_div_from_topk(s, order, log_probs, temperature=temperature)
+
+
+def identical_checks(rows, vocab, std, seed, names) -> list[dict[str, Any]]:
+  """Identical logits (bf16 and float32, T = 1 and 2) through the entry points ``names``."""
+  rng = np.random.default_rng(seed + 2)
+  base = rng.normal(size=(rows, vocab)) * std
+  out = []
+  for dtype in (jnp.bfloat16, jnp.float32):
+    x = jnp.asarray(base, dtype)
+    for temperature in (1.0, 2.0):
+      calls: dict[str, Callable[..., jax.Array]] = {
+        f"divergence_from_logits[{name}]": (
+          lambda s, t, spec=spec, temperature=temperature: kd.divergence_from_logits(
+            s, t, divergence=spec, temperature=temperature
+          )
+        )
+        for name, spec in SPECS.items()
+      }
+      calls["kl_div_from_logits"] = lambda s, t, temperature=temperature: kd.kl_div_from_logits(
+        s, t, temperature=temperature
+      )
+      calls["generalized_jsd"] = lambda s, t, temperature=temperature: kd.generalized_jsd(
+        s, t, temperature=temperature
+      )
+      calls["distillation_loss"] = lambda s, t, temperature=temperature: kd.distillation_loss(
+        s, t, temperature=temperature
+      )
+      calls["kl_div_from_topk[k=V]"] = lambda s, t, temperature=temperature: topk_full(
+        s, t, temperature
+      )
+      calls["straightforward forward KL"] = lambda s, t, temperature=temperature: naive_forward_kl(
+        s, t, temperature
+      )
+      for name in names:
+        value, grads = value_and_grads(calls[name])(x, x)
+        out.append(
+          {
+            "function": name,
+            "vocab": vocab,
+            "dtype": jnp.dtype(dtype).name,
+            "temperature": temperature,
+            "max_abs_value": float(np.max(np.abs(as64(value)))),
+            "min_value": float(np.min(as64(value))),
+            "max_abs_grad": float(max(np.max(np.abs(as64(g))) for g in grads)),
+          }
+        )
+  return out
+
+
+def straightforward_records(base, noise, deltas, temperatures) -> list[dict[str, Any]]:
+  """For contrast: :func:`naive_forward_kl` on the bf16 logits (computed in bf16), jitted."""
+  out = []
+  for temperature in temperatures:
+    vg = value_and_grads(lambda s, t, temperature=temperature: naive_forward_kl(s, t, temperature))
+    for delta in (0.0, *deltas, STEP):
+      s, t = pair(base, noise, delta)
+      v_ref, gz_ref, *_ = reference("forward_kl", {}, as64(s), as64(t), temperature)
+      value, (gz, _) = vg(s, t)
+      out.append(
+        {
+          "function": "straightforward bf16 forward KL",
+          "temperature": temperature,
+          "delta": delta,
+          "min_value": float(np.min(as64(value))),
+          "max_abs_value_err": float(np.max(np.abs(as64(value) - v_ref))),
+          "grad_student": grad_errors(gz, gz_ref) if delta else None,
+          "max_abs_grad": float(np.max(np.abs(as64(gz)))),
+        }
+      )
+  return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def summary(records: list[dict[str, Any]], grad_keys: Sequence[str]) -> list[dict[str, Any]]:
+  """Per function and divergence: the worst case over deltas and temperatures."""
+  rows: dict[tuple[str, str], dict[str, Any]] = {}
+  for r in records:
+    key = (r["function"], r["divergence"])
+    row = rows.setdefault(
+      key,
+      {
+        "function": r["function"],
+        "divergence": r["divergence"],
+        "identical_exact_zero": True,
+        "min_value": math.inf,
+        "value_abs_err": 0.0,
+        "value_rel_err": 0.0,
+        "value_err_over_eps_s": 0.0,
+        **{k: 0.0 for k in grad_keys},
+        **{k + "_max": 0.0 for k in grad_keys},
+      },
+    )
+    if r["identical"]:
+      row["identical_exact_zero"] &= bool(r["exact_zero"] and r["zero_gradients"])
+      continue
+    row["min_value"] = min(row["min_value"], r["min_value_bf16"], r["min_value_f32"])
+    for k in ("value_abs_err", "value_err_over_eps_s"):
+      row[k] = max(row[k], r[k])
+    if r["delta"] != STEP:  # a true value of ~1e-11: its relative error means nothing
+      row["value_rel_err"] = max(row["value_rel_err"], r["value_rel_err"])
+    for side in ("student", "teacher"):
+      ratio = r.get(f"grad_{side}_f32_over_eps_cond")
+      if ratio is not None and r["delta"] != STEP:
+        row["grad_f32_over_eps_cond"] = max(row.get("grad_f32_over_eps_cond", 0.0), ratio)
+    for k in grad_keys:
+      if r["delta"] == STEP:  # ill-conditioned: reported apart from the bound
+        row[k + "_step"] = max(row.get(k + "_step", 0.0), r[k]["rel_norm"])
+      else:
+        row[k] = max(row[k], r[k]["rel_norm"])
+        row[k + "_max"] = max(row[k + "_max"], r[k]["rel_max"])
+  return list(rows.values())
+
+
+def print_report(result: dict[str, Any]) -> None:
+  s = result["settings"]
+  print(describe_machine(result["machine"]))
+  print(
+    f"bf16 logits [{s['rows']}, {s['vocab']}], std {s['std']}, student = bf16(base + delta * "
+    f"noise), delta in {s['deltas']}, T in {s['temperatures']}, jitted; float64 NumPy reference "
+    "from the same bf16 values"
+  )
+  print("\nPer case (value errors: float32 arithmetic; gradient: ||g - g_ref|| / ||g_ref||):")
+  header = (
+    f"{'divergence':16} {'T':>3} {'delta':>6} {'differ':>6} {'D_ref':>9} {'min D':>9} "
+    f"{'abs err':>8} {'err/eps S':>9} {'dz bf16':>8} {'dz f32':>8} {'dy bf16':>8} {'dy f32':>8} "
+    f"{'cond':>8} {'dz/eps c':>8}"
+  )
+  print(header)
+  print("-" * len(header))
+  for r in result["records"]:
+    if r["function"] != "divergence_from_logits":
+      continue
+    if r["identical"]:
+      verdict = "exact 0" if r["exact_zero"] and r["zero_gradients"] else "NOT 0"
+      print(f"{r['divergence']:16} {r['temperature']:3g} {'0':>6} {'0':>6} identical: {verdict}")
+      continue
+    g = [
+      r[k]["rel_norm"]
+      for k in ("grad_student_bf16", "grad_student_f32", "grad_teacher_bf16", "grad_teacher_f32")
+    ]
+    print(
+      f"{r['divergence']:16} {r['temperature']:3g} {fmt_delta(r['delta']):>6} "
+      f"{r['classes_differing']:6.1%} {r['ref_min']:9.2e} {r['min_value_f32']:9.2e} "
+      f"{r['value_abs_err']:8.1e} {r['value_err_over_eps_s']:9.2f} "
+      + " ".join(f"{x:8.1e}" for x in g)
+      + f" {r['grad_student_condition']:8.1e} {r['grad_student_f32_over_eps_cond']:8.3f}"
+    )
+  print("\nWorst case per divergence (over the deltas and temperatures; 'step' apart):")
+  header = (
+    f"{'function / divergence':30} {'ident.':>6} {'min D':>8} {'abs err':>8} {'err/eps S':>9} "
+    f"{'rel err':>8} {'dz bf16':>8} {'max el':>8} {'dz f32':>8} {'dy bf16':>8} {'dy f32':>8} "
+    f"{'g/eps k':>8} {'step dz':>8}"
+  )
+  print(header)
+  print("-" * len(header))
+  for row in result["summary"]:
+    label = row["function"] + (
+      "" if row["function"] == "fused_linear_kl_div" else f" / {row['divergence']}"
+    )
+    label = label.replace("divergence_from_logits / ", "")
+    if row["function"] == "fused_linear_kl_div":
+      grads = ("grad_hidden_bf16", "grad_hidden_f32", "grad_weight_bf16", "grad_weight_f32")
+    else:
+      grads = ("grad_student_bf16", "grad_student_f32", "grad_teacher_bf16", "grad_teacher_f32")
+    step = row.get(grads[1] + "_step")
+    ratio = row.get("grad_f32_over_eps_cond")
+    print(
+      f"{label:30} {'yes' if row['identical_exact_zero'] else 'NO':>6} {row['min_value']:8.1e} "
+      f"{row['value_abs_err']:8.1e} {row['value_err_over_eps_s']:9.2f} "
+      f"{row['value_rel_err']:8.1e} {row[grads[0]]:8.1e} {row[grads[0] + '_max']:8.1e} "
+      f"{row[grads[1]]:8.1e} {row[grads[2]]:8.1e} {row[grads[3]]:8.1e} "
+      + (f"{'-':>8}" if ratio is None else f"{ratio:8.2f}")
+      + (f" {'-':>8}" if step is None else f" {step:8.1e}")
+    )
+  print(
+    "  (fused_linear_kl_div: dz = gradient wrt the hidden states, dy = wrt the head; g/eps k: "
+    "the float32 gradient error over eps * kappa; step dz: the float32 error at 'step')"
+  )
+  print("\nIdentical logits, jitted (max |value| and max |gradient| over rows):")
+  for r in result["identical"]:
+    print(
+      f"  V={r['vocab']:6} {r['dtype']:8} T={r['temperature']:g} {r['function']:42} "
+      f"value {r['max_abs_value']:.3g}  gradient {r['max_abs_grad']:.3g}"
+    )
+  print("\nFor contrast, the straightforward forward KL in bf16 (log_softmax + sum, jitted):")
+  for r in result["straightforward"]:
+    g = r["grad_student"]
+    grad = f"gradient error {g['rel_norm']:.1%}" if g else f"max |grad| {r['max_abs_grad']:.3g}"
+    print(
+      f"  T={r['temperature']:g} delta={fmt_delta(r['delta'])}: min value {r['min_value']:+.4f}, "
+      f"value error {r['max_abs_value_err']:.2e}, {grad}"
+    )
+  checks = result["checks"]
+  print("\nChecks:")
+  for name, ok in checks.items():
+    print(f"  {'PASS' if ok else 'FAIL'}  {name}")
+
+
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+  vocab = args.vocab or (QUICK_VOCAB if args.quick else VOCAB)
+  rows = args.rows or (4 if args.quick else 8)
+  deltas = [float(d) for d in args.deltas.split(",")]
+  temperatures = [float(t) for t in args.temperatures.split(",")]
+  base, noise = make_logits(rows, vocab, args.std, args.seed)
+  start = time.perf_counter()
+  log("divergences:")
+  records = divergence_records(base, noise, deltas, temperatures, log)
+  log("distillation_loss, fused_linear_kl_div:")
+  records += distillation_records(base, noise, deltas, temperatures)
+  fused = fused_records(rows, vocab, args.hidden, args.std, deltas, temperatures, args.seed)
+  log("identical logits:")
+  # divergence_from_logits at V is in the records (delta = 0); the other entry points here.
+  names = ["kl_div_from_logits", "generalized_jsd", "distillation_loss", "kl_div_from_topk[k=V]"]
+  identical = identical_checks(rows, vocab, args.std, args.seed, names)
+  if not args.quick:  # EasyDeL's vocabulary: every entry point, and the straightforward code
+    every = [f"divergence_from_logits[{n}]" for n in SPECS] + names
+    every.append("straightforward forward KL")
+    identical += identical_checks(rows, EASYDEL_VOCAB, args.std, args.seed, every)
+  naive = straightforward_records(base, noise, deltas, temperatures)
+  grads = ("grad_student_bf16", "grad_student_f32", "grad_teacher_bf16", "grad_teacher_f32")
+  fused_grads = ("grad_hidden_bf16", "grad_hidden_f32", "grad_weight_bf16", "grad_weight_f32")
+  table = summary(records, grads) + summary(fused, fused_grads)
+  measured = [r for r in records + fused if not r["identical"]]
+  exact = [r for r in identical if not r["function"].startswith(("kl_div_from_topk", "straight"))]
+  checks = {
+    "identical logits give exactly 0 and zero gradients (every divergence, loss and the fused "
+    "head, bf16 and float32, T = 1 and 2, every V)": all(r["identical_exact_zero"] for r in table)
+    and all(r["max_abs_value"] == 0 and r["max_abs_grad"] == 0 for r in exact),
+    "no value is negative": all(min(r["min_value_bf16"], r["min_value_f32"]) >= 0 for r in measured)
+    and all(r["min_value"] >= 0 for r in identical if "straight" not in r["function"]),
+    "bf16 values are the float32 values rounded": all(r["bf16_is_f32_rounded"] for r in records),
+    "bf16 gradients are the float32 ones rounded (norm-wise error <= 2**-8 (1 + e) + e, e the "
+    "float32 error)": all(
+      r[k + "_bf16"]["rel_norm"]
+      <= U_BF16 * (1 + r[k + "_f32"]["rel_norm"]) + r[k + "_f32"]["rel_norm"]
+      for r in measured
+      for k in ("grad_student", "grad_teacher", "grad_hidden", "grad_weight")
+      if r.get(k + "_bf16")
+    ),
+  }
+  return {
+    "section": "precision",
+    "machine": machine_info(),
+    "settings": {
+      "rows": rows,
+      "vocab": vocab,
+      "std": args.std,
+      "deltas": deltas,
+      "temperatures": temperatures,
+      "hidden": args.hidden,
+      "seed": args.seed,
+      "eps_f32": EPS32,
+      "u_bf16": U_BF16,
+      "seconds": time.perf_counter() - start,
+    },
+    "records": records + fused,
+    "summary": table,
+    "identical": identical,
+    "straightforward": naive,
+    "checks": checks,
+  }
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help=f"V = {QUICK_VOCAB}, 4 rows")
+  p.add_argument("--vocab", type=int, default=None, help=f"classes (default {VOCAB})")
+  p.add_argument("--rows", type=int, default=None, help="rows (default 8)")
+  p.add_argument("--std", type=float, default=4.0, help="standard deviation of the logits")
+  p.add_argument("--deltas", default="1e-3,1e-2,1e-1", help="student perturbations")
+  p.add_argument("--temperatures", default="1,2")
+  p.add_argument("--hidden", type=int, default=256, help="H of the fused head")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--repeats", type=int, default=None, help="ignored (nothing is timed)")
+  p.add_argument("--out", type=Path, default=HERE / "results")
+  return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+  result = run(args)
+  print_report(result)
+  write_json(Path(args.out) / "precision.json", result)
+  print(
+    f"precision: wrote {Path(args.out) / 'precision.json'} ({result['settings']['seconds']:.0f} s)"
+  )
+  return 0 if all(result["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
