@@ -307,9 +307,7 @@ def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes
     _, a, b = formula.terms(c, params)
     g_u = _softmax_grad(b, c.q, rows.b, rows.nan) if rows.b else jnp.zeros((), out.dtype)
     g_v = _softmax_grad(a, c.p, rows.a, rows.nan) if rows.a else None
-    local = logit_tangents(
-      temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v, (z, y), caps
-    )
+    local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v, caps)
     out = out + (local if axis_name is None else lax.psum(local, axis_name))
   partials = iter(rows.params)
   for d in dparams:

@@ -71,21 +71,19 @@ def divide_logits(z: jax.Array, temperature, keep: jax.Array | None = None) -> j
 def soft_cap(z: jax.Array, cap: float | None) -> jax.Array:
   """Logit soft-capping, ``cap * tanh(z / cap)`` (Gemma 2), or ``z`` for ``cap=None``.
 
-  ``+inf`` stays ``+inf`` (a logit the conventions make NaN, not ``cap``);
-  ``-inf`` becomes ``-cap``, so the callers decide a class's mass from the raw
-  logits (:func:`kldiv_jax._rows.scaled`).
+  ``-inf`` stays ``-inf`` (a class without mass has none capped either) and
+  ``+inf`` stays ``+inf`` (a logit the conventions make NaN, not ``cap``).
   """
   if cap is None:
     return z
-  return jnp.where(z == jnp.inf, z, cap * jnp.tanh(z / cap))
+  return jnp.where(jnp.isinf(z), z, cap * jnp.tanh(z / cap))
 
 
-def soft_cap_slope(z: jax.Array, cap: float | None) -> jax.Array | None:
-  """``d soft_cap(z) / dz = 1 - tanh(z / cap)**2``, or ``None`` for ``cap=None``."""
-  if cap is None:
-    return None
-  t = jnp.tanh(z / cap)
-  return 1.0 - t * t
+def soft_cap_slope(capped: jax.Array, cap: float) -> jax.Array:
+  """``d soft_cap(z) / dz = 1 - tanh(z / cap)**2`` from the capped value ``cap * tanh(z /
+  cap)`` (no second ``tanh``); 0 where it is infinite (no mass)."""
+  t = jnp.where(jnp.isfinite(capped), capped, 0.0) / cap
+  return jnp.where(jnp.isfinite(capped), 1.0 - t * t, 0.0)
 
 
 def positive_finite(x):

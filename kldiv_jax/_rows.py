@@ -301,36 +301,35 @@ def ce_grad(z, labels, masks, m, inv_s, cap=None):
   u, _ = scaled(z, jnp.ones((), inv_s.dtype), masks, cap)
   hit = label_hit(labels, u.shape).astype(inv_s.dtype)
   g = jnp.where(inv_s != 0, jnp.exp(u - m) * inv_s - hit, 0.0)
-  return times_slope(g, z, cap)
+  return times_slope(g, u, cap)
 
 
-def times_slope(g: jax.Array, z: jax.Array, cap: float | None) -> jax.Array:
-  """``g * d soft_cap(z)/dz``: a derivative wrt capped logits taken back to the raw ones."""
-  slope = soft_cap_slope(z.astype(g.dtype), cap)
-  return g if slope is None else g * slope
+def times_slope(g: jax.Array, capped: jax.Array, cap: float | None) -> jax.Array:
+  """``g * d soft_cap(z)/dz``: a derivative wrt capped logits taken back to the raw ones,
+  from the capped logits (``-inf`` without mass, where the product is 0)."""
+  return g if cap is None else g * soft_cap_slope(capped, cap)
 
 
-def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, raw=None, caps=None):
+def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, caps=None):
   """Per-row tangent of a divergence of ``softmax(u)``, ``softmax(v)`` (``[rows, 1]``).
 
   ``tangents`` are ``(dz, dy, dtemp)`` for the raw logits ``z``, ``y`` and
   the temperature, where ``u = soft_cap(z) / T`` and ``v = soft_cap(y) / T``
-  (``raw = (z, y)`` and ``caps`` their soft-caps, ``None`` for none);
+  (``caps`` their soft-caps, ``None`` for none: the slope comes from ``u T``);
   ``g_u``, ``g_v`` are the derivatives wrt ``u`` and ``v`` (``g_v`` may be
   ``None`` when ``dy`` and ``dtemp`` are symbolic zeros, which are skipped).
   Sums over the classes held here: the vocabulary-parallel kernels ``psum``
   the result.
   """
   dz, dy, dtemp = tangents
-  cap_z, cap_y = (None, None) if caps is None or raw is None else caps
-  z, y = (None, None) if raw is None else raw
+  cap_z, cap_y = (None, None) if caps is None else caps
   out = jnp.zeros((u.shape[0], 1), g_u.dtype)
   if not is_zero(dz):
-    g = g_u / temperature
-    out = out + row_sum(g if z is None else times_slope(g, z, cap_z), dz)
+    g = times_slope(g_u / temperature, u * temperature, cap_z)
+    out = out + row_sum(g, dz)
   if not is_zero(dy):
-    g = g_v / temperature
-    out = out + row_sum(g if y is None else times_slope(g, y, cap_y), dy)
+    g = times_slope(g_v / temperature, v * temperature, cap_y)
+    out = out + row_sum(g, dy)
   if not is_zero(dtemp):
     # du/dT = -u/T on kept classes, 0 on the others.
     u0 = jnp.where(keep_u, u, 0.0)

@@ -78,7 +78,7 @@ def _student_lse_jvp(cap, axis_name, primals, tangents):
   q = jnp.exp(x - max_shift(lse))
   tangent = jnp.zeros_like(lse)
   if not is_zero(dz):
-    g = times_slope(q * scale, z, cap)
+    g = times_slope(q * scale, x / scale, cap)
     tangent = tangent + jnp.sum(g * dz.astype(q.dtype), axis=-1, keepdims=True)
   if not is_zero(dscale):
     xq = jnp.where(q > 0, x, 0.0) * q
