@@ -550,3 +550,21 @@ def test_vocab_parallel_softcap_labels_and_topk(cpu_devices, case):
       in_specs=(P(None, "vocab"), P(None, "vocab")),
       out_specs=P(),
     )(np.zeros((2, 16), np.float32), np.zeros((2, 24), np.float32))
+
+
+def test_topk_softcap_keeps_minus_inf_massless(rng):
+  """A -inf student logit has no mass, capped or not (not -cap): equal to the logits capped by
+  hand with the -inf kept, values and gradients."""
+  z, ids, lp = (a.astype(np.float32) if a.dtype == np.float64 else a for a in _topk_case(rng))
+  z = 4 * z
+  z[:, 7] = -np.inf
+  z[:, ids[0, 0]] = np.where(np.arange(z.shape[0]) == 1, -np.inf, z[:, ids[0, 0]])
+  for tail in ("renormalize", "bucket"):
+
+    def ours(z, tail=tail):
+      return kd.divergence_from_topk(z, ids, lp, softcap=3.0, tail=tail, divergence="jsd").sum()
+
+    def by_hand(z, tail=tail):
+      return kd.divergence_from_topk(_cap(z, 3.0), ids, lp, tail=tail, divergence="jsd").sum()
+
+    _close(jax.value_and_grad(ours)(z), jax.value_and_grad(by_hand)(z), rtol=1e-5, atol=1e-6)
