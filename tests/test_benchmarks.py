@@ -163,3 +163,17 @@ def test_runner_calls_entry_points_of_either_signature(monkeypatch):
   assert run.call_main(with_argv, ["--quick"]) == 0
   assert run.call_main(no_argv, ["--out", "x"]) == 3
   assert seen == [["--quick"], ["--out", "x"]]
+
+
+def test_llm_section_runs_and_reports_its_targets(tmp_path):
+  """The llm section at --quick sizes: every target is reported with a measured ratio."""
+  sys.path.insert(0, str(BENCH))
+  try:
+    import bench_llm
+  finally:
+    sys.path.remove(str(BENCH))
+  result = bench_llm.main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
+  assert len(result["targets"]) == 7
+  assert all(t["value"] is not None and t["value"] > 0 for t in result["targets"])
+  saved = json.loads((tmp_path / "llm.json").read_text())
+  assert saved["settings"]["quick"] is True

@@ -1,0 +1,255 @@
+"""LLM-distillation options: what soft-capping, vocabulary padding, the hard loss in the fused
+head and a top-k tail bucket cost.
+
+Every figure is a ratio of two contenders measured side by side in one process:
+
+* ``overheads``: ``jax.value_and_grad`` time (jitted, warmed up, round-robin,
+  median) of a call with the option against the same call without it:
+  soft-capping both sides (``softcap=30, target_softcap=30``), a teacher
+  vocabulary padded by 128 classes, on ``distillation_loss`` (logits
+  ``[N, V]``) and on ``fused_distillation_loss`` (hidden states and heads); and
+  the cross-entropy term inside the fused head (``labels=``, ``alpha=0.5``)
+  against the fused call without labels. Target: each at most 1.1x.
+* ``fused memory``: XLA's compiled temp bytes of ``value_and_grad`` of
+  ``fused_distillation_loss`` with labels and soft-caps against
+  ``distillation_loss`` on the materialised logits with the same options, at
+  N=8192, H=1024, V=65536 (compiled, not run). Target: at most 0.05x.
+* ``top-k memory``: compiled temp bytes of ``value_and_grad`` wrt the logits of
+  ``divergence_from_topk(..., tail="bucket")`` against the same divergence
+  written on the materialised ``jax.nn.log_softmax`` of the student (gathered
+  at the top-k, tail appended), at N=4096, V=131072, k=64. Target: at most
+  0.02x.
+
+``--quick`` uses small shapes (a smoke test: the targets are not meaningful
+there). Run through ``benchmarks/run.py`` (section ``llm``) or directly:
+
+  python benchmarks/bench_llm.py
+  python benchmarks/bench_llm.py --quick
+"""
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from _harness import (
+  compile_jax,
+  describe_machine,
+  fmt_bytes,
+  fmt_ms,
+  fmt_ratio,
+  machine_info,
+  median_ms,
+  memory_stats,
+  ratio,
+  round_robin,
+  write_json,
+)
+
+import kldiv_jax
+
+HERE = Path(__file__).resolve().parent
+T = 2.0
+CAP = 30.0
+PAD = 128
+# (tokens, vocab) of the logits overheads; (tokens, hidden, vocab) of the fused ones
+LOGITS_SHAPE, QUICK_LOGITS_SHAPE = (2048, 16384), (128, 1024)
+FUSED_SHAPE, QUICK_FUSED_SHAPE = (1024, 512, 16384), (64, 32, 1024)
+FUSED_MEMORY_SHAPE, QUICK_FUSED_MEMORY_SHAPE = (8192, 1024, 65536), (512, 64, 4096)
+TOPK_SHAPE, QUICK_TOPK_SHAPE = (4096, 131072, 64), (128, 4096, 16)
+TIME_TARGET, FUSED_MEMORY_TARGET, TOPK_MEMORY_TARGET = 1.1, 0.05, 0.02
+
+
+def _keys(n):
+  return jax.random.split(jax.random.key(0), n)
+
+
+def logits_contenders(shape):
+  n, v = shape
+  k = _keys(3)
+  s = jax.random.normal(k[0], (n, v)) * 2
+  t = jax.random.normal(k[1], (n, v + PAD)) * 2
+  y = jax.random.randint(k[2], (n,), 0, v)
+
+  def loss(**kw):
+    def fn(s, t):
+      return kldiv_jax.distillation_loss(s, t, y, temperature=T, **kw)
+
+    return jax.value_and_grad(fn)
+
+  same = (s, t[:, :v])
+  return {
+    "logits: plain": (loss(), same),
+    "logits: softcap": (loss(softcap=CAP, target_softcap=CAP), same),
+    "logits: padded teacher": (loss(), (s, t)),
+  }
+
+
+def fused_contenders(shape):
+  n, h, v = shape
+  k = _keys(5)
+  hs = jax.random.normal(k[0], (n, h))
+  w = jax.random.normal(k[1], (h, v)) / h**0.5 * 2
+  th = jax.random.normal(k[2], (n, h))
+  tw = jax.random.normal(k[3], (h, v + PAD)) / h**0.5 * 2
+  y = jax.random.randint(k[4], (n,), 0, v)
+
+  def loss(**kw):
+    def fn(hs, w, th, tw):
+      return kldiv_jax.fused_distillation_loss(hs, w, th, tw, temperature=T, **kw)
+
+    return jax.value_and_grad(fn, argnums=(0, 1))
+
+  same = (hs, w, th, tw[:, :v])
+  return {
+    "fused: plain": (loss(), same),
+    "fused: softcap": (loss(softcap=CAP, target_softcap=CAP), same),
+    "fused: padded teacher": (loss(), (hs, w, th, tw)),
+    "fused: labels (CE inside)": (loss(labels=y, alpha=0.5), same),
+  }
+
+
+OVERHEADS = (
+  ("soft-capping, distillation_loss", "logits: softcap", "logits: plain"),
+  ("padded teacher, distillation_loss", "logits: padded teacher", "logits: plain"),
+  ("soft-capping, fused head", "fused: softcap", "fused: plain"),
+  ("padded teacher, fused head", "fused: padded teacher", "fused: plain"),
+  ("hard loss inside the fused head", "fused: labels (CE inside)", "fused: plain"),
+)
+
+
+def measure_time(contenders: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, Any]:
+  thunks, info = {}, {}
+  for name, (fn, args) in contenders.items():
+    thunks[name], info[name] = compile_jax(fn, *args)
+    thunks[name]()  # warm-up
+  times = round_robin(thunks, repeats, warmup=0)
+  return {
+    name: {"median_ms": median_ms(times[name]), "times_ms": [1e3 * x for x in times[name]]}
+    | info[name]
+    for name in contenders
+  }
+
+
+def measure_fused_memory(shape) -> dict[str, Any]:
+  n, h, v = shape
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+  args = (f32(n, h), f32(h, v), f32(n, h), f32(h, v), jax.ShapeDtypeStruct((n,), jnp.int32))
+  kw = dict(temperature=T, alpha=0.5, softcap=CAP, target_softcap=CAP)
+
+  def fused(hs, w, th, tw, y):
+    return kldiv_jax.fused_distillation_loss(hs, w, th, tw, labels=y, **kw)
+
+  def materialised(hs, w, th, tw, y):
+    return kldiv_jax.distillation_loss(hs @ w, jax.lax.stop_gradient(th @ tw), y, **kw)
+
+  out: dict[str, Any] = {"tokens": n, "hidden": h, "vocab": v}
+  for name, fn in (("fused", fused), ("materialised", materialised)):
+    compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile()
+    out[name] = memory_stats(compiled)
+  out["temp_ratio"] = ratio(out["fused"]["temp_bytes"], out["materialised"]["temp_bytes"])
+  return out
+
+
+def _materialised_topk(z, ids, lp):
+  """Forward KL with the tail bucket on the materialised log-softmax (what one writes without
+  kldiv_jax: the ``[N, V]`` log-probabilities, gathered, a tail appended)."""
+  lq = jnp.take_along_axis(jax.nn.log_softmax(z / T), ids, axis=-1)
+  q_tail = jnp.log1p(-jnp.minimum(jnp.exp(lq).sum(-1, keepdims=True), 1 - 1e-6))
+  p_tail = jnp.log1p(-jnp.minimum(jnp.exp(lp).sum(-1, keepdims=True), 1 - 1e-6))
+  log_p = jnp.concatenate([lp, p_tail], -1)
+  log_q = jnp.concatenate([lq, q_tail], -1)
+  return jnp.sum(jnp.exp(log_p) * (log_p - log_q))
+
+
+def measure_topk_memory(shape) -> dict[str, Any]:
+  n, v, k = shape
+  args = (
+    jax.ShapeDtypeStruct((n, v), jnp.float32),
+    jax.ShapeDtypeStruct((n, k), jnp.int32),
+    jax.ShapeDtypeStruct((n, k), jnp.float32),
+  )
+
+  def topk(z, ids, lp):
+    return kldiv_jax.divergence_from_topk(z, ids, lp, temperature=T, tail="bucket").sum()
+
+  out: dict[str, Any] = {"tokens": n, "vocab": v, "k": k, "logits_bytes": n * v * 4}
+  for name, fn in (("topk", topk), ("materialised", _materialised_topk)):
+    compiled = jax.jit(jax.value_and_grad(fn)).lower(*args).compile()
+    out[name] = memory_stats(compiled)
+  out["temp_ratio"] = ratio(out["topk"]["temp_bytes"], out["materialised"]["temp_bytes"])
+  return out
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+  p.add_argument("--repeats", type=int, default=None, help="timed calls per contender (default 5)")
+  p.add_argument("--out", type=Path, default=None, help="directory for llm.json")
+  return p
+
+
+def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) -> dict[str, Any]:
+  """Runs the section; returns its results and writes ``llm.json`` to ``--out``."""
+  args = parser().parse_args(argv)
+  q = args.quick
+  repeats = args.repeats or 5
+  machine = machine_info()
+  print(f"llm: {describe_machine(machine)}")
+  logits_shape = QUICK_LOGITS_SHAPE if q else LOGITS_SHAPE
+  fused_shape = QUICK_FUSED_SHAPE if q else FUSED_SHAPE
+  times = measure_time(logits_contenders(logits_shape), repeats)
+  times |= measure_time(fused_contenders(fused_shape), repeats)
+  fused_memory = measure_fused_memory(QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE)
+  topk_memory = measure_topk_memory(QUICK_TOPK_SHAPE if q else TOPK_SHAPE)
+  rows = [
+    (what, ratio(times[a]["median_ms"], times[b]["median_ms"]), TIME_TARGET)
+    for what, a, b in OVERHEADS
+  ]
+  rows += [
+    ("fused temp / materialised (labels, caps)", fused_memory["temp_ratio"], FUSED_MEMORY_TARGET),
+    ("top-k tail bucket temp / log_softmax", topk_memory["temp_ratio"], TOPK_MEMORY_TARGET),
+  ]
+  targets = [
+    {"target": w, "value": v, "limit": lim, "met": None if v is None else bool(v <= lim)}
+    for w, v, lim in rows
+  ]
+  print(
+    f"\nvalue_and_grad time, median of {repeats} (round-robin): logits {logits_shape}, "
+    f"fused (N, H, V) = {fused_shape}"
+  )
+  for name, t in times.items():
+    print(f"  {name:28} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
+  m = fused_memory
+  print(f"\ncompiled temp, fused head N={m['tokens']} H={m['hidden']} V={m['vocab']}:")
+  for name in ("fused", "materialised"):
+    print(f"  {name:14} {fmt_bytes(m[name]['temp_bytes']):>10}")
+  m = topk_memory
+  print(f"\ncompiled temp, top-k N={m['tokens']} V={m['vocab']} k={m['k']}:")
+  for name in ("topk", "materialised"):
+    print(f"  {name:14} {fmt_bytes(m[name]['temp_bytes']):>10}")
+  print("\ntargets" + (" (--quick: small shapes, not the full-size ones)" if q else ""))
+  for t in targets:
+    met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
+    print(f"  {t['target']:42} {fmt_ratio(t['value']):>6} <= {t['limit']:<5} {met}")
+  result = {
+    "section": "llm",
+    "machine": machine,
+    "settings": {"quick": q, "repeats": repeats, "temperature": T, "softcap": CAP, "pad": PAD},
+    "times": times,
+    "fused_memory": fused_memory,
+    "topk_memory": topk_memory,
+    "targets": targets,
+  }
+  out = args.out or default_out
+  if out is not None:
+    write_json(Path(out) / "llm.json", result)
+    print(f"llm: wrote {Path(out) / 'llm.json'}")
+  return result
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:], default_out=HERE / "results")
