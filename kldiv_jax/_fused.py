@@ -75,6 +75,7 @@ class Static(NamedTuple):
   caps: tuple[float | None, float | None]
   weights: LossWeights
   tail: bool  # top-k: the tail bucket
+  shared: int  # the classes both sides have (per device): longer logits are cut per chunk
 
 
 def _chunk_soft(static: Static, z, teacher, whole, temperature, spec, mask):
@@ -82,7 +83,7 @@ def _chunk_soft(static: Static, z, teacher, whole, temperature, spec, mask):
   if static.teacher == "dense":
     (thc,) = teacher
     tw, tb = whole
-    y = lax.stop_gradient(_matmul(thc, tw, tb, z.dtype))
+    y = lax.stop_gradient(shared_classes(_matmul(thc, tw, tb, z.dtype), static.shared, 1))
     return divergence_rows(z, y, temperature, (mask,), spec, static.axis_name, static.caps)
   ids, lp, keep, dropped = teacher
   keep = keep & mask
@@ -105,7 +106,9 @@ def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tok
 
   def chunk_grads(hc, teacher_c, tokens_c):
     mask, labels, labelled = tokens_c
-    z = _matmul(hc, w, b, acc)
+    # A longer student head: its own classes are cut from each chunk's logits (their
+    # gradient is 0, padded back below).
+    z = shared_classes(_matmul(hc, w, b, acc), static.shared, 1)
 
     def objective(z):
       soft = hard = jnp.zeros((), acc)
@@ -117,6 +120,8 @@ def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tok
 
     loss, vjp, parts = jax.vjp(objective, z, has_aux=True)
     (dz,) = vjp(jnp.ones_like(loss))
+    if dz.shape[1] < w.shape[1]:
+      dz = jnp.pad(dz, ((0, 0), (0, w.shape[1] - dz.shape[1])))
     gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
     if axis_name is not None:  # each device holds a slice of the head: sum the parts
       gh = lax.psum(gh, axis_name)
@@ -304,9 +309,9 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
           f"{name}: weight and target_weight must have the same vocabulary size "
           f"({VOCAB_PARALLEL_PADDING}); got shapes {np.shape(weight)} and {tw.shape}."
         )
-      vocab = min(vocab, tw.shape[1])  # the shared classes (see _rows.shared_classes)
-      tw = shared_classes(tw, vocab, 1)
-      tb = None if tb is None else shared_classes(tb, vocab, 0)
+      # The shared classes (see _rows.shared_classes): each chunk's logits are cut to them,
+      # not the heads (a copy of a [H, V] head would cost more than the chunks).
+      vocab = min(vocab, tw.shape[1])
     th = jnp.asarray(target_hidden).reshape(n, np.shape(target_hidden)[-1])
     teacher, whole = (th,), (tw, tb)
   else:
@@ -331,9 +336,6 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
     k = idx.shape[-1]
     t = topk_teacher(idx.reshape(n, k), lp.astype(cdt).reshape(n, k), None, shared, teacher_vocab)
     teacher, whole, bad = (t.ids, t.lp, t.keep, t.dropped), (), t.bad[:, None]
-  if vocab != w_arr.shape[1]:
-    w_arr = shared_classes(w_arr, vocab, 1)
-    b_arr = None if b_arr is None else shared_classes(b_arr, vocab, 0)
   h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
   mask = _token_mask(name, o["where"], token_shape, n)
   labels = labelled = None
@@ -382,7 +384,7 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
   w_arr = w_arr + zero.astype(w_arr.dtype)
   if b_arr is not None:
     b_arr = b_arr + zero.astype(b_arr.dtype)
-  static = Static(teacher_kind, spec.key, chunk, axis_name, caps, weights, tail)
+  static = Static(teacher_kind, spec.key, chunk, axis_name, caps, weights, tail, vocab)
   params = tuple(jnp.asarray(x).astype(cdt) for x in spec.traced)
   tokens = (mask, labels, labelled)
   totals = _fused(static, h, w_arr, b_arr, teacher, whole, t, params, tokens, coefs)

@@ -568,3 +568,27 @@ def test_topk_softcap_keeps_minus_inf_massless(rng):
       return kd.divergence_from_topk(_cap(z, 3.0), ids, lp, tail=tail, divergence="jsd").sum()
 
     _close(jax.value_and_grad(ours)(z), jax.value_and_grad(by_hand)(z), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_topk_shorter_teacher_vocabulary(rng):
+  """A student head longer than the teacher's vocabulary: its own classes are cut per chunk
+  (zero gradient), equal to the head cut by hand."""
+  (h, w, b), _, labels = _head(rng, vocab=24)
+  labels = np.where(labels >= 18, 0, labels)
+  teacher = refs.np_log_softmax(2 * rng.normal(size=(h.shape[0], 18)))
+  ids = np.argsort(-teacher, -1)[:, :4]
+  lp = np.take_along_axis(teacher, ids, -1).astype(np.float32)
+
+  def fused(w, b):
+    return kd.fused_topk_distillation_loss(
+      h, w, ids, lp, bias=b, labels=labels, tail="bucket", teacher_vocab_size=18, chunk_size=4
+    )
+
+  def cut(w, b):
+    return kd.fused_topk_distillation_loss(
+      h, w[:, :18], ids, lp, bias=b[:18], labels=labels, tail="bucket", chunk_size=4
+    )
+
+  got = jax.value_and_grad(fused, (0, 1))(w, b)
+  _close(got, jax.value_and_grad(cut, (0, 1))(w, b))
+  assert not np.any(np.asarray(got[1][0])[:, 18:]) and not np.any(np.asarray(got[1][1])[18:])
