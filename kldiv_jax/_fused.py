@@ -269,6 +269,30 @@ def _token_mask(name, where, token_shape, n):
   return w_arr.reshape(n, 1)
 
 
+# The options every fused loss reads (``_options``), with their defaults where a loss lacks one.
+_OPTION_DEFAULTS = dict(
+  labels=None,
+  alpha=0.5,
+  ignore_index=-100,
+  temperature=1.0,
+  divergence="forward_kl",
+  beta=0.5,
+  scale_by_temperature_squared=True,
+  where=None,
+  normalizer=None,
+  chunk_size=None,
+  axis_name=None,
+  softcap=None,
+  target_softcap=None,
+  return_parts=False,
+)
+
+
+def _options(arguments: dict) -> dict:
+  """A public fused loss's options from its arguments (``locals()``), defaults for the rest."""
+  return {k: arguments.get(k, default) for k, default in _OPTION_DEFAULTS.items()}
+
+
 def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options):
   """The body of the fused losses: validate, lay out (tokens as rows, shared classes), run the
   chunked kernel, normalise. ``teacher_args``: ``(target_hidden, target_weight, target_bias)``
@@ -527,22 +551,7 @@ def fused_distillation_loss(
     Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM Training*
     (2024), arXiv:2410.10989.
   """
-  options = dict(
-    labels=labels,
-    alpha=alpha,
-    ignore_index=ignore_index,
-    temperature=temperature,
-    divergence=divergence,
-    beta=beta,
-    scale_by_temperature_squared=scale_by_temperature_squared,
-    where=where,
-    normalizer=normalizer,
-    chunk_size=chunk_size,
-    axis_name=axis_name,
-    softcap=softcap,
-    target_softcap=target_softcap,
-    return_parts=return_parts,
-  )
+  options = _options(locals())
   teacher = (target_hidden, target_weight, target_bias)
   return _fused_loss("fused_distillation_loss", hidden, weight, bias, "dense", teacher, options)
 
@@ -621,22 +630,7 @@ def fused_linear_kl_div(
     >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, temperature=2.0)))
     True
   """
-  options = dict(
-    labels=labels,
-    alpha=alpha,
-    ignore_index=ignore_index,
-    temperature=temperature,
-    divergence=divergence,
-    beta=beta,
-    scale_by_temperature_squared=scale_by_temperature_squared,
-    where=where,
-    normalizer=normalizer,
-    chunk_size=chunk_size,
-    axis_name=axis_name,
-    softcap=softcap,
-    target_softcap=target_softcap,
-    return_parts=return_parts,
-  )
+  options = _options(locals())
   teacher = (target_hidden, target_weight, target_bias)
   return _fused_loss("fused_linear_kl_div", hidden, weight, bias, "dense", teacher, options)
 
@@ -727,21 +721,6 @@ def fused_topk_distillation_loss(
     >>> bool(jnp.allclose(fused, direct))
     True
   """
-  options = dict(
-    labels=labels,
-    alpha=alpha,
-    ignore_index=ignore_index,
-    temperature=temperature,
-    divergence=divergence,
-    beta=0.5,
-    scale_by_temperature_squared=scale_by_temperature_squared,
-    where=where,
-    normalizer=normalizer,
-    chunk_size=chunk_size,
-    axis_name=axis_name,
-    softcap=softcap,
-    target_softcap=None,
-    return_parts=return_parts,
-  )
+  options = _options(locals())
   teacher = (topk_indices, topk_log_probs, tail, teacher_vocab_size)
   return _fused_loss("fused_topk_distillation_loss", hidden, weight, bias, "topk", teacher, options)
