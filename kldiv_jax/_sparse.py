@@ -216,7 +216,15 @@ def support_divergence(key, lp: jax.Array, lq: jax.Array, traced: tuple) -> jax.
   formula, params, c = _support_terms(key, traced, lp, lq)
   f, _, _ = formula.terms(c, params)
   same = identical_rows(lp, lq)
-  return jnp.where(same[:, 0], 0.0, nonnegative(jnp.sum(f, axis=-1)))
+  return jnp.where(same[:, 0], 0.0, nonnegative(jnp.sum(f, axis=-1))) + _nan_rows(lp, lq)
+
+
+def _nan_rows(lp, lq):
+  """NaN on rows with a NaN log-probability (a NaN logit or stored log-probability), else 0:
+  the formulas read a NaN probability as no mass (``p > 0`` fails)."""
+  ok = ~jnp.any(jnp.isnan(lp) | jnp.isnan(lq), axis=-1)
+  # log(-1): a NaN only where one is meant to be (jax.debug_nans stays quiet elsewhere).
+  return jnp.log(jnp.where(ok, 1.0, -1.0)).astype(lp.dtype)
 
 
 def _support_jvp(key, primals, tangents):
@@ -225,7 +233,8 @@ def _support_jvp(key, primals, tangents):
   formula, params, c = _support_terms(key, traced, lp, lq)
   f, a, b = formula.terms(c, params)
   same = identical_rows(lp, lq)[:, 0]
-  value = jnp.where(same, 0.0, nonnegative(jnp.sum(f, axis=-1)))
+  nan = _nan_rows(lp, lq)
+  value = jnp.where(same, 0.0, nonnegative(jnp.sum(f, axis=-1))) + nan
   infinite = value == jnp.inf
 
   def contract(w, dx):
@@ -248,7 +257,7 @@ def _support_jvp(key, primals, tangents):
         d = next(dts)
         if not is_zero(d):
           tangent = tangent + contract(d_f, jnp.broadcast_to(d, d_f.shape))
-  return value, jnp.where(same, 0.0, tangent)
+  return value, jnp.where(same, 0.0, tangent) + nan
 
 
 support_divergence.defjvp(_support_jvp, symbolic_zeros=True)

@@ -264,21 +264,31 @@ def test_ignore_index_outside_the_label_dtype_matches_nothing():
   np.testing.assert_allclose(_distill_labels(labels.astype(np.uint8), ignore_index=-100), expected)
 
 
-def _topk(ids):
+def _topk(ids, jit=False):
+  """Under jit the ids are unknown (NaN for an id out of range); outside, a ValueError."""
   logits = Z[0]  # [3, 5]
-  return kj.kl_div_from_topk(logits, ids, np.log(np.full(ids.shape, 0.5, np.float32)))
+  fn = jax.jit(kj.kl_div_from_topk) if jit else kj.kl_div_from_topk
+  return fn(logits, ids, np.log(np.full(ids.shape, 0.5, np.float32)))
 
 
 def test_int64_topk_ids_out_of_int32_range_give_nan(x64):
   ids = jnp.array([[2**32 + 1, 0], [1, 2], [3, 4]], jnp.int64)
-  out = _topk(ids)
+  out = _topk(ids, jit=True)
   assert np.isnan(out[0]) and np.all(np.isfinite(out[1:]))
+  with pytest.raises(ValueError, match="got 4294967297 at position"):
+    _topk(ids)
 
 
 @pytest.mark.parametrize("dtype", [np.int64, np.uint64])
 def test_numpy_wide_topk_ids_never_alias_a_class(dtype):
+  # Saturated, never wrapped onto a class: reported when the values are known, NaN inside
+  # jit (captured there; passed to jax.jit as an argument, JAX itself converts the array to
+  # int32 before kldiv_jax sees it).
   ids = np.array([[2**32 + 1, 0], [1, 2], [3, 4]], dtype)
-  out = _topk(ids)
+  with pytest.raises(ValueError, match="token ids in"):
+    _topk(ids)
+  lp = np.log(np.full(ids.shape, 0.5, np.float32))
+  out = jax.jit(lambda z: kj.kl_div_from_topk(z, ids, lp))(Z[0])
   assert np.isnan(out[0]) and np.all(np.isfinite(out[1:]))
 
 

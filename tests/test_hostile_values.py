@@ -368,11 +368,14 @@ def test_topk_all_inf_student_row_is_inf():
   assert np.isfinite(grad).all()
 
 
-def test_topk_repeated_ids_with_mass_give_nan():
+def test_topk_repeated_ids_count_once():
+  # A repeated id is the same token: its first slot counts (lists padded by repetition).
   logits = np.array([[2.0, 1.0, 3.0, -1.0]], np.float32)
   log_probs = np.log(np.array([[0.5, 0.5]], np.float32))
   out = kd.kl_div_from_topk(logits, np.array([[2, 2]], np.int32), log_probs)
-  assert np.isnan(out).all(), out
+  np.testing.assert_allclose(
+    out, ref_topk(logits, np.array([[2]]), log_probs[:, :1], 1.0), rtol=1e-6
+  )
   # Repeats among slots without mass are padding: fine.
   ids = np.array([[2, 0, 0, 0]], np.int32)
   lp = np.array([[np.log(0.7), np.log(0.3), -INF, -INF]], np.float32)
