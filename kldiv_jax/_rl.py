@@ -3,11 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kldiv_jax._checks import check_choice, promote_and_broadcast, real_scalar, split_where
 from kldiv_jax._numerics import nan_unless
 
-ESTIMATORS = ("k1", "k2", "k3")
+# "k1+", "k3+": the estimator's value with k2's gradient (verl's straight-through forms).
+ESTIMATORS = ("k1", "k2", "k3", "k1+", "k2+", "k3+")
 
 # Taylor coefficients 1/n! of e^x - 1 - x, highest first, to the degree whose
 # remainder for |x| < 1 is below the dtype's rounding (2/(n+1)! < eps / 4).
@@ -36,22 +38,31 @@ def exp_minus_one_minus(x: jax.Array) -> jax.Array:
   return jnp.where(small, series, direct)
 
 
-def _clip_bounds(name, clip):
+def _clip_bounds(name, clip, option="clip"):
   if clip is None:
     return None
   if isinstance(clip, (tuple, list)):
     if len(clip) != 2:
-      raise ValueError(f"{name}: clip must be a number or a (low, high) pair; got {clip!r}.")
-    (low, low_static), (high, high_static) = (real_scalar(name, "clip", b) for b in clip)
+      raise ValueError(f"{name}: {option} must be a number or a (low, high) pair; got {clip!r}.")
+    (low, low_static), (high, high_static) = (real_scalar(name, option, b) for b in clip)
   else:
-    c, static = real_scalar(name, "clip", clip)
+    c, static = real_scalar(name, option, clip)
     (low, low_static), (high, high_static) = (-c, static), (c, static)
   if low_static and high_static and not low <= high:
     raise ValueError(
-      f"{name}: clip must bound the log-ratio by low <= high (a number c means "
+      f"{name}: {option} must bound the log-ratio by low <= high (a number c means "
       f"[-c, c]); got {clip!r}."
     )
   return low, high
+
+
+def _estimate(delta: jax.Array, estimator: str) -> jax.Array:
+  """Schulman's estimator ``estimator`` of the log-ratio ``delta = log pi - log pi_ref``."""
+  if estimator == "k1":
+    return delta
+  if estimator == "k2":
+    return 0.5 * delta * delta
+  return exp_minus_one_minus(-delta)
 
 
 def kl_estimate(
@@ -60,6 +71,8 @@ def kl_estimate(
   *,
   estimator: str = "k3",
   clip: float | tuple[float, float] | None = None,
+  old_log_probs: jax.typing.ArrayLike | None = None,
+  importance_clip: float | tuple[float, float] | None = None,
   where: jax.typing.ArrayLike | None = None,
 ) -> jax.Array:
   r"""Per-token estimate of ``KL(policy || reference)`` from sampled tokens' log-probabilities.
@@ -78,16 +91,43 @@ def kl_estimate(
   ``low_var_kl``) is unbiased and non-negative. ``k3`` is computed without
   cancellation near :math:`\delta = 0`.
 
+  Straight-through forms (verl's ``kl_penalty="k1+"``/``"k3+"``): the
+  expected *gradient* of ``k1`` and ``k3`` as a loss is not that of the KL,
+  while ``k2``'s is, so ``"k1+"`` and ``"k3+"`` give the value of ``k1`` or
+  ``k3`` with the gradient of ``k2``,
+  :math:`k_2 - \mathrm{sg}(k_2) + \mathrm{sg}(k)` (``sg``:
+  ``stop_gradient``; ``"k2+"`` is ``k2``).
+
+  Importance correction (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``):
+  when the tokens were sampled from an older policy :math:`\pi_{\text{old}}`
+  (``old_log_probs``), the estimate is weighted by the importance ratio,
+
+  .. math::
+
+     w\,k, \qquad w = \exp\big(\mathrm{clip}(\log \pi(a) - \log \pi_{\text{old}}(a))\big),
+
+  which makes its expectation under :math:`\pi_{\text{old}}` the KL under
+  :math:`\pi`. The weight carries gradient (as TRL's ``coef_1``). Both
+  log-ratios are clipped *before* any ``exp`` (``clip`` for :math:`\delta`,
+  ``importance_clip`` for :math:`w`'s), so that with both bounds finite no
+  estimate overflows to ``inf`` for finite inputs (trl#3015, OpenRLHF#1335).
+
   Args:
     log_probs: the policy's log-probabilities of the sampled tokens, e.g.
       ``[batch, seq]``.
     ref_log_probs: the reference policy's, broadcastable.
-    estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+    estimator: ``"k1"``, ``"k2"``, ``"k3"``, or the straight-through
+      ``"k1+"``, ``"k3+"`` (``"k2+"`` is ``"k2"``).
     clip: bounds the log-ratio :math:`\delta` before the estimator: a number
       ``c`` for ``[-c, c]`` or a pair ``(low, high)``; the gradient is 0
       outside the bounds. ``low <= high`` (``c >= 0``) is checked when the
       bounds are Python numbers; traced bounds that break it (or are NaN)
       make every estimate NaN.
+    old_log_probs: the sampling policy's log-probabilities of the tokens,
+      broadcastable: weights the estimate by :math:`\pi / \pi_{\text{old}}`.
+    importance_clip: bounds :math:`\log \pi - \log \pi_{\text{old}}`
+      before its ``exp``, as ``clip`` does (e.g. ``(-20, 20)`` as verl clamps;
+      a tighter ``(log 0.8, log 1.2)`` is a PPO-style trust region).
     where: a boolean token mask, broadcastable to the inputs; masked tokens
       give 0 and zero gradients, whatever their values (``-inf`` padding
       included).
@@ -97,7 +137,7 @@ def kl_estimate(
     dtype (computed in at least float32).
 
   Examples:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from kldiv_jax import kl_estimate
     >>> logp = jnp.log(jnp.array([0.5, 0.2, 0.9]))
     >>> ref = jnp.log(jnp.array([0.25, 0.4, 0.9]))
@@ -105,29 +145,46 @@ def kl_estimate(
     Array([0.1931..., 0.3068..., 0. ], dtype=float32)
     >>> kl_estimate(logp, ref, estimator="k1", clip=0.5)
     Array([ 0.5, -0.5,  0. ], dtype=float32)
+    >>> jax.grad(lambda x: kl_estimate(x, ref, estimator="k3+").sum())(logp)  # k2's: delta
+    Array([ 0.6931..., -0.6931...,  0. ], dtype=float32)
+    >>> old = jnp.log(jnp.array([0.25, 0.2, 0.9]))
+    >>> kl_estimate(logp, ref, old_log_probs=old, importance_clip=20.0)  # k3 * (2, 1, 1)
+    Array([0.3862..., 0.3068..., 0. ], dtype=float32)
   """
   name = "kl_estimate"
   check_choice(name, "estimator", estimator, ESTIMATORS)
   bounds = _clip_bounds(name, clip)
-  (logp, ref), out_dtype = promote_and_broadcast(
-    name, ("log_probs", "ref_log_probs"), log_probs, ref_log_probs
-  )
+  weight_bounds = _clip_bounds(name, importance_clip, "importance_clip")
+  arrays = (log_probs, ref_log_probs) + (() if old_log_probs is None else (old_log_probs,))
+  names = ("log_probs", "ref_log_probs", "old_log_probs")[: len(arrays)]
+  promoted, out_dtype = promote_and_broadcast(name, names, *arrays)
+  logp, ref = promoted[0], promoted[1]
+  old = promoted[2] if old_log_probs is not None else None
   # No axis is reduced, so a mask is an element mask (None without ``where``).
   mask, _ = split_where(name, where, logp.shape, ())
   if mask is not None:
     logp = jnp.where(mask, logp, 0.0)
     ref = jnp.where(mask, ref, 0.0)
+    old = None if old is None else jnp.where(mask, old, 0.0)
   delta = logp - ref
   if bounds is not None:
     low, high = (jnp.asarray(b, delta.dtype) for b in bounds)  # a traced bound: any dtype
     delta = jnp.clip(delta, low, high)
-  if estimator == "k1":
-    out = delta
-  elif estimator == "k2":
-    out = 0.5 * delta * delta
-  else:
-    out = exp_minus_one_minus(-delta)
+  base = estimator.rstrip("+")
+  out = _estimate(delta, base)
+  if estimator.endswith("+") and base != "k2":
+    # Straight through: the value of ``base``, the gradient of k2 (verl's kl_penalty).
+    k2 = _estimate(delta, "k2")
+    out = k2 - lax.stop_gradient(k2) + lax.stop_gradient(out)
+  if old is not None:
+    log_w = logp - old
+    if weight_bounds is not None:
+      low, high = (jnp.asarray(b, log_w.dtype) for b in weight_bounds)
+      log_w = jnp.clip(log_w, low, high)
+    out = jnp.exp(log_w) * out
   if mask is not None:
     out = jnp.where(mask, out, 0.0)
   valid = () if bounds is None else (bounds[0] <= bounds[1],)
+  if weight_bounds is not None:
+    valid = (*valid, weight_bounds[0] <= weight_bounds[1])
   return nan_unless(out.astype(out_dtype), *valid)

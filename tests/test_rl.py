@@ -164,3 +164,86 @@ def test_docs_snippet_runs():
   exec(docs_snippet("rl.md", "## A KL penalty against a reference policy"), ns)
   # The k3 estimate is close to the exact KL it estimates.
   np.testing.assert_allclose(ns["estimate"], ns["exact"], rtol=0.3)
+
+
+# ---------------------------------------------------------------- straight-through and
+# importance-corrected estimates
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "k3+", "k2+"])
+def test_straight_through_value_of_k_gradient_of_k2(rng, estimator):
+  """verl's k1+/k3+: the value of k1/k3, the gradient of k2 exactly (with clip and where)."""
+  logp = np.log(rng.dirichlet(np.ones(10))).astype(np.float32)
+  ref = np.log(rng.dirichlet(np.ones(10))).astype(np.float32)
+  where = np.arange(10) != 3
+  base = estimator.rstrip("+")
+  kw = dict(clip=(-1.0, 0.7), where=where)
+  np.testing.assert_array_equal(
+    kl_estimate(logp, ref, estimator=estimator, **kw), kl_estimate(logp, ref, estimator=base, **kw)
+  )
+
+  def grads(est):
+    return jax.grad(lambda a, b: kl_estimate(a, b, estimator=est, **kw).sum(), (0, 1))(logp, ref)
+
+  for got, want in zip(grads(estimator), grads("k2")):
+    np.testing.assert_array_equal(got, want)
+
+
+def _trl_bias_corrected_k3(logp, ref, old, xp=np):
+  """TRL GRPOTrainer with use_bias_correction_kl: per_token_kl * coef_1 (ported)."""
+  per_token_kl = xp.exp(ref - logp) - (ref - logp) - 1
+  coef_1 = xp.exp(logp - old)
+  return per_token_kl * coef_1
+
+
+def test_importance_corrected_k3_matches_trl(x64, rng):
+  logp = np.log(rng.dirichlet(np.ones(12)))
+  ref = np.log(rng.dirichlet(np.ones(12)))
+  old = np.log(rng.dirichlet(np.ones(12)))
+  got = kl_estimate(logp, ref, old_log_probs=old)
+  np.testing.assert_allclose(got, _trl_bias_corrected_k3(logp, ref, old), rtol=1e-12)
+  ours = jax.grad(lambda a, b, c: kl_estimate(a, b, old_log_probs=c).sum(), (0, 1, 2))
+  ref_grads = jax.grad(lambda a, b, c: _trl_bias_corrected_k3(a, b, c, jnp).sum(), (0, 1, 2))
+  for got_g, want_g in zip(ours(logp, ref, old), ref_grads(logp, ref, old)):
+    np.testing.assert_allclose(got_g, want_g, rtol=1e-10, atol=1e-14)
+  # On-policy (old = the policy's log-probs, as values): the weight is 1.
+  np.testing.assert_allclose(kl_estimate(logp, ref, old_log_probs=logp), kl_estimate(logp, ref))
+
+
+def test_importance_clip_bounds_the_log_ratio_before_exp(rng):
+  """Finite inputs never give inf once both log-ratios are clipped; the estimate is the
+  formula at the clipped log-ratios, gradient 0 outside the bounds."""
+  logp = np.array([0.0, -1e4, -3.0, -2.0], np.float32)
+  ref = np.array([-1e4, 0.0, -3.0, -2.5], np.float32)
+  old = np.array([-200.0, 0.0, -1e4, -2.0], np.float32)
+  assert not np.all(np.isfinite(kl_estimate(logp, ref, old_log_probs=old)))  # unclipped
+  out = kl_estimate(logp, ref, clip=20.0, old_log_probs=old, importance_clip=(-20.0, 20.0))
+  assert np.all(np.isfinite(out)) and np.all(np.asarray(out) >= 0)
+  delta = np.clip(logp - ref, -20, 20).astype(np.float64)
+  log_w = np.clip(logp - old, -20, 20).astype(np.float64)
+  want = np.exp(log_w) * (np.exp(-delta) - 1 + delta)
+  np.testing.assert_allclose(out, want, rtol=1e-5)
+  g = jax.grad(
+    lambda a: kl_estimate(a, ref, clip=20.0, old_log_probs=old, importance_clip=20.0).sum()
+  )(logp)
+  assert np.all(np.isfinite(g))
+
+
+def test_k3_never_negative(rng):
+  logp = (5 * rng.normal(size=1000)).astype(np.float32)
+  ref = (5 * rng.normal(size=1000)).astype(np.float32)
+  old = (5 * rng.normal(size=1000)).astype(np.float32)
+  for est in ("k3", "k3+"):
+    out = kl_estimate(logp, ref, estimator=est, old_log_probs=old, importance_clip=10.0)
+    assert np.all(np.asarray(out) >= 0)
+
+
+def test_importance_clip_errors():
+  with pytest.raises(ValueError, match="importance_clip must bound the log-ratio"):
+    kl_estimate(0.0, 0.0, old_log_probs=0.0, importance_clip=(1.0, -1.0))
+  with pytest.raises(ValueError, match="estimator must be one of 'k1', 'k2', 'k3', 'k1\\+'"):
+    kl_estimate(0.0, 0.0, estimator="k4")
+  out = jax.jit(lambda c: kl_estimate(0.0, 0.0, old_log_probs=0.0, importance_clip=(c, -c)))(
+    jnp.float32(1.0)
+  )
+  assert np.isnan(out)
