@@ -22,6 +22,7 @@ from kldiv_jax._optax import kl_divergence as kl_divergence
 from kldiv_jax._optax import kl_divergence_with_log_targets as kl_divergence_with_log_targets
 from kldiv_jax._pointwise import kl_div_pointwise as kl_div_pointwise
 from kldiv_jax._rl import kl_estimate as kl_estimate
+from kldiv_jax._rl import token_log_probs as token_log_probs
 from kldiv_jax._topk import divergence_from_topk as divergence_from_topk
 from kldiv_jax._topk import kl_div_from_topk as kl_div_from_topk
 from kldiv_jax._torch import KLDivLoss as KLDivLoss
@@ -53,4 +54,5 @@ __all__ = [
   "kl_divergence",
   "kl_divergence_with_log_targets",
   "kl_estimate",
+  "token_log_probs",
 ]

@@ -1,12 +1,27 @@
-"""Per-token KL estimators for policy regularisation in RL (PPO, GRPO)."""
+"""Per-token KL estimators and sampled tokens' log-probabilities for RL (PPO, GRPO)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kldiv_jax._checks import check_choice, promote_and_broadcast, real_scalar, split_where
-from kldiv_jax._numerics import nan_unless
+from kldiv_jax._checks import (
+  check_bool,
+  check_choice,
+  check_float,
+  check_softcap,
+  check_temperature,
+  compute_dtype,
+  ids_in_range,
+  index_array,
+  mask_array,
+  promote_and_broadcast,
+  real_scalar,
+  split_where,
+)
+from kldiv_jax._numerics import nan_unless, positive_finite
+from kldiv_jax._tokens import token_rows
+from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
 # "k1+", "k3+": the estimator's value with k2's gradient (verl's straight-through forms).
 ESTIMATORS = ("k1", "k2", "k3", "k1+", "k2+", "k3+")
@@ -188,3 +203,111 @@ def kl_estimate(
   if weight_bounds is not None:
     valid = (*valid, weight_bounds[0] <= weight_bounds[1])
   return nan_unless(out.astype(out_dtype), *valid)
+
+
+def token_log_probs(
+  logits: jax.typing.ArrayLike,
+  token_ids: jax.typing.ArrayLike,
+  *,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  softcap: float | None = None,
+  where: jax.typing.ArrayLike | None = None,
+  return_entropy: bool = False,
+  axis_name: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  r"""Each sampled token's log-probability under ``softmax(logits / T)``, and the entropy.
+
+  With :math:`u = \mathrm{softcap}(z) / T` and :math:`p = \mathrm{softmax}(u)`
+  per token:
+
+  .. math::
+
+     \log p_y = u_y - \log \sum_v e^{u_v}, \qquad H = -\sum_v p_v \log p_v ,
+
+  the quantities PPO/GRPO need for the policy's and the reference model's
+  sampled tokens (with :func:`kl_estimate`), from one pass over the
+  vocabulary and a derivative rule that recomputes the softmax instead of
+  storing it: no ``log_softmax`` array is written, forward or backward.
+  Values and gradients equal ``jnp.take_along_axis(jax.nn.log_softmax(u),
+  y)`` and the entropy of ``p``; the entropy is never below 0 and exactly 0
+  for a one-hot distribution (one finite logit, or one far above the rest).
+
+  Args:
+    logits: ``[..., vocab]`` (bf16/f16 are computed in float32).
+    token_ids: integer ids ``[...]`` (the logits' shape without the class
+      axis). An id outside ``[0, vocab)`` gives NaN (never wrapped or
+      clamped); an id whose logit is ``-inf`` gives ``-inf``.
+    temperature: positive softmax temperature (a traced scalar is allowed and
+      differentiable; NaN unless positive and finite).
+    softcap: soft-cap the logits before the temperature,
+      ``softcap * tanh(z / softcap)`` (``None``: none, at no cost).
+    where: a per-token mask ``[...]``: a masked token gives 0 and zero
+      gradients, whatever its logits and id hold (padding).
+    return_entropy: also return the entropy per token.
+    axis_name: the mesh axis over which the vocabulary is split inside
+      ``jax.shard_map`` (vocabulary parallelism): each device passes its
+      slice of the logits, ``token_ids`` whole; the token's logit comes from
+      the device that holds it and the statistics are combined with
+      ``lax.pmax``/``lax.psum``. The result is replicated over the axis.
+
+  Returns:
+    The log-probabilities ``[...]`` in the logits' dtype; with
+    ``return_entropy``, ``(log_probs, entropy)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import token_log_probs
+    >>> logits = jnp.array([[2.0, 1.0, 0.0], [0.0, 0.0, -jnp.inf]])
+    >>> token_log_probs(logits, jnp.array([0, 1]))
+    Array([-0.4076..., -0.6931...], dtype=float32)
+    >>> token_log_probs(logits, jnp.array([0, 1]), temperature=2.0, return_entropy=True)
+    (Array([-0.6802..., -0.6931...], dtype=float32), Array([1.0201..., 0.6931...], dtype=float32))
+  """
+  name = "token_log_probs"
+  out_dtype = check_float(name, ("logits",), logits)
+  z = jnp.asarray(logits)
+  if z.ndim == 0:
+    raise ValueError(f"{name}: logits must have a class axis, shape [..., vocab]; got a scalar.")
+  ids = index_array(name, "token_ids", token_ids, "token ids")
+  if ids.shape != z.shape[:-1]:
+    raise ValueError(
+      f"{name}: token_ids must have the logits' shape without the class axis, "
+      f"{z.shape[:-1]}; got {ids.shape}."
+    )
+  temperature, _ = check_temperature(name, temperature)
+  cap = check_softcap(name, "softcap", softcap)
+  return_entropy = check_bool(name, "return_entropy", return_entropy)
+  if axis_name is not None:
+    check_axis_name(name, axis_name)
+  token_shape = z.shape[:-1]
+  rows = int(np.prod(token_shape, dtype=np.int64))
+  cdt = compute_dtype(out_dtype)
+  z = z.reshape(rows, z.shape[-1])
+  ids = ids.reshape(rows, 1)
+  mask = None
+  if where is not None:
+    w = mask_array(name, where)
+    if w.shape != token_shape:
+      raise ValueError(f"{name}: where must be a token mask of shape {token_shape}; got {w.shape}.")
+    mask = w.reshape(rows, 1)
+    z = jnp.where(mask, z, 0.0)  # selected away: NaN in a masked token cannot leak
+  if rows == 0 or z.shape[1] == 0:
+    # No classes: every unmasked id is out of range (NaN).
+    keep = jnp.ones((rows,), jnp.bool_) if mask is None else mask[:, 0]
+    log_p = jnp.where(keep, jnp.nan, 0.0).reshape(token_shape).astype(out_dtype)
+    return (log_p, jnp.zeros(token_shape, out_dtype)) if return_entropy else log_p
+  in_range = ids_in_range(ids, global_classes(z.shape[1], axis_name))
+  if mask is not None:
+    in_range = in_range | ~mask
+  safe = jnp.where(in_range, ids, 0).astype(jnp.int32)
+  t = jnp.asarray(temperature).astype(cdt)
+  log_p, entropy = token_rows(z, safe, t, (), axis_name, cap)
+  log_p = nan_unless(log_p, in_range[:, 0])
+  if mask is not None:
+    log_p = jnp.where(mask[:, 0], log_p, 0.0)
+    entropy = jnp.where(mask[:, 0], entropy, 0.0)
+  valid = positive_finite(temperature)
+  log_p = nan_unless(log_p.reshape(token_shape).astype(out_dtype), valid)
+  if not return_entropy:
+    return log_p
+  return log_p, nan_unless(entropy.reshape(token_shape).astype(out_dtype), valid)

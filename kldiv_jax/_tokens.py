@@ -1,0 +1,156 @@
+"""Sampled tokens' log-probabilities and the softmax's entropy, per row of logits.
+
+The kernel of :func:`kldiv_jax.token_log_probs`: for rows ``[rows, classes]`` of
+logits ``z``, ``u = soft_cap(z) / T`` and ``p = softmax(u)``, one pass gives the
+row max ``m``, the sum of exponentials ``s``, the sampled token's ``u`` and, for
+the entropy, ``sum exp(u - m) (u - m)``:
+
+.. math::
+
+   \\log p_y = u_y - m - \\log s, \\qquad
+   H = -\\sum_i p_i \\log p_i = \\log s - \\frac{1}{s}\\sum_i e^{u_i - m}(u_i - m).
+
+The ``jax.custom_jvp`` rule recomputes ``p`` elementwise from those per-row
+statistics (no residual of the vocabulary's size):
+``d log p_y = du_y - sum p du`` and ``dH = -sum p (log p + H) du``. With
+``axis_name`` each device holds a slice of the classes; the statistics are
+combined with ``lax.pmax``/``lax.psum`` and the token's ``u`` comes from the
+device that holds it.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kldiv_jax._checks import compute_dtype
+from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
+from kldiv_jax._rows import (
+  compiled,
+  is_zero,
+  label_hit,
+  map_rows,
+  normalizer,
+  times_slope,
+)
+from kldiv_jax._vocab_parallel import class_offset, global_classes
+
+
+def _capped(z, masks, cap, dtype):
+  """``(soft_cap(z), keep)`` in ``dtype``: the capped logits and which classes have mass."""
+  z = z.astype(dtype)
+  keep = z != -jnp.inf
+  for m in masks:
+    keep = keep & m
+  return soft_cap(z, cap), keep
+
+
+def _shifted(zc, keep, top, temperature):
+  """``x = (soft_cap(z) - top) / T``: exactly 0 at the row's largest logit (the shift comes
+  before the division, so no rounding of ``z / T`` can move it), ``-inf`` without mass."""
+  return jnp.where(keep, jnp.where(keep, zc - top, 0.0) / temperature, -jnp.inf)
+
+
+def _row_max(zc, keep):
+  """The row max of the capped logits with mass, ``-inf`` without any."""
+  return jnp.max(jnp.where(keep, zc, -jnp.inf), axis=-1, keepdims=True)
+
+
+def _stats(axis_name, cap, z, ids, temperature, masks):
+  dtype = temperature.dtype
+  if axis_name is not None:  # ids of this device's classes; the others hit nothing
+    ids = ids - class_offset(axis_name, z.shape[1]).astype(ids.dtype)
+
+  def sums(z, ids, top, *masks):
+    zc, keep = _capped(z, masks, cap, dtype)
+    x = _shifted(zc, keep, top, temperature)
+    e = jnp.exp(x)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    picked = jnp.sum(jnp.where(label_hit(ids, x.shape), x, 0.0), axis=-1, keepdims=True)
+    centred = jnp.sum(e * jnp.where(keep, x, 0.0), axis=-1, keepdims=True)
+    return s, picked, centred
+
+  num_classes = global_classes(z.shape[1], axis_name)
+  if axis_name is None:
+
+    def fn(z, ids, *masks):
+      top = lax.stop_gradient(max_shift(_row_max(*_capped(z, masks, cap, dtype))))
+      return (top, *sums(z, ids, top, *masks))
+
+    top, s, picked, centred = map_rows(fn, (z, ids, *masks), z.shape[0], num_classes)
+  else:
+
+    def tops(z, *masks):
+      return (_row_max(*_capped(z, masks, cap, dtype)),)
+
+    (top,) = map_rows(tops, (z, *masks), z.shape[0], num_classes)
+    top = lax.stop_gradient(max_shift(lax.pmax(top, axis_name)))
+    s, picked, centred = map_rows(sums, (z, ids, top, *masks), z.shape[0], num_classes)
+    s, picked, centred = lax.psum((s, picked, centred), axis_name)
+  has, inv_s, log_s = normalizer(s)
+  log_p = jnp.where(has, picked - log_s, 0.0)
+  entropy = jnp.where(has, nonnegative(log_s - centred * inv_s), 0.0)
+  return log_p[:, 0], entropy[:, 0], (top, log_s, ids)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel(axis_name, cap, z, ids, temperature, masks):
+  log_p, entropy, _ = _stats(axis_name, cap, z, ids, temperature, masks)
+  return log_p, entropy
+
+
+def _kernel_jvp(axis_name, cap, primals, tangents):
+  z, ids, temperature, masks = primals
+  dz, _, dtemp, _ = tangents
+  log_p, entropy, (top, log_s, local_ids) = _stats(axis_name, cap, z, ids, temperature, masks)
+  zeros = jnp.zeros_like(log_p)
+  if is_zero(dz) and is_zero(dtemp):
+    return (log_p, entropy), (zeros, zeros)
+  zc, keep = _capped(z, masks, cap, temperature.dtype)
+  x = _shifted(zc, keep, top, temperature)
+  lp = jnp.where(keep, x - log_s, 0.0)  # log p, 0 without mass
+  p = jnp.where(keep, jnp.exp(lp), 0.0)
+  hit = label_hit(local_ids, x.shape).astype(p.dtype)
+  # Derivatives wrt u = soft_cap(z) / T of log p_y and of H (each sums to 0 over the classes).
+  g_lp = hit - p
+  g_h = -p * (lp + entropy[:, None])
+  d_lp = jnp.zeros_like(log_p[:, None])
+  d_h = jnp.zeros_like(d_lp)
+  if not is_zero(dz):
+    dzc = dz.astype(p.dtype)
+    d_lp = d_lp + jnp.sum(times_slope(g_lp, zc, cap) * dzc, -1, keepdims=True) / temperature
+    d_h = d_h + jnp.sum(times_slope(g_h, zc, cap) * dzc, -1, keepdims=True) / temperature
+  if not is_zero(dtemp):
+    # du/dT = -u/T; the gradients sum to 0, so the shifted x gives the same (exactly).
+    x0 = jnp.where(keep, x, 0.0)
+    scale = -dtemp / temperature
+    d_lp = d_lp + jnp.sum(g_lp * x0, -1, keepdims=True) * scale
+    d_h = d_h + jnp.sum(g_h * x0, -1, keepdims=True) * scale
+  if axis_name is not None:
+    d_lp, d_h = lax.psum((d_lp, d_h), axis_name)
+  return (log_p, entropy), (d_lp[:, 0], d_h[:, 0])
+
+
+_kernel.defjvp(_kernel_jvp, symbolic_zeros=True)
+_kernel = compiled(_kernel, static_argnums=(0, 1))
+
+
+def token_rows(
+  z: jax.Array,
+  ids: jax.Array,
+  temperature: jax.Array,
+  masks: tuple[jax.Array, ...] = (),
+  axis_name: str | None = None,
+  cap: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """``(log p_y, H)`` per row of ``[rows, classes]`` logits at temperature ``temperature``.
+
+  ``ids`` are ``[rows, 1]`` int32 global class indices in range (the caller
+  tests it); ``masks`` boolean ``[rows or 1, classes or 1]`` (masked classes
+  leave the softmax). A row without mass gives 0 and 0; a token on a class
+  without mass gives ``-inf``. The computation runs in ``temperature``'s
+  dtype (at least float32).
+  """
+  temperature = temperature.astype(compute_dtype(temperature.dtype))
+  return _kernel(axis_name, cap, z, ids, temperature, tuple(masks))
