@@ -25,10 +25,12 @@ from kldiv_jax._checks import (
   check_float,
   check_int,
   check_normalizer,
+  check_softcap,
   check_temperature,
   check_unit_interval,
   compute_dtype,
   ids_differ,
+  ids_in_range,
   index_array,
   mask_array,
 )
@@ -42,10 +44,16 @@ from kldiv_jax._distill import (
 from kldiv_jax._divergence_api import Divergence, check_softcaps
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
-from kldiv_jax._rows import compiled, shared_classes
+from kldiv_jax._rows import compiled, shared_classes, times_slope
 from kldiv_jax._sparse import topk_rows
+from kldiv_jax._tokens import class_derivatives, token_stats
 from kldiv_jax._topk import TAILS, check_ids, check_teacher_vocab, topk_teacher
-from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name
+from kldiv_jax._vocab_parallel import (
+  VOCAB_PARALLEL_PADDING,
+  check_axis_name,
+  class_offset,
+  global_classes,
+)
 
 # Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -128,22 +136,7 @@ def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tok
     return (loss, *parts), gh, dz, jnp.sum(dz, axis=0)
 
   def add_weight_grad(grad_w, hc, dz):
-    # grad_w += hc^T dz, a block of vocabulary columns at a time: a dot writes
-    # a fresh buffer, so a whole [H, V] product would be a second [H, V] array.
-    # Vocabulary parallel: a device's slice of the unsharded call's blocks.
-    shards = 1 if axis_name is None else lax.axis_size(axis_name)
-    block = min(w.shape[1], max(1, _GRAD_W_BLOCK // shards))
-    num_blocks, rest = divmod(w.shape[1], block)
-
-    def one(j, grad_w, width):
-      cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
-      gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=acc)
-      return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
-
-    grad_w = lax.fori_loop(0, num_blocks, lambda k, g: one(k * block, g, block), grad_w)
-    if rest:
-      grad_w = one(num_blocks * block, grad_w, rest)
-    return grad_w
+    return _add_weight_grad(grad_w, hc, dz, axis_name, acc)
 
   # ``full_like``: inside jax.shard_map, loop carries keep the mesh axes their
   # values vary over (the loss those of the tokens, the head's gradients the
@@ -213,6 +206,115 @@ def _zero_cotangent(x):
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 _fused = compiled(_fused, static_argnums=0)
+
+
+def _add_weight_grad(grad_w, hc, dz, axis_name, acc):
+  """``grad_w += hc^T dz``, a block of vocabulary columns at a time: a dot writes a fresh
+  buffer, so a whole ``[H, V]`` product would be a second ``[H, V]`` array.
+  Vocabulary parallel: a device's slice of the unsharded call's blocks."""
+  shards = 1 if axis_name is None else lax.axis_size(axis_name)
+  block = min(grad_w.shape[1], max(1, _GRAD_W_BLOCK // shards))
+  num_blocks, rest = divmod(grad_w.shape[1], block)
+
+  def one(j, grad_w, width):
+    cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
+    gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
+
+  grad_w = lax.fori_loop(0, num_blocks, lambda k, g: one(k * block, g, block), grad_w)
+  if rest:
+    grad_w = one(num_blocks * block, grad_w, rest)
+  return grad_w
+
+
+def _chunks(n, chunk, body, carry, tail):
+  """``body(start, size, carry)`` over the chunks of ``n`` rows: a ``fori_loop`` over the
+  full chunks, then ``tail(start, size, carry)`` for the uneven last one (static shapes)."""
+  num_full = n // chunk
+  if num_full:
+    carry = lax.fori_loop(0, num_full, lambda i, c: body(i * chunk, chunk, c), carry)
+  if num_full * chunk < n:
+    carry = tail(num_full * chunk, n - num_full * chunk, carry)
+  return carry
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused_tokens(static, h, w, b, ids, temperature, mask):
+  return _fused_tokens_fwd(static, h, w, b, ids, temperature, mask)[0]
+
+
+def _token_chunk(static, hc, w, b, idc, temperature, mc, acc):
+  _, axis_name, cap = static
+  z = _matmul(hc, w, b, acc)
+  log_p, entropy, (top, log_s, _) = token_stats(axis_name, cap, z, idc, temperature, (mc,))
+  return z, log_p, entropy, top[:, 0], log_s[:, 0]
+
+
+def _fused_tokens_fwd(static, h, w, b, ids, temperature, mask):
+  chunk = static[0]
+  n, acc = h.shape[0], temperature.dtype
+  zero = _token_zero(h, ids, mask).astype(acc)
+  outs = tuple(lax.full_like(mask[:, 0], 0, acc) + zero for _ in range(4))
+
+  def part(start, size, outs, dynamic=True):
+    rows = (
+      (lambda a: lax.dynamic_slice_in_dim(a, start, size, axis=0))
+      if dynamic
+      else (lambda a: a[start : start + size])
+    )
+    _, *res = _token_chunk(static, rows(h), w, b, rows(ids), temperature, rows(mask), acc)
+    return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
+
+  outs = _chunks(n, chunk, part, outs, lambda s, k, c: part(s, k, c, dynamic=False))
+  log_p, entropy, top, log_s = outs
+  return (log_p, entropy), (h, w, b, ids, temperature, mask, top, log_s, entropy)
+
+
+def _fused_tokens_bwd(static, residuals, g):
+  chunk, axis_name, cap = static
+  h, w, b, ids, temperature, mask, top, log_s, entropy = residuals
+  g_lp, g_h = g
+  n, acc = h.shape[0], temperature.dtype
+  grad_h = lax.full_like(h, 0, acc)
+  grad_w = lax.full_like(w, 0, acc)
+  grad_b = lax.full_like(w, 0, acc, shape=w.shape[1:])
+  local = ids if axis_name is None else ids - class_offset(axis_name, w.shape[1]).astype(ids.dtype)
+
+  def part(start, size, carry, dynamic=True):
+    grad_h, grad_w, grad_b = carry
+    rows = (
+      (lambda a: lax.dynamic_slice_in_dim(a, start, size, axis=0))
+      if dynamic
+      else (lambda a: a[start : start + size])
+    )
+    hc = rows(h)
+    z = _matmul(hc, w, b, acc)
+    stats = (rows(top)[:, None], rows(log_s)[:, None], rows(entropy))
+    d_lp, d_h, zc, _, _ = class_derivatives(z, rows(local), temperature, (rows(mask),), cap, stats)
+    dz = d_lp * rows(g_lp).astype(acc)[:, None] + d_h * rows(g_h).astype(acc)[:, None]
+    dz = times_slope(dz, zc, cap) / temperature
+    gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+    if axis_name is not None:  # each device holds a slice of the head: sum the parts
+      gh = lax.psum(gh, axis_name)
+    grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
+    grad_w = _add_weight_grad(grad_w, hc, dz, axis_name, acc)
+    return grad_h, grad_w, grad_b + jnp.sum(dz, axis=0)
+
+  grad_h, grad_w, grad_b = _chunks(
+    n, chunk, part, (grad_h, grad_w, grad_b), lambda s, k, c: part(s, k, c, dynamic=False)
+  )
+  return (
+    grad_h.astype(h.dtype),
+    grad_w.astype(w.dtype),
+    None if b is None else grad_b.astype(b.dtype),
+    _zero_cotangent(ids),
+    jnp.zeros_like(temperature),
+    _zero_cotangent(mask),
+  )
+
+
+_fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
+_fused_tokens = compiled(_fused_tokens, static_argnums=0)
 
 
 def _token_zero(*token_arrays):
@@ -724,3 +826,118 @@ def fused_topk_distillation_loss(
   options = _options(locals())
   teacher = (topk_indices, topk_log_probs, tail, teacher_vocab_size)
   return _fused_loss("fused_topk_distillation_loss", hidden, weight, bias, "topk", teacher, options)
+
+
+def fused_token_log_probs(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  token_ids: jax.typing.ArrayLike,
+  *,
+  bias: jax.typing.ArrayLike | None = None,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  softcap: float | None = None,
+  where: jax.typing.ArrayLike | None = None,
+  return_entropy: bool = False,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  r"""Sampled tokens' log-probabilities (and the entropy) from hidden states and an LM head.
+
+  :func:`token_log_probs` of the logits :math:`z = h W + b`, computed
+  ``chunk_size`` tokens at a time: no ``[tokens, vocab]`` array exists,
+  forward or backward. The forward pass keeps two per-token statistics (the
+  row max and the log-normaliser); the backward pass recomputes each chunk's
+  logits from them and folds the chunk's gradient into the gradients wrt
+  ``hidden``, ``weight`` and ``bias`` at once, the weight's a block of
+  vocabulary columns at a time (as the fused distillation losses do). PPO and
+  GRPO need these for the policy's and the reference model's sampled tokens
+  (see :func:`kl_estimate`); Liger Kernel's fused linear cross entropy is the
+  same design.
+
+  Values and gradients (wrt ``hidden``, ``weight`` and ``bias``, through both
+  outputs) equal the materialised computation; ``temperature`` receives no
+  gradient (zeros). Reverse mode only (``jax.grad``, ``vjp``); use
+  :func:`token_log_probs` on logits for ``jvp`` or Hessians. Matmuls
+  accumulate in float32 (``preferred_element_type``); results come back in
+  the promoted dtype of ``hidden`` and ``weight``.
+
+  Args:
+    hidden: hidden states ``[..., H]``.
+    weight: the LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
+    token_ids: the sampled token ids ``hidden.shape[:-1]``: an id outside
+      ``[0, V)`` gives NaN.
+    bias: optional bias ``[V]``.
+    temperature: positive softmax temperature (a traced scalar is allowed;
+      NaN unless positive and finite).
+    softcap: soft-cap the logits before the temperature (``None``: none).
+    where: a per-token mask ``hidden.shape[:-1]``: a masked token gives 0
+      and zero gradients.
+    return_entropy: also return the entropy per token.
+    chunk_size: tokens per chunk; ``None`` picks a power of two giving about
+      ``2**22`` logits per chunk.
+    axis_name: the mesh axis over which the V axis of ``weight`` and ``bias``
+      is split inside ``jax.shard_map`` (hidden states and ids whole): each
+      device computes its slice of every chunk's logits; the statistics are
+      combined with ``lax.pmax``/``lax.psum``, the token's logit comes from
+      the device that holds it, the gradient wrt ``hidden`` is summed over
+      the axis and those wrt ``weight`` and ``bias`` stay local slices. No
+      all-gather; the result is replicated over ``axis_name``.
+
+  Returns:
+    The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``,
+    ``(log_probs, entropy)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import fused_token_log_probs, token_log_probs
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
+    >>> ids = jax.random.randint(k3, (6,), 0, 10)
+    >>> fused = fused_token_log_probs(h, w, ids, temperature=0.7, chunk_size=4)
+    >>> bool(jnp.allclose(fused, token_log_probs(h @ w, ids, temperature=0.7), atol=1e-6))
+    True
+  """
+  name = "fused_token_log_probs"
+  out_dtype = _check_linear(name, "student", hidden, weight, bias)
+  ids = index_array(name, "token_ids", token_ids, "token ids")
+  token_shape = tuple(np.shape(hidden)[:-1])
+  if ids.shape != token_shape:
+    raise ValueError(
+      f"{name}: token_ids must have shape hidden.shape[:-1] = {token_shape}; got {ids.shape}."
+    )
+  temperature, _ = check_temperature(name, temperature)
+  cap = check_softcap(name, "softcap", softcap)
+  return_entropy = check_bool(name, "return_entropy", return_entropy)
+  num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
+  n = int(np.prod(token_shape, dtype=np.int64))
+  cdt = compute_dtype(out_dtype)
+  vocab = np.shape(weight)[1]
+  chunk = _check_chunk(name, chunk_size, n, vocab * num_shards)
+  mask = _token_mask(name, where, token_shape, n)
+  ids = ids.reshape(n, 1)
+  in_range = ids_in_range(ids, global_classes(vocab, axis_name)) | ~mask
+  safe = jnp.where(in_range, ids, 0).astype(jnp.int32)
+  valid = positive_finite(temperature)
+  if n == 0 or vocab == 0:
+    log_p = jnp.where(mask[:, 0], jnp.nan, 0.0).reshape(token_shape).astype(out_dtype)
+    zeros = jnp.zeros(token_shape, out_dtype)
+    return (log_p, zeros) if return_entropy else log_p
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+  w_arr = jnp.asarray(weight)
+  b_arr = None if bias is None else jnp.asarray(bias)
+  # Inside jax.shard_map with the tokens split: the head varies like the tokens (see
+  # fused_distillation_loss), so its gradient is summed over their axes.
+  zero = _token_zero(h, safe, mask)
+  w_arr = w_arr + zero.astype(w_arr.dtype)
+  if b_arr is not None:
+    b_arr = b_arr + zero.astype(b_arr.dtype)
+  t = jnp.asarray(temperature, cdt)
+  out = _fused_tokens((chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask)
+  log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
+  log_p = nan_unless(log_p, in_range[:, 0])
+  log_p = jnp.where(mask[:, 0], log_p, 0.0).reshape(token_shape).astype(out_dtype)
+  log_p = nan_unless(log_p, valid)
+  if not return_entropy:
+    return log_p
+  entropy = jnp.where(mask[:, 0], entropy, 0.0).reshape(token_shape).astype(out_dtype)
+  return log_p, nan_unless(entropy, valid)

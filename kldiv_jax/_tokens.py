@@ -57,7 +57,7 @@ def _row_max(zc, keep):
   return jnp.max(jnp.where(keep, zc, -jnp.inf), axis=-1, keepdims=True)
 
 
-def _stats(axis_name, cap, z, ids, temperature, masks):
+def token_stats(axis_name, cap, z, ids, temperature, masks):
   dtype = temperature.dtype
   if axis_name is not None:  # ids of this device's classes; the others hit nothing
     ids = ids - class_offset(axis_name, z.shape[1]).astype(ids.dtype)
@@ -94,31 +94,40 @@ def _stats(axis_name, cap, z, ids, temperature, masks):
   return log_p[:, 0], entropy[:, 0], (top, log_s, ids)
 
 
+def class_derivatives(z, local_ids, temperature, masks, cap, stats):
+  """Per class, the derivatives of ``log p_y`` and of ``H`` wrt ``u = soft_cap(z) / T``,
+  ``hit - p`` and ``-p (log p + H)`` (each sums to 0 over the classes), from the per-row
+  ``stats = (top, log s, H)`` of :func:`token_stats`; also ``(soft_cap(z), x, keep)``.
+  """
+  top, log_s, entropy = stats
+  zc, keep = _capped(z, masks, cap, temperature.dtype)
+  x = _shifted(zc, keep, top, temperature)
+  lp = jnp.where(keep, x - log_s, 0.0)  # log p, 0 without mass
+  p = jnp.where(keep, jnp.exp(lp), 0.0)
+  hit = label_hit(local_ids, x.shape).astype(p.dtype)
+  return hit - p, -p * (lp + entropy.reshape(-1, 1)), zc, x, keep
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _kernel(axis_name, cap, z, ids, temperature, masks):
-  log_p, entropy, _ = _stats(axis_name, cap, z, ids, temperature, masks)
+  log_p, entropy, _ = token_stats(axis_name, cap, z, ids, temperature, masks)
   return log_p, entropy
 
 
 def _kernel_jvp(axis_name, cap, primals, tangents):
   z, ids, temperature, masks = primals
   dz, _, dtemp, _ = tangents
-  log_p, entropy, (top, log_s, local_ids) = _stats(axis_name, cap, z, ids, temperature, masks)
+  log_p, entropy, (top, log_s, local_ids) = token_stats(axis_name, cap, z, ids, temperature, masks)
   zeros = jnp.zeros_like(log_p)
   if is_zero(dz) and is_zero(dtemp):
     return (log_p, entropy), (zeros, zeros)
-  zc, keep = _capped(z, masks, cap, temperature.dtype)
-  x = _shifted(zc, keep, top, temperature)
-  lp = jnp.where(keep, x - log_s, 0.0)  # log p, 0 without mass
-  p = jnp.where(keep, jnp.exp(lp), 0.0)
-  hit = label_hit(local_ids, x.shape).astype(p.dtype)
-  # Derivatives wrt u = soft_cap(z) / T of log p_y and of H (each sums to 0 over the classes).
-  g_lp = hit - p
-  g_h = -p * (lp + entropy[:, None])
+  g_lp, g_h, zc, x, keep = class_derivatives(
+    z, local_ids, temperature, masks, cap, (top, log_s, entropy)
+  )
   d_lp = jnp.zeros_like(log_p[:, None])
   d_h = jnp.zeros_like(d_lp)
   if not is_zero(dz):
-    dzc = dz.astype(p.dtype)
+    dzc = dz.astype(g_lp.dtype)
     d_lp = d_lp + jnp.sum(times_slope(g_lp, zc, cap) * dzc, -1, keepdims=True) / temperature
     d_h = d_h + jnp.sum(times_slope(g_h, zc, cap) * dzc, -1, keepdims=True) / temperature
   if not is_zero(dtemp):

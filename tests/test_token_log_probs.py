@@ -126,3 +126,99 @@ def test_vocab_parallel_equals_unsharded(cpu_devices):
   want = jax.jit(jax.value_and_grad(loss, (0, 1)))(z, jnp.float32(1.5))
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- from hidden states
+
+
+def _head(rng, tokens=11, hidden=6, vocab=24, dtype=np.float32):
+  f = lambda *shape: (1.5 * rng.normal(size=shape)).astype(dtype)  # noqa: E731
+  return f(tokens, hidden), f(hidden, vocab), f(vocab), rng.integers(0, vocab, size=tokens)
+
+
+@pytest.mark.parametrize(("temperature", "cap", "chunk"), [(1.0, None, 4), (0.6, 3.0, 5)])
+def test_fused_equals_materialised(rng, temperature, cap, chunk):
+  """Values and gradients wrt hidden, weight and bias through both outputs, with a mask."""
+  h, w, b, ids = _head(rng)
+  where = np.arange(11) != 4
+  a, c = rng.normal(size=11).astype(np.float32), rng.normal(size=11).astype(np.float32)
+  kw = dict(temperature=temperature, softcap=cap, where=where, return_entropy=True)
+
+  def fused(h, w, b):
+    lp, ent = kd.fused_token_log_probs(h, w, ids, bias=b, chunk_size=chunk, **kw)
+    return jnp.sum(a * lp + c * ent), (lp, ent)
+
+  def materialised(h, w, b):
+    lp, ent = kd.token_log_probs(h @ w + b[None], ids, **kw)
+    return jnp.sum(a * lp + c * ent), (lp, ent)
+
+  got = jax.jit(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))(h, w, b)
+  want = jax.jit(jax.value_and_grad(materialised, (0, 1, 2), has_aux=True))(h, w, b)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
+  # Against float64 NumPy too.
+  z = h.astype(np.float64) @ w.astype(np.float64) + b
+  want_lp, want_h = _reference(z, ids, temperature, cap)
+  np.testing.assert_allclose(got[0][1][0], np.where(where, want_lp, 0), rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(got[0][1][1], np.where(where, want_h, 0), rtol=2e-5, atol=2e-6)
+
+
+def test_fused_memory_has_no_logits_array():
+  """value_and_grad wrt hidden and weight: compiled temp far below one [tokens, vocab] array."""
+  n, hidden, vocab = 2048, 64, 16384
+  args = (
+    jax.ShapeDtypeStruct((n, hidden), jnp.float32),
+    jax.ShapeDtypeStruct((hidden, vocab), jnp.float32),
+    jax.ShapeDtypeStruct((n,), jnp.int32),
+  )
+
+  def loss(h, w, ids):
+    lp, ent = kd.fused_token_log_probs(h, w, ids, return_entropy=True, chunk_size=128)
+    return jnp.sum(lp) + jnp.sum(ent)
+
+  temp = jax.jit(jax.grad(loss, (0, 1))).lower(*args).compile().memory_analysis()
+  assert temp.temp_size_in_bytes < 0.2 * n * vocab * 4, temp.temp_size_in_bytes
+
+
+def test_fused_errors_and_out_of_range(rng):
+  h, w, _, ids = _head(rng)
+  ids = ids.copy()
+  ids[2] = 24
+  lp = kd.fused_token_log_probs(h, w, ids)
+  assert np.isnan(lp[2]) and np.all(np.isfinite(np.delete(np.asarray(lp), 2)))
+  with pytest.raises(ValueError, match="token_ids must have shape"):
+    kd.fused_token_log_probs(h, w, ids[:3])
+  with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+    kd.fused_token_log_probs(h, w, ids, chunk_size=0)
+
+
+@pytest.mark.multidevice
+def test_fused_vocab_parallel_equals_unsharded(cpu_devices):
+  rng = np.random.default_rng(7)
+  mesh = jax.sharding.Mesh(np.array(cpu_devices), ("vocab",))
+  h, w, b, ids = _head(rng, vocab=32)
+
+  def loss(h, w, b, axis_name=None):
+    lp, ent = kd.fused_token_log_probs(
+      h,
+      w,
+      ids,
+      bias=b,
+      temperature=1.3,
+      softcap=4.0,
+      return_entropy=True,
+      chunk_size=4,
+      axis_name=axis_name,
+    )
+    return jnp.sum(lp) + 0.5 * jnp.sum(ent)
+
+  sharded = jax.shard_map(
+    lambda h, w, b: loss(h, w, b, "vocab"),
+    mesh=mesh,
+    in_specs=(P(), P(None, "vocab"), P("vocab")),
+    out_specs=P(),
+  )
+  got = jax.jit(jax.value_and_grad(sharded, (0, 1, 2)))(h, w, b)
+  want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
