@@ -311,3 +311,121 @@ def token_log_probs(
   if not return_entropy:
     return log_p
   return log_p, nan_unless(entropy.reshape(token_shape).astype(out_dtype), valid)
+
+
+def _token_arrays(name, names, arrays, where):
+  """The arrays promoted and broadcast, and ``where`` as an element mask (or ``None``)."""
+  out, out_dtype = promote_and_broadcast(name, names, *arrays)
+  mask, _ = split_where(name, where, out[0].shape, ())
+  if mask is not None:
+    out = [jnp.where(mask, a, 0.0) for a in out]
+  return out, mask, out_dtype
+
+
+def distillation_advantages(
+  student_log_probs: jax.typing.ArrayLike,
+  teacher_log_probs: jax.typing.ArrayLike,
+  *,
+  sampling_log_probs: jax.typing.ArrayLike | None = None,
+  importance_cap: float | None = None,
+  where: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""Per-token advantages of on-policy distillation: the negative reverse-KL estimate.
+
+  For tokens :math:`a` sampled from the student, the per-token advantage is
+
+  .. math::
+
+     A = -\big(\log \pi_{\text{student}}(a) - \log \pi_{\text{teacher}}(a)\big),
+
+  the negative of the single-sample (k1) estimate of
+  :math:`\mathrm{KL}(\pi_{\text{student}} \,\|\, \pi_{\text{teacher}})`: a policy
+  gradient with this advantage minimises the reverse KL to the teacher
+  (Thinking Machines' on-policy distillation; TRL's distillation trainer).
+  When the tokens were sampled by another policy (a stale copy, an inference
+  engine's numerics), ``sampling_log_probs`` weights each advantage by the
+  truncated importance ratio :math:`\min(\pi_{\text{student}}(a) /
+  \pi_{\text{sampling}}(a), C)` (TRL's ``vllm_importance_sampling_cap``,
+  ``importance_cap`` = :math:`C`; the log-ratio is clipped at :math:`\log C`
+  before the ``exp``). Advantages carry no gradient (``stop_gradient``), as a
+  policy gradient needs.
+
+  Args:
+    student_log_probs: the student's log-probabilities of the sampled tokens
+      (e.g. from :func:`token_log_probs`), ``[batch, seq]``.
+    teacher_log_probs: the teacher's, broadcastable.
+    sampling_log_probs: the sampling policy's, broadcastable; ``None``: the
+      student sampled them (no weight).
+    importance_cap: the truncation :math:`C > 0` of the importance ratio
+      (``None``: not truncated; then the log-ratio is only clipped at 80 so
+      the weight stays finite in float32).
+    where: a token mask: masked tokens get 0.
+
+  Returns:
+    The advantages, of the broadcast shape and promoted dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import distillation_advantages
+    >>> student = jnp.log(jnp.array([0.5, 0.2, 0.9]))
+    >>> teacher = jnp.log(jnp.array([0.25, 0.4, 0.9]))
+    >>> distillation_advantages(student, teacher)
+    Array([-0.6931...,  0.6931...,  0. ], dtype=float32)
+    >>> sampling = jnp.log(jnp.array([0.25, 0.4, 0.9]))
+    >>> distillation_advantages(student, teacher, sampling_log_probs=sampling, importance_cap=1.5)
+    Array([-1.0397...,  0.3465...,  0. ], dtype=float32)
+  """
+  name = "distillation_advantages"
+  arrays = (student_log_probs, teacher_log_probs)
+  names = ("student_log_probs", "teacher_log_probs")
+  if sampling_log_probs is not None:
+    arrays, names = (*arrays, sampling_log_probs), (*names, "sampling_log_probs")
+  if importance_cap is not None:
+    cap, static = real_scalar(name, "importance_cap", importance_cap)
+    if static and not (np.isfinite(cap) and cap > 0):
+      raise ValueError(f"{name}: importance_cap must be positive and finite; got {cap!r}.")
+  out, mask, out_dtype = _token_arrays(name, names, arrays, where)
+  advantage = out[1] - out[0]
+  valid = ()
+  if sampling_log_probs is not None:
+    high = 80.0 if importance_cap is None else jnp.log(jnp.asarray(importance_cap, out[0].dtype))
+    advantage = jnp.exp(jnp.minimum(out[0] - out[2], high)) * advantage
+    if importance_cap is not None and not isinstance(importance_cap, (int, float)):
+      valid = (positive_finite(jnp.asarray(importance_cap)),)
+  if mask is not None:
+    advantage = jnp.where(mask, advantage, 0.0)
+  return nan_unless(lax.stop_gradient(advantage).astype(out_dtype), *valid)
+
+
+def sequence_sum(
+  values: jax.typing.ArrayLike, *, where: jax.typing.ArrayLike | None = None
+) -> jax.Array:
+  """The sum over each sequence's valid tokens (the last axis), ``[batch, seq] -> [batch]``.
+
+  Masked tokens are selected away (a NaN or ``-inf`` there cannot leak).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import sequence_sum
+    >>> sequence_sum(jnp.array([[1.0, 2.0, 9.0]]), where=jnp.array([[True, True, False]]))
+    Array([3.], dtype=float32)
+  """
+  (x,), _, out_dtype = _token_arrays("sequence_sum", ("values",), (values,), where)
+  return jnp.sum(x, axis=-1).astype(out_dtype)
+
+
+def sequence_mean(
+  values: jax.typing.ArrayLike, *, where: jax.typing.ArrayLike | None = None
+) -> jax.Array:
+  """The mean over each sequence's valid tokens (the last axis), ``[batch, seq] -> [batch]``;
+  0 for a sequence without valid tokens (GRPO's per-sequence average).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import sequence_mean
+    >>> sequence_mean(jnp.array([[1.0, 2.0, 9.0]]), where=jnp.array([[True, True, False]]))
+    Array([1.5], dtype=float32)
+  """
+  (x,), mask, out_dtype = _token_arrays("sequence_mean", ("values",), (values,), where)
+  count = x.shape[-1] if mask is None else jnp.sum(mask, axis=-1)
+  return (jnp.sum(x, axis=-1) / jnp.maximum(count, 1)).astype(out_dtype)

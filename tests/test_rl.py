@@ -10,6 +10,7 @@ import pytest
 from _references import docs_snippet
 from jax.test_util import check_grads
 
+import kldiv_jax as kd
 from kldiv_jax import kl_estimate
 from kldiv_jax._rl import exp_minus_one_minus
 
@@ -247,3 +248,45 @@ def test_importance_clip_errors():
     jnp.float32(1.0)
   )
   assert np.isnan(out)
+
+
+# ---------------------------------------------------------------- on-policy distillation
+
+
+def test_distillation_advantages_match_float64(x64, rng):
+  """-(log pi_s - log pi_t), times TRL's truncated importance ratio min(pi_s / pi_sampling, C);
+  no gradient; masked tokens 0."""
+  student = np.log(rng.dirichlet(np.ones(10)))
+  teacher = np.log(rng.dirichlet(np.ones(10)))
+  sampling = np.log(rng.dirichlet(np.ones(10)))
+  where = np.arange(10) != 2
+  got = kd.distillation_advantages(student, teacher, where=where)
+  np.testing.assert_allclose(got, np.where(where, teacher - student, 0.0), rtol=1e-13)
+  got = kd.distillation_advantages(
+    student, teacher, sampling_log_probs=sampling, importance_cap=2.0, where=where
+  )
+  weight = np.minimum(np.exp(student - sampling), 2.0)
+  np.testing.assert_allclose(got, np.where(where, weight * (teacher - student), 0.0), rtol=1e-12)
+  grad = jax.grad(
+    lambda s: kd.distillation_advantages(s, teacher, sampling_log_probs=sampling).sum()
+  )(student)
+  assert not np.any(np.asarray(grad))
+  huge = kd.distillation_advantages(
+    np.float32(0.0), np.float32(-1.0), sampling_log_probs=np.float32(-1e4)
+  )
+  assert np.isfinite(huge)
+  with pytest.raises(ValueError, match="importance_cap must be positive"):
+    kd.distillation_advantages(student, teacher, sampling_log_probs=sampling, importance_cap=0.0)
+
+
+def test_sequence_sum_and_mean(rng):
+  x = rng.normal(size=(3, 5)).astype(np.float32)
+  x[1, 4] = np.nan  # masked: cannot leak
+  where = np.ones((3, 5), bool)
+  where[1, 3:] = False
+  where[2] = False
+  np.testing.assert_allclose(kd.sequence_sum(x, where=where), np.where(where, x, 0).sum(-1))
+  want = np.where(where, x, 0).sum(-1) / np.maximum(where.sum(-1), 1)
+  np.testing.assert_allclose(kd.sequence_mean(x, where=where), want, rtol=1e-6)
+  assert kd.sequence_mean(x, where=where)[2] == 0
+  np.testing.assert_allclose(kd.sequence_mean(x[:1]), x[:1].mean(-1), rtol=1e-6)
