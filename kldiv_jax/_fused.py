@@ -837,6 +837,7 @@ def fused_token_log_probs(
   temperature: float | jax.typing.ArrayLike = 1.0,
   softcap: float | None = None,
   where: jax.typing.ArrayLike | None = None,
+  ignore_index: int | None = None,
   return_entropy: bool = False,
   chunk_size: int | None = None,
   axis_name: str | None = None,
@@ -872,6 +873,8 @@ def fused_token_log_probs(
     softcap: soft-cap the logits before the temperature (``None``: none).
     where: a per-token mask ``hidden.shape[:-1]``: a masked token gives 0
       and zero gradients.
+    ignore_index: a token id meaning "no token" (padding such as -100): such
+      tokens give 0 and zero gradients, like masked ones.
     return_entropy: also return the entropy per token.
     chunk_size: tokens per chunk; ``None`` picks a power of two giving about
       ``2**22`` logits per chunk.
@@ -915,6 +918,8 @@ def fused_token_log_probs(
   chunk = _check_chunk(name, chunk_size, n, vocab * num_shards)
   mask = _token_mask(name, where, token_shape, n)
   ids = ids.reshape(n, 1)
+  if ignore_index is not None:
+    mask = mask & ids_differ(ids, check_int(name, "ignore_index", ignore_index))
   in_range = ids_in_range(ids, global_classes(vocab, axis_name)) | ~mask
   safe = jnp.where(in_range, ids, 0).astype(jnp.int32)
   valid = positive_finite(temperature)

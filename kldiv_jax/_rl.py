@@ -9,9 +9,11 @@ from kldiv_jax._checks import (
   check_bool,
   check_choice,
   check_float,
+  check_int,
   check_softcap,
   check_temperature,
   compute_dtype,
+  ids_differ,
   ids_in_range,
   index_array,
   mask_array,
@@ -212,6 +214,7 @@ def token_log_probs(
   temperature: float | jax.typing.ArrayLike = 1.0,
   softcap: float | None = None,
   where: jax.typing.ArrayLike | None = None,
+  ignore_index: int | None = None,
   return_entropy: bool = False,
   axis_name: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -243,6 +246,8 @@ def token_log_probs(
       ``softcap * tanh(z / softcap)`` (``None``: none, at no cost).
     where: a per-token mask ``[...]``: a masked token gives 0 and zero
       gradients, whatever its logits and id hold (padding).
+    ignore_index: a token id meaning "no token" (padding such as -100): such
+      tokens give 0 and zero gradients, like masked ones.
     return_entropy: also return the entropy per token.
     axis_name: the mesh axis over which the vocabulary is split inside
       ``jax.shard_map`` (vocabulary parallelism): each device passes its
@@ -290,6 +295,10 @@ def token_log_probs(
     if w.shape != token_shape:
       raise ValueError(f"{name}: where must be a token mask of shape {token_shape}; got {w.shape}.")
     mask = w.reshape(rows, 1)
+  if ignore_index is not None:
+    kept = ids_differ(ids, check_int(name, "ignore_index", ignore_index))
+    mask = kept if mask is None else mask & kept
+  if mask is not None:
     z = jnp.where(mask, z, 0.0)  # selected away: NaN in a masked token cannot leak
   if rows == 0 or z.shape[1] == 0:
     # No classes: every unmasked id is out of range (NaN).

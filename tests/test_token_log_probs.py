@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import enable_x64
 from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
@@ -222,3 +223,47 @@ def test_fused_vocab_parallel_equals_unsharded(cpu_devices):
   want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b)
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)
+
+
+def test_ignore_index_is_a_mask(rng):
+  h, w, b, ids = _head(rng)
+  ids = ids.copy()
+  ids[[1, 5]] = -100
+  where = ids != -100
+  z = h @ w + b[None]
+  for fn, args in ((kd.token_log_probs, (z,)), (kd.fused_token_log_probs, (h, w))):
+    got = fn(*args, ids, ignore_index=-100, return_entropy=True)
+    want = fn(*args, np.where(where, ids, 0), where=where, return_entropy=True)
+    for x, y in zip(got, want):
+      np.testing.assert_array_equal(x, y)
+    assert np.all(np.asarray(got[0])[~where] == 0)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
+def test_fused_dtypes(rng, dtype):
+  """float64 (x64) and bf16 inputs: the fused call equals the materialised one computed from
+  the same inputs, values and gradients, returned in the inputs' dtype."""
+  h, w, b, ids = _head(rng, dtype=np.float32)
+  with enable_x64(dtype == "float64"):
+    h, w, b = (jnp.asarray(a, dtype) for a in (h, w, b))
+
+    def fused(h, w, b):
+      lp, ent = kd.fused_token_log_probs(h, w, ids, bias=b, return_entropy=True, chunk_size=4)
+      acc = jnp.float64 if dtype == "float64" else jnp.float32
+      return jnp.sum(lp.astype(acc)) + jnp.sum(ent.astype(acc)), lp
+
+    def materialised(h, w, b):
+      acc = jnp.float64 if dtype == "float64" else jnp.float32  # the fused matmuls' accumulator
+      z = jnp.dot(h, w, preferred_element_type=acc) + b.astype(acc)[None]
+      lp, ent = kd.token_log_probs(z, ids, return_entropy=True)
+      return jnp.sum(lp) + jnp.sum(ent), lp.astype(h.dtype)
+
+    got = jax.value_and_grad(fused, (0, 1, 2), has_aux=True)(h, w, b)
+    want = jax.value_and_grad(materialised, (0, 1, 2), has_aux=True)(h, w, b)
+    tol = 1e-9 if dtype == "float64" else 2e-2
+    assert got[0][1].dtype == jnp.dtype(dtype)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert x.dtype == y.dtype or x.ndim == 0
+      np.testing.assert_allclose(
+        np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=tol, atol=tol
+      )
