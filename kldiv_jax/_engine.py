@@ -98,7 +98,7 @@ class Needs(NamedTuple):
   params: tuple[bool, ...] = ()
 
 
-def _params(key, traced, dtype):
+def formula_params(key, traced, dtype):
   """The formula's parameters: static floats as they are, traced ones in ``dtype``."""
   traced = iter(traced)
   return tuple(v if v is not None else next(traced).astype(dtype) for _, v in key[1])
@@ -319,7 +319,7 @@ def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _kernel(key, axis_name, caps, z, y, temperature, traced, masks):
   formula = FORMULAS[key[0]]
-  params = _params(key, traced, temperature.dtype)
+  params = formula_params(key, traced, temperature.dtype)
   rows = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name, caps)
   return rows.value[:, 0]
 
@@ -328,7 +328,7 @@ def _kernel_jvp(key, axis_name, caps, primals, tangents):
   z, y, temperature, traced, masks = primals
   dz, dy, dtemp, dtraced, _ = tangents
   formula = FORMULAS[key[0]]
-  params = _params(key, traced, temperature.dtype)
+  params = formula_params(key, traced, temperature.dtype)
   # Tangents per parameter, static ones (never differentiated) as symbolic zeros.
   dtraced = iter(dtraced)
   dparams = tuple(next(dtraced) if v is None else None for _, v in key[1])

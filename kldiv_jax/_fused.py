@@ -147,35 +147,15 @@ def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tok
   grad_w = lax.full_like(w, 0, acc)
   grad_b = lax.full_like(w, 0, acc, shape=w.shape[1:])
 
-  def rows_of(start, size):
-    def cut(a):
-      return lax.dynamic_slice_in_dim(a, start, size, axis=0)
-
-    return cut
-
-  def body(i, carry):
+  def part(start, size, cut, carry):
     totals, grad_h, grad_w, grad_b = carry
-    start = i * chunk
-    cut = rows_of(start, chunk)
     hc = cut(h)
-    parts, gh, dz, gb = chunk_grads(hc, jax.tree.map(cut, teacher), jax.tree.map(cut, tokens))
+    parts, gh, dz, gb = chunk_grads(hc, cut(teacher), cut(tokens))
     grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
     totals = tuple(t + p for t, p in zip(totals, parts))
     return totals, grad_h, add_weight_grad(grad_w, hc, dz), grad_b + gb
 
-  carry = (totals, grad_h, grad_w, grad_b)
-  num_full = n // chunk
-  if num_full:
-    carry = lax.fori_loop(0, num_full, body, carry)
-  totals, grad_h, grad_w, grad_b = carry
-  tail = num_full * chunk
-  if tail < n:  # the uneven last chunk, with static shapes
-    cut = lambda a: a[tail:]  # noqa: E731
-    parts, gh, dz, gb = chunk_grads(h[tail:], jax.tree.map(cut, teacher), jax.tree.map(cut, tokens))
-    totals = tuple(t + p for t, p in zip(totals, parts))
-    grad_b = grad_b + gb
-    grad_w = add_weight_grad(grad_w, h[tail:], dz)
-    grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, tail, axis=0)
+  totals, grad_h, grad_w, grad_b = _chunks(n, chunk, part, (totals, grad_h, grad_w, grad_b))
   operands = (h, w, b, teacher, whole, temperature, params, tokens, coefs)
   return totals, (grad_h, grad_w, grad_b, operands)
 
@@ -227,14 +207,25 @@ def _add_weight_grad(grad_w, hc, dz, axis_name, acc):
   return grad_w
 
 
-def _chunks(n, chunk, body, carry, tail):
-  """``body(start, size, carry)`` over the chunks of ``n`` rows: a ``fori_loop`` over the
-  full chunks, then ``tail(start, size, carry)`` for the uneven last one (static shapes)."""
+def _chunks(n, chunk, part, carry):
+  """``part(start, size, cut, carry)`` over the chunks of ``n`` rows, ``cut`` slicing the
+  chunk's rows of an array (or of each leaf of a pytree): a ``fori_loop`` over the full
+  chunks, then the uneven last one with static shapes."""
   num_full = n // chunk
   if num_full:
-    carry = lax.fori_loop(0, num_full, lambda i, c: body(i * chunk, chunk, c), carry)
-  if num_full * chunk < n:
-    carry = tail(num_full * chunk, n - num_full * chunk, carry)
+
+    def body(i, carry):
+      start = i * chunk
+
+      def cut(tree):
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, chunk, axis=0), tree)
+
+      return part(start, chunk, cut, carry)
+
+    carry = lax.fori_loop(0, num_full, body, carry)
+  start = num_full * chunk
+  if start < n:
+    carry = part(start, n - start, lambda tree: jax.tree.map(lambda a: a[start:], tree), carry)
   return carry
 
 
@@ -256,16 +247,11 @@ def _fused_tokens_fwd(static, h, w, b, ids, temperature, mask):
   zero = _token_zero(h, ids, mask).astype(acc)
   outs = tuple(lax.full_like(mask[:, 0], 0, acc) + zero for _ in range(4))
 
-  def part(start, size, outs, dynamic=True):
-    rows = (
-      (lambda a: lax.dynamic_slice_in_dim(a, start, size, axis=0))
-      if dynamic
-      else (lambda a: a[start : start + size])
-    )
+  def part(start, size, rows, outs):
     _, *res = _token_chunk(static, rows(h), w, b, rows(ids), temperature, rows(mask), acc)
     return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
 
-  outs = _chunks(n, chunk, part, outs, lambda s, k, c: part(s, k, c, dynamic=False))
+  outs = _chunks(n, chunk, part, outs)
   log_p, entropy, top, log_s = outs
   return (log_p, entropy), (h, w, b, ids, temperature, mask, top, log_s, entropy)
 
@@ -280,13 +266,8 @@ def _fused_tokens_bwd(static, residuals, g):
   grad_b = lax.full_like(w, 0, acc, shape=w.shape[1:])
   local = ids if axis_name is None else ids - class_offset(axis_name, w.shape[1]).astype(ids.dtype)
 
-  def part(start, size, carry, dynamic=True):
+  def part(start, size, rows, carry):
     grad_h, grad_w, grad_b = carry
-    rows = (
-      (lambda a: lax.dynamic_slice_in_dim(a, start, size, axis=0))
-      if dynamic
-      else (lambda a: a[start : start + size])
-    )
     hc = rows(h)
     z = _matmul(hc, w, b, acc)
     stats = (rows(top)[:, None], rows(log_s)[:, None], rows(entropy))
@@ -300,9 +281,7 @@ def _fused_tokens_bwd(static, residuals, g):
     grad_w = _add_weight_grad(grad_w, hc, dz, axis_name, acc)
     return grad_h, grad_w, grad_b + jnp.sum(dz, axis=0)
 
-  grad_h, grad_w, grad_b = _chunks(
-    n, chunk, part, (grad_h, grad_w, grad_b), lambda s, k, c: part(s, k, c, dynamic=False)
-  )
+  grad_h, grad_w, grad_b = _chunks(n, chunk, part, (grad_h, grad_w, grad_b))
   return (
     grad_h.astype(h.dtype),
     grad_w.astype(w.dtype),

@@ -38,7 +38,7 @@ from jax import lax
 
 from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
-from kldiv_jax._engine import identical_rows
+from kldiv_jax._engine import formula_params, identical_rows
 from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
 from kldiv_jax._rows import compiled, is_zero, normalizer, row_stats, times_slope
 from kldiv_jax._vocab_parallel import class_offset, combine
@@ -162,12 +162,12 @@ def teacher_log_probs(lp: jax.Array, keep: jax.Array, dropped: jax.Array, temper
   lacks (a longer teacher vocabulary): their mass leaves the teacher, which is
   renormalised over the shared classes. See the module docstring for ``tail``.
   """
-  t = jnp.where(keep, lp, -jnp.inf)
   if not tail:
     t = jnp.where(keep, jnp.where(keep, lp, 0.0) / temperature, -jnp.inf)
     log_p = jnp.where(keep, t - max_shift(_logsumexp(t)), -jnp.inf)
     return jnp.concatenate([log_p, jnp.full_like(log_p[:, :1], -jnp.inf)], axis=-1)
   # Shared mass 1 - (dropped mass); the top-k's total, above 1 only by rounding.
+  t = jnp.where(keep, lp, -jnp.inf)
   k = lp.shape[-1]
   gone = _logsumexp(jnp.where(dropped, lp, -jnp.inf))
   log_shared = tail_log(gone, k)
@@ -198,11 +198,16 @@ def student_log_probs(z, ids, keep, temperature, cap, axis_name):
 # ---------------------------------------------------------------- the divergence
 
 
-def _support_terms(key, traced, lp, lq):
+def _support_value(key, traced, lp, lq):
+  """``(value, same, nan, formula, params, classes, (f, a, b))`` of :func:`support_divergence`."""
   formula = FORMULAS[key[0]]
-  traced = iter(traced)
-  params = tuple(v if v is not None else next(traced).astype(lp.dtype) for _, v in key[1])
-  return formula, params, classes(lp, lq)
+  params = formula_params(key, traced, lp.dtype)
+  c = classes(lp, lq)
+  terms = formula.terms(c, params)
+  same = identical_rows(lp, lq)[:, 0]
+  nan = _nan_rows(lp, lq)
+  value = jnp.where(same, 0.0, nonnegative(jnp.sum(terms[0], axis=-1))) + nan
+  return value, same, nan, formula, params, c, terms
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -213,10 +218,7 @@ def support_divergence(key, lp: jax.Array, lq: jax.Array, traced: tuple) -> jax.
   on a ``+inf`` row, a derivative that is not finite there is 0 (as the dense
   engine, :mod:`kldiv_jax._engine`).
   """
-  formula, params, c = _support_terms(key, traced, lp, lq)
-  f, _, _ = formula.terms(c, params)
-  same = identical_rows(lp, lq)
-  return jnp.where(same[:, 0], 0.0, nonnegative(jnp.sum(f, axis=-1))) + _nan_rows(lp, lq)
+  return _support_value(key, traced, lp, lq)[0]
 
 
 def _nan_rows(lp, lq):
@@ -230,11 +232,7 @@ def _nan_rows(lp, lq):
 def _support_jvp(key, primals, tangents):
   lp, lq, traced = primals
   dlp, dlq, dtraced = tangents
-  formula, params, c = _support_terms(key, traced, lp, lq)
-  f, a, b = formula.terms(c, params)
-  same = identical_rows(lp, lq)[:, 0]
-  nan = _nan_rows(lp, lq)
-  value = jnp.where(same, 0.0, nonnegative(jnp.sum(f, axis=-1))) + nan
+  value, same, nan, formula, params, c, (_, a, b) = _support_value(key, traced, lp, lq)
   infinite = value == jnp.inf
 
   def contract(w, dx):
@@ -246,17 +244,13 @@ def _support_jvp(key, primals, tangents):
     tangent = tangent + contract(a, dlp)
   if not is_zero(dlq):
     tangent = tangent + contract(b, dlq)
-  traced_tangents = [d for d in dtraced]
-  if any(not is_zero(d) for d in traced_tangents):
+  if any(not is_zero(d) for d in dtraced):
     assert formula.partials is not None  # traced parameters: the formula has some
-    partials = iter(formula.partials(c, params))
-    dts = iter(traced_tangents)
-    for _, v in key[1]:
-      d_f = next(partials)
-      if v is None:
-        d = next(dts)
-        if not is_zero(d):
-          tangent = tangent + contract(d_f, jnp.broadcast_to(d, d_f.shape))
+    # The partials of the traced parameters, in order, beside their tangents.
+    partials = [d for d, (_, v) in zip(formula.partials(c, params), key[1]) if v is None]
+    for d_f, d in zip(partials, dtraced):
+      if not is_zero(d):
+        tangent = tangent + contract(d_f, jnp.broadcast_to(d, d_f.shape))
   return value, jnp.where(same, 0.0, tangent) + nan
 
 
