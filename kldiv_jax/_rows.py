@@ -32,6 +32,8 @@ from kldiv_jax._numerics import divide_logits, max_shift, soft_cap, soft_cap_slo
 
 # Elements per block of rows for the CPU row statistics (512 KiB of float32).
 _BLOCK_ELEMENTS = 1 << 17
+# The name scope of the CPU row loop: it marks the path in a lowered module's locations.
+ROW_BLOCKS_SCOPE = "kldiv_jax_cpu_row_blocks"
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -89,19 +91,41 @@ def map_rows(fn, arrays, num_rows, num_classes=None):
   """``fn(*arrays)`` for per-row statistics, over blocks of rows on CPU.
 
   ``arrays`` have rows on axis 0 (``num_rows`` of them, or 1 to broadcast);
-  ``fn`` returns a tuple of ``[rows, 1]`` arrays. Off CPU, when one block
-  holds every row, or under ``jax.jit`` with several devices (see
-  :func:`_per_device_code`), ``fn`` runs once. The last block is shifted back to end
-  at the last row (it recomputes a few rows rather than padding a copy).
-  ``num_classes`` sets the rows per block (default: the arrays' class axis;
-  the vocabulary-parallel kernels pass the global one, so that a device's
-  blocks shrink with its slice of the classes).
+  ``fn`` returns a tuple of ``[rows, 1]`` arrays. On CPU the rows go through
+  ``fn`` a block at a time (:func:`_row_blocks`); on other platforms, when one
+  block holds every row, or under ``jax.jit`` with several devices (see
+  :func:`_per_device_code`), ``fn`` runs once. ``num_classes`` sets the rows
+  per block (default: the arrays' class axis; the vocabulary-parallel kernels
+  pass the global one, so that a device's blocks shrink with its slice of the
+  classes).
+
+  The platform is the one the program is lowered for, not the machine that
+  traces it: both versions are staged out with ``lax.platform_dependent``, and
+  lowering keeps the platform's own (a program exported with ``jax.export``
+  for several platforms holds both, and the runtime picks). Eagerly, outside
+  ``jit``, the platform of the default device decides at once. The CPU loop
+  runs in the name scope :data:`ROW_BLOCKS_SCOPE`, which marks it in a lowered
+  module.
   """
   if num_classes is None:
     num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
   block = max(1, _BLOCK_ELEMENTS // max(num_classes, 1))
-  if num_rows <= block or jax.default_backend() != "cpu" or not _per_device_code():
+  if num_rows <= block or not _per_device_code():
     return fn(*arrays)
+
+  def blocked(*a):
+    with jax.named_scope(ROW_BLOCKS_SCOPE):
+      return _row_blocks(fn, a, num_rows, block)
+
+  return lax.platform_dependent(*arrays, cpu=blocked, default=lambda *a: tuple(fn(*a)))
+
+
+def _row_blocks(fn, arrays, num_rows, block):
+  """``fn(*arrays)`` computed ``block`` rows at a time in a ``fori_loop``.
+
+  The last block is shifted back to end at the last row (it recomputes a few
+  rows rather than padding a copy).
+  """
 
   def rows(a, start):
     if a.shape[0] == 1:

@@ -1,0 +1,276 @@
+"""``jax.export``: every public loss lowers for CPU, CUDA and TPU, each with its own code path.
+
+The per-row statistics of the logit kernels run over blocks of rows on CPU and
+in one piece elsewhere (``kldiv_jax._rows.map_rows``). The choice is staged
+out with ``lax.platform_dependent`` and made when the program is lowered, so
+a module exported (or compiled ahead of time) on a CPU machine for a GPU or a
+TPU holds the GPU/TPU path, and one exported for several platforms holds both.
+
+For each public loss, ``jax.jit`` of the loss and of its ``value_and_grad``,
+unsharded and with ``axis_name`` (inside ``jax.shard_map``; the ``multidevice``
+test, on 4 of 8 simulated devices), this file exports a module for each of
+``cpu``, ``cuda`` and ``tpu`` and checks that the CPU module holds the row
+loop (its name scope :data:`kldiv_jax._rows.ROW_BLOCKS_SCOPE` and a
+``stablehlo.while``) exactly for the losses built on the row kernels, and
+that the CUDA and TPU modules never do. A module exported for all three is
+serialized, deserialized and run on CPU: it gives the numbers of the jitted
+loss, bit for bit.
+
+The inputs have more rows than one CPU block holds, so that the CPU path is a
+loop: the check on the CPU module is what shows that the others can fail.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kldiv_jax as kd
+from kldiv_jax._rows import ROW_BLOCKS_SCOPE
+
+PLATFORMS = ("cpu", "cuda", "tpu")
+# 512 rows of 1024 classes: four CPU blocks (128 rows each); two chunks of 256
+# tokens in the fused losses (each chunk two blocks).
+ROWS, VOCAB, HIDDEN, K = 512, 1024, 16, 8
+CHUNK = 256
+
+
+def _data() -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(0)
+  f32 = lambda *shape, scale=1.0: (scale * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+  s, t = f32(ROWS, VOCAB, scale=2.0), f32(ROWS, VOCAB, scale=2.0)
+  t_log = np.asarray(jax.nn.log_softmax(t))
+  idx = np.argsort(-t, axis=-1)[:, :K].astype(np.int32)
+  return {
+    "s": s,
+    "t": t,
+    "log_q": np.asarray(jax.nn.log_softmax(s)),
+    "p": np.exp(t_log),
+    "log_p": t_log,
+    "labels": rng.integers(0, VOCAB, size=ROWS).astype(np.int32),
+    "idx": idx,
+    "topk_lp": np.take_along_axis(t_log, idx, axis=-1),
+    "h": f32(ROWS, HIDDEN),
+    "w": f32(HIDDEN, VOCAB),
+    "th": f32(ROWS, HIDDEN),
+    "tw": f32(HIDDEN, VOCAB, scale=2.0),
+    "lp": f32(ROWS, scale=0.5) - 2.0,
+    "ref_lp": f32(ROWS, scale=0.5) - 2.0,
+    "mean": f32(ROWS, 8),
+    "log_var": f32(ROWS, 8, scale=0.3),
+  }
+
+
+class Loss:
+  """``fn(*args)`` of the named inputs; ``rows``: whether it is built on the row kernels."""
+
+  def __init__(self, fn, names, argnums, rows):
+    self.fn, self.names, self.argnums, self.rows = fn, names, argnums, rows
+
+
+def _losses() -> dict[str, Loss]:
+  logits = ("s", "t")
+  return {
+    "kl_div": Loss(lambda a, b: kd.kl_div(a, b, reduction="batchmean"), ("log_q", "p"), 0, False),
+    "KLDivLoss": Loss(
+      lambda a, b: kd.KLDivLoss(reduction="sum", log_target=True)(a, b),
+      ("log_q", "log_p"),
+      0,
+      False,
+    ),
+    "kl_div_pointwise": Loss(kd.kl_div_pointwise, ("log_q", "p"), 0, False),
+    "kl_divergence": Loss(kd.kl_divergence, ("log_q", "p"), 0, False),
+    "kl_divergence_with_log_targets": Loss(
+      kd.kl_divergence_with_log_targets, ("log_q", "log_p"), (0, 1), False
+    ),
+    "generalized_kl_divergence": Loss(kd.generalized_kl_divergence, ("log_q", "p"), 0, False),
+    "convex_kl_divergence": Loss(kd.convex_kl_divergence, ("log_q", "p"), 0, False),
+    "kl_div_from_logits": Loss(
+      lambda a, b: kd.kl_div_from_logits(a, b, temperature=2.0), logits, (0, 1), True
+    ),
+    "generalized_jsd": Loss(lambda a, b: kd.generalized_jsd(a, b, beta=0.3), logits, (0, 1), True),
+    "divergence_from_logits": Loss(
+      lambda a, b: kd.divergence_from_logits(a, b, divergence="skew_kl"), logits, (0, 1), True
+    ),
+    "distillation_loss": Loss(
+      lambda a, b, y: kd.distillation_loss(a, b, y, temperature=2.0),
+      ("s", "t", "labels"),
+      (0, 1),
+      True,
+    ),
+    "token_log_probs": Loss(kd.token_log_probs, ("s", "labels"), 0, True),
+    "divergence_from_topk": Loss(
+      lambda a, i, lp: kd.divergence_from_topk(a, i, lp, divergence="reverse_kl"),
+      ("s", "idx", "topk_lp"),
+      (0, 2),
+      False,
+    ),
+    "kl_div_from_topk": Loss(
+      lambda a, i, lp: kd.kl_div_from_topk(a, i, lp, tail="bucket"),
+      ("s", "idx", "topk_lp"),
+      0,
+      False,
+    ),
+    "fused_distillation_loss": Loss(
+      lambda h, w, th, tw, y: kd.fused_distillation_loss(h, w, th, tw, labels=y, chunk_size=CHUNK),
+      ("h", "w", "th", "tw", "labels"),
+      (0, 1),
+      True,
+    ),
+    "fused_linear_kl_div": Loss(
+      lambda h, w, th, tw: kd.fused_linear_kl_div(h, w, th, tw, temperature=2.0, chunk_size=CHUNK),
+      ("h", "w", "th", "tw"),
+      (0, 1),
+      True,
+    ),
+    "fused_topk_distillation_loss": Loss(
+      lambda h, w, i, lp: kd.fused_topk_distillation_loss(h, w, i, lp, chunk_size=CHUNK),
+      ("h", "w", "idx", "topk_lp"),
+      (0, 1),
+      False,
+    ),
+    "fused_token_log_probs": Loss(
+      lambda h, w, y: kd.fused_token_log_probs(h, w, y, chunk_size=CHUNK),
+      ("h", "w", "labels"),
+      (0, 1),
+      True,
+    ),
+    "kl_estimate": Loss(
+      lambda a, b: kd.kl_estimate(a, b, estimator="k3"), ("lp", "ref_lp"), (0, 1), False
+    ),
+    "distillation_advantages": Loss(kd.distillation_advantages, ("lp", "ref_lp"), 0, False),
+    "gaussian_kl": Loss(kd.gaussian_kl, ("mean", "log_var"), (0, 1), False),
+  }
+
+
+DATA = _data()
+LOSSES = _losses()
+
+
+def _programs(loss: Loss):
+  """``{"jit": ..., "value_and_grad": ...}``: the jitted loss and its value and gradients."""
+  total = lambda *a: jnp.sum(loss.fn(*a))  # noqa: E731
+  return {
+    "jit": jax.jit(loss.fn),
+    "value_and_grad": jax.jit(jax.value_and_grad(total, argnums=loss.argnums)),
+  }
+
+
+def _holds_row_loop(text: str) -> bool:
+  return ROW_BLOCKS_SCOPE in text
+
+
+def _check_paths(name, mode, exported_by_platform, rows):
+  for platform, exported in exported_by_platform.items():
+    text = exported.mlir_module()
+    if platform == "cpu" and rows:
+      assert _holds_row_loop(text) and "stablehlo.while" in text, (
+        f"{name} ({mode}): the CPU module lacks the CPU row loop"
+      )
+    else:
+      assert not _holds_row_loop(text), (
+        f"{name} ({mode}): the {platform} module holds the CPU row loop"
+      )
+
+
+def _round_trip(program, args, mesh=None):
+  """``program`` exported for every platform, serialized, deserialized, run on CPU."""
+  exported = export.export(program, platforms=PLATFORMS)(*args)
+  assert exported.platforms == PLATFORMS
+  restored = export.deserialize(exported.serialize())
+  assert restored.platforms == PLATFORMS
+  got = restored.call(*args)
+  want = program(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  # Both paths are in the module for all platforms: the runtime picks.
+  return exported
+
+
+@pytest.mark.filterwarnings("ignore:The function convex_kl_divergence is deprecated")
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_each_platform_holds_its_own_path(name):
+  loss = LOSSES[name]
+  args = tuple(DATA[n] for n in loss.names)
+  for mode, program in _programs(loss).items():
+    per_platform = {p: export.export(program, platforms=(p,))(*args) for p in PLATFORMS}
+    _check_paths(name, mode, per_platform, loss.rows)
+    both = _round_trip(program, args)
+    assert _holds_row_loop(both.mlir_module()) == loss.rows
+
+
+# -- axis_name ------------------------------------------------------------------------------------
+
+# The losses that take ``axis_name``: the call, and its inputs' specs over the "vocab" axis.
+CLASSES, HEAD, ROWWISE = P(None, "vocab"), P(None, "vocab"), P()
+SHARDED = {
+  "kl_div_from_logits": (
+    lambda a, b, axis_name: kd.kl_div_from_logits(a, b, temperature=2.0, axis_name=axis_name),
+    (CLASSES, CLASSES),
+  ),
+  "generalized_jsd": (
+    lambda a, b, axis_name: kd.generalized_jsd(a, b, beta=0.3, axis_name=axis_name),
+    (CLASSES, CLASSES),
+  ),
+  "divergence_from_logits": (
+    lambda a, b, axis_name: kd.divergence_from_logits(
+      a, b, divergence="skew_kl", axis_name=axis_name
+    ),
+    (CLASSES, CLASSES),
+  ),
+  "distillation_loss": (
+    lambda a, b, y, axis_name: kd.distillation_loss(a, b, y, temperature=2.0, axis_name=axis_name),
+    (CLASSES, CLASSES, ROWWISE),
+  ),
+  "token_log_probs": (
+    lambda a, y, axis_name: kd.token_log_probs(a, y, axis_name=axis_name),
+    (CLASSES, ROWWISE),
+  ),
+  "fused_distillation_loss": (
+    lambda h, w, th, tw, y, axis_name: kd.fused_distillation_loss(
+      h, w, th, tw, labels=y, chunk_size=CHUNK, axis_name=axis_name
+    ),
+    (ROWWISE, HEAD, ROWWISE, HEAD, ROWWISE),
+  ),
+  "fused_linear_kl_div": (
+    lambda h, w, th, tw, axis_name: kd.fused_linear_kl_div(
+      h, w, th, tw, temperature=2.0, chunk_size=CHUNK, axis_name=axis_name
+    ),
+    (ROWWISE, HEAD, ROWWISE, HEAD),
+  ),
+  "fused_token_log_probs": (
+    lambda h, w, y, axis_name: kd.fused_token_log_probs(
+      h, w, y, chunk_size=CHUNK, axis_name=axis_name
+    ),
+    (ROWWISE, HEAD, ROWWISE),
+  ),
+}
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_each_platform_holds_its_own_path_with_axis_name(cpu_devices, name):
+  """The same, inside ``jax.shard_map`` with the classes over 4 devices."""
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:4]), ("vocab",))
+  call, specs = SHARDED[name]
+  base = LOSSES[name]
+  local = lambda *a: call(*a, axis_name="vocab")  # noqa: E731
+  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())
+  loss = Loss(fn, base.names, base.argnums, base.rows)
+  args = tuple(jax.device_put(DATA[n], NamedSharding(mesh, s)) for n, s in zip(base.names, specs))
+  for mode, program in _programs(loss).items():
+    per_platform = {p: export.export(program, platforms=(p,))(*args) for p in PLATFORMS}
+    _check_paths(name, mode, per_platform, loss.rows)
+    assert all(e.nr_devices == 4 for e in per_platform.values())
+    if not OLD_MULTI_PLATFORM_SHARD_MAP:
+      _round_trip(program, args)
+
+
+# jax 0.7: lowering ``jax.shard_map`` for several platforms at once fails in
+# MLIR's verifier ("'func.call' op using value defined outside the region")
+# when the body holds a ``lax.platform_dependent``; one platform at a time
+# works, as does the unsharded program. Fixed in later jax (0.10 passes).
+OLD_MULTI_PLATFORM_SHARD_MAP = jax.__version_info__ < (0, 8)
