@@ -17,6 +17,7 @@ from kldiv_jax._fused import fused_topk_distillation_loss as fused_topk_distilla
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
 from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits
+from kldiv_jax._metric import DivergenceMetric as DivergenceMetric
 from kldiv_jax._optax import convex_kl_divergence as convex_kl_divergence
 from kldiv_jax._optax import generalized_kl_divergence as generalized_kl_divergence
 from kldiv_jax._optax import kl_divergence as kl_divergence
@@ -40,6 +41,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
   "DistillationParts",
   "Divergence",
+  "DivergenceMetric",
   "KLDivLoss",
   "convex_kl_divergence",
   "distillation_advantages",

@@ -1,0 +1,393 @@
+"""A streaming divergence metric for evaluation loops: :class:`DivergenceMetric`.
+
+The state is a pytree of two arrays, a sum and a count, so that it accumulates
+over batches (``merge``), devices (``lax.psum``, or ``lax.all_gather`` and
+``reduce``) and processes (``process_allgather`` and ``reduce``) by addition.
+The options are static and live on the class (``configure``), as
+``clu.metrics.Metric``'s protocol needs: ``empty`` and ``from_model_output``
+are class methods. The values come from the engine
+(:func:`kldiv_jax._divergence_api.per_example`).
+"""
+
+import dataclasses
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kldiv_jax._checks import (
+  MASK,
+  as_array,
+  check_choice,
+  check_float,
+  check_temperature,
+  compute_dtype,
+  mask_array,
+)
+from kldiv_jax._divergence_api import Divergence, as_divergence, per_example
+from kldiv_jax._rl import sequence_mean
+
+INPUTS = ("logits", "log_probs", "probs")
+REDUCTIONS = ("mean", "sum")
+PER = ("token", "sequence")
+
+
+class _Options(NamedTuple):
+  divergence: Divergence
+  inputs: str
+  temperature: float
+  reduction: str
+  per: str
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DivergenceMetric:
+  r"""A streaming divergence for evaluation loops (a sum and a count), in ``clu``'s metric protocol.
+
+  Per distribution (a row of ``[..., num_classes]``), with the target
+  :math:`p = \mathrm{softmax}(\text{target\_logits} / T)` and the prediction
+  :math:`q = \mathrm{softmax}(\text{logits} / T)`, the value :math:`d =
+  D(p \,\|\, q)` is any divergence of :func:`~kldiv_jax.divergence_from_logits`
+  (default forward KL, :math:`\sum p \log(p/q)`). The state adds up over
+  batches:
+
+  .. math::
+
+     \text{total} = \sum_{u \text{ valid}} d_u, \qquad
+     \text{count} = \#\{u \text{ valid}\}, \qquad
+     \text{compute}() = \begin{cases} \text{total} / \text{count} &
+     \text{reduction = 'mean'} \\ \text{total} & \text{reduction = 'sum'}
+     \end{cases}
+
+  where a unit :math:`u` is a token (``per="token"``: each row) or a sequence
+  (``per="sequence"``: inputs ``[..., seq, num_classes]``, :math:`d_u` the
+  mean of :math:`d` over the sequence's valid tokens, as
+  :func:`~kldiv_jax.sequence_mean`; a sequence without any is not counted).
+  So ``'mean'`` with ``per="token"`` weights every token alike, with
+  ``per="sequence"`` every sequence alike; accumulating batches one by one
+  equals one call on their concatenation.
+
+  The options are static and belong to the class:
+  ``DivergenceMetric.configure(...)`` returns a configured subclass (the same
+  class for the same options, so a jitted step compiles once), whose
+  :meth:`empty` and :meth:`from_model_output` are class methods as in
+  ``clu.metrics.Metric``. ``DivergenceMetric`` itself is configured with the
+  defaults. An instance holds only ``total`` (the default float dtype:
+  float32, float64 under x64) and ``count`` (the default int dtype), a pytree:
+  ``jax.lax.psum`` of it over a mesh axis is the metric of all the devices'
+  batches, and ``jax.lax.all_gather`` (or
+  ``jax.experimental.multihost_utils.process_allgather``) followed by
+  :meth:`reduce` too.
+
+  Protocol (``clu.metrics.Metric``; metrax's metrics are the same):
+  ``empty()``, ``from_model_output(logits, target_logits, *, where=None,
+  mask=None, **_)`` (further keywords, a ``clu`` ``Collection``'s other model
+  outputs, are ignored), ``merge(other)``, ``reduce()``, ``compute()``. As
+  ``clu``'s ``Average`` and torchmetrics, ``'mean'`` of an empty metric is
+  NaN (no data is not a divergence of 0; metrax's ``Average`` gives 0).
+
+  torchmetrics: ``torchmetrics.KLDivergence(log_prob=False,
+  reduction="mean")`` is ``DivergenceMetric.configure(inputs="probs")`` and
+  ``log_prob=True`` is ``inputs="log_probs"``; ``reduction="sum"`` is
+  ``reduction="sum"``. torchmetrics' ``metric.update(p, q)`` (``p`` the data,
+  ``q`` the approximation) is ``Metric.from_model_output(q, p)`` here (the
+  prediction first, as every loss of this package). Differences:
+  ``reduction="none"`` (a growing list of per-sample values) is not a
+  fixed-size state, so it is not offered (use
+  :func:`~kldiv_jax.divergence_from_logits` per batch); inputs may have any
+  number of leading axes and broadcast, not only ``[N, d]``; log-probabilities
+  are normalised (torchmetrics sums ``exp(p) * (p - q)`` as given, equal for
+  normalised inputs), and a ``-inf`` log-probability is a class without mass
+  (torchmetrics gives NaN for one in ``p``). Probabilities are normalised as
+  torchmetrics does (:math:`p / \sum p`), zeros carry no mass (0 where
+  :math:`p = 0`, ``+inf`` where only :math:`q = 0`), and a row of zeros (no
+  distribution) is NaN as torchmetrics' 0/0.
+
+  Conventions: NaN in a counted row's inputs (or a negative probability, or a
+  row of ``+inf``) makes ``total``, hence ``compute()``, NaN; masked rows and
+  sequences are selected away (padding there cannot leak). A row of ``-inf``
+  logits or log-probabilities on both sides (after ``where``) is the engine's
+  "no mass on either side", 0 and counted: mask padding with ``mask``.
+  bf16/f16 inputs are computed in float32; each row's value comes back in the
+  input dtype, as from :func:`~kldiv_jax.divergence_from_logits`, and is
+  summed in ``total``'s dtype.
+
+  Attributes:
+    total: the sum of the units' values, a scalar (or with a leading axis
+      after ``all_gather``).
+    count: the number of units.
+    options: a class attribute, the class's ``(divergence, inputs,
+      temperature, reduction, per)`` (a named tuple).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import DivergenceMetric
+    >>> Metric = DivergenceMetric.configure(inputs="probs")  # torchmetrics' KLDivergence()
+    >>> p = jnp.array([[0.36, 0.48, 0.16]])
+    >>> q = jnp.array([[1 / 3, 1 / 3, 1 / 3]])
+    >>> Metric.from_model_output(q, p).compute()  # torchmetrics: tensor(0.0853)
+    Array(0.0852..., dtype=float32)
+    >>> step = jax.jit(lambda m, z, y: m.merge(DivergenceMetric.from_model_output(z, y)))
+    >>> m = DivergenceMetric.empty()
+    >>> for z, y in [(jnp.zeros((2, 3)), jnp.ones((2, 3))), (jnp.eye(3), jnp.zeros((3, 3)))]:
+    ...   m = step(m, z, y)
+    >>> m.count, m.compute()  # 3 * (log(e + 2) - log(3) - 1/3) / 5
+    (Array(5, dtype=int32), Array(0.0716..., dtype=float32))
+
+  References:
+    torchmetrics, ``src/torchmetrics/regression/kl_divergence.py``
+    (``KLDivergence``) and
+    ``src/torchmetrics/functional/regression/kl_divergence.py``
+    (``_kld_update``, ``_kld_compute``). CommonLoopUtils, ``clu/metrics.py``
+    (``Metric``, ``Average``, ``Collection``).
+  """
+
+  total: jax.Array
+  count: jax.Array
+
+  options: ClassVar[_Options] = _Options(Divergence("forward_kl"), "logits", 1.0, "mean", "token")
+  # The class ``configure`` derives from: the first one that was not made by ``configure``.
+  _root: ClassVar[type["DivergenceMetric"] | None] = None
+
+  @classmethod
+  def configure(
+    cls,
+    *,
+    divergence: str | Divergence | None = None,
+    inputs: str | None = None,
+    temperature: float | None = None,
+    reduction: str | None = None,
+    per: str | None = None,
+  ) -> type["DivergenceMetric"]:
+    """A subclass with these options; one left ``None`` keeps ``cls``'s.
+
+    ``DivergenceMetric``'s options are the defaults: ``divergence="forward_kl"``,
+    ``inputs="logits"``, ``temperature=1.0``, ``reduction="mean"``,
+    ``per="token"``. The same options give the same class.
+
+    Args:
+      divergence: a name of :func:`~kldiv_jax.divergence_from_logits` or a
+        :class:`~kldiv_jax.Divergence` with static (Python number) parameters.
+      inputs: what ``logits`` and ``target_logits`` hold: ``"logits"``,
+        ``"log_probs"`` (torchmetrics' ``log_prob=True``) or ``"probs"``
+        (``log_prob=False``; entered as ``log(p)``, normalised per row).
+      temperature: a static positive softmax temperature ``T``.
+      reduction: ``"mean"`` (total over count) or ``"sum"`` (total).
+      per: ``"token"`` (each row is a unit) or ``"sequence"`` (each sequence,
+        the axis before the classes, is a unit: the mean over its valid tokens).
+
+    Returns:
+      A subclass of ``cls``'s root class (``DivergenceMetric``, or the user's
+      subclass that ``configure`` was first called on), registered as a pytree.
+    """
+    name = "DivergenceMetric.configure"
+    old = cls.options
+    if divergence is None:
+      spec = old.divergence
+    else:
+      spec = as_divergence(name, divergence)
+      if spec.traced:
+        raise TypeError(
+          f"{name}: the divergence's parameters are part of the class, so they must be "
+          f"Python numbers; got {spec!r} with traced parameters."
+        )
+    for option, value, choices in (
+      ("inputs", inputs, INPUTS),
+      ("reduction", reduction, REDUCTIONS),
+      ("per", per, PER),
+    ):
+      if value is not None:
+        if option == "reduction" and value in ("none", "batchmean"):
+          raise ValueError(
+            f"{name}: reduction must be one of 'mean', 'sum'; got {value!r}. A metric keeps "
+            "a fixed-size state; for per-example values call divergence_from_logits per batch."
+          )
+        check_choice(name, option, value, choices)
+    if temperature is None:
+      t = old.temperature
+    else:
+      t, static = check_temperature(name, temperature)
+      if not static:
+        raise TypeError(
+          f"{name}: temperature is part of the class, so it must be a Python number; "
+          f"got {temperature!r}."
+        )
+    options = _Options(
+      spec, inputs or old.inputs, float(t), reduction or old.reduction, per or old.per
+    )
+    root = cls._root or cls
+    if options == root.options:
+      return root
+    key = (root, options)
+    if key not in _CLASSES:
+      _CLASSES[key] = _subclass(root, options)
+    return _CLASSES[key]
+
+  @classmethod
+  def empty(cls) -> "DivergenceMetric":
+    """The metric of no data: ``m.merge(cls.empty())`` equals ``m``."""
+    return cls(
+      total=jnp.zeros((), _default_dtype(np.float64)),
+      count=jnp.zeros((), _default_dtype(np.int64)),
+    )
+
+  @classmethod
+  def from_model_output(
+    cls,
+    logits: jax.typing.ArrayLike,
+    target_logits: jax.typing.ArrayLike,
+    *,
+    where: jax.typing.ArrayLike | None = None,
+    mask: jax.typing.ArrayLike | None = None,
+    **_: Any,
+  ) -> "DivergenceMetric":
+    """The metric of one batch.
+
+    Args:
+      logits: the prediction ``q`` (the student, torchmetrics' ``q``),
+        ``[..., num_classes]`` (``[..., seq, num_classes]`` for
+        ``per="sequence"``), as the class's ``inputs`` says: logits,
+        log-probabilities or probabilities.
+      target_logits: the target ``p`` (the teacher or the data, torchmetrics'
+        ``p``), in the same space, broadcastable to ``logits``.
+      where: a boolean class mask broadcastable to the inputs: masked classes
+        leave both distributions (as ``divergence_from_logits``' class mask).
+      mask: which rows count, as ``clu``'s: of the inputs' shape without the
+        class axis, or a prefix of it (``[batch]`` for ``[batch, seq,
+        num_classes]`` masks whole sequences); a boolean or, as ``clu`` casts
+        it, a number (nonzero counts). A masked row adds nothing to ``total``
+        nor ``count``.
+      **_: ignored (a ``clu`` ``Collection`` passes every model output).
+
+    Returns:
+      An instance of ``cls`` holding the batch's total and count.
+    """
+    name = "DivergenceMetric.from_model_output"
+    opts = cls.options
+    total_dtype = _default_dtype(np.float64)
+    dtype = check_float(name, ("logits", "target_logits"), logits, target_logits)
+    ndim = max(np.ndim(logits), np.ndim(target_logits))
+    min_ndim, layout = (
+      (2, "[..., seq, num_classes]") if opts.per == "sequence" else (1, "[..., num_classes]")
+    )
+    if ndim < min_ndim:
+      raise ValueError(
+        f"{name}: per={opts.per!r} needs inputs {layout} (a class axis last); got shapes "
+        f"{np.shape(logits)} and {np.shape(target_logits)}."
+      )
+    if where is not None:
+      # Given every axis, the engine reads ``where`` as a class mask, never a per-example one.
+      w = mask_array(name, where)
+      where = w.reshape((1,) * (ndim - w.ndim) + w.shape) if w.ndim < ndim else w
+    z, y, has_mass = logits, target_logits, None
+    if opts.inputs == "probs":
+      cdt = compute_dtype(dtype)
+      q, p = jnp.asarray(logits).astype(cdt), jnp.asarray(target_logits).astype(cdt)
+      # A row of zeros cannot be normalised: NaN, as torchmetrics' p / p.sum().
+      has_mass = (jnp.any(q > 0, axis=-1), jnp.any(p > 0, axis=-1))
+      z, y = jnp.log(q), jnp.log(p)
+    values = per_example(name, opts.divergence, z, y, opts.temperature, -1, where, None)
+    values = values.astype(total_dtype)
+    if has_mass is not None:
+      ok = jnp.broadcast_to(has_mass[0], values.shape) & jnp.broadcast_to(has_mass[1], values.shape)
+      values = jnp.where(ok, values, jnp.nan)
+    keep = None if mask is None else _row_mask(name, mask, values.shape)
+    if opts.per == "sequence":
+      seq_len = values.shape[-1]
+      values = sequence_mean(values, where=keep)
+      if keep is not None:
+        keep = jnp.any(keep, axis=-1)
+      elif seq_len == 0:
+        keep = jnp.zeros(values.shape, jnp.bool_)  # a sequence without tokens is not counted
+    if keep is None:
+      total, count = jnp.sum(values), values.size
+    else:
+      total, count = jnp.sum(jnp.where(keep, values, 0.0)), jnp.sum(keep)
+    return cls(total=total, count=jnp.asarray(count, _default_dtype(np.int64)))
+
+  def merge(self, other: "DivergenceMetric") -> "DivergenceMetric":
+    """The metric of both: totals and counts added (``other`` of the same class)."""
+    _check_same(self, other, "merge")
+    return type(self)(total=self.total + other.total, count=self.count + other.count)
+
+  def reduce(self) -> "DivergenceMetric":
+    """Sums a metric whose fields gained a leading axis (``all_gather``, ``process_allgather``)."""
+    if jnp.ndim(self.total) < 1 or jnp.ndim(self.count) < 1:
+      raise ValueError(
+        "DivergenceMetric.reduce: the fields must have a leading axis to sum over (after "
+        f"jax.lax.all_gather or process_allgather); got shapes {jnp.shape(self.total)} "
+        f"and {jnp.shape(self.count)}."
+      )
+    return type(self)(total=jnp.sum(self.total, axis=0), count=jnp.sum(self.count, axis=0))
+
+  def compute(self) -> jax.Array:
+    """``total / count`` for ``'mean'`` (NaN when ``count`` is 0), ``total`` for ``'sum'``."""
+    total = jnp.asarray(self.total)
+    if type(self).options.reduction == "sum":
+      return total
+    return total / jnp.asarray(self.count).astype(total.dtype)
+
+  def __reduce__(self):
+    # Picklable although ``configure``'s classes are made at run time: rebuilt from the options.
+    cls = type(self)
+    spec, *rest = cls.options
+    return _rebuild, (cls._root or cls, spec.name, dict(spec.params), *rest, self.total, self.count)
+
+
+_CLASSES: dict[tuple[type, _Options], type[DivergenceMetric]] = {}
+
+
+def _subclass(root: type[DivergenceMetric], options: _Options) -> type[DivergenceMetric]:
+  spec = options.divergence
+  label = ", ".join(
+    [repr(spec) if spec.params else repr(spec.name)]
+    + [f"{k}={v!r}" for k, v in options._asdict().items() if k != "divergence"]
+  )
+  attrs = {"options": options, "_root": root, "__module__": root.__module__}
+  sub = type(f"{root.__name__}[{label}]", (root,), attrs)
+  return jax.tree_util.register_dataclass(sub, data_fields=["total", "count"], meta_fields=[])
+
+
+def _rebuild(root, name, params, inputs, temperature, reduction, per, total, count):
+  cls = root.configure(
+    divergence=Divergence(name, **params),
+    inputs=inputs,
+    temperature=temperature,
+    reduction=reduction,
+    per=per,
+  )
+  return cls(total=total, count=count)
+
+
+def _default_dtype(dtype) -> np.dtype:
+  """float64 -> float32 and int64 -> int32 unless x64 is on."""
+  return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _row_mask(name: str, mask: object, shape: tuple[int, ...]) -> jax.Array:
+  """``mask`` (clu's: the rows' shape or a prefix of it, bool or numeric) broadcast to ``shape``."""
+  m = jnp.asarray(as_array(name, "mask", mask, MASK))
+  if m.dtype != jnp.bool_:
+    m = m.astype(jnp.bool_)  # clu.metrics casts numeric masks the same way
+  if m.shape != shape[: m.ndim]:
+    raise ValueError(
+      f"{name}: mask has shape {m.shape}; expected the inputs' shape without the class axis, "
+      f"{shape}, or a prefix of it (clu's convention: a [batch] mask masks whole sequences)."
+    )
+  return jnp.broadcast_to(m.reshape(m.shape + (1,) * (len(shape) - m.ndim)), shape)
+
+
+def _check_same(a: DivergenceMetric, b: object, method: str) -> None:
+  name = f"DivergenceMetric.{method}"
+  if not isinstance(b, DivergenceMetric) or type(b).options != type(a).options:
+    raise TypeError(
+      f"{name}: can only combine metrics of one configuration; got {type(a).__name__} and "
+      f"{type(b).__name__}."
+    )
+  if jnp.shape(a.total) != jnp.shape(b.total) or jnp.shape(a.count) != jnp.shape(b.count):
+    raise ValueError(
+      f"{name}: the fields' shapes differ, {jnp.shape(a.total)} and {jnp.shape(b.total)}; "
+      "reduce() a metric gathered over devices or processes before merging it."
+    )
