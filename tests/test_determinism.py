@@ -1,0 +1,137 @@
+"""Determinism: the same inputs give bit-identical losses and gradients, run to run.
+
+Each program is compiled and run, JAX's caches are cleared, and it is compiled
+and run again (a fresh trace, a fresh executable): values and gradients must
+be equal bit for bit. On the (2, 4) mesh of 8 simulated devices (the
+``multidevice`` test) the same holds for the sharded program, and the sharded
+result differs from the unsharded one only by the order of the float32 sums,
+within the bound that docs/beyond-one-machine.md states: relative 1e-5 of the
+value (a few ulps times the number of partial sums), checked here.
+
+The negative control: a program that reads a different input (a perturbed
+logit, one float32 ulp away) must not be bit-identical, so the comparison can
+fail.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kldiv_jax as kd
+
+ROWS, VOCAB, HIDDEN, K = 384, 1024, 16, 8
+
+
+def _data():
+  rng = np.random.default_rng(7)
+  f32 = lambda *shape, scale=1.0: (scale * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+  t = f32(ROWS, VOCAB, scale=3.0)
+  t_log = np.asarray(jax.nn.log_softmax(t))
+  idx = np.argsort(-t, axis=-1)[:, :K].astype(np.int32)
+  return {
+    "s": f32(ROWS, VOCAB, scale=3.0),
+    "t": t,
+    "labels": rng.integers(0, VOCAB, size=ROWS).astype(np.int32),
+    "idx": idx,
+    "topk_lp": np.take_along_axis(t_log, idx, axis=-1),
+    "h": f32(ROWS, HIDDEN),
+    "w": f32(HIDDEN, VOCAB),
+    "th": f32(ROWS, HIDDEN),
+    "tw": f32(HIDDEN, VOCAB, scale=2.0),
+  }
+
+
+DATA = _data()
+LOSSES = {
+  "distillation_loss": (
+    lambda s, t, y: kd.distillation_loss(s, t, y, temperature=2.0),
+    ("s", "t", "labels"),
+  ),
+  "divergence_from_logits[jsd]": (
+    lambda s, t: jnp.sum(kd.divergence_from_logits(s, t, divergence="jsd")),
+    ("s", "t"),
+  ),
+  "token_log_probs": (lambda s, y: jnp.sum(kd.token_log_probs(s, y)), ("s", "labels")),
+  "kl_div_from_topk": (
+    lambda s, i, lp: jnp.mean(kd.kl_div_from_topk(s, i, lp)),
+    ("s", "idx", "topk_lp"),
+  ),
+  "fused_distillation_loss": (
+    lambda h, w, th, tw, y: kd.fused_distillation_loss(h, w, th, tw, labels=y, chunk_size=128),
+    ("h", "w", "th", "tw", "labels"),
+  ),
+}
+
+
+def _run(fn, args):
+  """Values and gradients wrt the float inputs, on host, from a fresh compilation."""
+  jax.clear_caches()
+  argnums = tuple(i for i, a in enumerate(args) if np.issubdtype(a.dtype, np.floating))
+  out = jax.jit(jax.value_and_grad(fn, argnums=argnums))(*args)
+  return [np.asarray(x) for x in jax.tree.leaves(out)]
+
+
+def _bits_equal(a, b) -> bool:
+  return all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_run_to_run_bit_identical(name):
+  fn, names = LOSSES[name]
+  args = tuple(DATA[n] for n in names)
+  first, second = _run(fn, args), _run(fn, args)
+  assert _bits_equal(first, second), name
+  # The control: one ulp on one input is seen.
+  nudged = list(args)
+  nudged[0] = nudged[0].copy()
+  nudged[0].flat[5] = np.nextafter(nudged[0].flat[5], np.float32(np.inf))
+  assert not _bits_equal(first, _run(fn, tuple(nudged))), name
+
+
+# Sharded: batch over "data", classes over "vocab" (the fused loss: heads over "vocab").
+SHARDED = {
+  "distillation_loss": (P("data", "vocab"), P("data", "vocab"), P("data")),
+  "divergence_from_logits[jsd]": (P("data", "vocab"), P("data", "vocab")),
+  "token_log_probs": (P("data", "vocab"), P("data")),
+  "fused_distillation_loss": (P("data"), P(None, "vocab"), P("data"), P(None, "vocab"), P("data")),
+}
+SHARDED_CALLS = {
+  # Per-shard calls: the global normaliser, a psum over the data axis.
+  "distillation_loss": lambda s, t, y: lax.psum(
+    kd.distillation_loss(s, t, y, temperature=2.0, normalizer=ROWS, axis_name="vocab"), "data"
+  ),
+  "divergence_from_logits[jsd]": lambda s, t: lax.psum(
+    jnp.sum(kd.divergence_from_logits(s, t, divergence="jsd", axis_name="vocab")), "data"
+  ),
+  "token_log_probs": lambda s, y: lax.psum(
+    jnp.sum(kd.token_log_probs(s, y, axis_name="vocab")), "data"
+  ),
+  "fused_distillation_loss": lambda h, w, th, tw, y: lax.psum(
+    kd.fused_distillation_loss(
+      h, w, th, tw, labels=y, chunk_size=128, normalizer=ROWS, axis_name="vocab"
+    ),
+    "data",
+  ),
+}
+# Sharded vs unsharded: the bound of docs/beyond-one-machine.md.
+RTOL, ATOL = 1e-5, 1e-7
+
+
+@pytest.mark.multidevice
+@pytest.mark.parametrize("name", sorted(SHARDED))
+def test_sharded_bit_identical_and_within_bound(cpu_devices, name):
+  mesh = jax.sharding.Mesh(np.array(cpu_devices[:8]).reshape(2, 4), ("data", "vocab"))
+  fn, names = LOSSES[name]
+  specs = SHARDED[name]
+  sharded = jax.shard_map(SHARDED_CALLS[name], mesh=mesh, in_specs=specs, out_specs=P())
+  args = tuple(jax.device_put(DATA[n], NamedSharding(mesh, s)) for n, s in zip(names, specs))
+  first, second = _run(sharded, args), _run(sharded, args)
+  assert _bits_equal(first, second), name
+  reference = _run(fn, tuple(DATA[n] for n in names))
+  for got, want in zip(first, reference, strict=True):
+    scale = np.max(np.abs(want))
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL + RTOL * scale)
