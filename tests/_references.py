@@ -494,3 +494,21 @@ def compare_finite(got, ref, atol=1e-6, rtol=1e-5):
 def collectives(hlo_text):
   """``[op, result shape]`` of every collective in a compiled program's HLO text."""
   return [[m.group(2), m.group(1).strip()] for m in COLLECTIVE_RE.finditer(hlo_text)]
+
+
+def lm_inputs(rows, vocab, hidden, k, *, seed, scale):
+  """Seeded float32 inputs of every language-model loss: ``s``/``t`` logits ``[rows, vocab]``
+  (scale ``scale``), ``labels``, the teacher's top-``k`` ``idx``/``topk_lp``, and hidden
+  states ``h``/``th`` ``[rows, hidden]`` with heads ``w``/``tw`` ``[hidden, vocab]``; ``rng``
+  for more."""
+  rng = np.random.default_rng(seed)
+  f32 = lambda *shape, scale=1.0: (scale * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
+  s, t = f32(rows, vocab, scale=scale), f32(rows, vocab, scale=scale)
+  t_log = np.asarray(jax.nn.log_softmax(t))
+  idx = np.argsort(-t, axis=-1)[:, :k].astype(np.int32)
+  out = {"s": s, "t": t, "log_p": t_log, "idx": idx}
+  out["topk_lp"] = np.take_along_axis(t_log, idx, axis=-1)
+  out["labels"] = rng.integers(0, vocab, size=rows).astype(np.int32)
+  out.update(h=f32(rows, hidden), w=f32(hidden, vocab), th=f32(rows, hidden))
+  out["tw"] = f32(hidden, vocab, scale=2.0)
+  return out, rng

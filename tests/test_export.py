@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import lm_inputs
 from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -39,29 +40,12 @@ CHUNK = 256
 
 
 def _data() -> dict[str, np.ndarray]:
-  rng = np.random.default_rng(0)
+  data, rng = lm_inputs(ROWS, VOCAB, HIDDEN, K, seed=0, scale=2.0)
   f32 = lambda *shape, scale=1.0: (scale * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
-  s, t = f32(ROWS, VOCAB, scale=2.0), f32(ROWS, VOCAB, scale=2.0)
-  t_log = np.asarray(jax.nn.log_softmax(t))
-  idx = np.argsort(-t, axis=-1)[:, :K].astype(np.int32)
-  return {
-    "s": s,
-    "t": t,
-    "log_q": np.asarray(jax.nn.log_softmax(s)),
-    "p": np.exp(t_log),
-    "log_p": t_log,
-    "labels": rng.integers(0, VOCAB, size=ROWS).astype(np.int32),
-    "idx": idx,
-    "topk_lp": np.take_along_axis(t_log, idx, axis=-1),
-    "h": f32(ROWS, HIDDEN),
-    "w": f32(HIDDEN, VOCAB),
-    "th": f32(ROWS, HIDDEN),
-    "tw": f32(HIDDEN, VOCAB, scale=2.0),
-    "lp": f32(ROWS, scale=0.5) - 2.0,
-    "ref_lp": f32(ROWS, scale=0.5) - 2.0,
-    "mean": f32(ROWS, 8),
-    "log_var": f32(ROWS, 8, scale=0.3),
-  }
+  data.update(log_q=np.asarray(jax.nn.log_softmax(data["s"])), p=np.exp(data["log_p"]))
+  data.update(lp=f32(ROWS, scale=0.5) - 2.0, ref_lp=f32(ROWS, scale=0.5) - 2.0)
+  data.update(mean=f32(ROWS, 8), log_var=f32(ROWS, 8, scale=0.3))
+  return data
 
 
 class Loss:
