@@ -13,8 +13,8 @@ test, on 4 of 8 simulated devices), this file exports a module for each of
 loop (its name scope :data:`kldiv_jax._rows.ROW_BLOCKS_SCOPE` and a
 ``stablehlo.while``) exactly for the losses built on the row kernels, and
 that the CUDA and TPU modules never do. A module exported for all three is
-serialized, deserialized and run on CPU: it gives the numbers of the jitted
-loss, bit for bit.
+serialized, deserialized and run on CPU (the ``value_and_grad`` program, whose
+outputs hold the value too): it gives the jitted program's numbers, bit for bit.
 
 The inputs have more rows than one CPU block holds, so that the CPU path is a
 loop: the check on the CPU module is what shows that the others can fail.
@@ -143,6 +143,11 @@ def _programs(loss: Loss):
   }
 
 
+# The program whose artefact is serialized and run: its outputs hold the loss's value too
+# (compiling each program twice more for ``jit`` alone would double the file's time).
+ROUND_TRIP = "value_and_grad"
+
+
 def _holds_row_loop(text: str) -> bool:
   return ROW_BLOCKS_SCOPE in text
 
@@ -182,8 +187,9 @@ def test_each_platform_holds_its_own_path(name):
   for mode, program in _programs(loss).items():
     per_platform = {p: export.export(program, platforms=(p,))(*args) for p in PLATFORMS}
     _check_paths(name, mode, per_platform, loss.rows)
-    both = _round_trip(program, args)
-    assert _holds_row_loop(both.mlir_module()) == loss.rows
+    if mode == ROUND_TRIP:
+      both = _round_trip(program, args)
+      assert _holds_row_loop(both.mlir_module()) == loss.rows
 
 
 # -- axis_name ------------------------------------------------------------------------------------
@@ -249,7 +255,7 @@ def test_each_platform_holds_its_own_path_with_axis_name(cpu_devices, name):
     per_platform = {p: export.export(program, platforms=(p,))(*args) for p in PLATFORMS}
     _check_paths(name, mode, per_platform, loss.rows)
     assert all(e.nr_devices == 4 for e in per_platform.values())
-    if not OLD_MULTI_PLATFORM_SHARD_MAP:
+    if mode == ROUND_TRIP and not OLD_MULTI_PLATFORM_SHARD_MAP:
       _round_trip(program, args)
 
 
