@@ -329,6 +329,21 @@ def is_loopback(host: str) -> bool:
     return False
 
 
+def mute_native_stdout() -> None:
+  """Keeps Python's output but sends the native libraries' stdout to ``/dev/null``.
+
+  Gloo prints a ``[Gloo] Rank ... is connected to ... peer ranks`` line per
+  connection to C++'s ``std::cout`` (file descriptor 1), in the middle of the
+  report's lines; errors go to stderr, which is kept.
+  """
+  sys.stdout.flush()
+  python_stdout = os.dup(1)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)
+  os.close(devnull)
+  sys.stdout = os.fdopen(python_stdout, "w", buffering=1)
+
+
 def launch(args: argparse.Namespace, argv: Sequence[str]) -> int:
   """Starts ``--local-processes`` copies of this script on loopback and waits for them."""
   problem = loopback_problem()
@@ -426,6 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   elif args.coordinator is not None:
     if args.deadline:  # started by launch(): never outlive it
       faulthandler.dump_traceback_later(args.deadline, exit=True)
+      mute_native_stdout()
     on_loopback = is_loopback(args.coordinator.rsplit(":", 1)[0].strip("[]"))
     if args.cpu_devices is not None:
       jax.config.update("jax_platforms", "cpu")
