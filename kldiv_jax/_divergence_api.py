@@ -80,6 +80,10 @@ class Divergence:
   def __setattr__(self, key, value):
     raise dataclasses.FrozenInstanceError(f"cannot assign to field {key!r}")
 
+  def __reduce__(self):
+    # pickle and copy: rebuilt through __init__ (the default would assign the slots).
+    return _rebuild_divergence, (self.name, self.params)
+
   @property
   def formula(self) -> Formula:
     return FORMULAS[self.name]
@@ -125,6 +129,10 @@ class Divergence:
     object.__setattr__(out, "name", name)
     object.__setattr__(out, "params", params)
     return out
+
+
+def _rebuild_divergence(name: str, params: tuple[tuple[str, Param], ...]) -> Divergence:
+  return Divergence(name, **dict(params))
 
 
 def _check_param(name, key, value, bounds):

@@ -332,8 +332,7 @@ class DivergenceMetric:
   def __reduce__(self):
     # Picklable although ``configure``'s classes are made at run time: rebuilt from the options.
     cls = type(self)
-    spec, *rest = cls.options
-    return _rebuild, (cls._root or cls, spec.name, dict(spec.params), *rest, self.total, self.count)
+    return _rebuild, (cls._root or cls, *cls.options, self.total, self.count)
 
 
 _CLASSES: dict[tuple[type, _Options], type[DivergenceMetric]] = {}
@@ -350,9 +349,9 @@ def _subclass(root: type[DivergenceMetric], options: _Options) -> type[Divergenc
   return jax.tree_util.register_dataclass(sub, data_fields=["total", "count"], meta_fields=[])
 
 
-def _rebuild(root, name, params, inputs, temperature, reduction, per, total, count):
+def _rebuild(root, divergence, inputs, temperature, reduction, per, total, count):
   cls = root.configure(
-    divergence=Divergence(name, **params),
+    divergence=divergence,
     inputs=inputs,
     temperature=temperature,
     reduction=reduction,

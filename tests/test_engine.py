@@ -572,6 +572,17 @@ def test_divergence_spec():
     spec.name = "tvd"
 
 
+def test_divergence_pickles_and_copies():
+  import copy
+  import pickle
+
+  for spec in (Divergence("skew_kl", alpha=0.2), Divergence("alpha_beta", alpha=0.5, beta=0.25)):
+    for twin in (pickle.loads(pickle.dumps(spec)), copy.deepcopy(spec), copy.copy(spec)):
+      assert twin == spec and twin.key == spec.key and hash(twin) == hash(spec)
+  traced = pickle.loads(pickle.dumps(Divergence("jsd", beta=jnp.float32(0.3))))
+  assert traced.name == "jsd" and float(traced.traced[0]) == np.float32(0.3)
+
+
 def dataclasses_frozen_error():
   import dataclasses
 
