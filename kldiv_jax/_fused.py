@@ -30,9 +30,7 @@ from kldiv_jax._checks import (
   check_unit_interval,
   compute_dtype,
   ids_differ,
-  ids_in_range,
   index_array,
-  mask_array,
 )
 from kldiv_jax._distill import (
   DistillationParts,
@@ -46,12 +44,18 @@ from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import in_unit_interval, nan_unless, positive_finite
 from kldiv_jax._rows import compiled, shared_classes, times_slope
 from kldiv_jax._sparse import topk_rows
-from kldiv_jax._tokens import class_derivatives, token_stats
+from kldiv_jax._tokens import (
+  class_derivatives,
+  local_ids,
+  token_layout,
+  token_mask,
+  token_outputs,
+  token_stats,
+)
 from kldiv_jax._topk import TAILS, check_ids, check_teacher_vocab, topk_teacher
 from kldiv_jax._vocab_parallel import (
   VOCAB_PARALLEL_PADDING,
   check_axis_name,
-  class_offset,
   global_classes,
 )
 
@@ -135,9 +139,6 @@ def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tok
       gh = lax.psum(gh, axis_name)
     return (loss, *parts), gh, dz, jnp.sum(dz, axis=0)
 
-  def add_weight_grad(grad_w, hc, dz):
-    return _add_weight_grad(grad_w, hc, dz, axis_name, acc)
-
   # ``full_like``: inside jax.shard_map, loop carries keep the mesh axes their
   # values vary over (the loss those of the tokens, the head's gradients the
   # head's, see fused_linear_kl_div).
@@ -153,7 +154,7 @@ def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tok
     parts, gh, dz, gb = chunk_grads(hc, cut(teacher), cut(tokens))
     grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
     totals = tuple(t + p for t, p in zip(totals, parts))
-    return totals, grad_h, add_weight_grad(grad_w, hc, dz), grad_b + gb
+    return totals, grad_h, _add_weight_grad(grad_w, hc, dz, axis_name, acc), grad_b + gb
 
   totals, grad_h, grad_w, grad_b = _chunks(n, chunk, part, (totals, grad_h, grad_w, grad_b))
   operands = (h, w, b, teacher, whole, temperature, params, tokens, coefs)
@@ -235,10 +236,11 @@ def _fused_tokens(static, h, w, b, ids, temperature, mask):
 
 
 def _token_chunk(static, hc, w, b, idc, temperature, mc, acc):
+  """A chunk's ``(log p, H, row max, log s)`` per token, ``[size]`` each."""
   _, axis_name, cap = static
   z = _matmul(hc, w, b, acc)
   log_p, entropy, (top, log_s, _) = token_stats(axis_name, cap, z, idc, temperature, (mc,))
-  return z, log_p, entropy, top[:, 0], log_s[:, 0]
+  return log_p, entropy, top[:, 0], log_s[:, 0]
 
 
 def _fused_tokens_fwd(static, h, w, b, ids, temperature, mask):
@@ -248,7 +250,7 @@ def _fused_tokens_fwd(static, h, w, b, ids, temperature, mask):
   outs = tuple(lax.full_like(mask[:, 0], 0, acc) + zero for _ in range(4))
 
   def part(start, size, rows, outs):
-    _, *res = _token_chunk(static, rows(h), w, b, rows(ids), temperature, rows(mask), acc)
+    res = _token_chunk(static, rows(h), w, b, rows(ids), temperature, rows(mask), acc)
     return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
 
   outs = _chunks(n, chunk, part, outs)
@@ -264,7 +266,7 @@ def _fused_tokens_bwd(static, residuals, g):
   grad_h = lax.full_like(h, 0, acc)
   grad_w = lax.full_like(w, 0, acc)
   grad_b = lax.full_like(w, 0, acc, shape=w.shape[1:])
-  local = ids if axis_name is None else ids - class_offset(axis_name, w.shape[1]).astype(ids.dtype)
+  local = local_ids(ids, axis_name, w.shape[1])
 
   def part(start, size, rows, carry):
     grad_h, grad_w, grad_b = carry
@@ -294,6 +296,21 @@ def _fused_tokens_bwd(static, residuals, g):
 
 _fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
 _fused_tokens = compiled(_fused_tokens, static_argnums=0)
+
+
+def _vary_like_tokens(weight, bias, *token_arrays):
+  """``(weight, bias)`` plus a 0 that varies like the token arrays.
+
+  Inside ``jax.shard_map`` with the tokens split (over "data", say), the head's
+  gradient in a custom VJP varies over the tokens' mesh axes, and must have the
+  head's type: adding a 0 that varies like the tokens makes the head vary
+  alike, and autodiff then sums its gradient over those axes. Outside
+  ``shard_map`` it is a no-op, which XLA folds away.
+  """
+  zero = _token_zero(*token_arrays)
+  w = jnp.asarray(weight)
+  b = None if bias is None else jnp.asarray(bias)
+  return w + zero.astype(w.dtype), None if b is None else b + zero.astype(b.dtype)
 
 
 def _token_zero(*token_arrays):
@@ -337,17 +354,6 @@ def _check_chunk(name, chunk_size, n, vocab_size):
   ):
     raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
   return int(min(chunk_size, max(n, 1)))
-
-
-def _token_mask(name, where, token_shape, n):
-  if where is None:
-    return jnp.ones((n, 1), jnp.bool_)
-  w_arr = mask_array(name, where)
-  if w_arr.shape != token_shape:
-    raise ValueError(
-      f"{name}: where must be a token mask of shape {token_shape}; got {w_arr.shape}."
-    )
-  return w_arr.reshape(n, 1)
 
 
 # The options every fused loss reads (``_options``), with their defaults where a loss lacks one.
@@ -442,7 +448,7 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
     t = topk_teacher(idx.reshape(n, k), lp.astype(cdt).reshape(n, k), None, shared, teacher_vocab)
     teacher, whole, bad = (t.ids, t.lp, t.keep, t.dropped), (), t.bad[:, None]
   h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
-  mask = _token_mask(name, o["where"], token_shape, n)
+  mask = token_mask(name, o["where"], token_shape, n)
   labels = labelled = None
   if o["labels"] is not None:
     labels = index_array(name, "labels", o["labels"], "class indices")
@@ -480,15 +486,7 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
     zero = jnp.zeros((), out_dtype)
     loss = nan_unless(zero, *checks)
     return (loss, DistillationParts.of(zero, zero, num_tokens, checks)) if return_parts else loss
-  # Inside jax.shard_map with the tokens split (over "data", say), the head's
-  # gradient in the custom VJP varies over the tokens' mesh axes, and must have
-  # the head's type: adding a 0 that varies like the tokens makes the head vary
-  # alike, and autodiff then sums its gradient over those axes. Outside
-  # shard_map it is a no-op, which XLA folds away.
-  zero = _token_zero(h, *teacher, mask)
-  w_arr = w_arr + zero.astype(w_arr.dtype)
-  if b_arr is not None:
-    b_arr = b_arr + zero.astype(b_arr.dtype)
+  w_arr, b_arr = _vary_like_tokens(w_arr, b_arr, h, *teacher, mask)
   static = Static(teacher_kind, spec.key, chunk, axis_name, caps, weights, tail, vocab)
   params = tuple(jnp.asarray(x).astype(cdt) for x in spec.traced)
   tokens = (mask, labels, labelled)
@@ -881,47 +879,32 @@ def fused_token_log_probs(
   """
   name = "fused_token_log_probs"
   out_dtype = _check_linear(name, "student", hidden, weight, bias)
-  ids = index_array(name, "token_ids", token_ids, "token ids")
-  token_shape = tuple(np.shape(hidden)[:-1])
-  if ids.shape != token_shape:
-    raise ValueError(
-      f"{name}: token_ids must have shape hidden.shape[:-1] = {token_shape}; got {ids.shape}."
-    )
   temperature, _ = check_temperature(name, temperature)
   cap = check_softcap(name, "softcap", softcap)
   return_entropy = check_bool(name, "return_entropy", return_entropy)
   num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
-  n = int(np.prod(token_shape, dtype=np.int64))
-  cdt = compute_dtype(out_dtype)
+  token_shape = tuple(np.shape(hidden)[:-1])
   vocab = np.shape(weight)[1]
+  mask, in_range, safe = token_layout(
+    name,
+    token_ids,
+    token_shape,
+    "shape hidden.shape[:-1] =",
+    where,
+    ignore_index,
+    global_classes(vocab, axis_name),
+  )
+  n = safe.shape[0]
+  mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
+  t = jnp.asarray(temperature, compute_dtype(out_dtype))
   chunk = _check_chunk(name, chunk_size, n, vocab * num_shards)
-  mask = _token_mask(name, where, token_shape, n)
-  ids = ids.reshape(n, 1)
-  if ignore_index is not None:
-    mask = mask & ids_differ(ids, check_int(name, "ignore_index", ignore_index))
-  in_range = ids_in_range(ids, global_classes(vocab, axis_name)) | ~mask
-  safe = jnp.where(in_range, ids, 0).astype(jnp.int32)
-  valid = positive_finite(temperature)
-  if n == 0 or vocab == 0:
-    log_p = jnp.where(mask[:, 0], jnp.nan, 0.0).reshape(token_shape).astype(out_dtype)
-    zeros = jnp.zeros(token_shape, out_dtype)
-    return (log_p, zeros) if return_entropy else log_p
-  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
-  w_arr = jnp.asarray(weight)
-  b_arr = None if bias is None else jnp.asarray(bias)
-  # Inside jax.shard_map with the tokens split: the head varies like the tokens (see
-  # fused_distillation_loss), so its gradient is summed over their axes.
-  zero = _token_zero(h, safe, mask)
-  w_arr = w_arr + zero.astype(w_arr.dtype)
-  if b_arr is not None:
-    b_arr = b_arr + zero.astype(b_arr.dtype)
-  t = jnp.asarray(temperature, cdt)
-  out = _fused_tokens((chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask)
-  log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
-  log_p = nan_unless(log_p, in_range[:, 0])
-  log_p = jnp.where(mask[:, 0], log_p, 0.0).reshape(token_shape).astype(out_dtype)
-  log_p = nan_unless(log_p, valid)
-  if not return_entropy:
-    return log_p
-  entropy = jnp.where(mask[:, 0], entropy, 0.0).reshape(token_shape).astype(out_dtype)
-  return log_p, nan_unless(entropy, valid)
+  if n == 0 or vocab == 0:  # every counted id is out of range (NaN)
+    log_p = entropy = jnp.zeros(n, t.dtype)
+  else:
+    h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+    w_arr, b_arr = _vary_like_tokens(weight, bias, h, safe, mask)
+    out = _fused_tokens((chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask)
+    log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
+  return token_outputs(
+    log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy
+  )

@@ -9,20 +9,15 @@ from kldiv_jax._checks import (
   check_bool,
   check_choice,
   check_float,
-  check_int,
   check_softcap,
   check_temperature,
   compute_dtype,
-  ids_differ,
-  ids_in_range,
-  index_array,
-  mask_array,
   promote_and_broadcast,
   real_scalar,
   split_where,
 )
 from kldiv_jax._numerics import nan_unless, positive_finite
-from kldiv_jax._tokens import token_rows
+from kldiv_jax._tokens import token_layout, token_outputs, token_rows
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
 # "k1+", "k3+": the estimator's value with k2's gradient (verl's straight-through forms).
@@ -273,53 +268,32 @@ def token_log_probs(
   z = jnp.asarray(logits)
   if z.ndim == 0:
     raise ValueError(f"{name}: logits must have a class axis, shape [..., vocab]; got a scalar.")
-  ids = index_array(name, "token_ids", token_ids, "token ids")
-  if ids.shape != z.shape[:-1]:
-    raise ValueError(
-      f"{name}: token_ids must have the logits' shape without the class axis, "
-      f"{z.shape[:-1]}; got {ids.shape}."
-    )
   temperature, _ = check_temperature(name, temperature)
   cap = check_softcap(name, "softcap", softcap)
   return_entropy = check_bool(name, "return_entropy", return_entropy)
   if axis_name is not None:
     check_axis_name(name, axis_name)
   token_shape = z.shape[:-1]
-  rows = int(np.prod(token_shape, dtype=np.int64))
-  cdt = compute_dtype(out_dtype)
-  z = z.reshape(rows, z.shape[-1])
-  ids = ids.reshape(rows, 1)
-  mask = None
-  if where is not None:
-    w = mask_array(name, where)
-    if w.shape != token_shape:
-      raise ValueError(f"{name}: where must be a token mask of shape {token_shape}; got {w.shape}.")
-    mask = w.reshape(rows, 1)
-  if ignore_index is not None:
-    kept = ids_differ(ids, check_int(name, "ignore_index", ignore_index))
-    mask = kept if mask is None else mask & kept
-  if mask is not None:
-    z = jnp.where(mask, z, 0.0)  # selected away: NaN in a masked token cannot leak
-  if rows == 0 or z.shape[1] == 0:
-    # No classes: every unmasked id is out of range (NaN).
-    keep = jnp.ones((rows,), jnp.bool_) if mask is None else mask[:, 0]
-    log_p = jnp.where(keep, jnp.nan, 0.0).reshape(token_shape).astype(out_dtype)
-    return (log_p, jnp.zeros(token_shape, out_dtype)) if return_entropy else log_p
-  in_range = ids_in_range(ids, global_classes(z.shape[1], axis_name))
-  if mask is not None:
-    in_range = in_range | ~mask
-  safe = jnp.where(in_range, ids, 0).astype(jnp.int32)
-  t = jnp.asarray(temperature).astype(cdt)
-  log_p, entropy = token_rows(z, safe, t, (), axis_name, cap)
-  log_p = nan_unless(log_p, in_range[:, 0])
-  if mask is not None:
-    log_p = jnp.where(mask[:, 0], log_p, 0.0)
-    entropy = jnp.where(mask[:, 0], entropy, 0.0)
-  valid = positive_finite(temperature)
-  log_p = nan_unless(log_p.reshape(token_shape).astype(out_dtype), valid)
-  if not return_entropy:
-    return log_p
-  return log_p, nan_unless(entropy.reshape(token_shape).astype(out_dtype), valid)
+  mask, in_range, safe = token_layout(
+    name,
+    token_ids,
+    token_shape,
+    "the logits' shape without the class axis,",
+    where,
+    ignore_index,
+    global_classes(z.shape[-1], axis_name),
+  )
+  z = z.reshape(safe.shape[0], z.shape[-1])
+  t = jnp.asarray(temperature).astype(compute_dtype(out_dtype))
+  if z.size == 0:  # no tokens, or no classes: every counted id is out of range (NaN)
+    log_p = entropy = jnp.zeros(z.shape[0], t.dtype)
+  else:
+    if mask is not None:
+      z = jnp.where(mask, z, 0.0)  # selected away: NaN in a masked token cannot leak
+    log_p, entropy = token_rows(z, safe, t, (), axis_name, cap)
+  return token_outputs(
+    log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy
+  )
 
 
 def _token_arrays(name, names, arrays, where):

@@ -22,10 +22,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from kldiv_jax._checks import compute_dtype
-from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
+from kldiv_jax._checks import (
+  check_int,
+  compute_dtype,
+  ids_differ,
+  ids_in_range,
+  index_array,
+  mask_array,
+)
+from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite, soft_cap
 from kldiv_jax._rows import (
   compiled,
   is_zero,
@@ -57,10 +65,14 @@ def _row_max(zc, keep):
   return jnp.max(jnp.where(keep, zc, -jnp.inf), axis=-1, keepdims=True)
 
 
+def local_ids(ids, axis_name, width):
+  """Global class ids as ids of this device's ``width`` classes (others hit nothing)."""
+  return ids if axis_name is None else ids - class_offset(axis_name, width).astype(ids.dtype)
+
+
 def token_stats(axis_name, cap, z, ids, temperature, masks):
   dtype = temperature.dtype
-  if axis_name is not None:  # ids of this device's classes; the others hit nothing
-    ids = ids - class_offset(axis_name, z.shape[1]).astype(ids.dtype)
+  ids = local_ids(ids, axis_name, z.shape[1])
 
   def sums(z, ids, top, *masks):
     zc, keep = _capped(z, masks, cap, dtype)
@@ -127,9 +139,9 @@ def _kernel_jvp(axis_name, cap, primals, tangents):
   d_lp = jnp.zeros_like(log_p[:, None])
   d_h = jnp.zeros_like(d_lp)
   if not is_zero(dz):
-    dzc = dz.astype(g_lp.dtype)
-    d_lp = d_lp + jnp.sum(times_slope(g_lp, zc, cap) * dzc, -1, keepdims=True) / temperature
-    d_h = d_h + jnp.sum(times_slope(g_h, zc, cap) * dzc, -1, keepdims=True) / temperature
+    du = times_slope(dz.astype(g_lp.dtype), zc, cap)  # the tangent of soft_cap(z), T times du
+    d_lp = d_lp + jnp.sum(g_lp * du, -1, keepdims=True) / temperature
+    d_h = d_h + jnp.sum(g_h * du, -1, keepdims=True) / temperature
   if not is_zero(dtemp):
     # du/dT = -u/T; the gradients sum to 0, so the shifted x gives the same (exactly).
     x0 = jnp.where(keep, x, 0.0)
@@ -163,3 +175,49 @@ def token_rows(
   """
   temperature = temperature.astype(compute_dtype(temperature.dtype))
   return _kernel(axis_name, cap, z, ids, temperature, tuple(masks))
+
+
+# -- the public functions' token layout (token_log_probs, fused_token_log_probs) -----------------
+
+
+def token_mask(name, where, token_shape, rows):
+  """``where``, a mask of ``token_shape``, as ``[rows, 1]`` (all True for ``None``)."""
+  if where is None:
+    return jnp.ones((rows, 1), jnp.bool_)
+  w = mask_array(name, where)
+  if w.shape != token_shape:
+    raise ValueError(f"{name}: where must be a token mask of shape {token_shape}; got {w.shape}.")
+  return w.reshape(rows, 1)
+
+
+def token_layout(name, token_ids, token_shape, shape_text, where, ignore_index, num_classes):
+  """``(mask, in_range, safe)``, ``[rows, 1]`` each: the tokens that count (``where`` and
+  not ``ignore_index``; ``None`` when every one does), the ids in ``[0, num_classes)`` or not
+  counted, and the ids with the others replaced by 0 (int32). ``shape_text`` names
+  ``token_shape`` in the shape error."""
+  ids = index_array(name, "token_ids", token_ids, "token ids")
+  if ids.shape != token_shape:
+    raise ValueError(f"{name}: token_ids must have {shape_text} {token_shape}; got {ids.shape}.")
+  rows = int(np.prod(token_shape, dtype=np.int64))
+  ids = ids.reshape(rows, 1)
+  mask = None if where is None else token_mask(name, where, token_shape, rows)
+  if ignore_index is not None:
+    kept = ids_differ(ids, check_int(name, "ignore_index", ignore_index))
+    mask = kept if mask is None else mask & kept
+  in_range = ids_in_range(ids, num_classes)
+  if mask is not None:
+    in_range = in_range | ~mask
+  return mask, in_range, jnp.where(in_range, ids, 0).astype(jnp.int32)
+
+
+def token_outputs(log_p, entropy, in_range, mask, token_shape, dtype, temperature, with_entropy):
+  """The public outputs from ``[rows]`` kernel results: NaN for an id out of range or an
+  invalid temperature, 0 for tokens that do not count, ``token_shape`` and ``dtype``."""
+  valid = positive_finite(temperature)
+
+  def out(x):
+    x = x if mask is None else jnp.where(mask[:, 0], x, 0.0)
+    return nan_unless(x.reshape(token_shape).astype(dtype), valid)
+
+  log_p = out(nan_unless(log_p, in_range[:, 0]))
+  return (log_p, out(entropy)) if with_entropy else log_p
