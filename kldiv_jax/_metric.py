@@ -110,9 +110,8 @@ class DivergenceMetric:
   sequences are selected away (padding there cannot leak). A row of ``-inf``
   logits or log-probabilities on both sides (after ``where``) is the engine's
   "no mass on either side", 0 and counted: mask padding with ``mask``.
-  bf16/f16 inputs are computed in float32; each row's value comes back in the
-  input dtype, as from :func:`~kldiv_jax.divergence_from_logits`, and is
-  summed in ``total``'s dtype.
+  bf16/f16 inputs are computed in float32, and each row's value is summed
+  in ``total``'s dtype without a rounding to the input dtype between.
 
   Attributes:
     total: the sum of the units' values, a scalar (or with a leading axis
@@ -281,13 +280,15 @@ class DivergenceMetric:
       # Given every axis, the engine reads ``where`` as a class mask, never a per-example one.
       w = mask_array(name, where)
       where = w.reshape((1,) * (ndim - w.ndim) + w.shape) if w.ndim < ndim else w
-    z, y, has_mass = logits, target_logits, None
+    # In the compute dtype (float32 for bf16/f16): the engine then returns each row's value
+    # unrounded, and the sums keep it (the convert fuses into the kernel under jit).
+    cdt = compute_dtype(dtype)
+    z, y = jnp.asarray(logits).astype(cdt), jnp.asarray(target_logits).astype(cdt)
+    has_mass = None
     if opts.inputs == "probs":
-      cdt = compute_dtype(dtype)
-      q, p = jnp.asarray(logits).astype(cdt), jnp.asarray(target_logits).astype(cdt)
       # A row of zeros cannot be normalised: NaN, as torchmetrics' p / p.sum().
-      has_mass = (jnp.any(q > 0, axis=-1), jnp.any(p > 0, axis=-1))
-      z, y = jnp.log(q), jnp.log(p)
+      has_mass = (jnp.any(z > 0, axis=-1), jnp.any(y > 0, axis=-1))
+      z, y = jnp.log(z), jnp.log(y)
     values = per_example(name, opts.divergence, z, y, opts.temperature, -1, where, None)
     values = values.astype(total_dtype)
     if has_mass is not None:

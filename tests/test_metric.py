@@ -605,7 +605,8 @@ def test_low_precision_inputs(rng):
   m = DivergenceMetric.from_model_output(z, y)
   assert m.total.dtype == np.float32
   expected = np_forward_kl(np.asarray(z, np.float64), np.asarray(y, np.float64)).mean()
-  np.testing.assert_allclose(m.compute(), expected, rtol=4e-3)
+  # Each row's value is summed in float32, not rounded to bf16 first.
+  np.testing.assert_allclose(m.compute(), expected, rtol=1e-5)
   probs = ProbsMetric.from_model_output(
     jax.nn.softmax(z.astype(np.float32)).astype(jnp.float16),
     jax.nn.softmax(y.astype(np.float32)).astype(jnp.float16),
