@@ -185,6 +185,50 @@ def np_gaussian_kl(mean, log_var, prior_mean=0.0, prior_log_var=0.0, axis=-1):
   return terms.sum(axis)
 
 
+# verl's kl_penalty (verl-project/verl, verl/trainer/ppo/core_algos.py: kl_penalty and
+# kl_penalty_forward, identical at tag v0.9.0 (483b8a0) and main 1dda039 of 2026-08-22,
+# 0.10.0.dev; no v0.9.1 tag was stored). Its modes and verl's "k1"/"k2"/"k3" aliases.
+VERL_KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3")
+
+
+def np_verl_kl_penalty(logprob, ref_logprob, kl_penalty):
+  """verl's ``kl_penalty(logprob, ref_logprob, kl_penalty)`` in float64, and its gradient.
+
+  Returns ``(value, grad)``, ``grad`` the derivative wrt ``logprob`` (wrt
+  ``ref_logprob`` it is ``-grad``), by hand with torch's autograd conventions:
+  ``clamp`` passes the gradient where ``min <= x <= max`` (bounds included),
+  ``abs`` has gradient ``sign`` (0 at 0). A ``+`` suffix is stripped for the
+  forward score, and the gradient is then that of ``0.5 (logprob - ref)**2``.
+  """
+  logprob, ref = np.broadcast_arrays(
+    np.asarray(logprob, np.float64), np.asarray(ref_logprob, np.float64)
+  )
+  base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+  delta = logprob - ref
+  with np.errstate(all="ignore"):
+    if base in ("kl", "k1"):
+      value, grad = delta, np.ones_like(delta)
+    elif base == "abs":
+      value, grad = np.abs(delta), np.sign(delta)
+    elif base in ("mse", "k2"):
+      value, grad = 0.5 * np.square(delta), delta
+    elif base in ("low_var_kl", "k3"):
+      kl = ref - logprob
+      inner = (kl >= -20) & (kl <= 20)
+      kl = np.clip(kl, -20, 20)
+      ratio = np.exp(kl)
+      kld = ratio - kl - 1
+      outer = (kld >= -10) & (kld <= 10)
+      value = np.clip(kld, -10, 10)
+      grad = np.where(inner & outer, -(ratio - 1), 0.0)  # d kl / d logprob = -1
+    else:
+      raise NotImplementedError(kl_penalty)
+    if kl_penalty.endswith("+") and kl_penalty not in ("mse", "k2"):
+      backward = 0.5 * np.square(delta)
+      value, grad = backward - backward + value, delta
+  return value, grad
+
+
 # ------------------------------------------------------------------ torch (live)
 
 
@@ -274,10 +318,37 @@ def torch_gaussian_kl(mean, log_var, prior_mean=0.0, prior_log_var=0.0, axis=-1)
   return torch.distributions.kl_divergence(q, p).sum(axis).numpy()
 
 
+def torch_verl_kl_penalty(logprob, ref_logprob, kl_penalty):
+  """:func:`np_verl_kl_penalty` by torch autograd: verl's code as written, float64."""
+  import torch
+
+  lp = torch.tensor(np.asarray(logprob, np.float64), requires_grad=True)
+  ref = torch.tensor(np.asarray(ref_logprob, np.float64), requires_grad=True)
+  base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+  if base in ("kl", "k1"):
+    forward = lp - ref
+  elif base == "abs":
+    forward = (lp - ref).abs()
+  elif base in ("mse", "k2"):
+    forward = 0.5 * (lp - ref).square()
+  elif base in ("low_var_kl", "k3"):
+    kl = torch.clamp(ref - lp, min=-20, max=20)
+    forward = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+  else:
+    raise NotImplementedError(kl_penalty)
+  out = forward
+  if kl_penalty.endswith("+") and kl_penalty not in ("mse", "k2"):
+    backward = 0.5 * (lp - ref).square()
+    out = backward - backward.detach() + forward.detach()
+  out.sum().backward()
+  return out.detach().numpy(), lp.grad.numpy()
+
+
 # Each reference by source: the ``source`` fixture (conftest.py) picks one.
 LOGITS = {"numpy": np_logits_value_and_grads, "torch": torch_logits_value_and_grads}
 DISTILLATION = {"numpy": np_distillation, "torch": torch_distillation}
 GAUSSIAN_KL = {"numpy": np_gaussian_kl, "torch": torch_gaussian_kl}
+VERL_KL = {"numpy": np_verl_kl_penalty, "torch": torch_verl_kl_penalty}
 
 
 # Compilations counted by one listener registered for the whole session: jax.monitoring has
