@@ -33,3 +33,14 @@ def test_page_code_never_shadows_a_public_name():
     defined = set(re.findall(r"^\s*(?:def|class)\s+(\w+)", code, re.M))
     defined |= set(re.findall(r"^(\w+)\s*=", code, re.M))
     assert not defined & set(kldiv_jax.__all__), (page.name, defined & set(kldiv_jax.__all__))
+
+
+def test_torch_install_advice_names_the_cpu_wheel():
+  """A plain ``pip install torch`` on Linux brings the CUDA build and its NVIDIA libraries."""
+  for page in [
+    DOCS.parent / "README.md",
+    DOCS.parent / "benchmarks" / "README.md",
+    *DOCS.glob("*.md"),
+  ]:
+    for command in re.findall(r"pip install torch\b[^`\n]*", page.read_text()):
+      assert "--index-url https://download.pytorch.org/whl/cpu" in command, (page.name, command)
