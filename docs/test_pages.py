@@ -24,3 +24,23 @@ def test_user_facing_text_speaks_of_the_product():
   pages = [DOCS.parent / "README.md", DOCS.parent / "benchmarks" / "README.md", *DOCS.glob("*.md")]
   for page in pages:
     assert not re.search(r"\bissues?[- ]\d", page.read_text(), re.I), page
+
+
+def test_page_code_never_shadows_a_public_name():
+  """A page's code that defines a library name (``def token_log_probs``) misleads its reader."""
+  for page in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
+    code = "".join(re.findall(r"```python\n(.*?)```", page.read_text(), re.S))
+    defined = set(re.findall(r"^\s*(?:def|class)\s+(\w+)", code, re.M))
+    defined |= set(re.findall(r"^(\w+)\s*=", code, re.M))
+    assert not defined & set(kldiv_jax.__all__), (page.name, defined & set(kldiv_jax.__all__))
+
+
+def test_torch_install_advice_names_the_cpu_wheel():
+  """A plain ``pip install torch`` on Linux brings the CUDA build and its NVIDIA libraries."""
+  for page in [
+    DOCS.parent / "README.md",
+    DOCS.parent / "benchmarks" / "README.md",
+    *DOCS.glob("*.md"),
+  ]:
+    for command in re.findall(r"pip install torch\b[^`\n]*", page.read_text()):
+      assert "--index-url https://download.pytorch.org/whl/cpu" in command, (page.name, command)

@@ -164,6 +164,16 @@ def broadcast_shapes(name: str, *shapes: Sequence[int]) -> tuple[int, ...]:
     ) from None
 
 
+def array_shape(value: object) -> tuple[int, ...]:
+  """The shape of an array argument that :func:`as_array` accepted, as given.
+
+  ``np.shape``, not ``jnp.shape``: JAX warns (``DeprecationWarning``) on a nested
+  list. ``np.shape`` does not call ``__jax_array__``: it takes such an object as
+  0-d, which the cast keeps as it was (NumPy's ArrayLike does not list them).
+  """
+  return np.shape(cast(npt.ArrayLike, value))
+
+
 def promote_and_broadcast(
   name: str, names: Sequence[str], *arrays: object
 ) -> tuple[list[jax.Array], jnp.dtype]:
@@ -173,10 +183,7 @@ def promote_and_broadcast(
   never fires inside the library) and the dtype results come back in.
   """
   checked, out_dtype = _float_arrays(name, names, arrays)
-  # np.shape does not call ``__jax_array__``: it takes such an object as 0-d,
-  # which the cast keeps as it was (NumPy's ArrayLike does not list them).
-  shapes = [np.shape(cast(npt.ArrayLike, a)) for a in checked]
-  shape = broadcast_shapes(name, *shapes)
+  shape = broadcast_shapes(name, *[array_shape(a) for a in checked])
   cdt = compute_dtype(out_dtype)
   out = [jnp.broadcast_to(jnp.asarray(a).astype(cdt), shape) for a in checked]
   return out, out_dtype

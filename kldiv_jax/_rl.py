@@ -20,8 +20,12 @@ from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._tokens import token_layout, token_outputs, token_rows
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
-# "k1+", "k3+": the estimator's value with k2's gradient (verl's straight-through forms).
-ESTIMATORS = ("k1", "k2", "k3", "k1+", "k2+", "k3+")
+# Schulman's k1, k2, k3 (k3 unclamped, as TRL's), and verl 0.9's ``kl_penalty``
+# names (verl/trainer/ppo/core_algos.py, ``kl_penalty_forward``): ``kl`` is k1, ``mse``
+# is k2, ``abs`` is |k1|, ``low_var_kl`` is k3 with verl's clamps. A trailing ``+`` is
+# verl's straight-through form: the estimator's value with k2's gradient.
+_BASES = ("k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl")
+ESTIMATORS = (*_BASES, *(f"{b}+" for b in _BASES))
 
 # Taylor coefficients 1/n! of e^x - 1 - x, highest first, to the degree whose
 # remainder for |x| < 1 is below the dtype's rounding (2/(n+1)! < eps / 4).
@@ -68,13 +72,26 @@ def _clip_bounds(name, clip, option="clip"):
   return low, high
 
 
+def clamp(x: jax.Array, low: jax.typing.ArrayLike, high: jax.typing.ArrayLike) -> jax.Array:
+  """``torch.clamp``: the gradient passes where ``low <= x <= high``, bounds included.
+
+  (``jnp.clip`` gives half the gradient at a bound, as ``jnp.minimum`` does at a tie.)
+  """
+  return jnp.where(x < low, low, jnp.where(x > high, high, x))
+
+
 def _estimate(delta: jax.Array, estimator: str) -> jax.Array:
-  """Schulman's estimator ``estimator`` of the log-ratio ``delta = log pi - log pi_ref``."""
-  if estimator == "k1":
+  """The estimator ``estimator`` (no ``+``) of the log-ratio ``delta = log pi - log pi_ref``."""
+  if estimator in ("k1", "kl"):
     return delta
-  if estimator == "k2":
+  if estimator in ("k2", "mse"):
     return 0.5 * delta * delta
-  return exp_minus_one_minus(-delta)
+  if estimator == "abs":
+    return delta * jnp.sign(delta)  # the subgradient 0 at 0, as torch's abs
+  if estimator == "k3":
+    return exp_minus_one_minus(-delta)
+  # verl's low_var_kl: the log-ratio clamped to [-20, 20], the estimate to [-10, 10].
+  return clamp(exp_minus_one_minus(clamp(-delta, -20.0, 20.0)), -10.0, 10.0)
 
 
 def kl_estimate(
@@ -99,16 +116,30 @@ def kl_estimate(
 
   All three have expectation close to :math:`\mathrm{KL}(\pi\|\pi_{\text{ref}})`
   under :math:`\pi`: ``k1`` is unbiased but noisy and can be negative,
-  ``k2`` is low-variance and biased, ``k3`` (GRPO's penalty, verl's
-  ``low_var_kl``) is unbiased and non-negative. ``k3`` is computed without
-  cancellation near :math:`\delta = 0`.
+  ``k2`` is low-variance and biased, ``k3`` (GRPO's penalty; TRL's, unclamped)
+  is unbiased and non-negative. ``k3`` is computed without cancellation near
+  :math:`\delta = 0`.
 
-  Straight-through forms (verl's ``kl_penalty="k1+"``/``"k3+"``): the
-  expected *gradient* of ``k1`` and ``k3`` as a loss is not that of the KL,
-  while ``k2``'s is, so ``"k1+"`` and ``"k3+"`` give the value of ``k1`` or
-  ``k3`` with the gradient of ``k2``,
-  :math:`k_2 - \mathrm{sg}(k_2) + \mathrm{sg}(k)` (``sg``:
-  ``stop_gradient``; ``"k2+"`` is ``k2``).
+  verl's names (``kl_penalty``/``kl_loss_type`` in verl 0.9,
+  ``verl/trainer/ppo/core_algos.py``), with verl's values and gradients:
+  ``"kl"`` is ``k1``, ``"mse"`` is ``k2``, ``"abs"`` is :math:`|\delta|`
+  (gradient 0 at :math:`\delta = 0`, as torch's ``abs``), and
+  ``"low_var_kl"`` is ``k3`` clamped as verl does, :math:`\mathrm{clamp}(k_3(
+  \mathrm{clamp}(\delta, -20, 20)), -10, 10)` (the gradient 0 where a clamp
+  binds). verl also accepts ``"k1"``, ``"k2"``, ``"k3"`` as *aliases* of
+  its ``"kl"``, ``"mse"``, ``"low_var_kl"``: here ``"k3"`` is Schulman's
+  unclamped :math:`k_3` (14 at :math:`\delta = 15`, where verl's ``"k3"``
+  gives 10); for verl's numbers use ``"low_var_kl"``.
+
+  Straight-through forms, a name with ``+`` (verl's ``"k3+"``,
+  ``"low_var_kl+"``, ...): the expected *gradient* of ``k1`` and ``k3`` as a
+  loss is not that of the KL, while ``k2``'s is, so the ``+`` form gives the
+  value of its estimator with the gradient of ``k2`` of the *unclipped*
+  log-ratio, :math:`k_2(\delta) - \mathrm{sg}(k_2(\delta)) + \mathrm{sg}(k)`
+  (``sg``: ``stop_gradient``; :math:`k` after ``clip`` and verl's clamps),
+  exactly as verl computes it: NaN where :math:`\delta` is infinite.
+  ``"k2+"`` and ``"mse+"`` equal ``k2`` except with ``clip`` (their gradient
+  then ignores it).
 
   Importance correction (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``):
   when the tokens were sampled from an older policy :math:`\pi_{\text{old}}`
@@ -128,11 +159,13 @@ def kl_estimate(
     log_probs: the policy's log-probabilities of the sampled tokens, e.g.
       ``[batch, seq]``.
     ref_log_probs: the reference policy's, broadcastable.
-    estimator: ``"k1"``, ``"k2"``, ``"k3"``, or the straight-through
-      ``"k1+"``, ``"k3+"`` (``"k2+"`` is ``"k2"``).
+    estimator: Schulman's ``"k1"``, ``"k2"``, ``"k3"``, verl's ``"kl"``,
+      ``"abs"``, ``"mse"``, ``"low_var_kl"``, or any of them with ``+`` (the
+      straight-through form).
     clip: bounds the log-ratio :math:`\delta` before the estimator: a number
       ``c`` for ``[-c, c]`` or a pair ``(low, high)``; the gradient is 0
-      outside the bounds. ``low <= high`` (``c >= 0``) is checked when the
+      outside the bounds (as ``torch.clamp``'s, it passes at a bound), except
+      in the ``+`` forms. ``low <= high`` (``c >= 0``) is checked when the
       bounds are Python numbers; traced bounds that break it (or are NaN)
       make every estimate NaN.
     old_log_probs: the sampling policy's log-probabilities of the tokens,
@@ -159,6 +192,9 @@ def kl_estimate(
     Array([ 0.5, -0.5,  0. ], dtype=float32)
     >>> jax.grad(lambda x: kl_estimate(x, ref, estimator="k3+").sum())(logp)  # k2's: delta
     Array([ 0.6931..., -0.6931...,  0. ], dtype=float32)
+    >>> far = jnp.array([-20.0, 15.0])  # log-ratios beyond verl's clamp of the estimate
+    >>> kl_estimate(far, 0.0, estimator="k3"), kl_estimate(far, 0.0, estimator="low_var_kl")
+    (Array([4.8516515e+08, 1.4000000e+01], dtype=float32), Array([10., 10.], dtype=float32))
     >>> old = jnp.log(jnp.array([0.25, 0.2, 0.9]))
     >>> kl_estimate(logp, ref, old_log_probs=old, importance_clip=20.0)  # k3 * (2, 1, 1)
     Array([0.3862..., 0.3068..., 0. ], dtype=float32)
@@ -178,21 +214,22 @@ def kl_estimate(
     logp = jnp.where(mask, logp, 0.0)
     ref = jnp.where(mask, ref, 0.0)
     old = None if old is None else jnp.where(mask, old, 0.0)
-  delta = logp - ref
+  raw = logp - ref
+  delta = raw
   if bounds is not None:
     low, high = (jnp.asarray(b, delta.dtype) for b in bounds)  # a traced bound: any dtype
-    delta = jnp.clip(delta, low, high)
-  base = estimator.rstrip("+")
-  out = _estimate(delta, base)
-  if estimator.endswith("+") and base != "k2":
-    # Straight through: the value of ``base``, the gradient of k2 (verl's kl_penalty).
-    k2 = _estimate(delta, "k2")
+    delta = clamp(delta, low, high)
+  out = _estimate(delta, estimator.rstrip("+"))
+  if estimator.endswith("+"):
+    # Straight through (verl's kl_penalty): the value of the estimate, the gradient of
+    # k2 of the unclipped log-ratio. As verl's, NaN where that log-ratio is infinite.
+    k2 = _estimate(raw, "k2")
     out = k2 - lax.stop_gradient(k2) + lax.stop_gradient(out)
   if old is not None:
     log_w = logp - old
     if weight_bounds is not None:
       low, high = (jnp.asarray(b, log_w.dtype) for b in weight_bounds)
-      log_w = jnp.clip(log_w, low, high)
+      log_w = clamp(log_w, low, high)
     out = jnp.exp(log_w) * out
   if mask is not None:
     out = jnp.where(mask, out, 0.0)

@@ -13,7 +13,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax._checks import check_bool, check_choice, promote_and_broadcast
+from kldiv_jax._checks import array_shape, check_bool, check_choice, promote_and_broadcast
 from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel, positive_zero
 
 REDUCTIONS = ("none", "mean", "sum", "batchmean")
@@ -103,13 +103,15 @@ def kl_div(
   """
   check_choice("kl_div", "reduction", reduction, REDUCTIONS)
   log_target = check_bool("kl_div", "log_target", log_target)
+  (x, t), out_dtype = promote_and_broadcast("kl_div", ("input", "target"), input, target)
+  input_shape = array_shape(input)  # before broadcasting: 'batchmean' divides by its shape[0]
+  # torch's warnings, once every argument is known to be valid.
   if size_average is not None or reduce is not None:
     mode = legacy_reduction(size_average, reduce)
   else:
     if reduction == "mean":
       warnings.warn(_MEAN_WARNING, UserWarning, stacklevel=2)
     mode = "sum" if reduction == "batchmean" else reduction
-  (x, t), out_dtype = promote_and_broadcast("kl_div", ("input", "target"), input, target)
   kernel = kl_log_kernel if log_target else kl_prob_kernel
   loss = kernel(x, t)
   if mode == "none":
@@ -118,8 +120,8 @@ def kl_div(
     loss = jnp.sum(loss)
   elif mode == "mean":
     loss = jnp.mean(loss) if loss.size else jnp.array(jnp.nan, loss.dtype)
-  if reduction == "batchmean" and jnp.ndim(input) != 0:
-    loss = loss / jnp.shape(input)[0]
+  if reduction == "batchmean" and input_shape:
+    loss = loss / input_shape[0]
   return loss.astype(out_dtype)
 
 

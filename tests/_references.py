@@ -185,6 +185,102 @@ def np_gaussian_kl(mean, log_var, prior_mean=0.0, prior_log_var=0.0, axis=-1):
   return terms.sum(axis)
 
 
+def np_trl_generalized_jsd_loss(
+  student_logits,
+  teacher_logits,
+  labels=None,
+  beta=0.5,
+  temperature=1.0,
+  reduction="batchmean",
+  num_items_in_batch=None,
+):
+  """TRL's ``GKDTrainer.generalized_jsd_loss``, every reduction, in float64.
+
+  Ported from huggingface/trl, ``trl/experimental/gkd/gkd_trainer.py`` at main
+  f2cd577 (1.10.0.dev0, 2026-07-24; the same function as v1.7.0 to v1.9.0): the
+  elementwise ``F.kl_div`` terms ``[..., V]``, the tokens whose label is -100
+  dropped (``jsd[mask]``), then ``num_items_in_batch`` (``sum / n``) or
+  ``reduction``: ``'batchmean'`` is ``sum / max(valid tokens, 1)`` with
+  labels and ``sum / shape[0]`` without (TRL >= 0.24; up to 0.23, ``sum / (B
+  S)``), ``'sum'``, ``'mean'`` (over every element, classes included), or
+  ``'none'`` (the elementwise terms). No ``T**2`` factor.
+  """
+  s = np_log_softmax(np.asarray(student_logits, np.float64) / temperature)
+  t = np_log_softmax(np.asarray(teacher_logits, np.float64) / temperature)
+  with np.errstate(all="ignore"):
+    if beta == 0:
+      jsd = np.exp(t) * (t - s)  # F.kl_div(s, t, reduction="none", log_target=True)
+    elif beta == 1:
+      jsd = np.exp(s) * (s - t)
+    else:
+      mixture = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
+      jsd = beta * np.exp(t) * (t - mixture) + (1 - beta) * np.exp(s) * (s - mixture)
+  if labels is not None:
+    mask = np.asarray(labels) != -100
+    jsd = jsd[mask]
+  if num_items_in_batch is not None:
+    return jsd.sum() / num_items_in_batch
+  if reduction == "batchmean":
+    denom = max(int(mask.sum()), 1) if labels is not None else max(jsd.shape[0], 1)
+    return jsd.sum() / denom
+  if reduction == "sum":
+    return jsd.sum()
+  if reduction == "mean":
+    return jsd.mean()
+  return jsd
+
+
+def np_torch_batchmean_distillation(student_logits, teacher_logits, temperature):
+  """torch's distillation recipe in float64: ``F.kl_div(F.log_softmax(s / T, -1),
+  F.softmax(t / T, -1), reduction="batchmean") * T**2``, the sum over every token / ``shape[0]``."""
+  kl = np_kl_from_logits(student_logits, teacher_logits, temperature)
+  return kl.sum() / np.shape(student_logits)[0] * temperature**2
+
+
+# verl's kl_penalty (verl-project/verl, verl/trainer/ppo/core_algos.py: kl_penalty and
+# kl_penalty_forward, identical at tag v0.9.0 (483b8a0) and main 1dda039 of 2026-08-22,
+# 0.10.0.dev; no v0.9.1 tag was stored). Its modes and verl's "k1"/"k2"/"k3" aliases.
+VERL_KL_PENALTIES = ("kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3")
+
+
+def np_verl_kl_penalty(logprob, ref_logprob, kl_penalty):
+  """verl's ``kl_penalty(logprob, ref_logprob, kl_penalty)`` in float64, and its gradient.
+
+  Returns ``(value, grad)``, ``grad`` the derivative wrt ``logprob`` (wrt
+  ``ref_logprob`` it is ``-grad``), by hand with torch's autograd conventions:
+  ``clamp`` passes the gradient where ``min <= x <= max`` (bounds included),
+  ``abs`` has gradient ``sign`` (0 at 0). A ``+`` suffix is stripped for the
+  forward score, and the gradient is then that of ``0.5 (logprob - ref)**2``.
+  """
+  logprob, ref = np.broadcast_arrays(
+    np.asarray(logprob, np.float64), np.asarray(ref_logprob, np.float64)
+  )
+  base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+  delta = logprob - ref
+  with np.errstate(all="ignore"):
+    if base in ("kl", "k1"):
+      value, grad = delta, np.ones_like(delta)
+    elif base == "abs":
+      value, grad = np.abs(delta), np.sign(delta)
+    elif base in ("mse", "k2"):
+      value, grad = 0.5 * np.square(delta), delta
+    elif base in ("low_var_kl", "k3"):
+      kl = ref - logprob
+      inner = (kl >= -20) & (kl <= 20)
+      kl = np.clip(kl, -20, 20)
+      ratio = np.exp(kl)
+      kld = ratio - kl - 1
+      outer = (kld >= -10) & (kld <= 10)
+      value = np.clip(kld, -10, 10)
+      grad = np.where(inner & outer, -(ratio - 1), 0.0)  # d kl / d logprob = -1
+    else:
+      raise NotImplementedError(kl_penalty)
+    if kl_penalty.endswith("+") and kl_penalty not in ("mse", "k2"):
+      backward = 0.5 * np.square(delta)
+      value, grad = backward - backward + value, delta
+  return value, grad
+
+
 # ------------------------------------------------------------------ torch (live)
 
 
@@ -274,10 +370,99 @@ def torch_gaussian_kl(mean, log_var, prior_mean=0.0, prior_log_var=0.0, axis=-1)
   return torch.distributions.kl_divergence(q, p).sum(axis).numpy()
 
 
+def torch_trl_generalized_jsd_loss(
+  student_logits,
+  teacher_logits,
+  labels=None,
+  beta=0.5,
+  temperature=1.0,
+  reduction="batchmean",
+  num_items_in_batch=None,
+):
+  """:func:`np_trl_generalized_jsd_loss` as TRL writes it, in torch float64 (trl not imported)."""
+  import torch
+  import torch.nn.functional as F
+
+  student_logits = torch.tensor(np.asarray(student_logits, np.float64)) / temperature
+  teacher_logits = torch.tensor(np.asarray(teacher_logits, np.float64)) / temperature
+  student_log_probs = F.log_softmax(student_logits, dim=-1)
+  teacher_log_probs = F.log_softmax(teacher_logits, dim=-1)
+  if beta == 0:
+    jsd = F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+  elif beta == 1:
+    jsd = F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+  else:
+    beta = torch.tensor(beta, dtype=student_log_probs.dtype)
+    mixture_log_probs = torch.logsumexp(
+      torch.stack([student_log_probs + torch.log1p(-beta), teacher_log_probs + torch.log(beta)]),
+      dim=0,
+    )
+    kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
+    jsd = beta * kl_teacher + (1 - beta) * kl_student
+  if labels is not None:
+    mask = torch.tensor(np.asarray(labels)) != -100
+    jsd = jsd[mask]
+  if num_items_in_batch is not None:
+    return (jsd.sum() / num_items_in_batch).numpy()
+  if reduction == "batchmean":
+    denom = mask.sum().clamp_min(1) if labels is not None else max(jsd.size(0), 1)
+    return (jsd.sum() / denom).numpy()
+  if reduction == "sum":
+    return jsd.sum().numpy()
+  if reduction == "mean":
+    return jsd.mean().numpy()
+  return jsd.numpy()
+
+
+def torch_batchmean_distillation(student_logits, teacher_logits, temperature):
+  """:func:`np_torch_batchmean_distillation` in torch (float64)."""
+  import torch
+  import torch.nn.functional as F
+
+  s = torch.tensor(np.asarray(student_logits, np.float64))
+  t = torch.tensor(np.asarray(teacher_logits, np.float64))
+  kl = F.kl_div(
+    F.log_softmax(s / temperature, dim=-1),
+    F.softmax(t / temperature, dim=-1),
+    reduction="batchmean",
+  )
+  return (kl * temperature**2).numpy()
+
+
+def torch_verl_kl_penalty(logprob, ref_logprob, kl_penalty):
+  """:func:`np_verl_kl_penalty` by torch autograd: verl's code as written, float64."""
+  import torch
+
+  lp = torch.tensor(np.asarray(logprob, np.float64), requires_grad=True)
+  ref = torch.tensor(np.asarray(ref_logprob, np.float64), requires_grad=True)
+  base = kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty
+  if base in ("kl", "k1"):
+    forward = lp - ref
+  elif base == "abs":
+    forward = (lp - ref).abs()
+  elif base in ("mse", "k2"):
+    forward = 0.5 * (lp - ref).square()
+  elif base in ("low_var_kl", "k3"):
+    kl = torch.clamp(ref - lp, min=-20, max=20)
+    forward = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+  else:
+    raise NotImplementedError(kl_penalty)
+  out = forward
+  if kl_penalty.endswith("+") and kl_penalty not in ("mse", "k2"):
+    backward = 0.5 * (lp - ref).square()
+    out = backward - backward.detach() + forward.detach()
+  out.sum().backward()
+  return out.detach().numpy(), lp.grad.numpy()
+
+
 # Each reference by source: the ``source`` fixture (conftest.py) picks one.
 LOGITS = {"numpy": np_logits_value_and_grads, "torch": torch_logits_value_and_grads}
 DISTILLATION = {"numpy": np_distillation, "torch": torch_distillation}
 GAUSSIAN_KL = {"numpy": np_gaussian_kl, "torch": torch_gaussian_kl}
+VERL_KL = {"numpy": np_verl_kl_penalty, "torch": torch_verl_kl_penalty}
+TRL_JSD_LOSS = {"numpy": np_trl_generalized_jsd_loss, "torch": torch_trl_generalized_jsd_loss}
+TORCH_BATCHMEAN = {"numpy": np_torch_batchmean_distillation, "torch": torch_batchmean_distillation}
 
 
 # Compilations counted by one listener registered for the whole session: jax.monitoring has

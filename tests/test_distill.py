@@ -17,6 +17,7 @@ import pytest
 from _references import TOLERANCES, docs_snippet, np_distillation
 from jax.test_util import check_grads
 
+import kldiv_jax
 from kldiv_jax import distillation_loss
 
 B, S, C = 2, 3, 6
@@ -268,3 +269,47 @@ def test_docs_snippet_runs():
   exec(docs_snippet("distillation.md", "## Distillation from logits"), ns)
   assert np.isfinite(ns["hinton"]) and ns["grad"].shape == (4, 16, 1000)
   assert ns["per_token"].shape == (4, 16) and 0 < ns["gkd"] < np.log(2)
+
+
+# ---------------------------------------------------------------- porting recipes (docs)
+
+
+def _run_docs_recipe(page, heading):
+  ns = {"jax": jax, "jnp": jnp, "kldiv_jax": kldiv_jax}
+  exec(docs_snippet(page, heading), ns)
+  return ns
+
+
+def test_torch_batchmean_recipe(x64, source):
+  """migration.md: ``normalizer=B`` is torch's ``batchmean`` on ``[B, S, V]`` (times T**2)."""
+  ns = _run_docs_recipe("migration.md", "### torch's `batchmean` and `distillation_loss`")
+  s, t, temperature = np.asarray(ns["s"]), np.asarray(ns["t"]), ns["T"]
+  want = refs.TORCH_BATCHMEAN[source](s, t, temperature)
+  np.testing.assert_allclose(ns["fused"], want, rtol=1e-12)
+  np.testing.assert_allclose(ns["per_token"] * s.shape[1], want, rtol=1e-12)
+  assert not np.isclose(ns["per_token"], want, rtol=0.5)  # the trap: S times smaller
+
+
+def test_trl_generalized_jsd_loss_recipes(x64, source):
+  """distillation.md: each TRL reduction's equivalent; the default's T**2 is the trap."""
+  ns = _run_docs_recipe("distillation.md", "### TRL's `generalized_jsd_loss`")
+  s, t, y = np.asarray(ns["s"]), np.asarray(ns["t"]), np.asarray(ns["y"])
+  assert ns["T"] != 1 and np.any(y == -100)
+  trl = functools.partial(refs.TRL_JSD_LOSS[source], s, t, beta=ns["beta"], temperature=ns["T"])
+  want = {
+    "batchmean": trl(y),
+    "batchmean, no labels": trl(None),
+    "sum": trl(y, reduction="sum"),
+    "mean": trl(y, reduction="mean"),
+    "none": trl(y, reduction="none").sum(-1),
+  }
+  assert set(ns["trl"]) == set(want)
+  for reduction, value in want.items():
+    np.testing.assert_allclose(ns["trl"][reduction], value, rtol=1e-12, err_msg=reduction)
+  gkd = dict(divergence="jsd", beta=ns["beta"], temperature=ns["T"])
+  accumulated = distillation_loss(
+    s, t, y, alpha=1.0, normalizer=7.0, scale_by_temperature_squared=False, **gkd
+  )
+  np.testing.assert_allclose(accumulated, trl(y, num_items_in_batch=7.0), rtol=1e-12)
+  default = distillation_loss(s, t, y, alpha=1.0, **gkd)
+  np.testing.assert_allclose(default, ns["T"] ** 2 * want["batchmean"], rtol=1e-12)

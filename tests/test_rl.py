@@ -1,4 +1,5 @@
-"""kl_estimate: Schulman's k1/k2/k3 against float64 and exact-decimal references."""
+"""kl_estimate: Schulman's k1/k2/k3 and verl's kl_penalty modes against float64, exact-decimal
+and torch references."""
 
 import decimal
 import functools
@@ -7,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import docs_snippet
+from _references import VERL_KL, docs_snippet, np_verl_kl_penalty
 from jax.test_util import check_grads
 
 import kldiv_jax as kd
@@ -173,21 +174,77 @@ def test_docs_snippet_runs():
 
 @pytest.mark.parametrize("estimator", ["k1+", "k3+", "k2+"])
 def test_straight_through_value_of_k_gradient_of_k2(rng, estimator):
-  """verl's k1+/k3+: the value of k1/k3, the gradient of k2 exactly (with clip and where)."""
+  """verl's k1+/k3+: the value of k1/k3 (clipped), the gradient of k2 of the unclipped ratio."""
   logp = np.log(rng.dirichlet(np.ones(10))).astype(np.float32)
   ref = np.log(rng.dirichlet(np.ones(10))).astype(np.float32)
   where = np.arange(10) != 3
   base = estimator.rstrip("+")
   kw = dict(clip=(-1.0, 0.7), where=where)
+  assert np.sum(np.abs(logp - ref) > 1.0) >= 3  # tokens beyond the clip
   np.testing.assert_array_equal(
     kl_estimate(logp, ref, estimator=estimator, **kw), kl_estimate(logp, ref, estimator=base, **kw)
   )
 
-  def grads(est):
+  def grads(est, **kw):
     return jax.grad(lambda a, b: kl_estimate(a, b, estimator=est, **kw).sum(), (0, 1))(logp, ref)
 
-  for got, want in zip(grads(estimator), grads("k2")):
+  for got, want in zip(grads(estimator, **kw), grads("k2", where=where)):
     np.testing.assert_array_equal(got, want)
+
+
+# verl's clamp edges: the log-ratio at and beyond +-20, the low_var_kl estimate crossing 10
+# (delta about -2.61 and 11.0), 0 (abs), and ordinary values.
+VERL_DELTAS = np.array(
+  [-30.0, -20.5, -20.0, -19.5, -2.7, -2.6, -1.0, -1e-3, 0.0, 1e-3, 0.5, 3.0, 10.9, 11.1, 20.0, 25.0]
+)
+
+
+@pytest.mark.parametrize("plus", ["", "+"])
+@pytest.mark.parametrize("mode", ["kl", "abs", "mse", "low_var_kl"])
+def test_verl_modes_match_verl(x64, source, mode, plus):
+  """Each verl 0.9 ``kl_penalty`` mode: verl's values and gradients (clamps, abs at 0, ``+``)."""
+  rng = np.random.default_rng(4)
+  ref = np.concatenate([np.full(VERL_DELTAS.size, -0.5), np.log(rng.dirichlet(np.ones(6)))])
+  logp = np.concatenate([VERL_DELTAS - 0.5, np.log(rng.dirichlet(np.ones(6)))])
+  value, grad = VERL_KL[source](logp, ref, mode + plus)
+  out, g_logp, g_ref = estimate_and_grads(logp, ref, estimator=mode + plus)
+  np.testing.assert_allclose(out, value, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(g_logp, grad, rtol=1e-12, atol=1e-15)
+  np.testing.assert_allclose(g_ref, -grad, rtol=1e-12, atol=1e-15)
+  if mode == "low_var_kl":  # the clamps bind, so the test can fail
+    assert np.sum(value == 10.0) >= 4 and (plus or np.sum(grad == 0.0) >= 4)
+
+
+@pytest.mark.parametrize(("ours", "verl"), [("k1", "k1"), ("k2", "k2"), ("low_var_kl", "k3")])
+def test_verl_aliases(x64, ours, verl):
+  """verl's k1/k2 are Schulman's; verl's k3 is its low_var_kl, not Schulman's unclamped k3."""
+  logp, ref = VERL_DELTAS, np.zeros_like(VERL_DELTAS)
+  for suffix in ("", "+"):
+    value, grad = np_verl_kl_penalty(logp, ref, verl + suffix)
+    out, g_logp, _ = estimate_and_grads(logp, ref, estimator=ours + suffix)
+    np.testing.assert_allclose(out, value, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(g_logp, grad, rtol=1e-12, atol=1e-15)
+  k3 = estimate_and_grads(logp, ref, estimator="k3")[0]
+  assert np.max(k3) > 1e8  # Schulman's k3, unclamped (as TRL's)
+
+
+@pytest.mark.parametrize("estimator", ["k1+", "k3+", "low_var_kl+", "abs+"])
+def test_plus_forms_take_the_gradient_beyond_the_clip(x64, estimator):
+  """With ``clip=``, a ``+`` form's value uses the clipped ratio, its gradient the unclipped."""
+  delta = np.array([-3.0, -1.0, -0.4, 0.0, 0.6, 1.0, 2.5])
+  clipped = np.clip(delta, -1.0, 1.0)
+  out, g_logp, g_ref = estimate_and_grads(delta, np.zeros(7), estimator=estimator, clip=1.0)
+  value = np_verl_kl_penalty(clipped, 0.0, estimator.rstrip("+").replace("k3", "low_var_kl"))[0]
+  np.testing.assert_allclose(out, value, rtol=1e-13, atol=1e-16)
+  np.testing.assert_array_equal(g_logp, delta)
+  np.testing.assert_array_equal(g_ref, -delta)
+
+
+def test_clip_passes_the_gradient_at_its_bounds(x64):
+  """``clip`` is torch.clamp: at a bound the gradient passes whole (jnp.clip: half)."""
+  delta = np.array([-1.0, 1.0, 1.5])
+  _, g_logp, _ = estimate_and_grads(delta, np.zeros(3), estimator="k3", clip=1.0)
+  np.testing.assert_allclose(g_logp, [1 - np.e, 1 - np.exp(-1.0), 0.0], rtol=1e-14)
 
 
 def _trl_bias_corrected_k3(logp, ref, old, xp=np):
@@ -242,7 +299,7 @@ def test_k3_never_negative(rng):
 def test_importance_clip_errors():
   with pytest.raises(ValueError, match="importance_clip must bound the log-ratio"):
     kl_estimate(0.0, 0.0, old_log_probs=0.0, importance_clip=(1.0, -1.0))
-  with pytest.raises(ValueError, match="estimator must be one of 'k1', 'k2', 'k3', 'k1\\+'"):
+  with pytest.raises(ValueError, match="estimator must be one of 'k1', 'k2', 'k3', 'kl', 'abs'"):
     kl_estimate(0.0, 0.0, estimator="k4")
   out = jax.jit(lambda c: kl_estimate(0.0, 0.0, old_log_probs=0.0, importance_clip=(c, -c)))(
     jnp.float32(1.0)

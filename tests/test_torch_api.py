@@ -213,6 +213,42 @@ def test_mean_warns_once_under_jit_at_trace_time():
     f(jnp.ones((2, 3)), jnp.full((2, 3), 0.25))  # cached: no trace, no warning
 
 
+@pytest.mark.parametrize(
+  ("args", "kwargs", "error"),
+  [
+    ((jnp.zeros((2, 3)), None), {}, TypeError),
+    (("abc", jnp.zeros((2, 3))), {}, TypeError),
+    ((jnp.zeros((2, 3)), jnp.zeros((4, 3))), {}, ValueError),
+    ((jnp.zeros((2, 3)), None), {"size_average": False}, TypeError),
+    ((jnp.zeros((2, 3)), jnp.zeros((4, 3))), {"reduce": False}, ValueError),
+  ],
+)
+def test_argument_errors_come_before_any_warning(args, kwargs, error):
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    with pytest.raises(error, match="kl_div"):
+      kl_div(*args, **kwargs)
+    with pytest.raises(error, match="kl_div"):
+      KLDivLoss()(*args)  # 'mean' by default
+  assert not record, [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "batchmean", "mean"])
+def test_nested_lists_give_no_jax_deprecation_warning(reduction):
+  x = np.log(np.array([[0.2, 0.8], [0.5, 0.5]]))
+  t = np.array([[0.3, 0.7], [0.9, 0.1]])
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    out = kl_div(x.tolist(), t.tolist(), reduction=reduction)
+    module = KLDivLoss(reduction=reduction)(x.tolist(), t.tolist())
+  messages = [str(w.message) for w in record]
+  assert messages == [messages[0]] * 2 if reduction == "mean" else not messages, messages
+  if reduction == "mean":
+    assert re.match(MEAN_WARNING, messages[0])
+  np.testing.assert_allclose(out, np_kl_div(x, t, reduction), rtol=1e-6)
+  np.testing.assert_allclose(module, out)
+
+
 # (size_average, reduce) -> the reduction torch's legacy_get_string gives.
 LEGACY = [
   ((True, None), "mean"),
