@@ -141,14 +141,15 @@ def start(
     _STARTED.append(subprocess.Popen(cmd, cwd=config.rootpath, stdin=subprocess.DEVNULL))
 
 
-def finish(interrupted: bool) -> None:
+def finish(stop: bool) -> None:
   """At the end of the session of the process that started the runner: waits for it.
 
-  Another pytest-xdist worker may still be waiting for its result; on an
-  interrupt, the runner (and the child with it) is stopped instead.
+  Another pytest-xdist worker may still be waiting for its result. When the
+  session stopped early (``stop``: interrupted, ``-x``), the runner is stopped
+  instead, and writes a crash for any stand-in still waiting.
   """
   for proc in _STARTED:
-    if interrupted:
+    if stop:
       proc.terminate()
     try:
       proc.wait(timeout=TIMEOUT_S + 60)

@@ -52,7 +52,8 @@ def pytest_sessionfinish(session, exitstatus):
   if _multidevice.in_child():
     _multidevice.write(session.config)
   else:
-    _multidevice.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+    stop = exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldfail or session.shouldstop
+    _multidevice.finish(stop=bool(stop))
 
 
 @pytest.fixture
