@@ -11,6 +11,7 @@
 #   make build      wheel and sdist in dist/, then twine check
 #   make docs       the documentation site in docs/_build/html (warnings are errors),
 #                   then the doctests of its pages, of the README and of the docstrings
+#                   (DOCS_TEST_PATHS: .ci/run leaves out the docstrings, make test ran them)
 #   make bench      benchmarks/run.py
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #
@@ -21,6 +22,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kldiv_jax-installed
 PYTEST_ARGS ?= -q -n 2
+DOCS_TEST_PATHS ?= docs kldiv_jax README.md
 DEMO_ARGS ?=
 
 .PHONY: venv demo test lint format typecheck build docs bench fixtures clean
@@ -67,7 +69,7 @@ docs: venv
 	@$(call extra,docs)
 	rm -rf docs/_build docs/_autosummary
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
-	$(PY) -m pytest -q docs kldiv_jax README.md --doctest-glob=README.md
+	$(PY) -m pytest -q $(DOCS_TEST_PATHS) --doctest-glob=README.md
 	@echo "docs: open docs/_build/html/index.html"
 
 bench: venv

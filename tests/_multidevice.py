@@ -8,11 +8,13 @@ needs 8 devices (the ``cpu_devices`` fixture gives them), and every such test
 runs in one child pytest started with that flag:
 
 - In the test session (``conftest.py``), each marked test is replaced by a
-  stand-in with the same node id (:func:`stand_in`): it passes, fails or skips
-  as the child's run of the test did, with the child's failure text. The first
-  stand-in to run, in any pytest-xdist worker, starts the child on every marked
-  test (:func:`outcomes`, pytest-xdist's recipe for a session-wide fixture:
-  a file lock in the session's temporary directory); the others read its result.
+  stand-in with the same node id (:func:`stand_in`), moved to the end of the
+  session: it passes, fails or skips as the child's run of the test did, with
+  the child's failure text. The child starts in the background when the
+  session's first test starts (:func:`start`, once per session, in any
+  pytest-xdist worker: a file lock in the session's temporary directory), so it
+  runs while the session runs its other tests; the stand-ins wait for its result
+  (:func:`outcomes`).
 - In the child (``KLDIV_JAX_MULTIDEVICE_REPORT`` names its result file), the
   marked tests run as usual and :func:`record` keeps their outcomes.
 
@@ -22,8 +24,10 @@ A session that already has 8 CPU devices runs the marked tests in-process.
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -107,37 +111,74 @@ def _check_outcome(request: pytest.FixtureRequest, multidevice_outcomes: dict) -
     pytest.skip(result["text"])
 
 
+def _shared(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
+  """The session's temporary directory, shared by its pytest-xdist workers."""
+  shared = tmp_path_factory.getbasetemp()
+  return shared.parent if hasattr(config, "workerinput") else shared
+
+
+_STARTED: list[subprocess.Popen] = []  # the runner this process started, if any
+
+
+def start(
+  config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]
+) -> None:
+  """Starts the child on every marked test of ``items`` in the background, once per session.
+
+  The first caller, in any pytest-xdist worker, starts a runner process
+  (this file run as a script: :func:`_run_child`, then the result file); the
+  others find the mark it left and return.
+  """
+  paths = sorted({str(i.path.relative_to(config.rootpath)) for i in items if marked(i)})
+  shared = _shared(config, tmp_path_factory)
+  with open(shared / "multidevice.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+    started = shared / "multidevice.started"
+    if not paths or started.exists():
+      return
+    started.touch()
+    cmd = [sys.executable, __file__, str(config.rootpath), str(shared), *paths]
+    _STARTED.append(subprocess.Popen(cmd, cwd=config.rootpath, stdin=subprocess.DEVNULL))
+
+
+def finish(stop: bool) -> None:
+  """At the end of the session of the process that started the runner: waits for it.
+
+  Another pytest-xdist worker may still be waiting for its result. When the
+  session stopped early (``stop``: interrupted, ``-x``), the runner is stopped
+  instead, and writes a crash for any stand-in still waiting.
+  """
+  for proc in _STARTED:
+    if stop:
+      proc.terminate()
+    try:
+      proc.wait(timeout=TIMEOUT_S + 60)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+
+
 def outcomes(
   config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, items: list[pytest.Item]
 ) -> dict:
-  """The child's outcomes, from the first caller in this session (pytest-xdist's recipe).
-
-  The first worker to get here runs the child on every marked test of ``items``
-  and writes the result file; the others wait on the lock, then read it.
-  """
-  shared = tmp_path_factory.getbasetemp()
-  if hasattr(config, "workerinput"):  # a pytest-xdist worker: its parent is the session's
-    shared = shared.parent
-  done = shared / "multidevice.json"
-  with open(shared / "multidevice.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-    if not done.exists():
-      paths = sorted({str(i.path.relative_to(config.rootpath)) for i in items if marked(i)})
-      tmp = done.with_suffix(".tmp")
-      tmp.write_text(json.dumps(_run_child(config, paths, shared / "multidevice.child.json")))
-      tmp.replace(done)
-    return json.loads(done.read_text())
+  """The child's outcomes, once its runner has written them (starting it if need be)."""
+  start(config, tmp_path_factory, items)
+  done = _shared(config, tmp_path_factory) / "multidevice.json"
+  deadline = time.monotonic() + TIMEOUT_S + 60  # the runner stops the child at TIMEOUT_S
+  while not done.exists():
+    if time.monotonic() > deadline:
+      return {"crash": f"the {NUM_DEVICES}-device pytest's runner left no result"}
+    time.sleep(0.1)
+  return json.loads(done.read_text())
 
 
-def _run_child(config: pytest.Config, paths: list[str], out: Path) -> dict:
+def _run_child(root: Path, paths: list[str], out: Path) -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {CHILD_XLA_FLAGS}".strip()
   env[REPORT_ENV] = str(out)
   cmd = [sys.executable, "-m", "pytest", *paths, "-m", MARKER, "-q"]
   try:
-    proc = subprocess.run(
-      cmd, cwd=config.rootpath, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
   except subprocess.TimeoutExpired as err:
     return {"crash": f"the {NUM_DEVICES}-device pytest ran past {TIMEOUT_S} s: {err}"}
   if not out.exists():
@@ -146,3 +187,20 @@ def _run_child(config: pytest.Config, paths: list[str], out: Path) -> dict:
       "crash": f"the {NUM_DEVICES}-device pytest (exit {proc.returncode}) left no report:\n{tail}"
     }
   return {"outcomes": json.loads(out.read_text())}
+
+
+def _runner(root: str, shared: str, *paths: str) -> None:
+  """The background runner (:func:`start`): the child's result into ``multidevice.json``."""
+  shared_dir = Path(shared)
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # finish(): subprocess.run kills the child
+  try:
+    result = _run_child(Path(root), list(paths), shared_dir / "multidevice.child.json")
+  except BaseException as err:  # the waiting stand-ins get a crash, not a hang
+    result = {"crash": f"the {NUM_DEVICES}-device pytest's runner failed: {err!r}"}
+  tmp = shared_dir / "multidevice.json.tmp"
+  tmp.write_text(json.dumps(result))
+  tmp.replace(shared_dir / "multidevice.json")
+
+
+if __name__ == "__main__":
+  _runner(*sys.argv[1:])

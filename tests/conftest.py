@@ -6,7 +6,8 @@
   torch 2.13, or a float64 reference in ``_references.py``) that runs
   everywhere, so ``pytest -m torch`` re-runs only the live duplicates.
 - ``multidevice``: the test needs 8 CPU devices (``cpu_devices``); it runs
-  in one child pytest with 8 simulated devices (``_multidevice.py``).
+  in one child pytest with 8 simulated devices (``_multidevice.py``), started in
+  the background when the session starts; their stand-ins run last.
 
 64-bit tests use the ``x64`` fixture (``enable_x64`` as a context), so the
 doctests, which run in the same process, keep JAX's float32 default.
@@ -36,7 +37,10 @@ def pytest_collection_modifyitems(config, items):
     if "torch" in item.fixturenames and item.get_closest_marker("torch") is None:
       raise pytest.UsageError(f"{item.nodeid} uses the torch fixture: mark it @pytest.mark.torch")
   if not _multidevice.runs_in_process():
-    items[:] = [_multidevice.stand_in(i) if _multidevice.marked(i) else i for i in items]
+    # The stand-ins last: by then the child, started with the session's first test, is done.
+    items[:] = [i for i in items if not _multidevice.marked(i)] + [
+      _multidevice.stand_in(i) for i in items if _multidevice.marked(i)
+    ]
 
 
 def pytest_runtest_logreport(report):
@@ -44,9 +48,12 @@ def pytest_runtest_logreport(report):
     _multidevice.record(report)
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
   if _multidevice.in_child():
     _multidevice.write(session.config)
+  else:
+    stop = exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldfail or session.shouldstop
+    _multidevice.finish(stop=bool(stop))
 
 
 @pytest.fixture
@@ -80,6 +87,13 @@ def cpu_devices():
   if len(devices) < _multidevice.NUM_DEVICES:
     pytest.fail(f"needs {_multidevice.NUM_DEVICES} CPU devices, has {len(devices)}")
   return devices[: _multidevice.NUM_DEVICES]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _multidevice_child(request, tmp_path_factory):
+  """Starts the child pytest of the session's ``multidevice`` tests in the background."""
+  if not _multidevice.runs_in_process():
+    _multidevice.start(request.config, tmp_path_factory, request.session.items)
 
 
 @pytest.fixture(scope="session")
