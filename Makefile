@@ -12,6 +12,8 @@
 #   make docs       the documentation site in docs/_build/html (warnings are errors),
 #                   then the doctests of its pages, of the README and of the docstrings
 #   make bench      benchmarks/run.py
+#   make bench-accel  every loss compiled for TPU v5e/v6e and an H100 without the device
+#                   (XLA's estimates; creates .venv-accel-tpu and .venv-accel-cuda on first use)
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #
 # VENV=path selects another environment (.ci/run uses fresh ones).
@@ -23,7 +25,7 @@ STAMP := $(VENV)/.kldiv_jax-installed
 PYTEST_ARGS ?= -q -n 2
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint format typecheck build docs bench fixtures clean
+.PHONY: venv demo test lint format typecheck build docs bench bench-accel fixtures clean
 
 venv: $(STAMP)
 
@@ -72,6 +74,10 @@ docs: venv
 
 bench: venv
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
+
+# Compile-only: needs no accelerator; its environments are its own (benchmarks/bench_accel.py).
+bench-accel: venv
+	$(PY) benchmarks/bench_accel.py $(BENCH_ARGS)
 
 # The golden fixtures come from torch 2.13 (CPU), the version the reference measured.
 fixtures: venv
