@@ -527,6 +527,7 @@ def _worker_env(target: str) -> dict[str, str]:
   cfg = TARGETS[target]
   if cfg["kind"] == "tpu":
     env.update(TPU_ACCELERATOR_TYPE=cfg["accel"], TPU_WORKER_HOSTNAMES="localhost")
+    env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: no chip to share
   else:
     env.update(JAX_PLATFORMS="cpu")
   env.setdefault("XLA_FLAGS", "")
