@@ -13,6 +13,8 @@
 #                   then the doctests of its pages, of the README and of the docstrings
 #                   (DOCS_TEST_PATHS: .ci/run leaves out the docstrings, make test ran them)
 #   make bench      benchmarks/run.py
+#   make bench-accel  every loss compiled for TPU v5e/v6e and an H100 without the device
+#                   (XLA's estimates; creates .venv-accel-tpu and .venv-accel-cuda on first use)
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #
 # VENV=path selects another environment (.ci/run uses fresh ones).
@@ -25,7 +27,7 @@ PYTEST_ARGS ?= -q -n 2
 DOCS_TEST_PATHS ?= docs kldiv_jax README.md
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint format typecheck build docs bench fixtures clean
+.PHONY: venv demo test lint format typecheck build docs bench bench-accel fixtures clean
 
 venv: $(STAMP)
 
@@ -74,6 +76,10 @@ docs: venv
 
 bench: venv
 	$(PY) benchmarks/run.py $(BENCH_ARGS)
+
+# Compile-only: needs no accelerator; its environments are its own (benchmarks/bench_accel.py).
+bench-accel: venv
+	$(PY) benchmarks/bench_accel.py $(BENCH_ARGS)
 
 # The golden fixtures come from torch 2.13 (CPU), the version the reference measured.
 fixtures: venv

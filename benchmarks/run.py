@@ -25,6 +25,8 @@ for _p in (str(HERE.parent), str(HERE)):  # `import _harness` and `import benchm
     sys.path.insert(0, _p)
 
 ORDER = ("core", "logits")
+# Sections run only when named (`--sections accel`): they need their own environments.
+OPT_IN = ("accel",)
 
 
 def available_sections() -> list[str]:
@@ -94,12 +96,13 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument(
     "--sections",
     default=None,
-    help=f"comma-separated sections (available: {','.join(available_sections())})",
+    help=f"comma-separated sections (available: {','.join(available_sections())}; "
+    f"{','.join(OPT_IN)} only when named)",
   )
   args, extra = p.parse_known_args(argv)
   available = available_sections()
   sections = (
-    available
+    [s for s in available if s not in OPT_IN]
     if args.sections is None
     else [s.strip() for s in args.sections.split(",") if s.strip()]
   )

@@ -59,17 +59,64 @@ from kldiv_jax._vocab_parallel import (
   global_classes,
 )
 
-# Logit elements per chunk and side when chunk_size=None (16 MiB of float32).
+# Logit elements per chunk and side when chunk_size=None on CPU (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
+# On GPUs and TPUs (chunk_size=None): about 2**27 logits per chunk (512 MiB of float32 per
+# [chunk, vocab] array), at most 4096 tokens. Each chunk reads both heads and reads and
+# writes the float32 weight gradient: ~14 bytes per head element for 8 C H V flops (four
+# [C, H] x [H, V] matmuls), C / 1.75 flops per byte, against a chip balance of ~240 (TPU
+# v5e) to ~300 (H100) flops per byte. 1024 tokens at V = 131072 keeps the matmuls
+# compute-bound; 32 (the CPU default there) left them bound by weight bandwidth.
+_ACCEL_CHUNK_ELEMENTS = 1 << 27
+_ACCEL_MAX_CHUNK = 4096
+# The name scope of a fused call's chunk loop, followed by its chunk (``..._1024``): it marks
+# the chunking in a lowered module.
+FUSED_CHUNK_SCOPE = "kldiv_jax_fused_chunk_"
 # Vocabulary columns per block of the weight-gradient update.
 _GRAD_W_BLOCK = 4096
 
 
-def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
-  """A power of two near ``2**22 / vocab_size`` tokens, within ``[1, num_tokens]``."""
-  size = max(1, _CHUNK_ELEMENTS // max(vocab_size, 1))
+def _power_of_two_chunk(elements: int, num_tokens: int, vocab_size: int, cap: int) -> int:
+  size = max(1, min(cap, elements // max(vocab_size, 1)))
   size = 1 << (size.bit_length() - 1)
   return max(1, min(size, num_tokens))
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
+  """CPU: a power of two near ``2**22 / vocab_size`` tokens, within ``[1, num_tokens]``."""
+  return _power_of_two_chunk(_CHUNK_ELEMENTS, num_tokens, vocab_size, num_tokens)
+
+
+def platform_chunk_size(num_tokens: int, vocab_size: int, platform: str) -> int:
+  """The default chunk for a platform: :func:`default_chunk_size` on ``"cpu"``; elsewhere a
+  power of two near ``2**27 / vocab_size`` tokens, at most 4096, within ``[1, num_tokens]``."""
+  if platform == "cpu":
+    return default_chunk_size(num_tokens, vocab_size)
+  return _power_of_two_chunk(_ACCEL_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+
+
+def _per_platform(chunk_size, name, n, vocab_size, call):
+  """``call(chunk)`` with ``chunk_size``, or by default the chunk of the platform the program
+  is lowered for (:func:`platform_chunk_size`).
+
+  As the row path's blocks (:func:`kldiv_jax._rows.map_rows`), both chunkings are staged
+  out with ``lax.platform_dependent`` and lowering keeps the platform's own: a program
+  exported with ``jax.export`` for several platforms holds each one's. Each runs in the
+  name scope :data:`FUSED_CHUNK_SCOPE` followed by its chunk.
+  """
+
+  def scoped(chunk):
+    def run():
+      with jax.named_scope(f"{FUSED_CHUNK_SCOPE}{chunk}"):
+        return call(chunk)
+
+    return run
+
+  chunk = _check_chunk(name, chunk_size, n, vocab_size)
+  accel = chunk if chunk_size is not None else platform_chunk_size(n, vocab_size, "tpu")
+  if accel == chunk:
+    return scoped(chunk)()
+  return lax.platform_dependent(cpu=scoped(chunk), default=scoped(accel))
 
 
 def _matmul(a, w, b, dtype):
@@ -459,7 +506,7 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
     labels = labels.reshape(n, 1)
     labelled = ids_differ(labels, ignore_index)
     mask = mask & labelled
-  chunk = _check_chunk(name, o["chunk_size"], n, vocab * num_shards)
+  _check_chunk(name, o["chunk_size"], n, vocab * num_shards)  # a bad chunk_size fails early
   weights = loss_weights(alpha, alpha_static, labels is not None, return_parts)
   checks = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
   checks = (*checks, *spec.valid())
@@ -487,10 +534,14 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
     loss = nan_unless(zero, *checks)
     return (loss, DistillationParts.of(zero, zero, num_tokens, checks)) if return_parts else loss
   w_arr, b_arr = _vary_like_tokens(w_arr, b_arr, h, *teacher, mask)
-  static = Static(teacher_kind, spec.key, chunk, axis_name, caps, weights, tail, vocab)
   params = tuple(jnp.asarray(x).astype(cdt) for x in spec.traced)
   tokens = (mask, labels, labelled)
-  totals = _fused(static, h, w_arr, b_arr, teacher, whole, t, params, tokens, coefs)
+
+  def call(chunk):
+    static = Static(teacher_kind, spec.key, chunk, axis_name, caps, weights, tail, vocab)
+    return _fused(static, h, w_arr, b_arr, teacher, whole, t, params, tokens, coefs)
+
+  totals = _per_platform(o["chunk_size"], name, n, vocab * num_shards, call)
   # Arrays: the cast restates ``_fused``'s annotation, which the checker loses
   # to jax.custom_vjp's unannotated ``__new__`` (it may return jax's custom_vjp3).
   loss, soft, hard = cast(tuple[jax.Array, jax.Array, jax.Array], totals)
@@ -581,8 +632,11 @@ def fused_distillation_loss(
     where: a token mask of shape ``hidden.shape[:-1]``.
     normalizer: the denominator instead of the number of valid tokens (a
       global token count for gradient accumulation), positive and finite.
-    chunk_size: tokens per chunk; ``None`` picks a power of two giving about
-      ``2**22`` logits per chunk and side. The last chunk may be smaller.
+    chunk_size: tokens per chunk; ``None`` picks a power of two per platform
+      when the program is lowered: about ``2**22`` logits per chunk and side on
+      CPU, ``2**27`` (at most 4096 tokens) on GPU and TPU, where each chunk
+      reads both heads and the float32 weight gradient and small chunks are
+      bound by that traffic. The last chunk may be smaller.
     axis_name: for vocabulary parallelism: the name of a mesh axis over which
       the V axis of ``weight``, ``bias``, ``target_weight`` and
       ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
@@ -685,7 +739,8 @@ def fused_linear_kl_div(
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     where: a token mask of shape ``hidden.shape[:-1]``.
     normalizer: the denominator instead of the number of selected tokens.
-    chunk_size: tokens per chunk (``None``: about ``2**22`` logits per chunk).
+    chunk_size: tokens per chunk (``None``: per platform, as in
+      :func:`fused_distillation_loss`).
     axis_name: vocabulary parallelism, as in :func:`fused_distillation_loss`.
     labels: optional token ids: adds the cross entropy, as in
       :func:`fused_distillation_loss`.
@@ -778,7 +833,8 @@ def fused_topk_distillation_loss(
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     where: a token mask of shape ``hidden.shape[:-1]``.
     normalizer: the denominator instead of the number of valid tokens.
-    chunk_size: tokens per chunk (``None``: about ``2**22`` logits per chunk).
+    chunk_size: tokens per chunk (``None``: per platform, as in
+      :func:`fused_distillation_loss`).
     axis_name: vocabulary parallelism over the V axis of ``weight`` and
       ``bias``.
     softcap: the student's logit soft-cap.
@@ -853,8 +909,8 @@ def fused_token_log_probs(
     ignore_index: a token id meaning "no token" (padding such as -100): such
       tokens give 0 and zero gradients, like masked ones.
     return_entropy: also return the entropy per token.
-    chunk_size: tokens per chunk; ``None`` picks a power of two giving about
-      ``2**22`` logits per chunk.
+    chunk_size: tokens per chunk; ``None`` picks a power of two per platform,
+      as in :func:`fused_distillation_loss`.
     axis_name: the mesh axis over which the V axis of ``weight`` and ``bias``
       is split inside ``jax.shard_map`` (hidden states and ids whole): each
       device computes its slice of every chunk's logits; the statistics are
@@ -897,13 +953,14 @@ def fused_token_log_probs(
   n = safe.shape[0]
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
-  chunk = _check_chunk(name, chunk_size, n, vocab * num_shards)
+  _check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
   if n == 0 or vocab == 0:  # every counted id is out of range (NaN)
     log_p = entropy = jnp.zeros(n, t.dtype)
   else:
     h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
     w_arr, b_arr = _vary_like_tokens(weight, bias, h, safe, mask)
-    out = _fused_tokens((chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask)
+    call = lambda chunk: _fused_tokens((chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask)  # noqa: E731
+    out = _per_platform(chunk_size, name, n, vocab * num_shards, call)
     log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   return token_outputs(
     log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy

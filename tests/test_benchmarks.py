@@ -177,3 +177,32 @@ def test_llm_section_runs_and_reports_its_targets(tmp_path):
   assert all(t["value"] is not None and t["value"] > 0 for t in result["targets"])
   saved = json.loads((tmp_path / "llm.json").read_text())
   assert saved["settings"]["quick"] is True
+
+
+def test_accel_section_parses_and_is_opt_in(monkeypatch):
+  """bench_accel's CLI parses without its environments, run.py runs it only when named, and
+  its checks flag a weight-bandwidth-bound fused chunk and a row kernel above the floor."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_accel
+  import run
+
+  args = bench_accel.parser().parse_args(["--quick", "--targets", "v5e", "--cases", "kl_div"])
+  assert args.quick and args.targets == "v5e" and bench_accel._cases(args) == ["kl_div"]
+  assert "accel" in run.available_sections()
+  assert run.OPT_IN == ("accel",)
+  row = {"case": "tvd", "kind": "row", "shape": [8, 4], "dtype": "float32"}
+  row |= {"time_ratio": 0.9, "naive_hbm_ratio": 4.0, "hbm_ratio": 2.0, "temp_ratio": 0.0}
+  fused = {"case": "fused_topk", "kind": "fused", "shape": [8, 2, 4], "dtype": "bfloat16"}
+  fused |= {"time_ratio": 1.0, "fused": {"temp_bytes": 0, "chunk_intensity": 100.0}}
+  verdict = {
+    c["target"].split(": ")[1]: c["pass"]
+    for c in bench_accel.check_targets("v5e", [row, fused], True)
+  }
+  assert verdict == {
+    "time / naive": False,  # naive moves 4x the floor: at most 0.8x
+    "HBM / floor": False,
+    "temp / [N, V] f32": True,
+    "time / materialised": True,
+    "temp GiB": True,
+    "chip balance / chunk intensity": False,  # 197e12 / 819e9 = 240 flops per byte > 100
+  }

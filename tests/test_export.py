@@ -20,6 +20,8 @@ The inputs have more rows than one CPU block holds, so that the CPU path is a
 loop: the check on the CPU module is what shows that the others can fail.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
+from kldiv_jax._fused import FUSED_CHUNK_SCOPE, platform_chunk_size
 from kldiv_jax._rows import ROW_BLOCKS_SCOPE
 
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -264,3 +267,41 @@ def test_each_platform_holds_its_own_path_with_axis_name(cpu_devices, name):
 # when the body holds a ``lax.platform_dependent``; one platform at a time
 # works, as does the unsharded program. Fixed in later jax (0.10 passes).
 OLD_MULTI_PLATFORM_SHARD_MAP = jax.__version_info__ < (0, 8)
+
+
+# -- the fused losses' default chunk --------------------------------------------------------------
+
+# A vocabulary large enough that the CPU default (2**22 logits: 16 tokens) and the accelerator
+# default (2**27 logits, at most 4096 tokens: all 256 here) differ; lowered, never run.
+FUSED_TOKENS, FUSED_VOCAB, FUSED_HIDDEN = 256, 1 << 18, 8
+FUSED_DEFAULTS = {
+  "fused_linear_kl_div": (lambda h, w, th, tw: kd.fused_linear_kl_div(h, w, th, tw), "hwhw"),
+  "fused_topk_distillation_loss": (
+    lambda h, w, i, lp: kd.fused_topk_distillation_loss(h, w, i, lp),
+    "hwil",
+  ),
+  "fused_token_log_probs": (lambda h, w, y: jnp.sum(kd.fused_token_log_probs(h, w, y)), "hwy"),
+}
+
+
+def _fused_chunks(text: str) -> set[int]:
+  return {int(c) for c in re.findall(FUSED_CHUNK_SCOPE + r"(\d+)", text)}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_DEFAULTS))
+def test_fused_default_chunk_is_chosen_per_platform(name):
+  """``chunk_size=None``: the CPU module chunks 16 tokens at a time, the CUDA and TPU modules
+  the accelerator default (every token here), and a module for all three holds both."""
+  fn, kinds = FUSED_DEFAULTS[name]
+  n, v, h = FUSED_TOKENS, FUSED_VOCAB, FUSED_HIDDEN
+  shapes = {"h": ((n, h), jnp.float32), "w": ((h, v), jnp.float32), "y": ((n,), jnp.int32)}
+  shapes |= {"i": ((n, K), jnp.int32), "l": ((n, K), jnp.float32)}
+  args = [jax.ShapeDtypeStruct(*shapes[k]) for k in kinds]
+  program = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+  cpu, accel = platform_chunk_size(n, v, "cpu"), platform_chunk_size(n, v, "tpu")
+  assert (cpu, accel) == (16, 256)
+  for platforms, want in [(("cpu",), {cpu}), (("cuda",), {accel}), (("tpu",), {accel})]:
+    text = export.export(program, platforms=platforms)(*args).mlir_module()
+    assert _fused_chunks(text) == want, platforms
+  text = export.export(program, platforms=PLATFORMS)(*args).mlir_module()
+  assert _fused_chunks(text) == {cpu, accel}
