@@ -17,7 +17,7 @@ from kldiv_jax._checks import (
   split_where,
 )
 from kldiv_jax._numerics import nan_unless, positive_finite
-from kldiv_jax._tokens import token_layout, token_outputs, token_rows
+from kldiv_jax._tokens import token_layout, token_log_prob_rows, token_outputs, token_rows
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
 # "k1+", "k3+": the estimator's value with k2's gradient (verl's straight-through forms).
@@ -290,7 +290,10 @@ def token_log_probs(
   else:
     if mask is not None:
       z = jnp.where(mask, z, 0.0)  # selected away: NaN in a masked token cannot leak
-    log_p, entropy = token_rows(z, safe, t, (), axis_name, cap)
+    if return_entropy or axis_name is not None or cap is not None or z.dtype != t.dtype:
+      log_p, entropy = token_rows(z, safe, t, (), axis_name, cap)
+    else:  # float32/64 log-probabilities alone: one exp per class (see token_log_prob_rows)
+      log_p = entropy = token_log_prob_rows(z, safe, t)
   return token_outputs(
     log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy
   )
