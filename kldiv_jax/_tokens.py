@@ -211,7 +211,8 @@ def _log_probs_only(z, ids, temperature):
   XLA computes ``exp`` once, writes it in place of the gradient and reads it
   back for ``g (onehot - p)``. :func:`_kernel`'s rule recomputes the softmax
   (twice the ``exp`` work, which dominates on CPU), and its CPU row loop does
-  not pay for one sum: this is 0.7x its time (``benchmarks/bench_rl.py``).
+  not pay for one sum: this takes about 0.7x its CPU time, level with Tunix's
+  code (``benchmarks/bench_rl.py``).
   The derivatives are :func:`_kernel`'s, ``hit - p`` per class (``/ T``).
   """
   return _log_prob_stats(z, ids, temperature, False)[0][:, 0]
