@@ -7,6 +7,13 @@ Each figure is a ratio of two contenders measured side by side in one process,
   ``jax.nn.log_softmax`` + gather + the entropy ``-sum(p log p)`` with autodiff,
   wrt the logits, float32 ``(4096, 8192)``: time (jitted, round-robin median).
   Target: at most 0.6x.
+* ``tunix``: the log-probabilities alone with a k3 penalty, as GRPO computes
+  them: ``kl_estimate(token_log_probs(logits, ids), ref_lp, estimator="k3")``
+  against Tunix's own code (``selective_log_softmax`` and
+  ``compute_kl_divergence(method="low_var_kl")`` of ``tunix/rl/common.py``,
+  github.com/google/tunix, ported verbatim), summed, wrt the logits, float32
+  ``(2048, 32768)``: time (jitted, round-robin median of twice the repeats)
+  and compiled temp. Target: at most 1.0x (no slower than what JAX users write).
 * ``fused``: ``fused_token_log_probs(hidden, weight, ids, return_entropy=True)``
   against ``token_log_probs`` of the materialised ``hidden @ weight`` wrt
   hidden and weight: XLA's compiled temp memory at N=8192, H=1024, V=65536
@@ -47,7 +54,8 @@ HERE = Path(__file__).resolve().parent
 LOGITS_SHAPE, QUICK_LOGITS_SHAPE = (4096, 8192), (256, 1024)
 FUSED_MEMORY_SHAPE, QUICK_FUSED_MEMORY_SHAPE = (8192, 1024, 65536), (512, 64, 4096)
 FUSED_TIME_SHAPE, QUICK_FUSED_TIME_SHAPE = (2048, 1024, 32768), (128, 32, 1024)
-LOGITS_TARGET, MEMORY_TARGET, TIME_TARGET = 0.6, 0.05, 1.1
+TUNIX_SHAPE, QUICK_TUNIX_SHAPE = (2048, 32768), (128, 4096)
+LOGITS_TARGET, TUNIX_TARGET, MEMORY_TARGET, TIME_TARGET = 0.6, 1.0, 0.05, 1.1
 
 
 def straightforward(logits, ids):
@@ -61,6 +69,32 @@ def straightforward(logits, ids):
 def ours(logits, ids):
   lp, entropy = kldiv_jax.token_log_probs(logits, ids, return_entropy=True)
   return jnp.sum(lp) + 0.01 * jnp.sum(entropy)
+
+
+def tunix_selective_log_softmax(logits, input_ids):
+  """Tunix's ``selective_log_softmax`` (``tunix/rl/common.py``), verbatim."""
+  target_logits = (
+    jnp.take_along_axis(logits, input_ids[..., None], axis=-1).squeeze(-1).astype(jnp.float32)
+  )
+  normalizer = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+  return target_logits - normalizer
+
+
+def tunix_low_var_kl(per_token_logps, ref_per_token_logps):
+  """Tunix's ``compute_kl_divergence(method="low_var_kl")`` (``tunix/rl/common.py``)."""
+  per_token_logps = per_token_logps.astype(jnp.float32)
+  ref_per_token_logps = ref_per_token_logps.astype(jnp.float32)
+  diff = ref_per_token_logps - per_token_logps
+  return jnp.exp(diff) - diff - 1
+
+
+def tunix(logits, ids, ref_lp):
+  return jnp.sum(tunix_low_var_kl(tunix_selective_log_softmax(logits, ids), ref_lp))
+
+
+def ours_k3(logits, ids, ref_lp):
+  lp = kldiv_jax.token_log_probs(logits, ids)
+  return jnp.sum(kldiv_jax.kl_estimate(lp, ref_lp, estimator="k3"))
 
 
 def fused(h, w, ids):
@@ -107,6 +141,20 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
     (logits, ids),
     repeats,
   )
+  n, v = QUICK_TUNIX_SHAPE if q else TUNIX_SHAPE
+  logits = 3 * jax.random.normal(k[0], (n, v))
+  ids = jax.random.randint(k[1], (n,), 0, v)
+  # The reference policy's log-probabilities: those of nearby logits (a fixed input).
+  ref_lp = tunix_selective_log_softmax(logits + 0.3 * jax.random.normal(k[2], (n, v)), ids)
+  tunix_times = _time(
+    {
+      "token_log_probs + k3": jax.value_and_grad(ours_k3),
+      "Tunix": jax.value_and_grad(tunix),
+    },
+    (logits, ids, ref_lp),
+    2 * repeats,
+  )
+  del logits, ref_lp
   n, hd, v = QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE
   h = jax.random.normal(k[0], (n, hd))
   w = jax.random.normal(k[1], (hd, v)) / hd**0.5 * 2
@@ -132,6 +180,11 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
       LOGITS_TARGET,
     ),
     (
+      "token_log_probs + k3 time / Tunix (no entropy)",
+      ratio(tunix_times["token_log_probs + k3"]["median_ms"], tunix_times["Tunix"]["median_ms"]),
+      TUNIX_TARGET,
+    ),
+    (
       "fused temp / log_softmax + gather",
       ratio(memory["fused"]["temp_bytes"], memory["log_softmax + gather"]["temp_bytes"]),
       MEMORY_TARGET,
@@ -147,20 +200,21 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
     for t, val, lim in rows
   ]
   print(f"\nvalue_and_grad time, median of {repeats} (round-robin)")
-  for name, t in {**logits_times, **fused_times}.items():
-    print(f"  {name:18} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
+  for name, t in {**logits_times, **tunix_times, **fused_times}.items():
+    print(f"  {name:20} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
   print(f"\ncompiled temp, N={n} H={hd} V={v}:")
   for name, m in memory.items():
     print(f"  {name:22} {fmt_bytes(m['temp_bytes']):>10}")
   print("\ntargets" + (" (--quick: small shapes, not the full-size ones)" if q else ""))
   for t in targets:
     met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-    print(f"  {t['target']:44} {fmt_ratio(t['value']):>6} <= {t['limit']:<5} {met}")
+    print(f"  {t['target']:48} {fmt_ratio(t['value']):>6} <= {t['limit']:<5} {met}")
   result = {
     "section": "rl",
     "machine": machine,
     "settings": {"quick": q, "repeats": repeats},
     "logits_times": logits_times,
+    "tunix_times": tunix_times,
     "fused_times": fused_times,
     "memory": memory,
     "targets": targets,

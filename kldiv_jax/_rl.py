@@ -17,7 +17,7 @@ from kldiv_jax._checks import (
   split_where,
 )
 from kldiv_jax._numerics import nan_unless, positive_finite
-from kldiv_jax._tokens import token_layout, token_outputs, token_rows
+from kldiv_jax._tokens import token_layout, token_log_prob_rows, token_outputs, token_rows
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
 # Schulman's k1, k2, k3 (k3 unclamped, as TRL's), and verl 0.9's ``kl_penalty``
@@ -263,6 +263,11 @@ def token_log_probs(
   sampled tokens (with :func:`kl_estimate`), from one pass over the
   vocabulary and a derivative rule that recomputes the softmax instead of
   storing it: no ``log_softmax`` array is written, forward or backward.
+  Without ``return_entropy`` (float32/64 logits, no ``softcap`` nor
+  ``axis_name``) the rule reuses the forward's ``exp(u - max)``, which XLA
+  writes where the gradient goes: as fast as Tunix's ``take_along_axis`` −
+  ``logsumexp`` with autodiff, with no temporary of the vocabulary's size when
+  the gradient wrt the logits is taken (``benchmarks/bench_rl.py``).
   Values and gradients equal ``jnp.take_along_axis(jax.nn.log_softmax(u),
   y)`` and the entropy of ``p``; the entropy is never below 0 and exactly 0
   for a one-hot distribution (one finite logit, or one far above the rest).
@@ -327,7 +332,10 @@ def token_log_probs(
   else:
     if mask is not None:
       z = jnp.where(mask, z, 0.0)  # selected away: NaN in a masked token cannot leak
-    log_p, entropy = token_rows(z, safe, t, (), axis_name, cap)
+    if return_entropy or axis_name is not None or cap is not None or z.dtype != t.dtype:
+      log_p, entropy = token_rows(z, safe, t, (), axis_name, cap)
+    else:  # float32/64 log-probabilities alone: one exp per class (see token_log_prob_rows)
+      log_p = entropy = token_log_prob_rows(z, safe, t)
   return token_outputs(
     log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy
   )

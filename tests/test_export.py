@@ -88,7 +88,14 @@ def _losses() -> dict[str, Loss]:
       (0, 1),
       True,
     ),
-    "token_log_probs": Loss(kd.token_log_probs, ("s", "labels"), 0, True),
+    # With the entropy: the row kernel; the log-probabilities alone: a kernel without a row loop.
+    "token_log_probs": Loss(
+      lambda a, y: jnp.stack(kd.token_log_probs(a, y, return_entropy=True)),
+      ("s", "labels"),
+      0,
+      True,
+    ),
+    "token_log_probs_alone": Loss(kd.token_log_probs, ("s", "labels"), 0, False),
     "divergence_from_topk": Loss(
       lambda a, i, lp: kd.divergence_from_topk(a, i, lp, divergence="reverse_kl"),
       ("s", "idx", "topk_lp"),

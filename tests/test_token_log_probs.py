@@ -66,6 +66,63 @@ def test_values_and_gradients_against_float64(x64, rng, temperature, cap):
   np.testing.assert_allclose(hess, want, atol=1e-10)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_alone_against_float64(x64, rng, temperature):
+  """Without the entropy (float32/64 logits, no soft-cap) a kernel of its own: the values,
+  the gradients wrt the logits and T, forward mode and the hessian of float64 autodiff."""
+  z = 3 * rng.normal(size=(3, 4, 17))
+  ids = rng.integers(0, 17, size=(3, 4))
+  np.testing.assert_allclose(
+    kd.token_log_probs(z, ids, temperature=temperature),
+    _reference(z, ids, temperature)[0],
+    rtol=1e-12,
+  )
+  a = rng.normal(size=(3, 4))
+  ours = lambda z, t: jnp.sum(a * kd.token_log_probs(z, ids, temperature=t))  # noqa: E731
+  ref = lambda z, t: jnp.sum(a * _reference(z, ids, t, None, jnp)[0])  # noqa: E731
+  t = jnp.float64(temperature)
+  for g, w in zip(jax.grad(ours, (0, 1))(z, t), jax.grad(ref, (0, 1))(z, t)):
+    np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12)
+  dz = rng.normal(size=z.shape)
+  got = jax.jvp(ours, (z, t), (dz, jnp.float64(0.3)))[1]
+  np.testing.assert_allclose(got, jax.jvp(ref, (z, t), (dz, jnp.float64(0.3)))[1], rtol=1e-9)
+
+  def hessian(fn):  # wrt one row's logits and T
+    return jax.hessian(lambda zr, t: a[0, 0] * fn(zr, ids[0, 0], t), (0, 1))(z[0, 0], t)
+
+  got = hessian(lambda zr, i, t: kd.token_log_probs(zr, i, temperature=t))
+  want = hessian(lambda zr, i, t: _reference(zr, i, t, None, jnp)[0])
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-8, atol=1e-10)
+
+
+def test_log_probs_alone_equal_the_entropy_kernels_at_the_edges():
+  """-inf logits, a token on a class without mass (-inf), a row without mass (0) and a NaN
+  row (NaN): the log-probabilities alone and their gradients (wrt the logits and a traced T)
+  equal those computed with the entropy, in float32."""
+  z = np.array(
+    [[1, -np.inf, 2, 0], [0, 1, -np.inf, 3], [-np.inf] * 4, [0, np.nan, 1, 2]], np.float32
+  )
+  ids = np.array([2, 2, 1, 0])
+  a = np.array([0.5, -1.0, 2.0, 1.5], np.float32)
+
+  def lp(z, t, entropy, rows=4):
+    out = kd.token_log_probs(z, ids[:rows], temperature=t, return_entropy=entropy)
+    return out[0] if entropy else out
+
+  for t in (1.0, 0.7):
+    got, want = lp(z, t, False), lp(z, t, True)
+    np.testing.assert_array_equal(got, want)
+    assert got[1] == -np.inf and got[2] == 0 and np.isnan(got[3])
+    total = lambda z, t, e, rows=4: jnp.sum(a[:rows] * lp(z, t, e, rows))  # noqa: E731
+    grads = [jax.grad(total, (0, 1))(z, jnp.float32(t), e) for e in (False, True)]
+    np.testing.assert_allclose(grads[0][0], grads[1][0], rtol=1e-6, atol=1e-7)
+    assert np.isnan(grads[0][1]) and np.isnan(grads[1][1])  # the NaN row reaches T
+    g_t = [jax.grad(total, 1)(z[:3], jnp.float32(t), e, 3) for e in (False, True)]
+    assert np.isfinite(g_t[0])
+    np.testing.assert_allclose(g_t[0], g_t[1], rtol=1e-6)
+
+
 def test_masks_padding_and_out_of_range(rng):
   z = rng.normal(size=(4, 6)).astype(np.float32)
   z[1, 2] = -np.inf
