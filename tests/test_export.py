@@ -104,8 +104,8 @@ def _losses() -> dict[str, Loss]:
       (0, 1),
       True,
     ),
-    "fused_linear_kl_div": Loss(
-      lambda h, w, th, tw: kd.fused_linear_kl_div(h, w, th, tw, temperature=2.0, chunk_size=CHUNK),
+    "fused_distillation_loss": Loss(
+      lambda h, w, th, tw: kd.fused_distillation_loss(h, w, th, tw, temperature=2.0, chunk_size=CHUNK),
       ("h", "w", "th", "tw"),
       (0, 1),
       True,
@@ -225,8 +225,8 @@ SHARDED = {
     ),
     (ROWWISE, HEAD, ROWWISE, HEAD, ROWWISE),
   ),
-  "fused_linear_kl_div": (
-    lambda h, w, th, tw, axis_name: kd.fused_linear_kl_div(
+  "fused_distillation_loss": (
+    lambda h, w, th, tw, axis_name: kd.fused_distillation_loss(
       h, w, th, tw, temperature=2.0, chunk_size=CHUNK, axis_name=axis_name
     ),
     (ROWWISE, HEAD, ROWWISE, HEAD),

@@ -96,8 +96,8 @@ CALLS = {
     },
     ("where",),
   ),
-  "fused_linear_kl_div": (
-    kj.fused_linear_kl_div,
+  "fused_distillation_loss": (
+    kj.fused_distillation_loss,
     {
       "hidden": H,
       "weight": W,
@@ -211,7 +211,7 @@ def test_log_target_must_be_a_bool(name, value):
 
 
 @pytest.mark.parametrize("value", ["no", 0, None], ids=repr)
-@pytest.mark.parametrize("name", ["distillation_loss", "fused_linear_kl_div"])
+@pytest.mark.parametrize("name", ["distillation_loss", "fused_distillation_loss"])
 def test_scale_by_temperature_squared_must_be_a_bool(name, value):
   with pytest.raises(TypeError, match="scale_by_temperature_squared must be a bool"):
     _call(name, scale_by_temperature_squared=value)
@@ -297,7 +297,7 @@ def test_numpy_wide_topk_ids_never_alias_a_class(dtype):
 
 def _fused_value_and_grads(h, w, b, th, tw, **kw):
   def loss(h, w, b):
-    return kj.fused_linear_kl_div(h, w, th, tw, bias=b, **kw)
+    return kj.fused_distillation_loss(h, w, th, tw, bias=b, **kw)
 
   return jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
 
@@ -377,8 +377,8 @@ def _strict_calls(dtype, traced):
       lambda a: kj.distillation_loss(a, y, labels, alpha=c(0.5), normalizer=c(4.0)),
       Z,
     ),
-    "fused_linear_kl_div": (
-      lambda a: kj.fused_linear_kl_div(
+    "fused_distillation_loss": (
+      lambda a: kj.fused_distillation_loss(
         arr(H), a, th, tw, target_bias=tb, temperature=c(2.0), normalizer=c(3.0), chunk_size=4
       ),
       W,
@@ -394,7 +394,7 @@ STRICT_WITH_OPTIONS = {
   "generalized_jsd",
   "distillation_loss",
   "distillation_loss normalizer",
-  "fused_linear_kl_div",
+  "fused_distillation_loss",
   "kl_div_from_topk",
 }
 
@@ -461,8 +461,8 @@ def _eager(name):
     "distillation_loss jsd": lambda: kj.distillation_loss(
       s, t, labels, divergence="jsd", alpha=jnp.float32(0.4), beta=jnp.float32(0.2)
     ),
-    "fused_linear_kl_div": lambda: kj.fused_linear_kl_div(h, w, th, tw, chunk_size=128),
-    "fused_linear_kl_div reverse": lambda: kj.fused_linear_kl_div(
+    "fused_distillation_loss": lambda: kj.fused_distillation_loss(h, w, th, tw, chunk_size=128),
+    "fused_distillation_loss reverse": lambda: kj.fused_distillation_loss(
       h, w, th, tw, divergence="reverse_kl", temperature=jnp.float32(2.0)
     ),
     "value_and_grad kl_div_from_logits": lambda: jax.value_and_grad(
@@ -474,8 +474,8 @@ def _eager(name):
     "value_and_grad distillation_loss": lambda: jax.value_and_grad(
       lambda s: kj.distillation_loss(s, t, labels, divergence="reverse_kl")
     )(s),
-    "value_and_grad fused_linear_kl_div": lambda: jax.value_and_grad(
-      lambda w: kj.fused_linear_kl_div(h, w, th, tw, divergence="jsd")
+    "value_and_grad fused_distillation_loss": lambda: jax.value_and_grad(
+      lambda w: kj.fused_distillation_loss(h, w, th, tw, divergence="jsd")
     )(w),
   }
   return calls[name]
@@ -490,12 +490,12 @@ def _eager(name):
     "generalized_jsd traced beta",
     "distillation_loss",
     "distillation_loss jsd",
-    "fused_linear_kl_div",
-    "fused_linear_kl_div reverse",
+    "fused_distillation_loss",
+    "fused_distillation_loss reverse",
     "value_and_grad kl_div_from_logits",
     "value_and_grad generalized_jsd traced beta",
     "value_and_grad distillation_loss",
-    "value_and_grad fused_linear_kl_div",
+    "value_and_grad fused_distillation_loss",
   ],
 )
 def test_eager_calls_compile_only_once(name):
