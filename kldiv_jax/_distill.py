@@ -88,8 +88,8 @@ def loss_weights(alpha, alpha_static: bool, labelled: bool, parts: bool) -> Loss
 def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None) -> jax.Array:
   """The cross entropy per row (``[rows]``) of the student's raw logits at temperature 1.
 
-  ``labels`` ``[rows, 1]`` in their own dtype; ``labelled`` which are not
-  ``ignore_index``. A labelled row whose label is outside the (global) class
+  ``labels`` ``[rows, 1]`` in their own dtype; ``labelled`` which count (not
+  ``ignore_index``, not masked). A labelled row whose label is outside the (global) class
   axis is NaN (the callers raise first when the labels are known,
   :func:`check_labels`); the others are those of :func:`kldiv_jax._ce.ce_rows`.
   """
@@ -302,7 +302,8 @@ def distillation_loss(
       soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps) * t2
     if weights.hard:
       assert labels is not None and labelled is not None  # weights.hard: there are labels
-      hard = hard_rows(rows.z, labels, labelled, masks, axis_name, caps[0])
+      # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
+      hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0])
     soft, hard = jnp.sum(soft), jnp.sum(hard)
   total = weights.mix(soft, hard, alpha, cdt)
   if normalizer is None:

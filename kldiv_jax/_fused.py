@@ -469,7 +469,7 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
       vocab * num_shards,
       mask,
     )
-    mask = mask & labelled
+    mask = labelled = mask & labelled  # a masked token's label is not read (no NaN from it)
   chunk = _check_chunk(name, o["chunk_size"], n, vocab * num_shards)
   weights = loss_weights(alpha, alpha_static, labels is not None, return_parts)
   checks = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))

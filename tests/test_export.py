@@ -104,8 +104,10 @@ def _losses() -> dict[str, Loss]:
       (0, 1),
       True,
     ),
-    "fused_distillation_loss": Loss(
-      lambda h, w, th, tw: kd.fused_distillation_loss(h, w, th, tw, temperature=2.0, chunk_size=CHUNK),
+    "fused_distillation_loss T=2": Loss(
+      lambda h, w, th, tw: kd.fused_distillation_loss(
+        h, w, th, tw, temperature=2.0, chunk_size=CHUNK
+      ),
       ("h", "w", "th", "tw"),
       (0, 1),
       True,
@@ -225,7 +227,7 @@ SHARDED = {
     ),
     (ROWWISE, HEAD, ROWWISE, HEAD, ROWWISE),
   ),
-  "fused_distillation_loss": (
+  "fused_distillation_loss T=2": (
     lambda h, w, th, tw, axis_name: kd.fused_distillation_loss(
       h, w, th, tw, temperature=2.0, chunk_size=CHUNK, axis_name=axis_name
     ),

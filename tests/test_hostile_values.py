@@ -496,7 +496,9 @@ def test_distillation_per_token_nearly_equal_is_nonnegative():
   assert np.asarray(per_token).min() >= 0.0
   np.testing.assert_allclose(per_token, truth, atol=1e-4)
   fused = jax.jit(
-    jax.vmap(lambda s, t: kd.fused_distillation_loss(s[None], jnp.eye(1000), t[None], jnp.eye(1000)))
+    jax.vmap(
+      lambda s, t: kd.fused_distillation_loss(s[None], jnp.eye(1000), t[None], jnp.eye(1000))
+    )
   )(a, b)
   assert np.asarray(fused).min() >= 0.0
 
