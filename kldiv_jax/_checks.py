@@ -409,7 +409,7 @@ def check_ids(
   ids: object,
   num_classes: int,
   *masks: object,
-  what: str = "token ids",
+  what: str = "",
   ignore_index: int | None = None,
   has_ignore_index: bool = False,
   log_probs: object = None,
@@ -449,7 +449,8 @@ def check_ids(
     allowed += f" or ignore_index={ignore_index}"
   if has_ignore_index and ignore_index is None and got == -100:
     fix = " (pass ignore_index=-100 to leave such tokens out)"
-  raise ValueError(f"{name}: {arg} must be {what} in {allowed}; got {got} at position {pos}{fix}.")
+  what = f"{what} in" if what else "in"
+  raise ValueError(f"{name}: {arg} must be {what} {allowed}; got {got} at position {pos}{fix}.")
 
 
 def teacher_classes(
