@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
