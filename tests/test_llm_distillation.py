@@ -336,7 +336,7 @@ def test_parts_carry_no_gradient(rng):
 
 def test_fused_losses_take_labels_positionally(rng):
   """``labels`` is the optional positional argument after the arrays, as in
-  distillation_loss, on both fused losses; the alias fused_linear_kl_div is gone."""
+  distillation_loss, on both fused losses."""
   (h, w, _), (th, tw, _), labels = _head(rng)
   keyword = kd.fused_distillation_loss(h, w, th, tw, labels=labels, temperature=2.0)
   np.testing.assert_array_equal(
@@ -350,7 +350,6 @@ def test_fused_losses_take_labels_positionally(rng):
   )
   with pytest.raises(ValueError, match="fused_distillation_loss: labels must have shape"):
     kd.fused_distillation_loss(h, w, th, tw, labels[:3])
-  assert not hasattr(kd, "fused_linear_kl_div")
 
 
 # ---------------------------------------------------------------- top-k teachers
