@@ -1,9 +1,9 @@
-"""Large-vocabulary benchmark: ``fused_linear_kl_div`` against materialised logits.
+"""Large-vocabulary benchmark: ``fused_distillation_loss`` against materialised logits.
 
 Two contenders, both ``jax.value_and_grad`` wrt the student's hidden states
 and LM head (float32, forward KL at temperature 2, the teacher stopped):
 
-* ``fused``: ``kldiv_jax.fused_linear_kl_div(hidden, weight, target_hidden,
+* ``fused``: ``kldiv_jax.fused_distillation_loss(hidden, weight, target_hidden,
   target_weight, temperature=2.0)`` (logits made a chunk of tokens at a time,
   ``chunk_size=None``);
 * ``materialised``: ``kldiv_jax.distillation_loss(hidden @ weight,
@@ -61,7 +61,7 @@ TIME_TARGET = 1.1
 
 
 def fused(hidden, weight, target_hidden, target_weight):
-  return kldiv_jax.fused_linear_kl_div(
+  return kldiv_jax.fused_distillation_loss(
     hidden, weight, target_hidden, target_weight, temperature=TEMPERATURE
   )
 
@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
       "memory_shape": list(memory_shape),
       "time_shape": list(time_shape),
       "contenders": {
-        "fused": "fused_linear_kl_div(h, w, th, tw, temperature=2.0)",
+        "fused": "fused_distillation_loss(h, w, th, tw, temperature=2.0)",
         "materialised": "distillation_loss(h @ w, stop_gradient(th @ tw), temperature=2.0)",
       },
     },

@@ -37,7 +37,7 @@ log q||) / (T ||g_ref||)`` (:func:`gradient_condition`; the contract bounds it
 by ``2 eps kappa``). ``step`` is reported apart: its ``kappa`` is ~1e10.
 
 Also: identical logits at ``V = 248320`` (EasyDeL's case), ``distillation_loss``
-and ``fused_linear_kl_div`` (forward KL, bf16 hidden states ``[rows, H]`` and
+and ``fused_distillation_loss`` (forward KL, bf16 hidden states ``[rows, H]`` and
 head ``[H, V]``, the student's hidden states perturbed), ``kl_div_from_logits``,
 ``generalized_jsd``, ``kl_div_from_topk`` at ``k = V``, and, for contrast, the
 straightforward forward KL written in bf16 (``log_softmax`` + sum, jitted).
@@ -328,7 +328,7 @@ def distillation_records(base, noise, deltas, temperatures) -> list[dict[str, An
 
 
 def fused_records(rows, vocab, hidden, std, deltas, temperatures, seed) -> list[dict[str, Any]]:
-  """``fused_linear_kl_div`` (forward KL): bf16 hidden states and one bf16 head for both sides.
+  """``fused_distillation_loss`` (forward KL): bf16 hidden states and one bf16 head for both sides.
 
   The teacher's hidden states are ``bf16(h)``, the student's ``bf16(h + delta *
   noise)``; ``h ~ N(0, 1)``, the head ``W ~ N(0, std^2 / H)`` so that the logits
@@ -345,7 +345,7 @@ def fused_records(rows, vocab, hidden, std, deltas, temperatures, seed) -> list[
   for temperature in temperatures:
     t2 = temperature**2
     vg = value_and_grads(
-      lambda hs, w, ht, temperature=temperature: kd.fused_linear_kl_div(
+      lambda hs, w, ht, temperature=temperature: kd.fused_distillation_loss(
         hs, w, ht, w, temperature=temperature
       )
     )
@@ -357,7 +357,7 @@ def fused_records(rows, vocab, hidden, std, deltas, temperatures, seed) -> list[
       ref_grads = (dz @ w64.T, hs64.T @ dz, None)
       records.append(
         {
-          "function": "fused_linear_kl_div",
+          "function": "fused_distillation_loss",
           "divergence": "forward_kl",
           "params": {},
           "hidden": hidden,
@@ -549,10 +549,10 @@ def print_report(result: dict[str, Any]) -> None:
   print("-" * len(header))
   for row in result["summary"]:
     label = row["function"] + (
-      "" if row["function"] == "fused_linear_kl_div" else f" / {row['divergence']}"
+      "" if row["function"] == "fused_distillation_loss" else f" / {row['divergence']}"
     )
     label = label.replace("divergence_from_logits / ", "")
-    if row["function"] == "fused_linear_kl_div":
+    if row["function"] == "fused_distillation_loss":
       grads = ("grad_hidden_bf16", "grad_hidden_f32", "grad_weight_bf16", "grad_weight_f32")
     else:
       grads = ("grad_student_bf16", "grad_student_f32", "grad_teacher_bf16", "grad_teacher_f32")
@@ -567,7 +567,7 @@ def print_report(result: dict[str, Any]) -> None:
       + (f" {'-':>8}" if step is None else f" {step:8.1e}")
     )
   print(
-    "  (fused_linear_kl_div: dz = gradient wrt the hidden states, dy = wrt the head; g/eps k: "
+    "  (fused_distillation_loss: dz = gradient wrt the hidden states, dy = wrt the head; g/eps k: "
     "the float32 gradient error over eps * kappa; step dz: the float32 error at 'step')"
   )
   print("\nIdentical logits, jitted (max |value| and max |gradient| over rows):")
@@ -599,7 +599,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
   start = time.perf_counter()
   log("divergences:")
   records = divergence_records(base, noise, deltas, temperatures, log)
-  log("distillation_loss, fused_linear_kl_div:")
+  log("distillation_loss, fused_distillation_loss:")
   records += distillation_records(base, noise, deltas, temperatures)
   fused = fused_records(rows, vocab, args.hidden, args.std, deltas, temperatures, args.seed)
   log("identical logits:")

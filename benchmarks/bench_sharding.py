@@ -2,7 +2,7 @@
 
 ``vocab_parallel_memory()`` compiles (without running) ``value_and_grad`` of
 ``kl_div_from_logits``, of ``divergence_from_logits`` for every other divergence
-and of ``fused_linear_kl_div`` twice: on one device,
+and of ``fused_distillation_loss`` twice: on one device,
 and inside ``jax.shard_map`` on 8 simulated CPU devices with the vocabulary
 split over the mesh axis ``"vocab"`` (``axis_name="vocab"``). It reports XLA's
 compiled memory analysis of both (temp, argument and output bytes) and the
@@ -202,7 +202,7 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
   n, h, v = shapes["fused"]
 
   def fused(axis_name):
-    return lambda a, w, ta, tw: kd.fused_linear_kl_div(
+    return lambda a, w, ta, tw: kd.fused_distillation_loss(
       a, w, ta, tw, temperature=2.0, axis_name=axis_name
     )
 
@@ -211,7 +211,7 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
   arg_shapes = [(n, h), (h, v), (n, h), (h, v)]
   rows.append(
     row(
-      "fused_linear_kl_div value_and_grad (hidden, weight)",
+      "fused_distillation_loss value_and_grad (hidden, weight)",
       f"N={n} H={h} V={v}",
       jax.value_and_grad(fused(None), argnums=(0, 1)),
       [spec(s) for s in arg_shapes],

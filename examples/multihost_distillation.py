@@ -11,7 +11,7 @@ same loss, from the same parameters and data:
 * ``materialised``: ``kldiv_jax.distillation_loss`` on the whole batch's
   ``[tokens, V]`` logits, partitioned by XLA from the ``NamedSharding`` of the
   inputs (batch over every device);
-* ``fused (data)``: ``kldiv_jax.fused_linear_kl_div`` in ``jax.shard_map``,
+* ``fused (data)``: ``kldiv_jax.fused_distillation_loss`` in ``jax.shard_map``,
   the tokens over every device, the logits made a chunk at a time;
 * ``fused (data x vocab)``: the tokens over ``data``, both LM heads over
   ``vocab`` (``axis_name="vocab"``), the global token count as ``normalizer``
@@ -122,7 +122,7 @@ def make_losses(mesh: jax.sharding.Mesh, temperature: float) -> dict[str, Callab
     def local(h, w, th, tw, count):
       # This device's tokens (and vocabulary slice); the global token count as
       # normalizer, so that the psum over the token axes is the mean.
-      loss = kldiv_jax.fused_linear_kl_div(
+      loss = kldiv_jax.fused_distillation_loss(
         h, w, th, tw, temperature=temperature, normalizer=count, axis_name=vocab_axis
       )
       return jax.lax.psum(loss, token_axes)

@@ -9,10 +9,10 @@ step runs three ways, from the same initial parameters and data:
   over all 8 devices, the full ``[tokens, V]`` logits of both models, and
   ``kldiv_jax.distillation_loss``;
 * ``fused (data)``: the same batch split, the loss from the hidden states with
-  ``kldiv_jax.fused_linear_kl_div`` inside ``jax.shard_map`` (logits made
+  ``kldiv_jax.fused_distillation_loss`` inside ``jax.shard_map`` (logits made
   ``chunk_size`` tokens at a time, never for the whole batch);
 * ``fused (data x vocab)``: tokens split over ``data`` (2) and both LM heads
-  over ``vocab`` (4): ``fused_linear_kl_div(..., axis_name="vocab")`` combines
+  over ``vocab`` (4): ``fused_distillation_loss(..., axis_name="vocab")`` combines
   the softmax statistics of the vocabulary slices with collectives.
 
 The three print the same losses (they are the same function), and the
@@ -93,7 +93,7 @@ def make_losses(mesh: jax.sharding.Mesh, temperature: float) -> dict[str, Callab
     def local(h, w, th, tw, count):
       # Each device: its tokens (and its vocabulary slice); the global token
       # count as normalizer, so the sum over the token axes is the mean.
-      loss = kldiv_jax.fused_linear_kl_div(
+      loss = kldiv_jax.fused_distillation_loss(
         h, w, th, tw, temperature=temperature, normalizer=count, axis_name=vocab_axis
       )
       return jax.lax.psum(loss, token_axes)

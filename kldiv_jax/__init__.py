@@ -11,7 +11,6 @@ from kldiv_jax._distill import distillation_loss as distillation_loss
 from kldiv_jax._divergence_api import Divergence as Divergence
 from kldiv_jax._divergence_api import divergence_from_logits as divergence_from_logits
 from kldiv_jax._fused import fused_distillation_loss as fused_distillation_loss
-from kldiv_jax._fused import fused_linear_kl_div as fused_linear_kl_div
 from kldiv_jax._fused import fused_token_log_probs as fused_token_log_probs
 from kldiv_jax._fused import fused_topk_distillation_loss as fused_topk_distillation_loss
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
@@ -49,7 +48,6 @@ __all__ = [
   "divergence_from_logits",
   "divergence_from_topk",
   "fused_distillation_loss",
-  "fused_linear_kl_div",
   "fused_token_log_probs",
   "fused_topk_distillation_loss",
   "gaussian_kl",

@@ -9,6 +9,7 @@ from jax import lax
 from kldiv_jax._ce import ce_rows
 from kldiv_jax._checks import (
   check_bool,
+  check_ids,
   check_int,
   check_normalizer,
   check_temperature,
@@ -21,12 +22,7 @@ from kldiv_jax._divergence_api import Divergence, as_divergence, check_softcaps
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import in_unit_interval, is_static, nan_unless, positive_finite
 from kldiv_jax._rows import prepare
-from kldiv_jax._vocab_parallel import (
-  VOCAB_PARALLEL_PADDING,
-  any_class,
-  check_axis_name,
-  global_classes,
-)
+from kldiv_jax._vocab_parallel import any_class, check_axis_name, global_classes
 
 
 def loss_divergence(name: str, divergence: object, beta: float | jax.Array) -> Divergence:
@@ -92,9 +88,10 @@ def loss_weights(alpha, alpha_static: bool, labelled: bool, parts: bool) -> Loss
 def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None) -> jax.Array:
   """The cross entropy per row (``[rows]``) of the student's raw logits at temperature 1.
 
-  ``labels`` ``[rows, 1]`` in their own dtype; ``labelled`` which are not
-  ``ignore_index``. A labelled row whose label is outside the (global) class
-  axis is NaN; the others are those of :func:`kldiv_jax._ce.ce_rows`.
+  ``labels`` ``[rows, 1]`` in their own dtype; ``labelled`` which count (not
+  ``ignore_index``, not masked). A labelled row whose label is outside the (global) class
+  axis is NaN (the callers raise first when the labels are known,
+  :func:`check_labels`); the others are those of :func:`kldiv_jax._ce.ce_rows`.
   """
   in_range = ids_in_range(labels, global_classes(z.shape[1], axis_name))
   safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
@@ -102,14 +99,25 @@ def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None) -> jax.Array
   return nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
 
 
-def _check_labels(name, labels, token_shape):
+def check_labels(name, labels, token_shape, shape_text, ignore_index, num_classes, counted):
+  """``labels`` as an integer array of ``token_shape`` (``shape_text`` names it), and which
+  are not ``ignore_index`` (both ``[rows, 1]``). Known labels that count (``counted``, a
+  token mask ``[rows, 1]`` or ``None``) must be in ``[0, num_classes)``
+  (:func:`kldiv_jax._checks.check_ids`)."""
   labels = index_array(name, "labels", labels, "class indices")
   if labels.shape != token_shape:
-    raise ValueError(
-      f"{name}: labels must have the logits' shape without the class axis, "
-      f"{token_shape}; got {labels.shape}."
-    )
-  return labels
+    raise ValueError(f"{name}: labels must have {shape_text} {token_shape}; got {labels.shape}.")
+  check_ids(
+    name,
+    "labels",
+    labels,
+    num_classes,
+    counted,
+    what="class indices",
+    ignore_index=ignore_index,
+  )
+  labels = labels.reshape(-1, 1)
+  return labels, ids_differ(labels, ignore_index)
 
 
 def distillation_loss(
@@ -128,6 +136,7 @@ def distillation_loss(
   axis_name: str | None = None,
   softcap: float | None = None,
   target_softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
   return_parts: bool = False,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Knowledge-distillation loss: softened teacher divergence plus label cross entropy.
@@ -161,8 +170,9 @@ def distillation_loss(
   gradients wrt the teacher's logits are correct too (self-distillation),
   unless the caller applies ``jax.lax.stop_gradient``. Masks, ``-inf``
   logits, temperature and dtypes as in :func:`kl_div_from_logits`. A label
-  outside ``[0, num_classes)`` that is not ``ignore_index`` gives NaN; a label
-  on a class without mass (``-inf`` or masked) gives ``+inf``. Labels of any
+  outside ``[0, num_classes)`` that is not ``ignore_index``: ``ValueError``
+  when the labels are known (an eager call), NaN under ``jit``; a label on a
+  class without mass (``-inf`` or masked) gives ``+inf``. Labels of any
   integer dtype are compared in that dtype, never cast first: a large
   ``uint32``/``int64`` label is out of range, not wrapped onto a class or onto
   ``ignore_index``. NaN in the
@@ -174,7 +184,8 @@ def distillation_loss(
 
   Args:
     student_logits: ``[..., num_classes]`` (e.g. ``[batch, seq, vocab]``).
-    teacher_logits: broadcastable to ``student_logits``, same number of classes.
+    teacher_logits: broadcastable to ``student_logits``, same number of
+      classes (unless ``teacher_vocab_size``).
     labels: optional integer class indices, ``[...]`` (the logits' shape
       without the class axis).
     temperature: positive, finite softmax temperature of the divergence (a
@@ -210,17 +221,17 @@ def distillation_loss(
       (Gemma 2), before the temperature and for the cross entropy too;
       ``None`` (the default) costs nothing. A static positive number.
     target_softcap: likewise for the teacher's logits.
+    teacher_vocab_size: the size of ``teacher_logits``' class axis when it
+      differs from the student's (``None``: they must be equal, else
+      ``ValueError``). The shared classes are then the first ones and the
+      others are padding without mass on either side (both logits are cut to
+      them, as in :func:`divergence_from_logits`; the cross entropy is then
+      over the shared classes, and a label beyond them is out of range). Not
+      with ``axis_name``: cut before sharding.
     return_parts: also return a :class:`DistillationParts` ``(soft, hard,
       num_tokens)``: the sums over the valid tokens of :math:`T^2 D` and of
       the cross entropy, and their number, for logging that stays right when
       summed over micro-batches and hosts.
-
-  Vocabularies of different sizes: the teacher's logits may have more or
-  fewer classes than the student's; the shared classes are the first ones
-  and the others are padding without mass on either side (both logits are
-  cut to the shared classes, as in :func:`divergence_from_logits`; the cross
-  entropy is then over the shared classes, and a label beyond them is out of
-  range). Not with ``axis_name``: cut before sharding.
 
   Returns:
     A scalar, in the promoted logits dtype; with ``return_parts``, ``(loss,
@@ -255,9 +266,10 @@ def distillation_loss(
   return_parts = check_bool(name, "return_parts", return_parts)
   if axis_name is not None:
     check_axis_name(name, axis_name)
-  padding = "allowed" if axis_name is None else VOCAB_PARALLEL_PADDING
   what = ("student_logits", "teacher_logits")
-  rows = prepare(name, what, student_logits, teacher_logits, -1, where, padding)
+  rows = prepare(
+    name, what, student_logits, teacher_logits, -1, where, teacher_vocab_size, axis_name
+  )
   if normalizer is not None:
     normalizer = check_normalizer(name, normalizer)
   masks = rows.masks
@@ -267,8 +279,11 @@ def distillation_loss(
   labelled = None  # with labels: which tokens' labels are not ignore_index
   if labels is not None:
     # Compared in the labels' own dtype: a cast could wrap an id onto another.
-    labels = _check_labels(name, labels, rows.out_shape).reshape(-1, 1)
-    labelled = ids_differ(labels, ignore_index)
+    num_classes = global_classes(rows.z.shape[1], axis_name)
+    shape_text = "the logits' shape without the class axis,"
+    labels, labelled = check_labels(
+      name, labels, rows.out_shape, shape_text, ignore_index, num_classes, valid
+    )
     valid = valid & labelled
     masks = (*masks, labelled)
   cdt = rows.cdt
@@ -287,7 +302,8 @@ def distillation_loss(
       soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps) * t2
     if weights.hard:
       assert labels is not None and labelled is not None  # weights.hard: there are labels
-      hard = hard_rows(rows.z, labels, labelled, masks, axis_name, caps[0])
+      # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
+      hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0])
     soft, hard = jnp.sum(soft), jnp.sum(hard)
   total = weights.mix(soft, hard, alpha, cdt)
   if normalizer is None:

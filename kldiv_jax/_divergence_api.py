@@ -19,7 +19,7 @@ from kldiv_jax._divergences import FORMULAS, Formula
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import Param, nan_unless, positive_finite
 from kldiv_jax._rows import prepare
-from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name
+from kldiv_jax._vocab_parallel import check_axis_name
 
 
 @jax.tree_util.register_pytree_node_class
@@ -181,6 +181,7 @@ def divergence_from_logits(
   axis_name: str | None = None,
   softcap: float | None = None,
   target_softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
 ) -> jax.Array:
   r"""Per-example divergence between two softmax distributions given as logits.
 
@@ -243,7 +244,7 @@ def divergence_from_logits(
   Args:
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable to ``logits``, with
-      the same number of classes.
+      the same number of classes unless ``teacher_vocab_size`` says otherwise.
     divergence: a name from the table or a :class:`Divergence`.
     temperature: positive softmax temperature ``T``; a Python number is
       checked, a traced scalar is not and may be differentiated.
@@ -260,18 +261,22 @@ def divergence_from_logits(
       temperature; ``None`` (the default) costs nothing. A static positive
       number. Differentiable: the gradient goes through the ``tanh``.
     target_softcap: likewise for the teacher's logits.
+    teacher_vocab_size: ``None`` (the default): the class axes must have
+      equal sizes, else ``ValueError`` (an off-by-one vocabulary is a bug
+      more often than a padded teacher). An int, the size of
+      ``target_logits``' class axis: the vocabularies may differ, as below.
 
-  Vocabularies of different sizes: with one class axis, ``logits`` and
-  ``target_logits`` may have different numbers of classes (a padded
-  vocabulary, a teacher from the same family with more logits). The shared
-  classes are the first ones; the classes only one side has are padding and
-  carry no mass on either side (a class ``where`` may have either length).
-  Why: such ids are padding no tokenizer produces, so a student must neither
-  be taught nor charged to put mass where its teacher cannot. Equal to the
-  call on both logits cut to the shared classes, with zero gradient wrt the
-  cut ones. Not with ``axis_name`` (each device's slices of the two
-  vocabularies would not hold the same classes): cut the logits, or the LM
-  heads, to the shared classes before sharding.
+  Vocabularies of different sizes, explicitly (``teacher_vocab_size``): with
+  one class axis, ``logits`` and ``target_logits`` may have different numbers
+  of classes (a padded vocabulary, a teacher from the same family with more
+  logits). The shared classes are the first ones; the classes only one side
+  has are padding and carry no mass on either side (a class ``where`` may
+  have either length). Why: such ids are padding no tokenizer produces, so a
+  student must neither be taught nor charged to put mass where its teacher
+  cannot. Equal to the call on both logits cut to the shared classes, with
+  zero gradient wrt the cut ones. Not with ``axis_name`` (each device's
+  slices of the two vocabularies would not hold the same classes): cut the
+  logits, or the LM heads, to the shared classes before sharding.
 
   Returns:
     The divergence per example, shape ``[...]`` (the inputs without
@@ -302,7 +307,9 @@ def divergence_from_logits(
   name = "divergence_from_logits"
   spec = as_divergence(name, divergence)
   caps = check_softcaps(name, softcap, target_softcap)
-  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name, caps)
+  return per_example(
+    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps, teacher_vocab_size
+  )
 
 
 def per_example(
@@ -315,6 +322,7 @@ def per_example(
   where: jax.typing.ArrayLike | None,
   axis_name: str | None,
   caps: tuple[float | None, float | None] = (None, None),
+  teacher_vocab_size: int | None = None,
 ) -> jax.Array:
   """The body of every per-example loss from logits: validate, lay out, run, reduce.
 
@@ -327,9 +335,8 @@ def per_example(
   temperature, _ = check_temperature(name, temperature)
   if axis_name is not None:
     check_axis_name(name, axis_name)
-  padding = "allowed" if axis_name is None else VOCAB_PARALLEL_PADDING
   what = ("logits", "target_logits")
-  rows = prepare(name, what, logits, target_logits, axis, where, padding)
+  rows = prepare(name, what, logits, target_logits, axis, where, teacher_vocab_size, axis_name)
   if rows.empty:
     out = jnp.zeros(rows.out_shape, rows.out_dtype)
   else:

@@ -23,18 +23,20 @@ from kldiv_jax._checks import (
   check_bool,
   check_choice,
   check_float,
+  check_ids,
   check_int,
   check_normalizer,
   check_softcap,
   check_temperature,
   check_unit_interval,
   compute_dtype,
-  ids_differ,
   index_array,
+  teacher_classes,
 )
 from kldiv_jax._distill import (
   DistillationParts,
   LossWeights,
+  check_labels,
   hard_rows,
   loss_divergence,
   loss_weights,
@@ -52,7 +54,7 @@ from kldiv_jax._tokens import (
   token_outputs,
   token_stats,
 )
-from kldiv_jax._topk import TAILS, check_ids, check_teacher_vocab, topk_teacher
+from kldiv_jax._topk import TAILS, TOPK_PADDING, topk_teacher
 from kldiv_jax._vocab_parallel import (
   VOCAB_PARALLEL_PADDING,
   check_axis_name,
@@ -188,7 +190,7 @@ def _fused_fwd(static: Static, h, w, b, teacher, whole, temperature, params, tok
 
   # ``full_like``: inside jax.shard_map, loop carries keep the mesh axes their
   # values vary over (the loss those of the tokens, the head's gradients the
-  # head's, see fused_linear_kl_div).
+  # head's, see _vary_like_tokens).
   zero = _token_zero(h, *teacher, *tokens).astype(acc)
   totals = (zero, zero, zero)
   grad_h = lax.full_like(h, 0, acc)
@@ -418,6 +420,7 @@ _OPTION_DEFAULTS = dict(
   axis_name=None,
   softcap=None,
   target_softcap=None,
+  teacher_vocab_size=None,
   return_parts=False,
 )
 
@@ -430,7 +433,7 @@ def _options(arguments: dict) -> dict:
 def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options):
   """The body of the fused losses: validate, lay out (tokens as rows, shared classes), run the
   chunked kernel, normalise. ``teacher_args``: ``(target_hidden, target_weight, target_bias)``
-  or ``(topk_indices, topk_log_probs, tail, teacher_vocab_size)``."""
+  or ``(topk_indices, topk_log_probs, tail)``."""
   o = options
   alpha, alpha_static = check_unit_interval(name, "alpha", o["alpha"])
   beta, _ = check_unit_interval(name, "beta", o["beta"])
@@ -443,6 +446,7 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
   axis_name = o["axis_name"]
   out_dtype = _check_linear(name, "student", hidden, weight, bias)
   num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
+  sharded = None if axis_name is None else VOCAB_PARALLEL_PADDING
   token_shape = tuple(np.shape(hidden)[:-1])
   n = int(np.prod(token_shape, dtype=np.int64))  # explicit: reshape(-1, 0) is ambiguous
   cdt = compute_dtype(out_dtype)
@@ -451,6 +455,7 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
   b_arr = None if bias is None else jnp.asarray(bias)
   tail = False
   bad = None
+  mask = token_mask(name, o["where"], token_shape, n)
   if teacher_kind == "dense":
     target_hidden, target_weight, target_bias = teacher_args
     _check_linear(name, "teacher", target_hidden, target_weight, target_bias)
@@ -461,19 +466,15 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
       )
     tw = jnp.asarray(target_weight)
     tb = None if target_bias is None else jnp.asarray(target_bias)
-    if tw.shape[1] != vocab:
-      if axis_name is not None:
-        raise ValueError(
-          f"{name}: weight and target_weight must have the same vocabulary size "
-          f"({VOCAB_PARALLEL_PADDING}); got shapes {np.shape(weight)} and {tw.shape}."
-        )
-      # The shared classes (see _rows.shared_classes): each chunk's logits are cut to them,
-      # not the heads (a copy of a [H, V] head would cost more than the chunks).
-      vocab = min(vocab, tw.shape[1])
+    sizes = (vocab * num_shards, tw.shape[1] * num_shards)
+    teacher_classes(name, o["teacher_vocab_size"], *sizes, ("weight", "target_weight"), sharded)
+    # The shared classes (see _rows.shared_classes): each chunk's logits are cut to them,
+    # not the heads (a copy of a [H, V] head would cost more than the chunks).
+    vocab = min(vocab, tw.shape[1])
     th = jnp.asarray(target_hidden).reshape(n, np.shape(target_hidden)[-1])
     teacher, whole = (th,), (tw, tb)
   else:
-    ids_in, lp_in, tail_name, teacher_vocab_size = teacher_args
+    ids_in, lp_in, tail_name = teacher_args
     check_float(name, ("topk_log_probs",), lp_in)
     idx = index_array(name, "topk_indices", ids_in, "token ids")
     lp = jnp.asarray(lp_in)
@@ -487,25 +488,35 @@ def _fused_loss(name, hidden, weight, bias, teacher_kind, teacher_args, options)
     check_choice(name, "tail", tail_name, TAILS)
     tail = tail_name == "bucket"
     global_vocab = vocab * num_shards
-    teacher_vocab = check_teacher_vocab(name, teacher_vocab_size, global_vocab, axis_name)
-    check_ids(name, idx, lp, None, o["where"], teacher_vocab)
+    teacher_vocab = teacher_classes(name, o["teacher_vocab_size"], global_vocab, sharded=sharded)
+    check_ids(
+      name,
+      "topk_indices",
+      idx,
+      teacher_vocab,
+      o["where"],
+      what="token ids",
+      log_probs=lp,
+      fix=TOPK_PADDING,
+    )
     shared = min(global_vocab, teacher_vocab)  # equal with axis_name (checked)
     vocab = shared // num_shards
     k = idx.shape[-1]
     t = topk_teacher(idx.reshape(n, k), lp.astype(cdt).reshape(n, k), None, shared, teacher_vocab)
     teacher, whole, bad = (t.ids, t.lp, t.keep, t.dropped), (), t.bad[:, None]
   h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
-  mask = token_mask(name, o["where"], token_shape, n)
   labels = labelled = None
   if o["labels"] is not None:
-    labels = index_array(name, "labels", o["labels"], "class indices")
-    if labels.shape != token_shape:
-      raise ValueError(
-        f"{name}: labels must have shape hidden.shape[:-1] = {token_shape}; got {labels.shape}."
-      )
-    labels = labels.reshape(n, 1)
-    labelled = ids_differ(labels, ignore_index)
-    mask = mask & labelled
+    labels, labelled = check_labels(
+      name,
+      o["labels"],
+      token_shape,
+      "shape hidden.shape[:-1] =",
+      ignore_index,
+      vocab * num_shards,
+      mask,
+    )
+    mask = labelled = mask & labelled  # a masked token's label is not read (no NaN from it)
   _check_chunk(name, o["chunk_size"], n, vocab * num_shards)  # a bad chunk_size fails early
   weights = loss_weights(alpha, alpha_static, labels is not None, return_parts)
   checks = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
@@ -556,8 +567,8 @@ def fused_distillation_loss(
   weight: jax.typing.ArrayLike,
   target_hidden: jax.typing.ArrayLike,
   target_weight: jax.typing.ArrayLike,
-  *,
   labels: jax.typing.ArrayLike | None = None,
+  *,
   alpha: float | jax.typing.ArrayLike = 0.5,
   ignore_index: int = -100,
   bias: jax.typing.ArrayLike | None = None,
@@ -572,6 +583,7 @@ def fused_distillation_loss(
   axis_name: str | None = None,
   softcap: float | None = None,
   target_softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
   return_parts: bool = False,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
@@ -613,12 +625,13 @@ def fused_distillation_loss(
     hidden: the student's hidden states ``[..., H]``.
     weight: the student's LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
     target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
-    target_weight: the teacher's LM head ``[H_T, V_T]``. ``V_T`` may differ
-      from ``V``: the shared classes are the first ``min(V, V_T)`` and the
-      others carry no mass on either side (as in :func:`distillation_loss`;
-      not with ``axis_name``).
-    labels: optional integer token ids ``hidden.shape[:-1]``: adds the
-      cross entropy, weighted ``1 - alpha``, inside the same chunks.
+    target_weight: the teacher's LM head ``[H_T, V_T]``, ``V_T = V`` unless
+      ``teacher_vocab_size`` says otherwise.
+    labels: optional integer token ids ``hidden.shape[:-1]`` (positional or
+      keyword, as in :func:`distillation_loss`): adds the cross entropy,
+      weighted ``1 - alpha``, inside the same chunks. Known labels outside
+      ``[0, V)`` (not ``ignore_index``) raise ``ValueError``; under ``jit``
+      they make the loss NaN.
     alpha: weight of the distillation term with labels, in ``[0, 1]``.
     ignore_index: the label of tokens to leave out.
     bias: optional student bias ``[V]``.
@@ -657,6 +670,10 @@ def fused_distillation_loss(
       (Gemma 2), before the temperature and for the cross entropy;
       ``None`` costs nothing.
     target_softcap: likewise for the teacher's logits.
+    teacher_vocab_size: ``V_T`` when it differs from ``V`` (``None``: they
+      must be equal, else ``ValueError``): the shared classes are then the
+      first ``min(V, V_T)`` and the others carry no mass on either side (as in
+      :func:`distillation_loss`; not with ``axis_name``).
     return_parts: also return a :class:`DistillationParts` ``(soft, hard,
       num_tokens)``: sums over the valid tokens, for logging that stays right
       when summed over micro-batches and hosts.
@@ -673,7 +690,7 @@ def fused_distillation_loss(
     >>> th, tw = jax.random.normal(k3, (6, 5)), jax.random.normal(k4, (5, 10))
     >>> y = jnp.array([1, 2, 3, -100, 4, 5])
     >>> fused, parts = fused_distillation_loss(
-    ...   h, w, th, tw, labels=y, temperature=2.0, chunk_size=4, return_parts=True
+    ...   h, w, th, tw, y, temperature=2.0, chunk_size=4, return_parts=True
     ... )
     >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, y, temperature=2.0)))
     True
@@ -689,93 +706,13 @@ def fused_distillation_loss(
   return _fused_loss("fused_distillation_loss", hidden, weight, bias, "dense", teacher, options)
 
 
-def fused_linear_kl_div(
-  hidden: jax.typing.ArrayLike,
-  weight: jax.typing.ArrayLike,
-  target_hidden: jax.typing.ArrayLike,
-  target_weight: jax.typing.ArrayLike,
-  *,
-  bias: jax.typing.ArrayLike | None = None,
-  target_bias: jax.typing.ArrayLike | None = None,
-  temperature: float | jax.typing.ArrayLike = 1.0,
-  divergence: str | Divergence = "forward_kl",
-  beta: float | jax.typing.ArrayLike = 0.5,
-  scale_by_temperature_squared: bool = True,
-  where: jax.typing.ArrayLike | None = None,
-  normalizer: float | jax.typing.ArrayLike | None = None,
-  chunk_size: int | None = None,
-  axis_name: str | None = None,
-  labels: jax.typing.ArrayLike | None = None,
-  alpha: float | jax.typing.ArrayLike = 0.5,
-  ignore_index: int = -100,
-  softcap: float | None = None,
-  target_softcap: float | None = None,
-  return_parts: bool = False,
-) -> jax.Array | tuple[jax.Array, DistillationParts]:
-  r"""Distillation loss from hidden states and LM heads, chunked over tokens.
-
-  The name this loss had before it took labels: :func:`fused_distillation_loss`,
-  with the same arguments and results (errors name ``fused_linear_kl_div``).
-  Without ``labels`` it is the distillation term of :func:`distillation_loss`,
-
-  .. math::
-
-     L = \frac{1}{N} \sum_{\text{tokens}} T^2\,
-         D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big),
-
-  with student logits :math:`s = h W + b` and teacher logits :math:`t = h_T
-  W_T + b_T`, never materialised for all tokens at once.
-
-  Args:
-    hidden: the student's hidden states ``[..., H]``.
-    weight: the student's LM head ``[H, V]``.
-    target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
-    target_weight: the teacher's LM head ``[H_T, V_T]``.
-    bias: optional student bias ``[V]``.
-    target_bias: optional teacher bias ``[V_T]``.
-    temperature: positive, finite softmax temperature.
-    divergence: a divergence name or a :class:`Divergence`.
-    beta: the mixture weight of ``divergence="jsd"`` given as a string.
-    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
-    where: a token mask of shape ``hidden.shape[:-1]``.
-    normalizer: the denominator instead of the number of selected tokens.
-    chunk_size: tokens per chunk (``None``: per platform, as in
-      :func:`fused_distillation_loss`).
-    axis_name: vocabulary parallelism, as in :func:`fused_distillation_loss`.
-    labels: optional token ids: adds the cross entropy, as in
-      :func:`fused_distillation_loss`.
-    alpha: weight of the distillation term with labels.
-    ignore_index: the label of tokens to leave out.
-    softcap: the student's logit soft-cap.
-    target_softcap: the teacher's logit soft-cap.
-    return_parts: also return the :class:`DistillationParts`.
-
-  Returns:
-    A scalar, in the promoted dtype of ``hidden`` and ``weight``; with
-    ``return_parts``, ``(loss, parts)``.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from kldiv_jax import distillation_loss, fused_linear_kl_div
-    >>> k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
-    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
-    >>> th, tw = jax.random.normal(k3, (6, 5)), jax.random.normal(k4, (5, 10))
-    >>> fused = fused_linear_kl_div(h, w, th, tw, temperature=2.0, chunk_size=4)
-    >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, temperature=2.0)))
-    True
-  """
-  options = _options(locals())
-  teacher = (target_hidden, target_weight, target_bias)
-  return _fused_loss("fused_linear_kl_div", hidden, weight, bias, "dense", teacher, options)
-
-
 def fused_topk_distillation_loss(
   hidden: jax.typing.ArrayLike,
   weight: jax.typing.ArrayLike,
   topk_indices: jax.typing.ArrayLike,
   topk_log_probs: jax.typing.ArrayLike,
-  *,
   labels: jax.typing.ArrayLike | None = None,
+  *,
   alpha: float | jax.typing.ArrayLike = 0.5,
   ignore_index: int = -100,
   bias: jax.typing.ArrayLike | None = None,
@@ -857,7 +794,7 @@ def fused_topk_distillation_loss(
     True
   """
   options = _options(locals())
-  teacher = (topk_indices, topk_log_probs, tail, teacher_vocab_size)
+  teacher = (topk_indices, topk_log_probs, tail)
   return _fused_loss("fused_topk_distillation_loss", hidden, weight, bias, "topk", teacher, options)
 
 
@@ -899,7 +836,8 @@ def fused_token_log_probs(
     hidden: hidden states ``[..., H]``.
     weight: the LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
     token_ids: the sampled token ids ``hidden.shape[:-1]``: an id outside
-      ``[0, V)`` gives NaN.
+      ``[0, V)`` raises ``ValueError`` when the ids are known, gives NaN
+      under ``jit``.
     bias: optional bias ``[V]``.
     temperature: positive softmax temperature (a traced scalar is allowed;
       NaN unless positive and finite).

@@ -27,6 +27,7 @@ def kl_div_from_logits(
   axis_name: str | None = None,
   softcap: float | None = None,
   target_softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
 ) -> jax.Array:
   r"""Per-example KL divergence between two softmax distributions given as logits.
 
@@ -71,7 +72,7 @@ def kl_div_from_logits(
   Args:
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable to ``logits``, with
-      the same number of classes.
+      the same number of classes (unless ``teacher_vocab_size``).
     temperature: positive softmax temperature ``T``; a Python number is
       checked at trace time (``ValueError`` unless positive and finite); a
       traced scalar (a schedule) may be differentiated, and makes every
@@ -103,9 +104,10 @@ def kl_div_from_logits(
       ``softcap * tanh(logits / softcap)``, as in
       :func:`divergence_from_logits` (``None``: none, at no cost).
     target_softcap: likewise for the teacher's logits.
-
-  Vocabularies of different sizes are cut to the shared first classes, as
-  in :func:`divergence_from_logits`.
+    teacher_vocab_size: the size of ``target_logits``' class axis when it
+      differs from ``logits``' (``None``: they must be equal, else
+      ``ValueError``): both are then cut to the shared first classes, as in
+      :func:`divergence_from_logits`.
 
   Returns:
     The divergence per example, shape ``[...]`` (the inputs without
@@ -129,7 +131,9 @@ def kl_div_from_logits(
   check_choice(name, "direction", direction, DIRECTIONS)
   spec = Divergence("forward_kl" if direction == "forward" else "reverse_kl")
   caps = check_softcaps(name, softcap, target_softcap)
-  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name, caps)
+  return per_example(
+    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps, teacher_vocab_size
+  )
 
 
 def generalized_jsd(
@@ -143,6 +147,7 @@ def generalized_jsd(
   axis_name: str | None = None,
   softcap: float | None = None,
   target_softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
 ) -> jax.Array:
   r"""Per-example generalized Jensen-Shannon divergence from logits (TRL's GKD loss).
 
@@ -190,6 +195,8 @@ def generalized_jsd(
     softcap: soft-cap the student's logits before the temperature, as in
       :func:`divergence_from_logits`.
     target_softcap: likewise for the teacher's logits.
+    teacher_vocab_size: the size of ``target_logits``' class axis when it
+      differs, as in :func:`kl_div_from_logits`.
 
   Returns:
     The divergence per example, shape ``[...]``, in the promoted input dtype.
@@ -213,4 +220,6 @@ def generalized_jsd(
   beta, _ = check_unit_interval(name, "beta", beta)
   spec = Divergence("jsd", beta=beta)
   caps = check_softcaps(name, softcap, target_softcap)
-  return per_example(name, spec, logits, target_logits, temperature, axis, where, axis_name, caps)
+  return per_example(
+    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps, teacher_vocab_size
+  )

@@ -240,6 +240,7 @@ class DivergenceMetric:
     *,
     where: jax.typing.ArrayLike | None = None,
     mask: jax.typing.ArrayLike | None = None,
+    teacher_vocab_size: int | None = None,
     **_: Any,
   ) -> "DivergenceMetric":
     """The metric of one batch.
@@ -258,6 +259,9 @@ class DivergenceMetric:
         num_classes]`` masks whole sequences); a boolean or, as ``clu`` casts
         it, a number (nonzero counts). A masked row adds nothing to ``total``
         nor ``count``.
+      teacher_vocab_size: the size of ``target_logits``' class axis when it
+        differs from ``logits``' (``None``: equal sizes, else ``ValueError``),
+        as in :func:`~kldiv_jax.divergence_from_logits`.
       **_: ignored (a ``clu`` ``Collection`` passes every model output).
 
     Returns:
@@ -289,7 +293,18 @@ class DivergenceMetric:
       # A row of zeros cannot be normalised: NaN, as torchmetrics' p / p.sum().
       has_mass = (jnp.any(z > 0, axis=-1), jnp.any(y > 0, axis=-1))
       z, y = jnp.log(z), jnp.log(y)
-    values = per_example(name, opts.divergence, z, y, opts.temperature, -1, where, None)
+    values = per_example(
+      name,
+      opts.divergence,
+      z,
+      y,
+      opts.temperature,
+      -1,
+      where,
+      None,
+      (None, None),
+      teacher_vocab_size,
+    )
     values = values.astype(total_dtype)
     if has_mass is not None:
       ok = jnp.broadcast_to(has_mass[0], values.shape) & jnp.broadcast_to(has_mass[1], values.shape)

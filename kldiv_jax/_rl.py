@@ -275,8 +275,9 @@ def token_log_probs(
   Args:
     logits: ``[..., vocab]`` (bf16/f16 are computed in float32).
     token_ids: integer ids ``[...]`` (the logits' shape without the class
-      axis). An id outside ``[0, vocab)`` gives NaN (never wrapped or
-      clamped); an id whose logit is ``-inf`` gives ``-inf``.
+      axis). An id outside ``[0, vocab)`` (never wrapped or clamped) raises
+      ``ValueError`` when the ids are known (an eager call), gives NaN under
+      ``jit``; an id whose logit is ``-inf`` gives ``-inf``.
     temperature: positive softmax temperature (a traced scalar is allowed and
       differentiable; NaN unless positive and finite).
     softcap: soft-cap the logits before the temperature,

@@ -27,8 +27,10 @@ from kldiv_jax._checks import (
   mask_array,
   normalize_axis,
   split_where,
+  teacher_classes,
 )
 from kldiv_jax._numerics import divide_logits, max_shift, soft_cap, soft_cap_slope
+from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING
 
 # Elements per block of rows for the CPU row statistics (512 KiB of float32).
 _BLOCK_ELEMENTS = 1 << 17
@@ -213,7 +215,8 @@ def prepare(
   target_logits: jax.typing.ArrayLike,
   axis: Axis,
   where: jax.typing.ArrayLike | None,
-  padding: str | None = "allowed",
+  teacher_vocab_size: int | None = None,
+  axis_name: str | None = None,
 ) -> Rows:
   """Validates a pair of logits (named ``what``) and lays them out as ``[rows, classes]``.
 
@@ -222,11 +225,12 @@ def prepare(
   ``[rows or 1, classes or 1]``, not broadcast further (broadcasting a
   vocabulary mask to every row would cost a full-size temporary).
 
-  Vocabularies of different sizes (one class axis, at least 2 classes each):
-  the shared classes are the first ones and the others are padding, without
-  mass on either side (:func:`shared_classes`); both logits, and a class
-  ``where`` longer than the shared classes, are cut to them. ``padding`` is
-  ``"allowed"``, or the reason it is not (``axis_name``'s), put in the error.
+  Vocabularies of different sizes (one class axis, at least 2 classes each)
+  only when the caller says so (``teacher_vocab_size``, checked by
+  :func:`kldiv_jax._checks.teacher_classes`, not with ``axis_name``): the
+  shared classes are the first ones and the others are padding, without mass
+  on either side (:func:`shared_classes`); both logits, and a class ``where``
+  longer than the shared classes, are cut to them.
   """
   out_dtype = check_float(name, what, logits, target_logits)
   ls, ts = tuple(np.shape(logits)), tuple(np.shape(target_logits))
@@ -238,15 +242,20 @@ def prepare(
     raise ValueError(f"{name}: axis must name at least one class axis; got {axis!r}.")
   padded = [(1,) * (ndim - len(s)) + s for s in (ls, ts)]
   for a in axes:
-    if padded[0][a] != padded[1][a]:
-      sizes = (padded[0][a], padded[1][a])
-      if len(axes) == 1 and min(sizes) >= 2 and padding == "allowed":
-        continue
-      why = "" if padding in (None, "allowed") else f" ({padding})"
+    sizes = (padded[0][a], padded[1][a])
+    if sizes[0] != sizes[1] and (len(axes) > 1 or min(sizes) < 2):
       raise ValueError(
-        f"{name}: {' and '.join(what)} must have the same number of classes along axis {a}"
-        f"{why}; got shapes {ls} and {ts}."
+        f"{name}: {' and '.join(what)} must have the same number of classes along axis {a}; "
+        f"got shapes {ls} and {ts}."
       )
+  if len(axes) == 1:
+    a = axes[0]
+    shards = 1 if axis_name is None else lax.axis_size(axis_name)
+    sharded = None if axis_name is None else VOCAB_PARALLEL_PADDING
+    sizes = (padded[0][a] * shards, padded[1][a] * shards)
+    teacher_classes(name, teacher_vocab_size, *sizes, what, sharded)
+  elif teacher_vocab_size is not None:
+    raise ValueError(f"{name}: teacher_vocab_size needs one class axis; got axis={axis!r}.")
   if len(axes) == 1 and padded[0][axes[0]] != padded[1][axes[0]]:
     a = axes[0]
     shared = min(padded[0][a], padded[1][a])

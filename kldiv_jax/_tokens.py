@@ -26,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from kldiv_jax._checks import (
+  check_ids,
   check_int,
   compute_dtype,
   ids_differ,
@@ -273,10 +274,15 @@ def token_layout(name, token_ids, token_shape, shape_text, where, ignore_index, 
   if ids.shape != token_shape:
     raise ValueError(f"{name}: token_ids must have {shape_text} {token_shape}; got {ids.shape}.")
   rows = int(np.prod(token_shape, dtype=np.int64))
-  ids = ids.reshape(rows, 1)
   mask = None if where is None else token_mask(name, where, token_shape, rows)
   if ignore_index is not None:
-    kept = ids_differ(ids, check_int(name, "ignore_index", ignore_index))
+    ignore_index = check_int(name, "ignore_index", ignore_index)
+  check_ids(
+    name, "token_ids", ids, num_classes, mask, ignore_index=ignore_index, has_ignore_index=True
+  )
+  ids = ids.reshape(rows, 1)
+  if ignore_index is not None:
+    kept = ids_differ(ids, ignore_index)
     mask = kept if mask is None else mask & kept
   in_range = ids_in_range(ids, num_classes)
   if mask is not None:

@@ -15,23 +15,24 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kldiv_jax._checks import (
   check_choice,
   check_float,
+  check_ids,
   check_softcap,
   check_temperature,
   compute_dtype,
   ids_in_range,
   index_array,
   mask_array,
+  teacher_classes,
 )
 from kldiv_jax._divergence_api import Divergence, as_divergence
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import first_occurrences, topk_rows
-from kldiv_jax._vocab_parallel import check_axis_name, global_classes
+from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name, global_classes
 
 TAILS = ("renormalize", "bucket")
 
@@ -73,35 +74,11 @@ def _split_mask(name, where, batch_shape, slot_shape):
   return (w, None) if kind == "example" else (None, w)
 
 
-def _concrete(*arrays):
-  """The arrays as NumPy arrays when none is traced, else ``None``."""
-  try:
-    return [np.asarray(a) for a in arrays]
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    return None
-
-
-def check_ids(name, idx, lp, slot, example, num_ids):
-  """``ValueError`` for an id with mass outside ``[0, num_ids)`` when the values are known
-  (outside ``jit``); under ``jit`` such an example is NaN."""
-  masks = [m for m in (slot, example) if m is not None]
-  arrays = _concrete(idx, lp, *masks)
-  if arrays is None:
-    return
-  ids, logp = arrays[0], arrays[1]
-  mass = logp != -np.inf
-  if slot is not None:
-    mass &= arrays[2]
-  if example is not None:
-    mass &= arrays[-1][..., None]
-  bad = mass & ((ids < 0) | (ids >= num_ids))
-  if bad.any():
-    pos = tuple(int(i) for i in np.argwhere(bad)[0])
-    raise ValueError(
-      f"{name}: topk_indices must be token ids in [0, {num_ids}) where the teacher has mass; "
-      f"got {ids[pos]} at position {pos} (pad with any id and a -inf log-probability, "
-      "or mask the slot with where)."
-    )
+# Where a top-k id counts, and how to pad (in the id errors).
+TOPK_PADDING = (
+  " (only where the teacher has mass: pad with any id and a -inf log-probability, "
+  "or mask the slot with where)"
+)
 
 
 class TopK(NamedTuple):
@@ -135,24 +112,6 @@ def topk_teacher(idx, lp, slot, student_classes: int, teacher_classes: int) -> T
   return TopK(jnp.where(keep, ids, 0), lp, keep, dropped, bad)
 
 
-def check_teacher_vocab(name, teacher_vocab_size, vocab, axis_name):
-  if teacher_vocab_size is None:
-    return vocab
-  if not isinstance(teacher_vocab_size, (int, np.integer)) or isinstance(teacher_vocab_size, bool):
-    raise TypeError(
-      f"{name}: teacher_vocab_size must be an int or None; got {teacher_vocab_size!r}."
-    )
-  if teacher_vocab_size < 1:
-    raise ValueError(f"{name}: teacher_vocab_size must be positive; got {teacher_vocab_size}.")
-  if axis_name is not None and teacher_vocab_size != vocab:
-    raise ValueError(
-      f"{name}: teacher_vocab_size={teacher_vocab_size} differs from the student's "
-      f"vocabulary ({vocab}), which axis_name does not support: cut the student's logits "
-      "to the shared classes before sharding."
-    )
-  return int(teacher_vocab_size)
-
-
 def topk_per_example(
   name: str,
   spec: Divergence,
@@ -179,8 +138,19 @@ def topk_per_example(
     check_axis_name(name, axis_name)
   example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
   vocab = global_classes(z.shape[-1], axis_name)
-  teacher_vocab = check_teacher_vocab(name, teacher_vocab_size, vocab, axis_name)
-  check_ids(name, idx, lp, slot, example, teacher_vocab)
+  sharded = None if axis_name is None else VOCAB_PARALLEL_PADDING
+  teacher_vocab = teacher_classes(name, teacher_vocab_size, vocab, sharded=sharded)
+  check_ids(
+    name,
+    "topk_indices",
+    idx,
+    teacher_vocab,
+    slot,
+    example,
+    what="token ids",
+    log_probs=lp,
+    fix=TOPK_PADDING,
+  )
   if teacher_vocab < vocab:  # the student's own classes carry no mass: cut them
     z = shared_classes(z, teacher_vocab)
 

@@ -170,8 +170,10 @@ def test_traced_schedules_do_not_retrace(rng):
 def test_invalid_labels_and_masked_classes(rng):
   s, t, labels = _data(rng)
   bad = labels.copy()
-  bad[0, 0] = C  # out of range: NaN, not a silent wrong value
+  bad[0, 0] = C  # out of range: NaN under jit, not a silent wrong value; known, raised
   assert np.isnan(value_and_grads(s, t, bad)[0])
+  with pytest.raises(ValueError, match="labels must be class indices in"):
+    distillation_loss(s, t, bad)
   masked = s.copy()
   masked[0, 0, labels[0, 0]] = -np.inf  # the label has no mass: +inf
   assert value_and_grads(masked, t, labels)[0] == np.inf

@@ -126,7 +126,7 @@ def test_invalid_traced_parameter_makes_the_losses_nan(rng):
   )
   assert np.isnan(value) and np.all(np.isnan(grad))
   student, teacher = _head(rng)
-  fused = kd.fused_linear_kl_div(*student, *teacher, divergence=bad)
+  fused = kd.fused_distillation_loss(*student, *teacher, divergence=bad)
   assert np.isnan(fused)
 
 
@@ -134,8 +134,8 @@ def test_bad_divergence_names_the_loss(rng):
   s, t, labels = _data(rng)
   with pytest.raises(ValueError, match=r"distillation_loss: divergence must be one of .*'tvd'"):
     kd.distillation_loss(s, t, labels, divergence="kl")
-  with pytest.raises(TypeError, match="fused_linear_kl_div: divergence must be one of"):
-    kd.fused_linear_kl_div(*_head(rng)[0], *_head(rng)[1], divergence=3)
+  with pytest.raises(TypeError, match="fused_distillation_loss: divergence must be one of"):
+    kd.fused_distillation_loss(*_head(rng)[0], *_head(rng)[1], divergence=3)
   with pytest.raises(ValueError, match=r"alpha_beta.*no default"):
     kd.distillation_loss(s, t, labels, divergence="alpha_beta")
 
@@ -161,7 +161,7 @@ def test_fused_every_divergence(rng, case):
   where[[2, 7]] = False
 
   def fused(h, w):
-    return kd.fused_linear_kl_div(
+    return kd.fused_distillation_loss(
       h, w, th, tw, divergence=spec, temperature=1.5, where=where, chunk_size=4
     )
 
@@ -184,7 +184,7 @@ def test_fused_traced_parameter_does_not_recompile(rng):
   @jax.jit
   def step(h, w, spec):
     return jax.value_and_grad(
-      lambda w: kd.fused_linear_kl_div(h, w, th, tw, divergence=spec, chunk_size=4)
+      lambda w: kd.fused_distillation_loss(h, w, th, tw, divergence=spec, chunk_size=4)
     )(w)
 
   step(h, w, Divergence("alpha_beta", alpha=jnp.float32(0.5), beta=jnp.float32(0.5)))
@@ -230,12 +230,12 @@ def test_vocab_parallel_losses_every_divergence(cpu_devices, case):
   (h, w), (th, tw) = _head(rng, tokens=6, vocab=32)
 
   def fused(h, w, axis_name=None):
-    return kd.fused_linear_kl_div(
+    return kd.fused_distillation_loss(
       h, w, th, tw, divergence=spec, temperature=1.5, chunk_size=4, axis_name=axis_name
     )
 
   fused_sharded = jax.shard_map(
-    lambda h, w, tw: kd.fused_linear_kl_div(
+    lambda h, w, tw: kd.fused_distillation_loss(
       h, w, th, tw, divergence=spec, temperature=1.5, chunk_size=4, axis_name="vocab"
     ),
     mesh=mesh,

@@ -114,8 +114,10 @@ def _losses() -> dict[str, Loss]:
       (0, 1),
       True,
     ),
-    "fused_linear_kl_div": Loss(
-      lambda h, w, th, tw: kd.fused_linear_kl_div(h, w, th, tw, temperature=2.0, chunk_size=CHUNK),
+    "fused_distillation_loss T=2": Loss(
+      lambda h, w, th, tw: kd.fused_distillation_loss(
+        h, w, th, tw, temperature=2.0, chunk_size=CHUNK
+      ),
       ("h", "w", "th", "tw"),
       (0, 1),
       True,
@@ -235,8 +237,8 @@ SHARDED = {
     ),
     (ROWWISE, HEAD, ROWWISE, HEAD, ROWWISE),
   ),
-  "fused_linear_kl_div": (
-    lambda h, w, th, tw, axis_name: kd.fused_linear_kl_div(
+  "fused_distillation_loss T=2": (
+    lambda h, w, th, tw, axis_name: kd.fused_distillation_loss(
       h, w, th, tw, temperature=2.0, chunk_size=CHUNK, axis_name=axis_name
     ),
     (ROWWISE, HEAD, ROWWISE, HEAD),
@@ -282,7 +284,10 @@ OLD_MULTI_PLATFORM_SHARD_MAP = jax.__version_info__ < (0, 8)
 # default (2**27 logits, at most 4096 tokens: all 256 here) differ; lowered, never run.
 FUSED_TOKENS, FUSED_VOCAB, FUSED_HIDDEN = 256, 1 << 18, 8
 FUSED_DEFAULTS = {
-  "fused_linear_kl_div": (lambda h, w, th, tw: kd.fused_linear_kl_div(h, w, th, tw), "hwhw"),
+  "fused_distillation_loss": (
+    lambda h, w, th, tw: kd.fused_distillation_loss(h, w, th, tw),
+    "hwhw",
+  ),
   "fused_topk_distillation_loss": (
     lambda h, w, i, lp: kd.fused_topk_distillation_loss(h, w, i, lp),
     "hwil",

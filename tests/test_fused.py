@@ -1,4 +1,4 @@
-"""Tests for ``fused_linear_kl_div``: chunked == materialised, in value and gradients.
+"""Tests for ``fused_distillation_loss``: chunked == materialised, in value and gradients.
 
 The reference materialises the logits and calls ``distillation_loss`` (no
 labels) on ``hidden @ weight + bias`` and the stopped teacher logits; a float64
@@ -15,7 +15,7 @@ import pytest
 from _references import np_log_softmax
 from jax.test_util import check_grads
 
-from kldiv_jax import distillation_loss, fused_linear_kl_div
+from kldiv_jax import distillation_loss, fused_distillation_loss
 
 F32 = {"rtol": 1e-5, "atol": 1e-6}
 # bf16 inputs, float32 accumulation: the value and the gradients are rounded to
@@ -63,7 +63,7 @@ def materialised(student, teacher, **kw):
 
 
 def fused(student, teacher, **kw):
-  return fused_linear_kl_div(
+  return fused_distillation_loss(
     student["h"],
     student["w"],
     teacher["th"],

@@ -96,8 +96,8 @@ CALLS = {
     },
     ("where",),
   ),
-  "fused_linear_kl_div": (
-    kj.fused_linear_kl_div,
+  "fused_distillation_loss": (
+    kj.fused_distillation_loss,
     {
       "hidden": H,
       "weight": W,
@@ -211,7 +211,7 @@ def test_log_target_must_be_a_bool(name, value):
 
 
 @pytest.mark.parametrize("value", ["no", 0, None], ids=repr)
-@pytest.mark.parametrize("name", ["distillation_loss", "fused_linear_kl_div"])
+@pytest.mark.parametrize("name", ["distillation_loss", "fused_distillation_loss"])
 def test_scale_by_temperature_squared_must_be_a_bool(name, value):
   with pytest.raises(TypeError, match="scale_by_temperature_squared must be a bool"):
     _call(name, scale_by_temperature_squared=value)
@@ -232,29 +232,91 @@ def test_clip_bounds_must_be_numbers(clip):
 # 7. Integer ids that would wrap.
 
 
-def _distill_labels(labels, **kw):
+def _distill_labels(labels, jit=False, **kw):
   z, y = Z[0], Y[0]  # [3, 5]
-  return kj.distillation_loss(z, y, labels, alpha=0.0, **kw)
+  fn = lambda labels: kj.distillation_loss(z, y, labels, alpha=0.0, **kw)  # noqa: E731
+  return (jax.jit(fn) if jit else fn)(labels)
 
 
 def test_uint32_label_is_not_wrapped_onto_ignore_index():
-  # 4294967196 is -100 as an int32: it must be out of range (NaN), not ignored.
+  # 4294967196 is -100 as an int32: it must be out of range (NaN under jit), not ignored.
   labels = jnp.array([2**32 - 100, 1, 2], jnp.uint32)
-  assert np.isnan(_distill_labels(labels))
+  assert np.isnan(_distill_labels(labels, jit=True))
+  with pytest.raises(ValueError, match="got 4294967196 at position"):
+    _distill_labels(labels)
 
 
 def test_int64_labels_out_of_int32_range_give_nan(x64):
   for bad in (2**32 + 1, 2**32 - 100, -(2**32) + 1):
     labels = jnp.array([bad, 1, 2], jnp.int64)
     assert labels.dtype == jnp.int64
-    assert np.isnan(_distill_labels(labels)), bad
+    assert np.isnan(_distill_labels(labels, jit=True)), bad
+    with pytest.raises(ValueError, match=rf"got {bad} at position \(0,\)"):
+      _distill_labels(labels)
 
 
 @pytest.mark.parametrize("bad", [2**32 + 1, 2**32 - 100, 2**40])
 def test_numpy_int64_labels_never_alias_a_class(bad):
-  # Without x64 JAX keeps int32: a NumPy int64 id must not wrap onto a class.
+  # Without x64 JAX keeps int32: a NumPy int64 id must not wrap onto a class (saturated,
+  # reported out of range).
   labels = np.array([bad, 1, 2], np.int64)
-  assert np.isnan(_distill_labels(labels))
+  with pytest.raises(ValueError, match=r"labels must be class indices in \[0, 5\)"):
+    _distill_labels(labels)
+
+
+# The id contract, one rule on every path that takes ids: (call(ids, **kw), the argument,
+# the ids' shape). The logits and heads have 5 classes.
+_TOKENS = (2, 3)
+ID_CALLS = {
+  "distillation_loss": (lambda ids, **kw: kj.distillation_loss(Z, Y, ids, **kw), "labels"),
+  "fused_distillation_loss": (
+    lambda ids, **kw: kj.fused_distillation_loss(H, W, TH, TW, ids, **kw),
+    "labels",
+  ),
+  "fused_topk_distillation_loss": (
+    lambda ids, **kw: kj.fused_topk_distillation_loss(H, W, IDS, TOPK_LP, ids, **kw),
+    "labels",
+  ),
+  "token_log_probs": (lambda ids, **kw: kj.token_log_probs(Z, ids, **kw), "token_ids"),
+  "fused_token_log_probs": (
+    lambda ids, **kw: kj.fused_token_log_probs(H, W, ids, **kw),
+    "token_ids",
+  ),
+  "divergence_from_topk": (
+    lambda ids, **kw: kj.divergence_from_topk(
+      Z, jnp.asarray(ids)[..., None], TOPK_LP[..., :1], **kw
+    ),
+    "topk_indices",
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(ID_CALLS))
+def test_ids_out_of_range_raise_when_known_and_give_nan_under_jit(name):
+  """Known ids out of range: ValueError naming the function, the argument, the first bad
+  position and the range (NumPy arrays, JAX arrays and lists alike); traced: NaN. A masked
+  token's id is not read."""
+  call, arg = ID_CALLS[name]
+  ids = np.array([[0, 4, 1], [2, 5, -3]], np.int32)  # 5 and -3 are out of [0, 5)
+  for given in (ids, jnp.asarray(ids), ids.tolist()):
+    with pytest.raises(
+      ValueError, match=rf"^{name}: {arg} must be .*in \[0, 5\).* got 5 at position \(1, 1(, 0)?\)"
+    ):
+      call(given)
+  out = jax.jit(call)(jnp.asarray(ids))
+  assert np.isnan(np.asarray(out)).any()
+  where = np.array([[True, True, True], [True, False, False]])
+  assert np.all(np.isfinite(np.asarray(call(ids, where=where))))
+
+
+@pytest.mark.parametrize("name", ["token_log_probs", "fused_token_log_probs"])
+def test_minus_100_without_ignore_index_says_to_set_it(name):
+  call, _ = ID_CALLS[name]
+  ids = np.array([[0, 4, 1], [2, -100, 3]], np.int32)
+  with pytest.raises(ValueError, match=r"got -100 at position \(1, 1\) \(pass ignore_index=-100"):
+    call(ids)
+  assert np.all(np.isfinite(np.asarray(call(ids, ignore_index=-100))))
+  assert np.isnan(np.asarray(jax.jit(call)(jnp.asarray(ids)))[1, 1])
 
 
 def test_ignore_index_outside_the_label_dtype_matches_nothing():
@@ -297,7 +359,7 @@ def test_numpy_wide_topk_ids_never_alias_a_class(dtype):
 
 def _fused_value_and_grads(h, w, b, th, tw, **kw):
   def loss(h, w, b):
-    return kj.fused_linear_kl_div(h, w, th, tw, bias=b, **kw)
+    return kj.fused_distillation_loss(h, w, th, tw, bias=b, **kw)
 
   return jax.value_and_grad(loss, argnums=(0, 1, 2))(h, w, b)
 
@@ -330,8 +392,11 @@ def test_fused_with_zero_hidden_units_uses_the_biases():
 
 def test_distillation_with_zero_classes_gives_nan_for_labelled_tokens():
   empty = np.zeros((3, 0), np.float32)
-  # Every label is out of range of zero classes: NaN, as documented.
-  assert np.isnan(kj.distillation_loss(empty, empty, np.array([0, -100, 1])))
+  # Every label is out of range of zero classes: NaN under jit, as documented; known, raised.
+  labels = np.array([0, -100, 1])
+  assert np.isnan(jax.jit(lambda y: kj.distillation_loss(empty, empty, y))(labels))
+  with pytest.raises(ValueError, match=r"in \[0, 0\) or ignore_index=-100; got 0 at position"):
+    kj.distillation_loss(empty, empty, labels)
   assert kj.distillation_loss(empty, empty, np.array([-100, -100, -100])) == 0.0
   assert kj.distillation_loss(empty, empty) == 0.0
 
@@ -377,8 +442,8 @@ def _strict_calls(dtype, traced):
       lambda a: kj.distillation_loss(a, y, labels, alpha=c(0.5), normalizer=c(4.0)),
       Z,
     ),
-    "fused_linear_kl_div": (
-      lambda a: kj.fused_linear_kl_div(
+    "fused_distillation_loss": (
+      lambda a: kj.fused_distillation_loss(
         arr(H), a, th, tw, target_bias=tb, temperature=c(2.0), normalizer=c(3.0), chunk_size=4
       ),
       W,
@@ -394,7 +459,7 @@ STRICT_WITH_OPTIONS = {
   "generalized_jsd",
   "distillation_loss",
   "distillation_loss normalizer",
-  "fused_linear_kl_div",
+  "fused_distillation_loss",
   "kl_div_from_topk",
 }
 
@@ -461,8 +526,8 @@ def _eager(name):
     "distillation_loss jsd": lambda: kj.distillation_loss(
       s, t, labels, divergence="jsd", alpha=jnp.float32(0.4), beta=jnp.float32(0.2)
     ),
-    "fused_linear_kl_div": lambda: kj.fused_linear_kl_div(h, w, th, tw, chunk_size=128),
-    "fused_linear_kl_div reverse": lambda: kj.fused_linear_kl_div(
+    "fused_distillation_loss": lambda: kj.fused_distillation_loss(h, w, th, tw, chunk_size=128),
+    "fused_distillation_loss reverse": lambda: kj.fused_distillation_loss(
       h, w, th, tw, divergence="reverse_kl", temperature=jnp.float32(2.0)
     ),
     "value_and_grad kl_div_from_logits": lambda: jax.value_and_grad(
@@ -474,8 +539,8 @@ def _eager(name):
     "value_and_grad distillation_loss": lambda: jax.value_and_grad(
       lambda s: kj.distillation_loss(s, t, labels, divergence="reverse_kl")
     )(s),
-    "value_and_grad fused_linear_kl_div": lambda: jax.value_and_grad(
-      lambda w: kj.fused_linear_kl_div(h, w, th, tw, divergence="jsd")
+    "value_and_grad fused_distillation_loss": lambda: jax.value_and_grad(
+      lambda w: kj.fused_distillation_loss(h, w, th, tw, divergence="jsd")
     )(w),
   }
   return calls[name]
@@ -490,12 +555,12 @@ def _eager(name):
     "generalized_jsd traced beta",
     "distillation_loss",
     "distillation_loss jsd",
-    "fused_linear_kl_div",
-    "fused_linear_kl_div reverse",
+    "fused_distillation_loss",
+    "fused_distillation_loss reverse",
     "value_and_grad kl_div_from_logits",
     "value_and_grad generalized_jsd traced beta",
     "value_and_grad distillation_loss",
-    "value_and_grad fused_linear_kl_div",
+    "value_and_grad fused_distillation_loss",
   ],
 )
 def test_eager_calls_compile_only_once(name):

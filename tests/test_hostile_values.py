@@ -171,12 +171,12 @@ def test_nan_in_any_input_gives_nan():
       (s, t),
     ),
     "distillation_loss_jsd": (lambda x, y: kd.distillation_loss(x, y, divergence="jsd"), (s, t)),
-    "fused_linear_kl_div": (
-      lambda *a: kd.fused_linear_kl_div(a[0], a[1], a[2], a[3], bias=a[4], target_bias=a[5]),
+    "fused_distillation_loss": (
+      lambda *a: kd.fused_distillation_loss(a[0], a[1], a[2], a[3], bias=a[4], target_bias=a[5]),
       (h, w, h[::-1].copy(), w[:, ::-1].copy(), b, b),
     ),
-    "fused_linear_kl_div_reverse": (
-      lambda *a: kd.fused_linear_kl_div(*a, divergence="reverse_kl"),
+    "fused_distillation_loss_reverse": (
+      lambda *a: kd.fused_distillation_loss(*a, divergence="reverse_kl"),
       (h, w, h[::-1].copy(), w[:, ::-1].copy()),
     ),
     "kl_div_from_topk": (lambda x, y: kd.kl_div_from_topk(x, ids, y), (s, lp)),
@@ -202,7 +202,7 @@ def test_nan_in_teacher_hidden_states_fused_is_nan():
   for divergence in ("forward_kl", "jsd"):
 
     def loss(h, divergence=divergence):
-      return kd.fused_linear_kl_div(h, w, th, tw, divergence=divergence, chunk_size=2)
+      return kd.fused_distillation_loss(h, w, th, tw, divergence=divergence, chunk_size=2)
 
     value, grad = jax.value_and_grad(loss)(h)
     assert np.isnan(value), divergence
@@ -242,7 +242,7 @@ TEMPERATURE_LOSSES = {
   "distillation_loss_labels": lambda s, t: kd.distillation_loss(
     s, Y, jnp.array([1]), temperature=t
   ),
-  "fused_linear_kl_div": lambda s, t: kd.fused_linear_kl_div(
+  "fused_distillation_loss": lambda s, t: kd.fused_distillation_loss(
     _H * jnp.sum(s), _W, _H[::-1], _W, temperature=t
   ),
   "kl_div_from_topk": lambda s, t: kd.kl_div_from_topk(s, _IDS, _LP, temperature=t),
@@ -291,12 +291,12 @@ OPTION_LOSSES = {
     lambda n: kd.distillation_loss(Z, Y, normalizer=n),
     (-1.0, 0.0, INF, NAN),
   ),
-  "fused_linear_kl_div beta, forward_kl": (
-    lambda b: kd.fused_linear_kl_div(_H, _W, _H[::-1], _W, beta=b),
+  "fused_distillation_loss beta, forward_kl": (
+    lambda b: kd.fused_distillation_loss(_H, _W, _H[::-1], _W, beta=b),
     (2.0, -0.5, NAN),
   ),
-  "fused_linear_kl_div normalizer": (
-    lambda n: kd.fused_linear_kl_div(_H, _W, _H[::-1], _W, normalizer=n),
+  "fused_distillation_loss normalizer": (
+    lambda n: kd.fused_distillation_loss(_H, _W, _H[::-1], _W, normalizer=n),
     (-1.0, 0.0, INF, NAN),
   ),
   "kl_estimate clip": (
@@ -330,7 +330,7 @@ def test_static_normalizer_must_be_positive_and_finite():
     with pytest.raises(ValueError, match="normalizer"):
       kd.distillation_loss(Z, Y, normalizer=normalizer)
     with pytest.raises(ValueError, match="normalizer"):
-      kd.fused_linear_kl_div(_H, _W, _H, _W, normalizer=normalizer)
+      kd.fused_distillation_loss(_H, _W, _H, _W, normalizer=normalizer)
 
 
 # --- 4. top-k edge cases --------------------------------------------------------
@@ -496,7 +496,9 @@ def test_distillation_per_token_nearly_equal_is_nonnegative():
   assert np.asarray(per_token).min() >= 0.0
   np.testing.assert_allclose(per_token, truth, atol=1e-4)
   fused = jax.jit(
-    jax.vmap(lambda s, t: kd.fused_linear_kl_div(s[None], jnp.eye(1000), t[None], jnp.eye(1000)))
+    jax.vmap(
+      lambda s, t: kd.fused_distillation_loss(s[None], jnp.eye(1000), t[None], jnp.eye(1000))
+    )
   )(a, b)
   assert np.asarray(fused).min() >= 0.0
 

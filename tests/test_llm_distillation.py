@@ -7,6 +7,8 @@ soft-capped by hand) for the conventions, the float64 ports of the authors' form
 unsharded calls for ``axis_name`` (``multidevice``: 8 simulated devices).
 """
 
+import re
+
 import _references as refs
 import jax
 import jax.numpy as jnp
@@ -68,7 +70,9 @@ def test_padded_vocabulary_is_the_shared_classes(rng, case, teacher_vocab):
   shared = min(24, teacher_vocab)
 
   def loss(s, t):
-    return kd.distillation_loss(s, t, labels, divergence=spec, temperature=1.5, alpha=0.3)
+    return kd.distillation_loss(
+      s, t, labels, divergence=spec, temperature=1.5, alpha=0.3, teacher_vocab_size=t.shape[-1]
+    )
 
   def aligned(s, t):
     return loss(s[..., :shared], t[..., :shared])
@@ -78,7 +82,9 @@ def test_padded_vocabulary_is_the_shared_classes(rng, case, teacher_vocab):
   assert not np.any(np.asarray(got[1][0])[..., shared:])
   assert not np.any(np.asarray(got[1][1])[..., shared:])
   mask = rng.random(max(24, teacher_vocab)) > 0.2
-  per = kd.divergence_from_logits(s, t, divergence=spec, where=mask[: s.shape[-1]])
+  per = kd.divergence_from_logits(
+    s, t, divergence=spec, where=mask[: s.shape[-1]], teacher_vocab_size=teacher_vocab
+  )
   want = kd.divergence_from_logits(
     s[..., :shared], t[..., :shared], divergence=spec, where=mask[:shared]
   )
@@ -91,7 +97,16 @@ def test_padded_vocabulary_fused_head(rng):
 
   def fused(h, w, b):
     return kd.fused_distillation_loss(
-      h, w, th, tw, bias=b, target_bias=tb, labels=labels, temperature=2.0, chunk_size=4
+      h,
+      w,
+      th,
+      tw,
+      labels,
+      bias=b,
+      target_bias=tb,
+      temperature=2.0,
+      chunk_size=4,
+      teacher_vocab_size=30,
     )
 
   def materialised(h, w, b):
@@ -103,12 +118,58 @@ def test_padded_vocabulary_fused_head(rng):
     jax.value_and_grad(fused, (0, 1, 2))(h, w, b),
     jax.value_and_grad(materialised, (0, 1, 2))(h, w, b),
   )
+
   # A shorter teacher: the student's own classes are cut, with zero gradient.
-  short = lambda w, b: kd.fused_distillation_loss(h, w, th, tw[:, :20], bias=b, chunk_size=4)  # noqa: E731
+  def short(w, b):
+    return kd.fused_distillation_loss(
+      h, w, th, tw[:, :20], bias=b, chunk_size=4, teacher_vocab_size=20
+    )
+
   value, (gw, gb) = jax.value_and_grad(short, (0, 1))(w, b)
   want = kd.distillation_loss((h @ w + b[None])[:, :20], th @ tw[:, :20])
   np.testing.assert_allclose(value, want, rtol=2e-5)
   assert not np.any(np.asarray(gw)[:, 20:]) and not np.any(np.asarray(gb)[20:])
+
+
+# Every logit path, (student, teacher) -> loss with keyword arguments: one registry for the
+# vocabulary-size rule.
+def _vocab_calls(rng):
+  s, t = np.zeros((4, 10), np.float32), np.zeros((4, 11), np.float32)
+  h, th = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(4, 2)).astype(np.float32)
+  w, tw = np.zeros((3, 10), np.float32), np.zeros((2, 11), np.float32)
+  metric = kd.DivergenceMetric.configure()
+  return {
+    "kl_div_from_logits": lambda **kw: kd.kl_div_from_logits(s, t, **kw),
+    "generalized_jsd": lambda **kw: kd.generalized_jsd(s, t, **kw),
+    "divergence_from_logits": lambda **kw: kd.divergence_from_logits(s, t, **kw),
+    "distillation_loss": lambda **kw: kd.distillation_loss(s, t, **kw),
+    "fused_distillation_loss": lambda **kw: kd.fused_distillation_loss(h, w, th, tw, **kw),
+    "DivergenceMetric.from_model_output": lambda **kw: metric.from_model_output(s, t, **kw),
+  }
+
+
+@pytest.mark.parametrize(
+  "name",
+  [
+    "kl_div_from_logits",
+    "generalized_jsd",
+    "divergence_from_logits",
+    "distillation_loss",
+    "fused_distillation_loss",
+    "DivergenceMetric.from_model_output",
+  ],
+)
+def test_vocabulary_sizes_that_differ_must_be_explicit(rng, name):
+  """Student [4, 10] against teacher [4, 11]: ValueError naming both sizes and the keyword;
+  with teacher_vocab_size=11 the shared first 10 classes, a wrong size raises too."""
+  call = _vocab_calls(rng)[name]
+  with pytest.raises(
+    ValueError, match=rf"^{re.escape(name)}: .* 10 and 11; pass teacher_vocab_size=11"
+  ):
+    call()
+  call(teacher_vocab_size=11)  # the padded teacher, explicit
+  with pytest.raises(ValueError, match=r"teacher_vocab_size=12 but \w+ has 11 classes"):
+    call(teacher_vocab_size=12)
 
 
 def test_padded_vocabulary_errors(rng):
@@ -273,13 +334,22 @@ def test_parts_carry_no_gradient(rng):
   assert not np.any(np.asarray(g))
 
 
-def test_fused_linear_kl_div_is_kept(rng):
+def test_fused_losses_take_labels_positionally(rng):
+  """``labels`` is the optional positional argument after the arrays, as in
+  distillation_loss, on both fused losses."""
   (h, w, _), (th, tw, _), labels = _head(rng)
-  new = kd.fused_distillation_loss(h, w, th, tw, labels=labels, temperature=2.0)
-  old = kd.fused_linear_kl_div(h, w, th, tw, labels=labels, temperature=2.0)
-  np.testing.assert_array_equal(new, old)
-  with pytest.raises(ValueError, match="fused_linear_kl_div: labels must have shape"):
-    kd.fused_linear_kl_div(h, w, th, tw, labels=labels[:3])
+  keyword = kd.fused_distillation_loss(h, w, th, tw, labels=labels, temperature=2.0)
+  np.testing.assert_array_equal(
+    kd.fused_distillation_loss(h, w, th, tw, labels, temperature=2.0), keyword
+  )
+  _, ids, lp = _topk_case(rng, rows=h.shape[0], vocab=w.shape[1], k=3)
+  lp = lp.astype(np.float32)
+  keyword = kd.fused_topk_distillation_loss(h, w, ids, lp, labels=labels, alpha=0.3)
+  np.testing.assert_array_equal(
+    kd.fused_topk_distillation_loss(h, w, ids, lp, labels, alpha=0.3), keyword
+  )
+  with pytest.raises(ValueError, match="fused_distillation_loss: labels must have shape"):
+    kd.fused_distillation_loss(h, w, th, tw, labels[:3])
 
 
 # ---------------------------------------------------------------- top-k teachers

@@ -201,7 +201,7 @@ def test_identical_hidden_states_through_the_fused_head():
   @jax.jit
   def value_and_grads(h, w, th):
     return jax.value_and_grad(
-      lambda h, w: kd.fused_linear_kl_div(h, w, th, w, temperature=2.0), argnums=(0, 1)
+      lambda h, w: kd.fused_distillation_loss(h, w, th, w, temperature=2.0), argnums=(0, 1)
     )(h, w)
 
   for dtype in (jnp.bfloat16, jnp.float32):

@@ -55,7 +55,7 @@ CASES = (
   "gaussian_kl",
   "kl_div_from_topk",
   "kl_div_from_topk[slot_mask]",
-  "fused_linear_kl_div",
+  "fused_distillation_loss",
 )
 # Relative tolerance (float32, reductions reordered).
 RTOL = 2e-6
@@ -202,8 +202,8 @@ def _cases(rng):
       lambda a, i, b, w: kd.kl_div_from_topk(a, i, b, where=w),
       [(z, "bc", True), (ids, "b", False), (lp, "b", True), (slot_mask, "b", False)],
     ),
-    "fused_linear_kl_div": (
-      lambda h, w, th, tw, m: kd.fused_linear_kl_div(
+    "fused_distillation_loss": (
+      lambda h, w, th, tw, m: kd.fused_distillation_loss(
         h, w, th, tw, temperature=2.0, where=m, chunk_size=4
       ),
       [

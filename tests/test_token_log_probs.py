@@ -129,8 +129,10 @@ def test_masks_padding_and_out_of_range(rng):
   z[3] = np.nan  # a masked token: cannot leak
   ids = np.array([0, 2, 7, -100])
   where = np.array([True, True, True, False])
-  lp = kd.token_log_probs(z, ids, where=where)
+  lp = jax.jit(lambda z, ids: kd.token_log_probs(z, ids, where=where))(z, ids)
   assert np.isposinf(-lp[1]) and np.isnan(lp[2]) and lp[3] == 0 and np.isfinite(lp[0])
+  with pytest.raises(ValueError, match=r"token_ids must be in \[0, 6\); got 7 at position \(2,\)"):
+    kd.token_log_probs(z, ids, where=where)  # known ids: raised, not NaN
   g = jax.grad(lambda z: kd.token_log_probs(z, np.array([0, 1, 1, -100]), where=where).sum())(z)
   assert np.all(np.isfinite(g)) and not np.any(np.asarray(g)[3])
   assert g[1, 2] == 0  # a class without mass
@@ -242,12 +244,14 @@ def test_fused_errors_and_out_of_range(rng):
   h, w, _, ids = _head(rng)
   ids = ids.copy()
   ids[2] = 24
-  lp = kd.fused_token_log_probs(h, w, ids)
+  lp = jax.jit(kd.fused_token_log_probs)(h, w, ids)
   assert np.isnan(lp[2]) and np.all(np.isfinite(np.delete(np.asarray(lp), 2)))
+  with pytest.raises(ValueError, match=r"token_ids must be in \[0, 24\); got 24 at position"):
+    kd.fused_token_log_probs(h, w, ids)
   with pytest.raises(ValueError, match="token_ids must have shape"):
     kd.fused_token_log_probs(h, w, ids[:3])
   with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-    kd.fused_token_log_probs(h, w, ids, chunk_size=0)
+    kd.fused_token_log_probs(h, w, ids % 24, chunk_size=0)
 
 
 @pytest.mark.multidevice

@@ -219,7 +219,7 @@ def _cases():
 
   def fused_case(name, meshes, **kw):
     def loss(h, w, b, th, tw, tb, where, axis_name=None):
-      return kd.fused_linear_kl_div(
+      return kd.fused_distillation_loss(
         h, w, th, tw, bias=b, target_bias=tb, where=where, axis_name=axis_name, **kw
       )
 
@@ -405,7 +405,7 @@ def memory(devices):
   n, h, v = 512, 128, 16384
 
   def fused(axis_name):
-    return lambda a, w, ta, tw: kd.fused_linear_kl_div(
+    return lambda a, w, ta, tw: kd.fused_distillation_loss(
       a, w, ta, tw, temperature=2.0, axis_name=axis_name
     )
 
@@ -423,7 +423,7 @@ def memory(devices):
     *[spec(s, sp) for s, sp in zip([(n, h), (h, v), (n, h), (h, v)], in_specs)],
   )
   rows.append(
-    {"program": f"fused_linear_kl_div N={n} H={h} V={v}", "single": single, "sharded": sharded}
+    {"program": f"fused_distillation_loss N={n} H={h} V={v}", "single": single, "sharded": sharded}
   )
   return rows
 
@@ -548,7 +548,7 @@ FUNCTIONS = {
   "kl_div_from_logits": lambda a, **kw: kd.kl_div_from_logits(a, a, **kw),
   "generalized_jsd": lambda a, **kw: kd.generalized_jsd(a, a, **kw),
   "distillation_loss": lambda a, **kw: kd.distillation_loss(a, a, **kw),
-  "fused_linear_kl_div": lambda a, **kw: kd.fused_linear_kl_div(a, a, a, a, **kw),
+  "fused_distillation_loss": lambda a, **kw: kd.fused_distillation_loss(a, a, a, a, **kw),
 }
 
 
