@@ -191,6 +191,7 @@ def fused_token_loss(
   per_token_args: Any = (),
   *,
   where: jax.typing.ArrayLike | None = None,
+  ignore_index: int | None = None,
   temperature: float | jax.typing.ArrayLike = 1.0,
   softcap: float | None = None,
   axis_name: str | None = None,
@@ -204,7 +205,7 @@ def fused_token_loss(
 
   ``hidden [N, H]``, ``weight [H, V]``, ``bias [V]`` or ``None``, ``token_ids [N]``
   (the sampled tokens; an id outside ``[0, V)`` makes the loss NaN unless
-  ``where`` leaves it out), ``per_token_args`` a pytree of ``[N, ...]`` arrays.
+  ``where`` or ``ignore_index`` leaves it out), ``per_token_args`` a pytree of ``[N, ...]`` arrays.
   ``per_token_fn(log_probs [n], entropy [n] or None, args)`` returns the
   per-token contributions ``[n]`` whose plain sum is the loss (or ``(losses,
   aux)`` with ``has_aux``, ``aux`` a pytree of ``[n, ...]`` arrays); tokens
@@ -249,7 +250,7 @@ def fused_token_loss(
       )
   classes = global_classes(vocab, axis_name)
   mask, in_range, safe = token_layout(
-    name, token_ids, (n,), "shape hidden.shape[:1] =", where, None, classes
+    name, token_ids, (n,), "shape hidden.shape[:1] =", where, ignore_index, classes
   )
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))

@@ -168,7 +168,7 @@ def test_dtypes(rng, dtype):
 
 def test_constants_out_of_range_and_errors(rng):
   """No gradient to the per-token args or temperature; an id out of range gives NaN unless
-  masked; clear errors for a per-token function or args of the wrong shape."""
+  masked (where, ignore_index); clear errors for a per-token function or args of the wrong shape."""
   h, w, b, ids, where, old, adv = _data(rng)
   args = _ppo_args(where, old, adv)
 
@@ -183,6 +183,10 @@ def test_constants_out_of_range_and_errors(rng):
   got, outs = fused_token_loss(h, w, b, bad, ppo, args, where=where, has_aux=True)
   want, _ = fused_token_loss(h, w, b, ids, ppo, args, where=where, has_aux=True)
   np.testing.assert_array_equal(got, want)
+  bad[4] = -100  # padding, left out by ignore_index as by where
+  got, _ = fused_token_loss(h, w, b, bad, ppo, args, ignore_index=-100, has_aux=True)
+  np.testing.assert_array_equal(got, want)
+  bad[4] = VOCAB
   got, outs = fused_token_loss(h, w, b, bad, ppo, args, has_aux=True)
   assert np.isnan(got) and np.isnan(outs.log_probs[4]) and not np.isnan(outs.log_probs[3])
   with pytest.raises(ValueError, match="one loss per token"):
