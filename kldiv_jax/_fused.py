@@ -65,9 +65,10 @@ _CHUNK_ELEMENTS = 1 << 22
 _GRAD_W_BLOCK = 4096
 
 
-def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
-  """A power of two near ``2**22 / vocab_size`` tokens, within ``[1, num_tokens]``."""
-  size = max(1, _CHUNK_ELEMENTS // max(vocab_size, 1))
+def default_chunk_size(num_tokens: int, vocab_size: int, elements: int = _CHUNK_ELEMENTS) -> int:
+  """A power of two near ``elements / vocab_size`` tokens (``2**22`` elements unless given),
+  within ``[1, num_tokens]``."""
+  size = max(1, elements // max(vocab_size, 1))
   size = 1 << (size.bit_length() - 1)
   return max(1, min(size, num_tokens))
 
@@ -365,11 +366,11 @@ def _check_linear(name, what, hidden, weight, bias):
   return dtype
 
 
-def _check_chunk(name, chunk_size, n, vocab_size):
+def _check_chunk(name, chunk_size, n, vocab_size, elements=_CHUNK_ELEMENTS):
   if chunk_size is None:
     # The global vocabulary: a vocabulary-parallel call makes the unsharded
     # call's chunks, each device holding a slice of their logits.
-    return default_chunk_size(n, vocab_size)
+    return default_chunk_size(n, vocab_size, elements)
   if (
     not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1
   ):

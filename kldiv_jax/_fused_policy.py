@@ -61,6 +61,14 @@ from kldiv_jax._rows import compiled
 from kldiv_jax._tokens import token_layout, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
+# Logit elements per chunk when chunk_size=None: 2**23 (32 MiB of float32), twice the
+# distillation losses' 2**22. Here a chunk's logits are the only [chunk, V] buffers
+# (one side, no teacher), and each chunk reads and writes the whole [H, V] weight
+# gradient once: at H = 1024, V = 32768 on 2 CPU cores (benchmarks/bench_rl.py,
+# policy), 128 / 256 / 512 tokens per chunk took 1.08-1.14x / 0.95x / 0.84-0.88x the
+# materialised loss's time, and the temp at N = 8192, V = 65536 stays ~0.03x of it.
+_CHUNK_ELEMENTS = 1 << 23
+
 # ``per_token_fn(log_probs [n], entropy [n] | None, args) -> losses [n]`` (or
 # ``(losses, aux)`` with ``has_aux``): ``args`` is the pytree of ``[n, ...]``
 # arrays given as ``per_token_args``, cut to the same tokens.
@@ -225,7 +233,8 @@ def fused_token_loss(
   ``axis_name`` (vocabulary parallelism inside ``jax.shard_map``: ``weight``
   and ``bias`` split on V, the rest whole; the loss and outputs replicated)
   and ``chunk_size`` as in :func:`kldiv_jax.fused_token_log_probs`, whose
-  kernels these are. Matmuls accumulate in float32 (float64 for float64
+  kernels these are (``chunk_size=None``: about ``2**23`` logits per chunk,
+  twice that default). Matmuls accumulate in float32 (float64 for float64
   inputs); ``per_token_fn`` sees that dtype; the loss comes back in the
   promoted dtype of ``hidden`` and ``weight``, NaN for an invalid traced
   temperature.
@@ -274,7 +283,8 @@ def fused_token_loss(
     loss, aux = _apply(static, zeros, zeros, mask, per_token_args)
     outs = (zeros, zeros, aux)
   else:
-    static = static._replace(chunk=_check_chunk(name, chunk_size, n, vocab * num_shards))
+    chunk = _check_chunk(name, chunk_size, n, vocab * num_shards, _CHUNK_ELEMENTS)
+    static = static._replace(chunk=chunk)
     h = jnp.asarray(hidden)
     w, b = _vary_like_tokens(weight, bias, h, safe, mask)
     if two_pass:
