@@ -19,6 +19,15 @@ Each figure is a ratio of two contenders measured side by side in one process,
   hidden and weight: XLA's compiled temp memory at N=8192, H=1024, V=65536
   (target: at most 0.05x of ``log_softmax`` + gather on the materialised
   logits) and time at N=2048, H=1024, V=32768 (target: at most 1.1x).
+* ``policy``: a token-level PPO clipped surrogate with an entropy bonus and
+  token-mean weights (``ppo_clip``) from the LM head, the fused engine
+  (``_fused_policy.fused_token_loss``: the gradient computed in the forward
+  pass, three matmuls per chunk) against the materialised loss (``hidden @
+  weight`` -> ``token_log_probs`` -> the same loss, ``value_and_grad``) and
+  against ``fused_token_log_probs`` + the same loss (four matmuls): compiled
+  temp at N=8192, H=1024, V=65536 (target: at most 0.05x of the materialised
+  loss's) and time at N=2048, H=1024, V=32768, or at the memory shape with
+  ``--policy-full-time`` (target: at most 1.05x).
 
 ``--quick`` uses small shapes (a smoke test: the targets are not meaningful there).
 
@@ -49,6 +58,7 @@ from _harness import (
 )
 
 import kldiv_jax
+from kldiv_jax._fused_policy import fused_token_loss
 
 HERE = Path(__file__).resolve().parent
 LOGITS_SHAPE, QUICK_LOGITS_SHAPE = (4096, 8192), (256, 1024)
@@ -56,6 +66,8 @@ FUSED_MEMORY_SHAPE, QUICK_FUSED_MEMORY_SHAPE = (8192, 1024, 65536), (512, 64, 40
 FUSED_TIME_SHAPE, QUICK_FUSED_TIME_SHAPE = (2048, 1024, 32768), (128, 32, 1024)
 TUNIX_SHAPE, QUICK_TUNIX_SHAPE = (2048, 32768), (128, 4096)
 LOGITS_TARGET, TUNIX_TARGET, MEMORY_TARGET, TIME_TARGET = 0.6, 1.0, 0.05, 1.1
+POLICY_MEMORY_TARGET, POLICY_TIME_TARGET = 0.05, 1.05
+EPS_LOW, EPS_HIGH, ENTROPY_COEF = 0.2, 0.28, 0.01
 
 
 def straightforward(logits, ids):
@@ -111,6 +123,38 @@ def materialised_plain(h, w, ids):
   return jnp.sum(jnp.take_along_axis(lp, ids[:, None], axis=-1))
 
 
+def ppo_clip(log_p, entropy, args):
+  """Per-token PPO clipped surrogate minus an entropy bonus, times the aggregation weights."""
+  old, adv, weights = args
+  ratio = jnp.exp(log_p - old)
+  surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * adv)
+  return weights * (-surrogate - ENTROPY_COEF * entropy)
+
+
+def policy_fused(h, w, ids, old, adv):
+  weights = jnp.full(ids.shape, 1.0 / ids.shape[0])
+  return fused_token_loss(h, w, None, ids, ppo_clip, (old, adv, weights), with_entropy=True)[0]
+
+
+def policy_materialised(h, w, ids, old, adv):
+  weights = jnp.full(ids.shape, 1.0 / ids.shape[0])
+  lp, entropy = kldiv_jax.token_log_probs(h @ w, ids, return_entropy=True)
+  return jnp.sum(ppo_clip(lp, entropy, (old, adv, weights)))
+
+
+def policy_token_log_probs(h, w, ids, old, adv):
+  weights = jnp.full(ids.shape, 1.0 / ids.shape[0])
+  lp, entropy = kldiv_jax.fused_token_log_probs(h, w, ids, return_entropy=True)
+  return jnp.sum(ppo_clip(lp, entropy, (old, adv, weights)))
+
+
+POLICY = {
+  "fused policy": policy_fused,
+  "materialised policy": policy_materialised,
+  "fused_token_log_probs policy": policy_token_log_probs,
+}
+
+
 def _time(contenders, args, repeats):
   thunks, info = {}, {}
   for name, fn in contenders.items():
@@ -125,6 +169,11 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
   p.add_argument("--quick", action="store_true")
   p.add_argument("--repeats", type=int, default=None)
   p.add_argument("--out", type=Path, default=None)
+  p.add_argument(
+    "--policy-full-time",
+    action="store_true",
+    help="time the policy losses at N=8192, H=1024, V=65536 (minutes per call on 2 cores)",
+  )
   args = p.parse_args(argv)
   q, repeats = args.quick, args.repeats or 5
   machine = machine_info()
@@ -163,7 +212,7 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
   fused_times = _time(
     {"fused": vg(fused), "materialised": vg(materialised)}, (h, w, ids), max(3, repeats // 2)
   )
-  n, hd, v = QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE
+  n, hd, v = memory_shape = QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE
   abstract = (
     jax.ShapeDtypeStruct((n, hd), jnp.float32),
     jax.ShapeDtypeStruct((hd, v), jnp.float32),
@@ -173,6 +222,29 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
     name: memory_stats(jax.jit(vg(fn)).lower(*abstract).compile())
     for name, fn in (("fused", fused), ("log_softmax + gather", materialised_plain))
   }
+  token_floats = (jax.ShapeDtypeStruct((n,), jnp.float32),) * 2
+  memory.update(
+    {
+      name: memory_stats(jax.jit(vg(fn)).lower(*abstract, *token_floats).compile())
+      for name, fn in POLICY.items()
+    }
+  )
+  n, hd, v = (
+    (QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE)
+    if not args.policy_full_time
+    else (QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE)
+  )
+  h = jax.random.normal(k[0], (n, hd))
+  w = jax.random.normal(k[1], (hd, v)) / hd**0.5 * 2
+  ids = jax.random.randint(k[2], (n,), 0, v)
+  lp = kldiv_jax.token_log_probs(h @ w, ids)  # old log-probs near the policy's: ratios near 1
+  old = lp + 0.1 * jax.random.normal(k[0], (n,))
+  adv = jax.random.normal(k[1], (n,))
+  del lp
+  policy_times = _time(
+    {name: vg(fn) for name, fn in POLICY.items()}, (h, w, ids, old, adv), max(3, repeats // 2)
+  )
+  policy_shape = (n, hd, v)
   rows = [
     (
       "token_log_probs time / log_softmax (logits)",
@@ -194,6 +266,19 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
       ratio(fused_times["fused"]["median_ms"], fused_times["materialised"]["median_ms"]),
       TIME_TARGET,
     ),
+    (
+      "fused policy temp / materialised policy",
+      ratio(memory["fused policy"]["temp_bytes"], memory["materialised policy"]["temp_bytes"]),
+      POLICY_MEMORY_TARGET,
+    ),
+    (
+      "fused policy time / materialised policy",
+      ratio(
+        policy_times["fused policy"]["median_ms"],
+        policy_times["materialised policy"]["median_ms"],
+      ),
+      POLICY_TIME_TARGET,
+    ),
   ]
   targets = [
     {"target": t, "value": val, "limit": lim, "met": None if val is None else bool(val <= lim)}
@@ -201,10 +286,13 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
   ]
   print(f"\nvalue_and_grad time, median of {repeats} (round-robin)")
   for name, t in {**logits_times, **tunix_times, **fused_times}.items():
-    print(f"  {name:20} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
-  print(f"\ncompiled temp, N={n} H={hd} V={v}:")
+    print(f"  {name:28} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
+  print(f"policy losses, N={policy_shape[0]} H={policy_shape[1]} V={policy_shape[2]}:")
+  for name, t in policy_times.items():
+    print(f"  {name:28} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
+  print(f"\ncompiled temp, N={memory_shape[0]} H={memory_shape[1]} V={memory_shape[2]}:")
   for name, m in memory.items():
-    print(f"  {name:22} {fmt_bytes(m['temp_bytes']):>10}")
+    print(f"  {name:28} {fmt_bytes(m['temp_bytes']):>10}")
   print("\ntargets" + (" (--quick: small shapes, not the full-size ones)" if q else ""))
   for t in targets:
     met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
@@ -216,6 +304,9 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
     "logits_times": logits_times,
     "tunix_times": tunix_times,
     "fused_times": fused_times,
+    "policy_times": policy_times,
+    "policy_time_shape": list(policy_shape),
+    "memory_shape": list(memory_shape),
     "memory": memory,
     "targets": targets,
   }

@@ -84,9 +84,10 @@ def _power_of_two_chunk(elements: int, num_tokens: int, vocab_size: int, cap: in
   return max(1, min(size, num_tokens))
 
 
-def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
-  """CPU: a power of two near ``2**22 / vocab_size`` tokens, within ``[1, num_tokens]``."""
-  return _power_of_two_chunk(_CHUNK_ELEMENTS, num_tokens, vocab_size, num_tokens)
+def default_chunk_size(num_tokens: int, vocab_size: int, elements: int = _CHUNK_ELEMENTS) -> int:
+  """CPU: a power of two near ``elements / vocab_size`` tokens (``2**22`` elements unless
+  given), within ``[1, num_tokens]``."""
+  return _power_of_two_chunk(elements, num_tokens, vocab_size, num_tokens)
 
 
 def platform_chunk_size(num_tokens: int, vocab_size: int, platform: str) -> int:
@@ -318,19 +319,13 @@ def _fused_tokens_bwd(static, residuals, g):
   local = local_ids(ids, axis_name, w.shape[1])
 
   def part(start, size, rows, carry):
-    grad_h, grad_w, grad_b = carry
     hc = rows(h)
     z = _matmul(hc, w, b, acc)
     stats = (rows(top)[:, None], rows(log_s)[:, None], rows(entropy))
-    d_lp, d_h, zc, _, _ = class_derivatives(z, rows(local), temperature, (rows(mask),), cap, stats)
-    dz = d_lp * rows(g_lp).astype(acc)[:, None] + d_h * rows(g_h).astype(acc)[:, None]
-    dz = times_slope(dz, zc, cap) / temperature
-    gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-    if axis_name is not None:  # each device holds a slice of the head: sum the parts
-      gh = lax.psum(gh, axis_name)
-    grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
-    grad_w = _add_weight_grad(grad_w, hc, dz, axis_name, acc)
-    return grad_h, grad_w, grad_b + jnp.sum(dz, axis=0)
+    tokens = (rows(local), rows(mask), stats)
+    return fold_token_grads(
+      axis_name, cap, start, hc, w, z, tokens, temperature, rows(g_lp), rows(g_h), carry
+    )
 
   grad_h, grad_w, grad_b = _chunks(n, chunk, part, (grad_h, grad_w, grad_b))
   return (
@@ -341,6 +336,33 @@ def _fused_tokens_bwd(static, residuals, g):
     jnp.zeros_like(temperature),
     _zero_cotangent(mask),
   )
+
+
+def fold_token_grads(axis_name, cap, start, hc, w, z, tokens, temperature, g_lp, g_h, carry):
+  """Folds a chunk's cotangents of ``(log p_y, H)`` per token into ``(grad_h, grad_w, grad_b)``.
+
+  ``z`` are the chunk's logits ``hc @ w + b``, ``tokens = (local ids [size, 1], mask [size,
+  1], (top, log s, H))`` from :func:`token_stats`; ``g_h`` may be ``None`` (no entropy).
+  ``dz = g_lp (hit - p) + g_h dH/du`` through the soft-cap and the temperature
+  (:func:`class_derivatives`), then two matmuls: ``dz W^T`` into rows ``start:`` of
+  ``grad_h`` (summed over ``axis_name``) and ``hc^T dz`` added to ``grad_w``
+  (:func:`_add_weight_grad`). Shared by the backward pass of :func:`fused_token_log_probs`
+  and the forward pass of the fused policy losses (``_fused_policy``).
+  """
+  grad_h, grad_w, grad_b = carry
+  acc = temperature.dtype
+  local, mask, stats = tokens
+  d_lp, d_h, zc, _, _ = class_derivatives(z, local, temperature, (mask,), cap, stats)
+  dz = d_lp * g_lp.astype(acc)[:, None]
+  if g_h is not None:
+    dz = dz + d_h * g_h.astype(acc)[:, None]
+  dz = times_slope(dz, zc, cap) / temperature
+  gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+  if axis_name is not None:  # each device holds a slice of the head: sum the parts
+    gh = lax.psum(gh, axis_name)
+  grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
+  grad_w = _add_weight_grad(grad_w, hc, dz, axis_name, acc)
+  return grad_h, grad_w, grad_b + jnp.sum(dz, axis=0)
 
 
 _fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
@@ -393,11 +415,11 @@ def _check_linear(name, what, hidden, weight, bias):
   return dtype
 
 
-def _check_chunk(name, chunk_size, n, vocab_size):
+def _check_chunk(name, chunk_size, n, vocab_size, elements=_CHUNK_ELEMENTS):
   if chunk_size is None:
     # The global vocabulary: a vocabulary-parallel call makes the unsharded
     # call's chunks, each device holding a slice of their logits.
-    return default_chunk_size(n, vocab_size)
+    return default_chunk_size(n, vocab_size, elements)
   if (
     not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1
   ):
