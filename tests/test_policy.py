@@ -236,7 +236,7 @@ def test_masked_padding_and_invalid_values(rng):
 
   assert np.isfinite(traced(0.2, 10.0))
   assert np.isnan(traced(-0.1, 10.0)) and np.isnan(traced(0.2, 0.0))
-  ids = np.ones((B, T), np.int32).at if False else np.full((B, T), T + 1, np.int32)
+  ids = np.full((B, T), T + 1, np.int32)  # out of [0, T]
   assert np.isnan(policy_loss(logp, old, adv, segment_ids=ids)[0])
 
 
