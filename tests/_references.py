@@ -717,3 +717,101 @@ def central_difference(f, x, eps=1e-6):
     e[i] = eps
     g[i] = (f(x + e) - f(x - e)) / (2 * eps)
   return g
+
+
+def torch_policy_loss_and_grad(peer, name, logp, old, adv, mask, **kw):
+  """verl's or TRL's policy loss in torch float64, line by line from their code: ``(loss, d loss /
+  d log_probs)`` by autograd (``.detach()`` as they write it).
+
+  verl (``peer="verl"``, ``name`` in vanilla, gspo, cispo; ``kw``: clip_low, clip_high, clip_c,
+  mode): ``compute_policy_loss_<name>`` and ``agg_loss``, volcengine/verl
+  verl/trainer/ppo/core_algos.py. TRL (``peer="trl"``, ``name`` a ``loss_type`` in grpo, dapo,
+  cispo; ``kw``: eps_low, eps_high, beta, ref, bias_kl, num_items_in_batch): the loss part of
+  ``GRPOTrainer._compute_loss``, huggingface/trl trl/trainer/grpo_trainer.py; ``adv`` is
+  ``(B, 1)`` there, as TRL's ``advantages.unsqueeze(1)``.
+  """
+  import torch
+
+  def t(a):
+    return torch.tensor(np.asarray(a), dtype=torch.float64)
+
+  log_prob = t(logp).requires_grad_(True)
+  old_log_prob, advantages, response_mask = t(old), t(adv), t(mask)
+  if peer == "verl":
+    loss = _torch_verl(torch, name, old_log_prob, log_prob, advantages, response_mask, **kw)
+  else:
+    loss = _torch_trl(torch, name, log_prob, old_log_prob, advantages, response_mask, **kw)
+  loss.backward()
+  return loss.item(), log_prob.grad.numpy()
+
+
+def _torch_verl(torch, name, old_log_prob, log_prob, advantages, response_mask, *, mode="token-mean",
+                clip_low=0.2, clip_high=0.2, clip_c=3.0):  # fmt: skip
+  negative_approx_kl = log_prob - old_log_prob
+  if name == "vanilla":
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+  elif name == "gspo":
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = (
+      log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    )
+    log_seq_importance_ratio = torch.clamp(log_seq_importance_ratio, max=10.0)
+    seq_importance_ratio = torch.exp(log_seq_importance_ratio)
+    pg_losses1 = -advantages * seq_importance_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - clip_low, 1 + clip_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    mode = "seq-mean-token-mean"  # verl's GSPO aggregates so whatever the mode
+  elif name == "cispo":
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg_losses = -clipped_ratio.detach() * advantages * log_prob
+  else:
+    raise ValueError(name)
+  # agg_loss (one data-parallel rank, no global batch info)
+  if mode == "token-mean":
+    return (pg_losses * response_mask).sum() / response_mask.sum()
+  if mode == "seq-mean-token-mean":
+    seq_mask = torch.sum(response_mask, dim=-1)
+    seq_losses = torch.sum(pg_losses * response_mask, dim=-1) / (seq_mask + 1e-8)
+    seq_mask = (seq_mask > 0).float()  # float64 * float32 promotes to float64, as in verl
+    return (seq_losses * seq_mask).sum() / seq_mask.sum()
+  seq_losses = torch.sum(pg_losses * response_mask, dim=-1)  # seq-mean-token-sum(-norm)
+  seq_mask = (torch.sum(response_mask, dim=-1) > 0).float()
+  loss = (seq_losses * seq_mask).sum() / seq_mask.sum()
+  return loss / response_mask.shape[-1] if mode == "seq-mean-token-sum-norm" else loss
+
+
+def _torch_trl(torch, loss_type, per_token_logps, old_per_token_logps, advantages, completion_mask,
+               *, eps_low=0.2, eps_high=0.2, beta=0.0, ref=None, bias_kl=False,
+               num_items_in_batch=None):  # fmt: skip
+  log_ratio = per_token_logps - old_per_token_logps
+  coef_1 = torch.exp(log_ratio)  # importance_sampling_level="token"
+  if beta != 0.0:
+    ref_per_token_logps = torch.tensor(ref, dtype=torch.float64)
+    per_token_kl = (
+      torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+    )
+    if bias_kl:  # use_bias_correction_kl
+      per_token_kl = per_token_kl * coef_1
+  if loss_type == "cispo":
+    clamped_ratios = torch.clamp(coef_1, max=eps_high).detach()
+    per_token_loss = -clamped_ratios * advantages * per_token_logps
+  else:  # grpo, bnpo, dr_grpo, dapo
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+  if beta != 0.0:
+    per_token_loss = per_token_loss + beta * per_token_kl
+  if loss_type == "grpo":
+    return (
+      (per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+    ).mean()
+  return (per_token_loss * completion_mask).sum() / num_items_in_batch  # dapo, cispo (1 process)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from _references import (
   central_difference,
+  torch_policy_loss_and_grad,
   trl_grpo_loss,
   trl_vllm_is_ratio,
   verl_agg_loss,
@@ -151,6 +152,42 @@ def test_matches_trl_grpo_loss(x64, rng, loss_type, trl_kw, kw):
     np.testing.assert_allclose((m.clip_low, m.clip_high), (low, high), rtol=1e-12)
 
 
+TORCH = [
+  # peer, its name, its kwargs, our kwargs, the clip metric that must be > 0 (the clip bites)
+  ("verl", "vanilla", dict(clip_high=0.28, clip_c=1.5), dict(clip_high=0.28, dual_clip=1.5), "clip_dual"),
+  ("verl", "vanilla", dict(mode="seq-mean-token-mean"), dict(dual_clip=3.0, aggregation="seq-mean-token-mean"), "clip_high"),
+  ("verl", "gspo", dict(clip_low=0.02, clip_high=0.02), dict(surrogate="gspo-token", clip_low=0.02), "clip_high"),
+  ("verl", "cispo", dict(clip_low=0.3, clip_high=0.1), dict(surrogate="cispo", clip_low=0.3, clip_high=0.1), "clip_high"),
+  ("trl", "cispo", dict(eps_high=1.5, num_items_in_batch=12.0), dict(surrogate="cispo-cap", ratio_cap=1.5, normalizer=12.0), "clip_high"),
+  ("trl", "grpo", dict(beta=0.1, bias_kl=True),
+   dict(aggregation="seq-mean-token-mean", normalizer=4, beta=0.1, kl_importance_weighted=True), "clip_high"),
+  ("trl", "dapo", dict(beta=0.04, eps_high=0.28, num_items_in_batch=12.0),
+   dict(clip_high=0.28, normalizer=12.0, beta=0.04), "clip_low"),
+]  # fmt: skip
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("peer, name, peer_kw, kw, bites", TORCH)
+def test_matches_verl_and_trl_in_torch(torch, x64, rng, peer, name, peer_kw, kw, bites):
+  """Live twin of the NumPy ports: verl's and TRL's code run in torch float64, autograd
+  gradients; wider ratios than ``batch``'s (so that every clip bites), per-token advantages for
+  verl, one per sequence for TRL."""
+  logp, _, adv, mask = batch(rng, per_token_adv=peer == "verl")
+  old = np.minimum(logp + rng.normal(size=(B, T)), -0.01)
+  if "beta" in kw:
+    ref_lp = logp + 0.5 * rng.normal(size=(B, T))
+    kw, peer_kw = dict(kw, ref_log_probs=ref_lp), dict(peer_kw, ref=ref_lp)
+  if peer == "trl":
+    adv = adv[:, :1]
+  elif name != "gspo":
+    kw = {"aggregation": peer_kw.get("mode", "token-mean"), **kw}
+  expected, expected_grad = torch_policy_loss_and_grad(peer, name, logp, old, adv, mask, **peer_kw)
+  loss, metrics, grad = ours(logp, old, adv, mask, **kw)
+  np.testing.assert_allclose(loss, expected, rtol=1e-7, atol=1e-12)  # verl's +1e-8
+  np.testing.assert_allclose(grad, expected_grad, rtol=1e-7, atol=1e-12)
+  assert getattr(metrics, bites) > 0
+
+
 @pytest.mark.parametrize(
   "mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 )
@@ -171,6 +208,20 @@ def test_trl_vllm_importance_sampling(x64, rng, mode):
   check(loss, grad, ref, logp)
 
 
+PACKED = ((dict(dual_clip=3.0), "vanilla"), (dict(surrogate="gspo-token"), "gspo"))
+
+
+@jax.jit
+def packed_losses_and_grads(logp, old, adv, ids):
+  """Both ``PACKED`` configurations' values and gradients, compiled once (a new shape: eager
+  dispatch would compile every op anew)."""
+
+  def loss(x, kw):
+    return policy_loss(x, old, adv, segment_ids=ids, aggregation="seq-mean-token-mean", **kw)[0]
+
+  return [jax.value_and_grad(loss)(logp, kw) for kw, _ in PACKED]
+
+
 def test_packed_sequences_do_not_mix(x64, rng):
   """Two rows packing the four sequences of ``batch`` (segment ids 1, 2; 0 is padding) give
   verl's per-sequence losses (and GSPO's sequence ratios) of the unpacked batch."""
@@ -185,29 +236,35 @@ def test_packed_sequences_do_not_mix(x64, rng):
     packed[:, 1, start : start + n] = logp[seq, :n], old[seq, :n], adv[seq, :n]
     ids[1, start : start + n] = sid
   packed[:, 1, 7] = -np.inf, 0.0, 5.0  # padding: cannot leak
-  for kw, verl_name in ((dict(dual_clip=3.0), "vanilla"), (dict(surrogate="gspo-token"), "gspo")):
+  results = packed_losses_and_grads(*packed, ids)
+  for (_, verl_name), (got, grads) in zip(PACKED, results):
     expected = verl_policy_loss(verl_name, old, logp, adv, mask, "seq-mean-token-mean")[0]
-    got, grads = jax.value_and_grad(
-      lambda x, kw=kw: policy_loss(
-        x, packed[1], packed[2], segment_ids=ids, aggregation="seq-mean-token-mean", **kw
-      )[0]
-    )(packed[0])
     np.testing.assert_allclose(got, expected, rtol=1e-7)  # verl's +1e-8
     assert np.all(np.isfinite(grads)) and grads[1, 7] == 0 and grads[0, 6:].sum() == 0
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_micro_batches_add_up_with_a_global_normalizer(x64, rng, aggregation):
-  logp, old, adv, mask = batch(rng)
-  full, _ = policy_loss(logp, old, adv, where=mask > 0, aggregation=aggregation)
-  n = mask.sum() if aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
-  parts = [
-    policy_loss(logp[s], old[s], adv[s], where=mask[s] > 0, aggregation=aggregation, normalizer=n)[
-      0
-    ]
-    for s in (slice(0, 1), slice(1, 4))
+MICRO_AGGREGATIONS = ("token-mean", "seq-mean-token-mean")  # seq-mean-token-sum: the same N
+
+
+@jax.jit
+def micro_batch_losses(logp, old, adv, mask, normalizers):
+  return [
+    policy_loss(logp, old, adv, where=mask, aggregation=agg, normalizer=n)[0]
+    for agg, n in zip(MICRO_AGGREGATIONS, normalizers)
   ]
-  np.testing.assert_allclose(sum(parts), full, rtol=1e-12)
+
+
+def test_micro_batches_add_up_with_a_global_normalizer(x64, rng):
+  """Two micro-batches of two rows (one with the empty row) add up to the batch's loss."""
+  logp, old, adv, mask = batch(rng)
+  normalizers = (mask.sum(), (mask.sum(-1) > 0).sum())  # the global tokens, sequences
+  parts = [
+    micro_batch_losses(logp[s], old[s], adv[s], mask[s] > 0, normalizers)
+    for s in (slice(0, 2), slice(2, 4))
+  ]
+  for agg, part0, part1 in zip(MICRO_AGGREGATIONS, *parts):
+    full = policy_loss(logp, old, adv, where=mask > 0, aggregation=agg)[0]
+    np.testing.assert_allclose(part0 + part1, full, rtol=1e-12)
 
 
 def test_metrics_and_kl_out_of_the_loss(x64, rng):
@@ -224,39 +281,50 @@ def test_metrics_and_kl_out_of_the_loss(x64, rng):
   assert (m.tokens, m.sequences) == (12, 3)
 
 
+@jax.jit
+def loss_and_grad_with_traced_options(logp, old, adv, mask, clip, normalizer, ids):
+  def loss(x):
+    return policy_loss(
+      x, old, adv, where=mask, clip_low=clip, normalizer=normalizer, segment_ids=ids
+    )[0]
+
+  return jax.value_and_grad(loss)(logp)
+
+
 def test_masked_padding_and_invalid_values(rng):
+  """-inf padding neither leaks into the loss nor its gradient; invalid traced options
+  (a negative clip, a zero normalizer, segment ids out of [0, T]) give NaN."""
   logp, old, adv, mask = (np.asarray(a, np.float32) for a in batch(rng))
   logp = np.where(mask > 0, logp, -np.inf)
-  loss, grad = jax.value_and_grad(lambda x: policy_loss(x, old, adv, where=mask > 0)[0])(logp)
-  assert np.isfinite(loss) and np.all(grad[mask == 0] == 0)
-
-  @jax.jit
-  def traced(clip, normalizer):
-    return policy_loss(logp, old, adv, where=mask > 0, clip_low=clip, normalizer=normalizer)[0]
-
-  assert np.isfinite(traced(0.2, 10.0))
-  assert np.isnan(traced(-0.1, 10.0)) and np.isnan(traced(0.2, 0.0))
-  ids = np.full((B, T), T + 1, np.int32)  # out of [0, T]
-  assert np.isnan(policy_loss(logp, old, adv, segment_ids=ids)[0])
+  ids = np.ones((B, T), np.int32)  # one sequence a row: the rows' own layout
+  expected = trl_grpo_loss("dapo", logp, old, adv[:, :1], mask, num_items_in_batch=10.0)
+  loss, grad = loss_and_grad_with_traced_options(logp, old, adv, mask > 0, 0.2, 10.0, ids)
+  np.testing.assert_allclose(loss, expected, rtol=1e-6)
+  assert np.all(np.isfinite(grad)) and np.all(grad[mask == 0] == 0)
+  for clip, normalizer, bad_ids in ((-0.1, 10.0, ids), (0.2, 0.0, ids), (0.2, 10.0, ids + T)):
+    loss, _ = loss_and_grad_with_traced_options(logp, old, adv, mask > 0, clip, normalizer, bad_ids)
+    assert np.isnan(loss)
 
 
 def test_jit_vmap_bf16(rng):
+  """float32 under jit and vmap, and bf16, against the float64 references (verl's GSPO, TRL's
+  DAPO); a bf16/float32 mix computes and returns float32."""
   logp, old, adv, mask = (np.asarray(a, np.float32) for a in batch(rng))
   f = functools.partial(policy_loss, surrogate="gspo", where=mask > 0)
-  loss = f(logp, old, adv)[0]
-  np.testing.assert_allclose(jax.jit(lambda *a: f(*a)[0])(logp, old, adv), loss, rtol=1e-6)
   stacked = np.stack([logp, logp + 0.1])
-  batched = jax.vmap(lambda x: f(x, old, adv)[0])(stacked)
-  np.testing.assert_allclose(batched, [loss, f(logp + 0.1, old, adv)[0]], rtol=1e-6)
-  bf = f(jnp.asarray(logp, jnp.bfloat16), jnp.asarray(old, jnp.bfloat16), adv)[0]
-  assert bf.dtype == jnp.float32  # adv is float32: the promoted dtype
-  bf = policy_loss(*(jnp.asarray(a, jnp.bfloat16) for a in (logp, old, adv)), where=mask > 0)[0]
+  batched = jax.jit(jax.vmap(lambda x: f(x, old, adv)[0]))(stacked)
+  expected = [verl_policy_loss("gspo", old, x.astype(float), adv, mask)[0] for x in stacked]
+  np.testing.assert_allclose(batched, expected, rtol=1e-5)
+  bf16 = [jnp.asarray(a, jnp.bfloat16) for a in (logp, old, adv)]
+  mixed = jax.eval_shape(lambda x, o: f(x, o, adv)[0], *bf16[:2])
+  assert mixed.dtype == jnp.float32  # adv is float32: the promoted dtype
+  bf = jax.jit(lambda *a: policy_loss(*a, where=mask > 0)[0])(*bf16)
   assert bf.dtype == jnp.bfloat16
-  ref = policy_loss(
-    *(np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32) for a in (logp, old, adv)),
-    where=mask > 0,
-  )[0]
-  np.testing.assert_allclose(float(bf), ref, rtol=1e-2)
+  rounded = [np.asarray(a, np.float64) for a in bf16]
+  expected = trl_grpo_loss(
+    "dapo", rounded[0], rounded[1], rounded[2][:, :1], mask, num_items_in_batch=mask.sum()
+  )
+  np.testing.assert_allclose(float(bf), expected, rtol=1e-2)
 
 
 @pytest.mark.parametrize(
