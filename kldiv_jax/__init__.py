@@ -22,11 +22,13 @@ from kldiv_jax._optax import generalized_kl_divergence as generalized_kl_diverge
 from kldiv_jax._optax import kl_divergence as kl_divergence
 from kldiv_jax._optax import kl_divergence_with_log_targets as kl_divergence_with_log_targets
 from kldiv_jax._pointwise import kl_div_pointwise as kl_div_pointwise
+from kldiv_jax._policy import policy_loss as policy_loss
 from kldiv_jax._rl import distillation_advantages as distillation_advantages
 from kldiv_jax._rl import kl_estimate as kl_estimate
 from kldiv_jax._rl import sequence_mean as sequence_mean
 from kldiv_jax._rl import sequence_sum as sequence_sum
 from kldiv_jax._rl import token_log_probs as token_log_probs
+from kldiv_jax._surrogates import PolicyMetrics as PolicyMetrics
 from kldiv_jax._topk import divergence_from_topk as divergence_from_topk
 from kldiv_jax._topk import kl_div_from_topk as kl_div_from_topk
 from kldiv_jax._torch import KLDivLoss as KLDivLoss
@@ -42,6 +44,7 @@ __all__ = [
   "Divergence",
   "DivergenceMetric",
   "KLDivLoss",
+  "PolicyMetrics",
   "convex_kl_divergence",
   "distillation_advantages",
   "distillation_loss",
@@ -60,6 +63,7 @@ __all__ = [
   "kl_divergence",
   "kl_divergence_with_log_targets",
   "kl_estimate",
+  "policy_loss",
   "sequence_mean",
   "sequence_sum",
   "token_log_probs",

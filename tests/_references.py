@@ -697,3 +697,306 @@ def lm_inputs(rows, vocab, hidden, k, *, seed, scale):
   out.update(h=f32(rows, hidden), w=f32(hidden, vocab), th=f32(rows, hidden))
   out["tw"] = f32(hidden, vocab, scale=2.0)
   return out, rng
+
+
+# ---------------------------------------------------------------------------
+# Policy losses: verl's and TRL's code ported line by line to float64 NumPy.
+# verl: volcengine/verl @ b178a3cd56f5 (0.8.0.dev, 2026-01-29),
+#   verl/trainer/ppo/core_algos.py (agg_loss, compute_policy_loss_vanilla, _gspo,
+#   _sapo, _gpg, _geo_mean, _cispo, kl_penalty_forward) and rollout_corr_helper.py
+#   (compute_rollout_correction_weights); compute_policy_loss_dppo_tv/_kl from the
+#   registry of later verl (0.9 line), as indexed.
+# TRL: huggingface/trl @ f2cd57710ae3 (1.10.0.dev0), trl/trainer/grpo_trainer.py
+#   (GRPOTrainer._compute_loss; the vLLM importance-sampling ratio in
+#   _generate_and_score_completions).
+# ``.detach()`` is ported as an extra argument (``*_sg``, defaulting to the live
+# value) so that finite differences in the live argument give autograd's gradient.
+# ---------------------------------------------------------------------------
+
+
+def _masked_mean(x, mask):
+  return (x * mask).sum() / mask.sum()  # verl_F.masked_mean
+
+
+def verl_agg_loss(loss_mat, mask, mode, global_batch_size=None, batch_num_tokens=None, scale=None):
+  if mode == "token-mean":
+    n = mask.sum() if batch_num_tokens is None else batch_num_tokens
+    return (loss_mat * mask).sum() / n
+  if mode == "seq-mean-token-sum":
+    seq = (loss_mat * mask).sum(-1)
+    seq_mask = (mask.sum(-1) > 0).astype(float)
+    n = seq_mask.sum() if global_batch_size is None else global_batch_size
+    return (seq * seq_mask).sum() / n
+  if mode == "seq-mean-token-mean":
+    count = mask.sum(-1)
+    seq = (loss_mat * mask).sum(-1) / (count + 1e-8)
+    seq_mask = (count > 0).astype(float)
+    n = seq_mask.sum() if global_batch_size is None else global_batch_size
+    return (seq * seq_mask).sum() / n
+  if mode == "seq-mean-token-sum-norm":
+    return (loss_mat * mask).sum() / (mask.shape[-1] if scale is None else scale)
+  raise ValueError(mode)
+
+
+def verl_policy_loss(
+  name, old, logp, adv, mask, mode="token-mean", *, clip_low=0.2, clip_high=0.2, clip_c=3.0,
+  taus=(1.0, 1.05), rollout_w=None, logp_sg=None,
+):  # fmt: skip
+  """``(loss, clipfrac, ppo_kl, clipfrac_lower)`` of verl's ``compute_policy_loss_<name>``."""
+  sg = logp if logp_sg is None else logp_sg
+  nakl = logp - old
+  frac_lower = 0.0
+  if name == "vanilla":
+    nakl = np.clip(nakl, -20.0, 20.0)
+    ratio = np.exp(nakl)
+    l1 = -adv * ratio
+    l2 = -adv * np.clip(ratio, 1 - clip_low, 1 + clip_high)
+    c1 = np.maximum(l1, l2)
+    frac = _masked_mean((l2 > l1).astype(float), mask)
+    l3 = -adv * clip_c
+    c2 = np.minimum(l3, c1)
+    frac_lower = _masked_mean((c1 > l3) * (adv < 0).astype(float), mask)
+    losses = np.where(adv < 0, c2, c1)
+  elif name == "gspo":
+    n = np.clip(mask.sum(-1), 1, None)
+    seq = (nakl * mask).sum(-1) / n
+    seq_sg = ((sg - old) * mask).sum(-1) / n
+    log_s = np.minimum(logp - sg + seq_sg[:, None], 10.0)
+    s = np.exp(log_s)
+    l1, l2 = -adv * s, -adv * np.clip(s, 1 - clip_low, 1 + clip_high)
+    losses = np.maximum(l1, l2)
+    frac = _masked_mean((l2 > l1).astype(float), mask)
+    mode = "seq-mean-token-mean"
+    del seq
+  elif name == "sapo":
+    ratio = np.exp(np.clip(nakl, -20.0, 20.0))
+    tau = np.where(adv > 0, taus[0], taus[1])
+    losses = -(1 / (1 + np.exp(-tau * (ratio - 1.0))) * (4.0 / tau)) * adv
+    frac, mode = 0.0, "seq-mean-token-mean"
+  elif name == "gpg":
+    losses, frac = -logp * adv, 0.0
+  elif name == "cispo":
+    ratio = np.exp(np.clip(nakl, -20.0, 20.0))
+    ratio_sg = np.exp(np.clip(sg - old, -20.0, 20.0))
+    clipped_sg = np.clip(ratio_sg, 1 - clip_low, 1 + clip_high)
+    losses = -clipped_sg * adv * logp
+    frac = _masked_mean((ratio != np.clip(ratio, 1 - clip_low, 1 + clip_high)).astype(float), mask)
+  elif name in ("dppo_tv", "dppo_kl"):
+    ratio_sg = np.exp(np.clip(sg - old, -20.0, 20.0))
+    trunc = np.minimum(ratio_sg, clip_c)
+    p, p_old = np.exp(sg), np.exp(old)
+    if name == "dppo_tv":
+      pos, neg = (p - p_old) <= clip_high, (p - p_old) >= -clip_low
+    else:
+      bkl = p_old * (old - sg) + (1 - p_old) * np.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
+      pos, neg = (bkl <= clip_high) | (p <= p_old), (bkl <= clip_low) | (p >= p_old)
+    valid = np.where(adv > 0, pos, neg).astype(float)
+    losses = -adv * trunc * logp * valid
+    frac = _masked_mean(1.0 - valid, mask)
+    frac_lower = _masked_mean((ratio_sg > clip_c) * valid, mask)
+  elif name == "geo_mean":
+    sgn = np.sign(adv)
+    clamp = np.clip(nakl, -clip_low, clip_high)
+    kmin = sgn * np.minimum(sgn * nakl, sgn * clamp)
+    msum = mask.sum(-1)
+    ratio = np.exp((kmin * mask).sum(-1) / (msum + 1e-8))
+    advantage = (adv * mask).sum(-1) / (msum + 1e-8)
+    loss = np.mean(-advantage * ratio)
+    clipped = nakl != clamp
+    frac = _masked_mean((clipped * (adv > 0)).astype(float), mask)
+    frac_lower = _masked_mean((clipped * (adv < 0)).astype(float), mask)
+    return loss, frac, _masked_mean(-nakl, mask), frac_lower
+  else:
+    raise ValueError(name)
+  if rollout_w is not None:
+    losses = losses * rollout_w
+  ppo_kl = _masked_mean(-np.clip(nakl, -20.0, 20.0) if name != "gspo" else -nakl, mask)
+  return verl_agg_loss(losses, mask, mode), frac, ppo_kl, frac_lower
+
+
+def verl_kl_penalty(logp, ref, kind):
+  """verl's ``kl_penalty_forward`` (k1, k2/mse, k3/low_var_kl with its +-20 and +-10 clamps)."""
+  if kind in ("kl", "k1"):
+    return logp - ref
+  if kind in ("mse", "k2"):
+    return 0.5 * (logp - ref) ** 2
+  kl = np.clip(ref - logp, -20, 20)
+  return np.clip(np.exp(kl) - kl - 1, -10, 10)
+
+
+def verl_rollout_is_weights(old, rollout, mask, level, threshold):
+  """verl's ``compute_rollout_correction_weights`` (TIS, no batch normalisation)."""
+  log_ratio = old - rollout
+  if level == "token":
+    w = np.exp(np.clip(log_ratio, -20.0, 20.0))
+  else:
+    s = (log_ratio * mask).sum(-1, keepdims=True)
+    w = np.broadcast_to(np.exp(np.clip(s, -20.0, 20.0)), log_ratio.shape)
+  return np.minimum(w * mask, threshold)
+
+
+def trl_vllm_is_ratio(old, sampling, mask, mode, clip_min=None, clip_max=3.0):
+  """TRL's ``importance_sampling_ratio`` (``vllm_importance_sampling_mode``), ``(B, T)`` or ``(B, 1)``."""
+  diff = (old - sampling) * mask
+  if mode.startswith("sequence"):
+    diff = diff.sum(-1, keepdims=True)
+  r = np.exp(diff)
+  if mode.endswith("truncate"):
+    return np.clip(r, clip_min, clip_max)
+  lo = -np.inf if clip_min is None else clip_min
+  hi = np.inf if clip_max is None else clip_max
+  return np.where((r < lo) | (r > hi), 0.0, r)
+
+
+def trl_grpo_loss(
+  loss_type, logp, old, adv, mask, *, eps_low=0.2, eps_high=0.2, delta=None, level="token",
+  beta=0.0, ref=None, bias_kl=False, is_ratio=None, max_completion_length=None,
+  num_items_in_batch=None, temps=(1.0, 1.05), logp_sg=None,
+):  # fmt: skip
+  """TRL's ``GRPOTrainer._compute_loss`` (one process, no accumulation); ``adv`` is ``(B, 1)``."""
+  sg = logp if logp_sg is None else logp_sg
+  log_ratio = logp - old
+  if level == "token":
+    lw, lw_sg = log_ratio, sg - old
+  else:
+    n = np.clip(mask.sum(-1), 1.0, None)
+    lw = ((log_ratio * mask).sum(-1) / n)[:, None]
+    lw_sg = (((sg - old) * mask).sum(-1) / n)[:, None]
+  coef_1 = np.exp(lw)
+  if beta != 0.0:
+    kl = np.exp(ref - logp) - (ref - logp) - 1
+    if bias_kl:
+      kl = kl * coef_1
+  if loss_type == "cispo":
+    per_token = -np.minimum(np.exp(lw_sg), eps_high) * adv * logp
+  elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+    coef_2 = np.clip(coef_1, 1 - eps_low, 1 + eps_high)
+    c1 = coef_1 if delta is None else np.minimum(coef_1, delta)
+    per_token = -np.minimum(c1 * adv, coef_2 * adv)
+  elif loss_type == "sapo":
+    t = np.where(adv > 0, temps[0], temps[1])
+    per_token = -(1 / (1 + np.exp(-t * (coef_1 - 1))) * 4 / t) * adv
+  else:
+    raise ValueError(loss_type)
+  if is_ratio is not None:
+    per_token = per_token * is_ratio
+  if beta != 0.0:
+    per_token = per_token + beta * kl
+  if loss_type in ("grpo", "sapo"):
+    return ((per_token * mask).sum(-1) / np.clip(mask.sum(-1), 1.0, None)).mean()
+  if loss_type == "bnpo":
+    return (per_token * mask).sum() / max(mask.sum(), 1.0)
+  if loss_type == "dr_grpo":
+    return (per_token * mask).sum() / (per_token.shape[0] * max_completion_length)
+  if loss_type in ("cispo", "dapo"):
+    return (per_token * mask).sum() / max(num_items_in_batch, 1.0)
+  return (per_token * mask.sum(1, keepdims=True)).mean()  # luspo
+
+
+def central_difference(f, x, eps=1e-6):
+  """The gradient of the scalar ``f`` at ``x`` by central differences (float64)."""
+  x = np.asarray(x, np.float64)
+  g = np.zeros_like(x)
+  for i in np.ndindex(x.shape):
+    e = np.zeros_like(x)
+    e[i] = eps
+    g[i] = (f(x + e) - f(x - e)) / (2 * eps)
+  return g
+
+
+def torch_policy_loss_and_grad(peer, name, logp, old, adv, mask, **kw):
+  """verl's or TRL's policy loss in torch float64, line by line from their code: ``(loss, d loss /
+  d log_probs)`` by autograd (``.detach()`` as they write it).
+
+  verl (``peer="verl"``, ``name`` in vanilla, gspo, cispo; ``kw``: clip_low, clip_high, clip_c,
+  mode): ``compute_policy_loss_<name>`` and ``agg_loss``, volcengine/verl
+  verl/trainer/ppo/core_algos.py. TRL (``peer="trl"``, ``name`` a ``loss_type`` in grpo, dapo,
+  cispo; ``kw``: eps_low, eps_high, beta, ref, bias_kl, num_items_in_batch): the loss part of
+  ``GRPOTrainer._compute_loss``, huggingface/trl trl/trainer/grpo_trainer.py; ``adv`` is
+  ``(B, 1)`` there, as TRL's ``advantages.unsqueeze(1)``.
+  """
+  import torch
+
+  def t(a):
+    return torch.tensor(np.asarray(a), dtype=torch.float64)
+
+  log_prob = t(logp).requires_grad_(True)
+  old_log_prob, advantages, response_mask = t(old), t(adv), t(mask)
+  if peer == "verl":
+    loss = _torch_verl(torch, name, old_log_prob, log_prob, advantages, response_mask, **kw)
+  else:
+    loss = _torch_trl(torch, name, log_prob, old_log_prob, advantages, response_mask, **kw)
+  loss.backward()
+  return loss.item(), log_prob.grad.numpy()
+
+
+def _torch_verl(torch, name, old_log_prob, log_prob, advantages, response_mask, *, mode="token-mean",
+                clip_low=0.2, clip_high=0.2, clip_c=3.0):  # fmt: skip
+  negative_approx_kl = log_prob - old_log_prob
+  if name == "vanilla":
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -advantages * clip_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+  elif name == "gspo":
+    seq_lengths = torch.sum(response_mask, dim=-1).clamp(min=1)
+    negative_approx_kl_seq = torch.sum(negative_approx_kl * response_mask, dim=-1) / seq_lengths
+    log_seq_importance_ratio = (
+      log_prob - log_prob.detach() + negative_approx_kl_seq.detach().unsqueeze(-1)
+    )
+    log_seq_importance_ratio = torch.clamp(log_seq_importance_ratio, max=10.0)
+    seq_importance_ratio = torch.exp(log_seq_importance_ratio)
+    pg_losses1 = -advantages * seq_importance_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_importance_ratio, 1 - clip_low, 1 + clip_high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    mode = "seq-mean-token-mean"  # verl's GSPO aggregates so whatever the mode
+  elif name == "cispo":
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg_losses = -clipped_ratio.detach() * advantages * log_prob
+  else:
+    raise ValueError(name)
+  # agg_loss (one data-parallel rank, no global batch info)
+  if mode == "token-mean":
+    return (pg_losses * response_mask).sum() / response_mask.sum()
+  if mode == "seq-mean-token-mean":
+    seq_mask = torch.sum(response_mask, dim=-1)
+    seq_losses = torch.sum(pg_losses * response_mask, dim=-1) / (seq_mask + 1e-8)
+    seq_mask = (seq_mask > 0).float()  # float64 * float32 promotes to float64, as in verl
+    return (seq_losses * seq_mask).sum() / seq_mask.sum()
+  seq_losses = torch.sum(pg_losses * response_mask, dim=-1)  # seq-mean-token-sum(-norm)
+  seq_mask = (torch.sum(response_mask, dim=-1) > 0).float()
+  loss = (seq_losses * seq_mask).sum() / seq_mask.sum()
+  return loss / response_mask.shape[-1] if mode == "seq-mean-token-sum-norm" else loss
+
+
+def _torch_trl(torch, loss_type, per_token_logps, old_per_token_logps, advantages, completion_mask,
+               *, eps_low=0.2, eps_high=0.2, beta=0.0, ref=None, bias_kl=False,
+               num_items_in_batch=None):  # fmt: skip
+  log_ratio = per_token_logps - old_per_token_logps
+  coef_1 = torch.exp(log_ratio)  # importance_sampling_level="token"
+  if beta != 0.0:
+    ref_per_token_logps = torch.tensor(ref, dtype=torch.float64)
+    per_token_kl = (
+      torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+    )
+    if bias_kl:  # use_bias_correction_kl
+      per_token_kl = per_token_kl * coef_1
+  if loss_type == "cispo":
+    clamped_ratios = torch.clamp(coef_1, max=eps_high).detach()
+    per_token_loss = -clamped_ratios * advantages * per_token_logps
+  else:  # grpo, bnpo, dr_grpo, dapo
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
+  if beta != 0.0:
+    per_token_loss = per_token_loss + beta * per_token_kl
+  if loss_type == "grpo":
+    return (
+      (per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+    ).mean()
+  return (per_token_loss * completion_mask).sum() / num_items_in_batch  # dapo, cispo (1 process)

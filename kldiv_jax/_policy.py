@@ -1,0 +1,249 @@
+"""policy_loss: PPO/GRPO-family policy losses from per-token log-probs (the math: _surrogates)."""
+
+from typing import Any, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kldiv_jax._checks import (
+  as_array,
+  check_bool,
+  check_choice,
+  check_normalizer,
+  mask_array,
+  promote_and_broadcast,
+  real_scalar,
+)
+from kldiv_jax._numerics import nan_unless, positive_finite
+from kldiv_jax._rl import ESTIMATORS, _clip_bounds
+from kldiv_jax._surrogates import (
+  AGGREGATIONS,
+  SEQUENCE_LEVEL,
+  SURROGATES,
+  Options,
+  PolicyMetrics,
+  aggregation_weights,
+  reduce_metrics,
+  rollout_weights,
+  sequence_layout,
+  sequence_log_ratio,
+  token_losses,
+)
+
+ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# verl's loss_agg_mode for the surrogates that ignore it (gspo, sapo: always
+# seq-mean-token-mean; geo_mean: a plain mean over rows, empty ones included).
+_DEFAULT_AGGREGATION = {"gspo": "seq-mean-token-mean", "gspo-token": "seq-mean-token-mean"}
+_DEFAULT_AGGREGATION |= {"sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean"}
+
+
+def _scalar(name, option, value, test, expected):
+  """A real scalar option: checked now when static, else its range test (NaN when it fails)."""
+  if value is None:
+    return None, True
+  out, static = real_scalar(name, option, value)
+  if static:
+    if not test(out):
+      raise ValueError(f"{name}: {option} must be {expected}; got {value!r}.")
+    return out, True
+  return out, test(out)
+
+
+def _token_array(name, arg, value, shape, kind):
+  a = jnp.asarray(as_array(name, arg, value))
+  if not jnp.issubdtype(a.dtype, kind):
+    raise TypeError(f"{name}: {arg} must be an {kind.__name__} array; got dtype {a.dtype}.")
+  if a.shape != shape:
+    raise ValueError(f"{name}: {arg} must have the tokens' shape {shape}; got {a.shape}.")
+  return a
+
+
+def policy_loss(
+  log_probs: jax.typing.ArrayLike,
+  old_log_probs: jax.typing.ArrayLike | None,
+  advantages: jax.typing.ArrayLike,
+  *,
+  surrogate: str = "ppo",
+  clip_low: float | jax.typing.ArrayLike = 0.2,
+  clip_high: float | jax.typing.ArrayLike | None = None,
+  dual_clip: float | jax.typing.ArrayLike | None = None,
+  ratio_cap: float | jax.typing.ArrayLike | None = None,
+  sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+  aggregation: str | None = None,
+  where: jax.typing.ArrayLike | None = None,
+  segment_ids: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+  ref_log_probs: jax.typing.ArrayLike | None = None,
+  beta: float | jax.typing.ArrayLike = 0.0,
+  kl_estimator: str = "k3",
+  kl_clip: float | tuple[float, float] | None = None,
+  kl_importance_weighted: bool = False,
+  kl_in_loss: bool = True,
+  entropy: jax.typing.ArrayLike | None = None,
+  entropy_coef: float | jax.typing.ArrayLike = 0.0,
+  rollout_log_probs: jax.typing.ArrayLike | None = None,
+  rollout_correction: str = "token_truncate",
+  rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
+) -> tuple[jax.Array, PolicyMetrics]:
+  r"""A PPO/GRPO-family policy loss from per-token log-probs, and its metrics.
+
+  .. math::
+
+     L = \sum_t w_t \big(\rho_t\,\ell_t + \beta\,k_t - c_H H_t\big),
+
+  with :math:`\ell_t` the ``surrogate``'s per-token loss (PPO's
+  :math:`-\min(r A, \mathrm{clip}(r, 1-\epsilon_l, 1+\epsilon_h) A)`, GSPO,
+  GMPO, CISPO, SAPO, GPG, DPPO: the formulas and their papers on the
+  :doc:`/policy-optimisation` page), :math:`r = \pi/\pi_{\text{old}}`,
+  :math:`\rho_t` the rollout correction, :math:`k_t` the
+  :func:`kl_estimate` to the reference, :math:`H_t` the entropy and
+  :math:`w_t` the ``aggregation``'s weights. Each surrogate is computed as
+  verl's ``compute_policy_loss_*`` or TRL's ``GRPOTrainer`` computes it
+  (clamps included), checked against both in float64.
+
+  Args:
+    log_probs: the policy's log-probs of the sampled tokens, ``[..., T]``
+      (bf16/f16 are computed in float32).
+    old_log_probs: the sampling policy's (``None``: on-policy,
+      ``stop_gradient(log_probs)``).
+    advantages: broadcastable to the tokens, or one per sequence
+      (``log_probs.shape[:-1]``).
+    surrogate: ``"ppo"`` (GRPO, DAPO), ``"gspo"`` (sequence ratio),
+      ``"gspo-token"``, ``"gmpo"``, ``"cispo"`` (verl's),
+      ``"cispo-cap"`` (TRL's), ``"sapo"``, ``"gpg"``, ``"dppo-tv"``,
+      ``"dppo-kl"``.
+    clip_low, clip_high: :math:`\epsilon_l, \epsilon_h` (``clip_high``
+      defaults to ``clip_low``); GMPO: log-space bounds; DPPO: divergence
+      thresholds.
+    dual_clip: verl's dual-clip ``c > 1`` (``clip_ratio_c``, 3 in verl's
+      vanilla loss); ``None``: none (TRL).
+    ratio_cap: caps :math:`r`: TRL's ``delta`` for the clipped surrogates,
+      TRL's ``epsilon_high`` for ``"cispo-cap"`` (required), verl's
+      ``clip_ratio_c`` truncation for DPPO (default 20).
+    sapo_temperatures: SAPO's :math:`(\tau_+, \tau_-)`.
+    aggregation: ``"token-mean"``, ``"seq-mean-token-mean"``,
+      ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"bnpo"``
+      (``None``: verl's choice for the surrogate, ``"token-mean"`` for most).
+    where: a boolean token mask, broadcastable to the tokens.
+    segment_ids: ``[..., T]`` integer ids of packed sequences (0: padding):
+      a sequence is a (row, id) pair.
+    normalizer: the aggregation's denominator (``None``: this call's; pass
+      the global one so that micro-batches and devices *add up* to the big
+      batch's loss; see the page).
+    ref_log_probs, beta, kl_estimator, kl_clip: the KL penalty
+      ``beta * kl_estimate(log_probs, ref_log_probs, estimator=, clip=)``.
+    kl_importance_weighted: multiply the KL by :math:`r` (TRL's
+      ``use_bias_correction_kl``; gradient through :math:`r`).
+    kl_in_loss: ``False``: leave the KL out of the loss (report it only).
+    entropy, entropy_coef: per-token entropy and its coefficient.
+    rollout_log_probs, rollout_correction, rollout_bounds: importance
+      weights :math:`\pi_{\text{old}}/\pi_{\text{rollout}}` for samples from
+      an inference engine (TRL's ``vllm_importance_sampling_mode`` names and
+      ``(clip_min, clip_max)``; verl's TIS is ``"token_truncate"``).
+
+  Returns:
+    ``(loss, metrics)``: the scalar loss (the inputs' dtype) and a
+    :class:`PolicyMetrics` of float32-or-wider scalars without gradient.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import policy_loss
+    >>> logp = jnp.log(jnp.array([[0.5, 0.4, 0.9]]))
+    >>> old = jnp.log(jnp.array([[0.25, 0.5, 0.9]]))
+    >>> loss, metrics = policy_loss(logp, old, jnp.array([1.0]))  # r = (2, 0.8, 1)
+    >>> round(float(loss), 5)  # -(1.2 + 0.8 + 1) / 3
+    -1.0
+    >>> metrics.clip_high, metrics.ratio_max
+    (Array(0.3333..., dtype=float32), Array(2., dtype=float32))
+  """
+  name = "policy_loss"
+  check_choice(name, "surrogate", surrogate, SURROGATES)
+  if aggregation is None:
+    aggregation = _DEFAULT_AGGREGATION.get(surrogate, "token-mean")
+  check_choice(name, "aggregation", aggregation, AGGREGATIONS)
+  check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
+  check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
+  kl_clip_bounds = _clip_bounds(name, kl_clip, "kl_clip")
+  kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
+  kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
+  nonnegative = "a number >= 0"
+  low, v1 = _scalar(name, "clip_low", clip_low, lambda x: x >= 0, nonnegative)
+  high, v2 = _scalar(name, "clip_high", clip_high, lambda x: x >= 0, nonnegative)
+  low = cast(Any, low)
+  high = low if high is None else high
+  dual, v3 = _scalar(name, "dual_clip", dual_clip, lambda x: x > 1, "a number > 1")
+  cap, v4 = _scalar(name, "ratio_cap", ratio_cap, lambda x: x > 0, "a positive number")
+  if surrogate == "cispo-cap" and cap is None:
+    raise ValueError(
+      f"{name}: surrogate='cispo-cap' needs ratio_cap (TRL's epsilon_high, e.g. 5.0)."
+    )
+  if len(sapo_temperatures) != 2 or not all(t > 0 for t in sapo_temperatures):
+    raise ValueError(
+      f"{name}: sapo_temperatures must be two positive numbers; got {sapo_temperatures!r}."
+    )
+  beta, _ = real_scalar(name, "beta", beta)
+  entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)
+  valid = [v1, v2, v3, v4]
+  if normalizer is not None:
+    normalizer = check_normalizer(name, normalizer)
+  elif surrogate == "gmpo" and segment_ids is None and np.ndim(log_probs) > 1:
+    normalizer = float(np.prod(np.shape(log_probs)[:-1]))  # verl's geo_mean: a mean over rows
+    valid.append(True if isinstance(normalizer, float) else positive_finite(normalizer))
+  bounds = tuple(
+    None if b is None else real_scalar(name, "rollout_bounds", b)[0] for b in rollout_bounds
+  )
+
+  # Layout: every per-token array promoted and broadcast to the tokens' shape.
+  shape = tuple(np.shape(log_probs))
+  if len(shape) == 0:
+    raise ValueError(f"{name}: log_probs must have a token axis, shape [..., T]; got a scalar.")
+  adv_shape = np.shape(advantages)
+  if len(adv_shape) == len(shape) - 1 and adv_shape == shape[:-1] and adv_shape != ():
+    advantages = jnp.asarray(advantages)[..., None]  # one per sequence
+  on_policy = old_log_probs is None
+  named = {"log_probs": log_probs, "advantages": advantages}
+  optional = {"old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs}
+  optional |= {"entropy": entropy, "rollout_log_probs": rollout_log_probs}
+  named |= {k: v for k, v in optional.items() if v is not None}
+  arrays, out_dtype = promote_and_broadcast(name, tuple(named), *named.values())
+  if arrays[0].shape != shape:
+    raise ValueError(
+      f"{name}: the per-token arrays broadcast to {arrays[0].shape}, not log_probs' shape {shape}."
+    )
+  a = dict(zip(named, arrays, strict=True))
+  mask = jnp.ones(shape, bool)
+  if where is not None:
+    w = mask_array(name, where)
+    if jnp.broadcast_shapes(w.shape, shape) != shape:
+      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
+    mask = jnp.broadcast_to(w, shape)
+  ids = (
+    None
+    if segment_ids is None
+    else _token_array(name, "segment_ids", segment_ids, shape, jnp.integer)
+  )
+  segment, num_segments, mask, ids_ok = sequence_layout(shape, mask, ids)
+  valid.append(ids_ok)
+  a = {k: jnp.where(mask, x, 0.0) for k, x in a.items()}  # padding cannot leak, -inf included
+  logp = a["log_probs"]
+  old = jax.lax.stop_gradient(logp) if on_policy else a["old_log_probs"]
+
+  weights = aggregation_weights(mask, segment, num_segments, aggregation, normalizer, logp.dtype)
+  options = Options(
+    surrogate, low, high, dual, cap, tuple(sapo_temperatures), beta, kl_estimator,
+    kl_clip_bounds, kl_importance_weighted, kl_in_loss, entropy_coef,
+  )  # fmt: skip
+  seq_lr = None
+  if surrogate in SEQUENCE_LEVEL:
+    seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options)
+  rollout = None
+  if rollout_log_probs is not None:
+    rollout = rollout_weights(old, a["rollout_log_probs"], weights, rollout_correction, bounds)
+  loss_terms, metric_terms = token_losses(
+    logp, old, a["advantages"], weights.loss, weights.token, weights.mask, options,
+    seq_log_ratio=seq_lr, ref_log_probs=a.get("ref_log_probs"), entropy=a.get("entropy"),
+    rollout_weights=rollout,
+  )  # fmt: skip
+  loss = nan_unless(jnp.sum(loss_terms), *valid).astype(out_dtype)
+  return loss, reduce_metrics(metric_terms, weights)
