@@ -26,14 +26,14 @@ The per-token log-probs and entropy come from
 head with ``kldiv_jax.fused_policy_loss`` (no ``[tokens, vocab]`` logits), where
 the installed kldiv_jax has it.
 
-The same run is made twice, with the KL penalty (``--beta``, default 0.04) and
+The same run is made twice, with the KL penalty (``--beta``, default 0.3) and
 without (``beta = 0``), from the same initial weights and seeds; the script
 prints a table (reward and exact-match accuracy of greedy decoding on fresh
 prompts; the exact per-token KL(policy || reference) and the policy's entropy
 there) and saves the reward and KL curves as a PNG. ``--quick`` (the CI smoke
 run) trains a tiny model for a few steps.
 
-Run:  python examples/grpo_digits.py [--quick] [--steps 300 --beta 0.04 --fused]
+Run:  python examples/grpo_digits.py [--quick] [--steps 300 --beta 0.3 --kl-estimator k3+ --fused]
 """
 
 import argparse
@@ -332,7 +332,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a tiny model for a few steps (CI)")
   parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--beta", type=float, default=0.04, help="the KL penalty's coefficient")
+  parser.add_argument("--beta", type=float, default=0.3, help="the KL penalty's coefficient")
   parser.add_argument(
     "--kl-estimator",
     default="k3+",

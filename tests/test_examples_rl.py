@@ -34,7 +34,7 @@ def test_grpo_digits_quick(tmp_path):
   header = next(i for i, line in enumerate(lines) if line.startswith("run "))
   assert lines[header].split() == ["run", "reward", "exact", "KL(pi||ref)", "entropy"]
   rows = [line.split() for line in lines[header + 2 : header + 4]]
-  assert [row[0] for row in rows] == ["beta=0.04", "beta=0"], lines[header:]
+  assert [row[0] for row in rows] == ["beta=0.3", "beta=0"], lines[header:]
   for row in rows:
     reward, exact, kl, entropy = map(float, row[1:])
     assert 0 <= reward <= 1 and 0 <= exact <= 1 and kl >= 0 and 0 < entropy <= 2.4  # log(11)

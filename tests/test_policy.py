@@ -1,4 +1,4 @@
-"""policy_loss against verl's and TRL's policy losses ported to float64 NumPy (tests/_references.py)."""
+"""policy_loss against verl's and TRL's policy losses ported to float64 NumPy and, live, to torch (tests/_references.py)."""
 
 import functools
 
