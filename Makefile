@@ -16,6 +16,8 @@
 #   make bench-accel  every loss compiled for TPU v5e/v6e and an H100 without the device
 #                   (XLA's estimates; creates .venv-accel-tpu and .venv-accel-cuda on first use)
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
+#   make integration  tests/test_tunix.py against Tunix, in its own environment
+#                   $(INTEGRATION_VENV) (google-tunix and the versions it was tested with)
 #
 # VENV=path selects another environment (.ci/run uses fresh ones).
 
@@ -27,7 +29,7 @@ PYTEST_ARGS ?= -q -n 2
 DOCS_TEST_PATHS ?= docs kldiv_jax README.md
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint format typecheck build docs bench bench-accel fixtures clean
+.PHONY: venv demo test lint format typecheck build docs bench bench-accel fixtures integration clean
 
 venv: $(STAMP)
 
@@ -85,6 +87,21 @@ bench-accel: venv
 fixtures: venv
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install 'torch==2.13.0'
 	$(PY) tests/fixtures/make_torch_fixtures.py
+
+# The glue of docs/tunix.md, tested against Tunix itself: google-tunix pulls flax, optax and
+# a jax of its choosing, so it lives in an environment of its own, pinned to the versions
+# the tests passed with.
+INTEGRATION_VENV ?= .venv-integration
+INTEGRATION_PINS := google-tunix==0.1.7 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
+INTEGRATION_STAMP := $(INTEGRATION_VENV)/.kldiv_jax-tunix-0.1.7
+
+$(INTEGRATION_STAMP): pyproject.toml
+	test -x $(INTEGRATION_VENV)/bin/python || $(PYTHON) -m venv $(INTEGRATION_VENV)
+	$(INTEGRATION_VENV)/bin/python -m pip install -e '.[test]' $(INTEGRATION_PINS)
+	touch $(INTEGRATION_STAMP)
+
+integration: $(INTEGRATION_STAMP)
+	$(INTEGRATION_VENV)/bin/python -m pytest -q -p no:xdist tests/test_tunix.py
 
 clean:
 	rm -rf examples/output .pytest_cache .hypothesis dist build docs/_build docs/_autosummary
