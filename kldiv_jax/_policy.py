@@ -1,6 +1,6 @@
 """policy_loss: PPO/GRPO-family policy losses from per-token log-probs (the math: _surrogates)."""
 
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from kldiv_jax._checks import (
   check_bool,
   check_choice,
   check_normalizer,
+  compute_dtype,
   mask_array,
   promote_and_broadcast,
   real_scalar,
@@ -57,6 +58,100 @@ def _token_array(name, arg, value, shape, kind):
   if a.shape != shape:
     raise ValueError(f"{name}: {arg} must have the tokens' shape {shape}; got {a.shape}.")
   return a
+
+
+class _Parsed(NamedTuple):
+  """The checked options of a policy loss (:func:`_parse`)."""
+
+  options: Options
+  aggregation: str
+  normalizer: Any  # None, a float or a traced scalar
+  rollout_correction: str
+  rollout_bounds: tuple
+  valid: list  # static True or traced booleans: NaN unless all hold
+
+
+def _parse(
+  name, shape, *, surrogate, clip_low, clip_high, dual_clip, ratio_cap, sapo_temperatures,
+  aggregation, segment_ids, normalizer, beta, kl_estimator, kl_clip, kl_importance_weighted,
+  kl_in_loss, entropy_coef, rollout_correction, rollout_bounds,
+) -> _Parsed:  # fmt: skip
+  """The options of :func:`policy_loss` and :func:`fused_policy_loss` checked once, for
+  tokens of ``shape``: errors name ``name``."""
+  check_choice(name, "surrogate", surrogate, SURROGATES)
+  if aggregation is None:
+    aggregation = _DEFAULT_AGGREGATION.get(surrogate, "token-mean")
+  check_choice(name, "aggregation", aggregation, AGGREGATIONS)
+  check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
+  check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
+  kl_clip_bounds = _clip_bounds(name, kl_clip, "kl_clip")
+  kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
+  kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
+  nonnegative = "a number >= 0"
+  low, v1 = _scalar(name, "clip_low", clip_low, lambda x: x >= 0, nonnegative)
+  high, v2 = _scalar(name, "clip_high", clip_high, lambda x: x >= 0, nonnegative)
+  low = cast(Any, low)
+  high = low if high is None else high
+  dual, v3 = _scalar(name, "dual_clip", dual_clip, lambda x: x > 1, "a number > 1")
+  cap, v4 = _scalar(name, "ratio_cap", ratio_cap, lambda x: x > 0, "a positive number")
+  if surrogate == "cispo-cap" and cap is None:
+    raise ValueError(
+      f"{name}: surrogate='cispo-cap' needs ratio_cap (TRL's epsilon_high, e.g. 5.0)."
+    )
+  if len(sapo_temperatures) != 2 or not all(t > 0 for t in sapo_temperatures):
+    raise ValueError(
+      f"{name}: sapo_temperatures must be two positive numbers; got {sapo_temperatures!r}."
+    )
+  beta, _ = real_scalar(name, "beta", beta)
+  entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)
+  valid = [v1, v2, v3, v4]
+  if normalizer is not None:
+    normalizer = check_normalizer(name, normalizer)
+  elif surrogate == "gmpo" and segment_ids is None and len(shape) > 1:
+    normalizer = float(np.prod(shape[:-1]))  # verl's geo_mean: a mean over rows
+    valid.append(True if isinstance(normalizer, float) else positive_finite(normalizer))
+  bounds = tuple(
+    None if b is None else real_scalar(name, "rollout_bounds", b)[0] for b in rollout_bounds
+  )
+  options = Options(
+    surrogate, low, high, dual, cap, tuple(sapo_temperatures), beta, kl_estimator,
+    kl_clip_bounds, kl_importance_weighted, kl_in_loss, entropy_coef,
+  )  # fmt: skip
+  return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
+
+
+def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=()):
+  """``(arrays, out_dtype, weights, valid)``: the per-token arrays of ``named`` (``None``s
+  left out; ``advantages`` may be one per sequence) promoted (with ``dtypes``), broadcast to
+  the tokens' ``shape`` and set to 0 outside the mask; the aggregation weights."""
+  adv_shape = np.shape(named["advantages"])
+  if len(adv_shape) == len(shape) - 1 and adv_shape == shape[:-1] and adv_shape != ():
+    named = named | {"advantages": jnp.asarray(named["advantages"])[..., None]}
+  named = {k: v for k, v in named.items() if v is not None}
+  arrays, out_dtype = promote_and_broadcast(name, tuple(named), *named.values())
+  got = arrays[0].shape
+  if jnp.broadcast_shapes(got, shape) != shape:
+    raise ValueError(f"{name}: the per-token arrays broadcast to {got}, not the tokens' {shape}.")
+  out_dtype = jnp.promote_types(out_dtype, jnp.result_type(*dtypes)) if dtypes else out_dtype
+  mask = jnp.ones(shape, bool)
+  if where is not None:
+    w = mask_array(name, where)
+    if jnp.broadcast_shapes(w.shape, shape) != shape:
+      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
+    mask = jnp.broadcast_to(w, shape)
+  ids = (
+    None
+    if segment_ids is None
+    else _token_array(name, "segment_ids", segment_ids, shape, jnp.integer)
+  )
+  segment, num_segments, mask, ids_ok = sequence_layout(shape, mask, ids)
+  # Padding cannot leak, -inf included.
+  a = {k: jnp.where(mask, jnp.broadcast_to(x, shape), 0.0) for k, x in zip(named, arrays)}
+  dtype = compute_dtype(out_dtype)
+  weights = aggregation_weights(
+    mask, segment, num_segments, parsed.aggregation, parsed.normalizer, dtype
+  )
+  return a, out_dtype, weights, [*parsed.valid, ids_ok]
 
 
 def policy_loss(
@@ -158,88 +253,32 @@ def policy_loss(
     (Array(0.3333..., dtype=float32), Array(2., dtype=float32))
   """
   name = "policy_loss"
-  check_choice(name, "surrogate", surrogate, SURROGATES)
-  if aggregation is None:
-    aggregation = _DEFAULT_AGGREGATION.get(surrogate, "token-mean")
-  check_choice(name, "aggregation", aggregation, AGGREGATIONS)
-  check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
-  check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
-  kl_clip_bounds = _clip_bounds(name, kl_clip, "kl_clip")
-  kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
-  kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
-  nonnegative = "a number >= 0"
-  low, v1 = _scalar(name, "clip_low", clip_low, lambda x: x >= 0, nonnegative)
-  high, v2 = _scalar(name, "clip_high", clip_high, lambda x: x >= 0, nonnegative)
-  low = cast(Any, low)
-  high = low if high is None else high
-  dual, v3 = _scalar(name, "dual_clip", dual_clip, lambda x: x > 1, "a number > 1")
-  cap, v4 = _scalar(name, "ratio_cap", ratio_cap, lambda x: x > 0, "a positive number")
-  if surrogate == "cispo-cap" and cap is None:
-    raise ValueError(
-      f"{name}: surrogate='cispo-cap' needs ratio_cap (TRL's epsilon_high, e.g. 5.0)."
-    )
-  if len(sapo_temperatures) != 2 or not all(t > 0 for t in sapo_temperatures):
-    raise ValueError(
-      f"{name}: sapo_temperatures must be two positive numbers; got {sapo_temperatures!r}."
-    )
-  beta, _ = real_scalar(name, "beta", beta)
-  entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)
-  valid = [v1, v2, v3, v4]
-  if normalizer is not None:
-    normalizer = check_normalizer(name, normalizer)
-  elif surrogate == "gmpo" and segment_ids is None and np.ndim(log_probs) > 1:
-    normalizer = float(np.prod(np.shape(log_probs)[:-1]))  # verl's geo_mean: a mean over rows
-    valid.append(True if isinstance(normalizer, float) else positive_finite(normalizer))
-  bounds = tuple(
-    None if b is None else real_scalar(name, "rollout_bounds", b)[0] for b in rollout_bounds
-  )
-
-  # Layout: every per-token array promoted and broadcast to the tokens' shape.
   shape = tuple(np.shape(log_probs))
   if len(shape) == 0:
     raise ValueError(f"{name}: log_probs must have a token axis, shape [..., T]; got a scalar.")
-  adv_shape = np.shape(advantages)
-  if len(adv_shape) == len(shape) - 1 and adv_shape == shape[:-1] and adv_shape != ():
-    advantages = jnp.asarray(advantages)[..., None]  # one per sequence
-  on_policy = old_log_probs is None
-  named = {"log_probs": log_probs, "advantages": advantages}
-  optional = {"old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs}
-  optional |= {"entropy": entropy, "rollout_log_probs": rollout_log_probs}
-  named |= {k: v for k, v in optional.items() if v is not None}
-  arrays, out_dtype = promote_and_broadcast(name, tuple(named), *named.values())
-  if arrays[0].shape != shape:
-    raise ValueError(
-      f"{name}: the per-token arrays broadcast to {arrays[0].shape}, not log_probs' shape {shape}."
-    )
-  a = dict(zip(named, arrays, strict=True))
-  mask = jnp.ones(shape, bool)
-  if where is not None:
-    w = mask_array(name, where)
-    if jnp.broadcast_shapes(w.shape, shape) != shape:
-      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
-    mask = jnp.broadcast_to(w, shape)
-  ids = (
-    None
-    if segment_ids is None
-    else _token_array(name, "segment_ids", segment_ids, shape, jnp.integer)
-  )
-  segment, num_segments, mask, ids_ok = sequence_layout(shape, mask, ids)
-  valid.append(ids_ok)
-  a = {k: jnp.where(mask, x, 0.0) for k, x in a.items()}  # padding cannot leak, -inf included
-  logp = a["log_probs"]
-  old = jax.lax.stop_gradient(logp) if on_policy else a["old_log_probs"]
-
-  weights = aggregation_weights(mask, segment, num_segments, aggregation, normalizer, logp.dtype)
-  options = Options(
-    surrogate, low, high, dual, cap, tuple(sapo_temperatures), beta, kl_estimator,
-    kl_clip_bounds, kl_importance_weighted, kl_in_loss, entropy_coef,
+  parsed = _parse(
+    name, shape, surrogate=surrogate, clip_low=clip_low, clip_high=clip_high,
+    dual_clip=dual_clip, ratio_cap=ratio_cap, sapo_temperatures=sapo_temperatures,
+    aggregation=aggregation, segment_ids=segment_ids, normalizer=normalizer, beta=beta,
+    kl_estimator=kl_estimator, kl_clip=kl_clip, kl_importance_weighted=kl_importance_weighted,
+    kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
+    rollout_bounds=rollout_bounds,
   )  # fmt: skip
+  named = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages}
+  named |= {"ref_log_probs": ref_log_probs, "entropy": entropy}
+  named |= {"rollout_log_probs": rollout_log_probs}
+  a, out_dtype, weights, valid = _layout(name, shape, named, where, segment_ids, parsed)
+  logp = a["log_probs"]
+  old = jax.lax.stop_gradient(logp) if old_log_probs is None else a["old_log_probs"]
+  options = parsed.options
   seq_lr = None
-  if surrogate in SEQUENCE_LEVEL:
+  if options.surrogate in SEQUENCE_LEVEL:
     seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options)
   rollout = None
   if rollout_log_probs is not None:
-    rollout = rollout_weights(old, a["rollout_log_probs"], weights, rollout_correction, bounds)
+    rollout = rollout_weights(
+      old, a["rollout_log_probs"], weights, parsed.rollout_correction, parsed.rollout_bounds
+    )
   loss_terms, metric_terms = token_losses(
     logp, old, a["advantages"], weights.loss, weights.token, weights.mask, options,
     seq_log_ratio=seq_lr, ref_log_probs=a.get("ref_log_probs"), entropy=a.get("entropy"),
