@@ -313,8 +313,9 @@ class _TokenTerms:
   def __call__(self, log_p, entropy, args):
     o = self.options._replace(**args["scalars"])
     old = jax.lax.stop_gradient(log_p) if self.on_policy else args["old_log_probs"]
+    unused = jnp.zeros((), log_p.dtype)  # the counts: reduce_metrics' business, outside
     w = Weights(args["loss"], args["token"], args["mask"], args.get("segment"),
-                self.num_segments, None, None)  # fmt: skip
+                self.num_segments, unused, unused)  # fmt: skip
     adv = args["advantages"]
     seq_lr = sequence_log_ratio(log_p, old, adv, w, o) if o.surrogate in SEQUENCE_LEVEL else None
     rollout = args.get("rollout_weights")
