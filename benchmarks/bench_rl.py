@@ -19,12 +19,12 @@ Each figure is a ratio of two contenders measured side by side in one process,
   hidden and weight: XLA's compiled temp memory at N=8192, H=1024, V=65536
   (target: at most 0.05x of ``log_softmax`` + gather on the materialised
   logits) and time at N=2048, H=1024, V=32768 (target: at most 1.1x).
-* ``policy``: a token-level PPO clipped surrogate with an entropy bonus and
-  token-mean weights (``ppo_clip``) from the LM head, the fused engine
-  (``_fused_policy.fused_token_loss``: the gradient computed in the forward
-  pass, three matmuls per chunk) against the materialised loss (``hidden @
-  weight`` -> ``token_log_probs`` -> the same loss, ``value_and_grad``) and
-  against ``fused_token_log_probs`` + the same loss (four matmuls): compiled
+* ``policy``: GRPO/DAPO's token-level PPO clipped surrogate (clip-higher) with
+  an entropy bonus, token-mean, from the LM head: ``fused_policy_loss`` (the
+  gradient computed in the forward pass, three matmuls per chunk) against
+  ``policy_loss`` of the materialised logits (``hidden @ weight`` ->
+  ``token_log_probs`` -> ``policy_loss``, ``value_and_grad``) and against
+  ``fused_token_log_probs`` + ``policy_loss`` (four matmuls): compiled
   temp at N=8192, H=1024, V=65536 (target: at most 0.05x of the materialised
   loss's) and time at N=2048, H=1024, V=32768, or at the memory shape with
   ``--policy-full-time`` (target: at most 1.05x).
@@ -58,7 +58,6 @@ from _harness import (
 )
 
 import kldiv_jax
-from kldiv_jax._fused_policy import fused_token_loss
 
 HERE = Path(__file__).resolve().parent
 LOGITS_SHAPE, QUICK_LOGITS_SHAPE = (4096, 8192), (256, 1024)
@@ -123,29 +122,21 @@ def materialised_plain(h, w, ids):
   return jnp.sum(jnp.take_along_axis(lp, ids[:, None], axis=-1))
 
 
-def ppo_clip(log_p, entropy, args):
-  """Per-token PPO clipped surrogate minus an entropy bonus, times the aggregation weights."""
-  old, adv, weights = args
-  ratio = jnp.exp(log_p - old)
-  surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * adv)
-  return weights * (-surrogate - ENTROPY_COEF * entropy)
+POLICY_OPTIONS = dict(clip_low=EPS_LOW, clip_high=EPS_HIGH, entropy_coef=ENTROPY_COEF)
 
 
 def policy_fused(h, w, ids, old, adv):
-  weights = jnp.full(ids.shape, 1.0 / ids.shape[0])
-  return fused_token_loss(h, w, None, ids, ppo_clip, (old, adv, weights), with_entropy=True)[0]
+  return kldiv_jax.fused_policy_loss(h, w, ids, old, adv, **POLICY_OPTIONS)[0]
 
 
 def policy_materialised(h, w, ids, old, adv):
-  weights = jnp.full(ids.shape, 1.0 / ids.shape[0])
   lp, entropy = kldiv_jax.token_log_probs(h @ w, ids, return_entropy=True)
-  return jnp.sum(ppo_clip(lp, entropy, (old, adv, weights)))
+  return kldiv_jax.policy_loss(lp, old, adv, entropy=entropy, **POLICY_OPTIONS)[0]
 
 
 def policy_token_log_probs(h, w, ids, old, adv):
-  weights = jnp.full(ids.shape, 1.0 / ids.shape[0])
   lp, entropy = kldiv_jax.fused_token_log_probs(h, w, ids, return_entropy=True)
-  return jnp.sum(ppo_clip(lp, entropy, (old, adv, weights)))
+  return kldiv_jax.policy_loss(lp, old, adv, entropy=entropy, **POLICY_OPTIONS)[0]
 
 
 POLICY = {

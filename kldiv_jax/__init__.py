@@ -22,6 +22,7 @@ from kldiv_jax._optax import generalized_kl_divergence as generalized_kl_diverge
 from kldiv_jax._optax import kl_divergence as kl_divergence
 from kldiv_jax._optax import kl_divergence_with_log_targets as kl_divergence_with_log_targets
 from kldiv_jax._pointwise import kl_div_pointwise as kl_div_pointwise
+from kldiv_jax._policy import fused_policy_loss as fused_policy_loss
 from kldiv_jax._policy import policy_loss as policy_loss
 from kldiv_jax._rl import distillation_advantages as distillation_advantages
 from kldiv_jax._rl import kl_estimate as kl_estimate
@@ -51,6 +52,7 @@ __all__ = [
   "divergence_from_logits",
   "divergence_from_topk",
   "fused_distillation_loss",
+  "fused_policy_loss",
   "fused_token_log_probs",
   "fused_topk_distillation_loss",
   "gaussian_kl",

@@ -98,9 +98,9 @@ def platform_chunk_size(num_tokens: int, vocab_size: int, platform: str) -> int:
   return _power_of_two_chunk(_ACCEL_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
 
 
-def _per_platform(chunk_size, name, n, vocab_size, call):
+def _per_platform(chunk_size, name, n, vocab_size, call, elements=_CHUNK_ELEMENTS):
   """``call(chunk)`` with ``chunk_size``, or by default the chunk of the platform the program
-  is lowered for (:func:`platform_chunk_size`).
+  is lowered for (:func:`platform_chunk_size`; on CPU, ``elements`` logits per chunk).
 
   As the row path's blocks (:func:`kldiv_jax._rows.map_rows`), both chunkings are staged
   out with ``lax.platform_dependent`` and lowering keeps the platform's own: a program
@@ -115,7 +115,7 @@ def _per_platform(chunk_size, name, n, vocab_size, call):
 
     return run
 
-  chunk = _check_chunk(name, chunk_size, n, vocab_size)
+  chunk = _check_chunk(name, chunk_size, n, vocab_size, elements)
   accel = chunk if chunk_size is not None else platform_chunk_size(n, vocab_size, "tpu")
   if accel == chunk:
     return scoped(chunk)()

@@ -51,6 +51,7 @@ from kldiv_jax._fused import (
   _chunks,
   _fused_tokens,
   _matmul,
+  _per_platform,
   _token_zero,
   _vary_like_tokens,
   _zero_cotangent,
@@ -61,7 +62,7 @@ from kldiv_jax._rows import compiled
 from kldiv_jax._tokens import token_layout, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
-# Logit elements per chunk when chunk_size=None: 2**23 (32 MiB of float32), twice the
+# Logit elements per chunk on CPU when chunk_size=None: 2**23 (32 MiB of float32), twice the
 # distillation losses' 2**22. Here a chunk's logits are the only [chunk, V] buffers
 # (one side, no teacher), and each chunk reads and writes the whole [H, V] weight
 # gradient once: at H = 1024, V = 32768 on 2 CPU cores (benchmarks/bench_rl.py,
@@ -79,13 +80,15 @@ class TokenOutputs(NamedTuple):
   """The per-token outputs of :func:`fused_token_loss`, for metrics (no gradient flows
   through them).
 
-  ``log_probs`` and ``entropy`` (``None`` unless ``with_entropy``) are ``[N]`` in the
-  compute dtype (float32 for bf16/f16 inputs), 0 for tokens outside ``where`` and NaN
-  for an id out of range; ``aux`` is ``per_token_fn``'s aux (``()`` without ``has_aux``).
+  ``log_probs`` and ``entropy`` are ``[N]`` in the compute dtype (float32 for bf16/f16
+  inputs), 0 for tokens outside ``where`` and NaN for an id out of range. The entropy
+  comes with the log-normaliser whether ``with_entropy`` or not (which only says whether
+  ``per_token_fn`` sees it and differentiates it). ``aux`` is ``per_token_fn``'s aux
+  (``()`` without ``has_aux``).
   """
 
   log_probs: jax.Array
-  entropy: jax.Array | None
+  entropy: jax.Array
   aux: Any
 
 
@@ -208,6 +211,7 @@ def fused_token_loss(
   has_aux: bool = False,
   two_pass: bool = False,
   name: str = "fused_token_loss",
+  loss_dtype: Any = None,
 ) -> tuple[jax.Array, TokenOutputs]:
   """``(sum_i per_token_fn(log p, H, args)_i, TokenOutputs)`` from ``hidden @ weight + bias``.
 
@@ -233,11 +237,11 @@ def fused_token_loss(
   ``axis_name`` (vocabulary parallelism inside ``jax.shard_map``: ``weight``
   and ``bias`` split on V, the rest whole; the loss and outputs replicated)
   and ``chunk_size`` as in :func:`kldiv_jax.fused_token_log_probs`, whose
-  kernels these are (``chunk_size=None``: about ``2**23`` logits per chunk,
-  twice that default). Matmuls accumulate in float32 (float64 for float64
-  inputs); ``per_token_fn`` sees that dtype; the loss comes back in the
-  promoted dtype of ``hidden`` and ``weight``, NaN for an invalid traced
-  temperature.
+  kernels these are (``chunk_size=None``: per platform as there, on CPU
+  about ``2**23`` logits per chunk, twice that default). Matmuls accumulate
+  in float32 (float64 for float64 inputs); ``per_token_fn`` sees that dtype;
+  the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
+  ``hidden`` and ``weight``), NaN for an invalid traced temperature.
   """
   out_dtype = _check_linear(name, "student", hidden, weight, bias)
   temperature, _ = check_temperature(name, temperature)
@@ -263,6 +267,7 @@ def fused_token_loss(
   )
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
+  _check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
   static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux)
   # What per_token_fn returns, checked once on abstract values.
   token = jax.ShapeDtypeStruct((n,), t.dtype)
@@ -283,19 +288,22 @@ def fused_token_loss(
     loss, aux = _apply(static, zeros, zeros, mask, per_token_args)
     outs = (zeros, zeros, aux)
   else:
-    chunk = _check_chunk(name, chunk_size, n, vocab * num_shards, _CHUNK_ELEMENTS)
-    static = static._replace(chunk=chunk)
     h = jnp.asarray(hidden)
     w, b = _vary_like_tokens(weight, bias, h, safe, mask)
-    if two_pass:
-      loss, outs = _two_pass(static, h, w, b, safe, t, mask, per_token_args)
-    else:
-      buffers = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
-      out = _one_pass(static, h, w, b, safe, t, mask, per_token_args, buffers)
-      loss, outs = cast(tuple[jax.Array, tuple], out)
+    buffers = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
+
+    def call(chunk):
+      s = static._replace(chunk=chunk)
+      if two_pass:
+        return _two_pass(s, h, w, b, safe, t, mask, per_token_args)
+      return _one_pass(s, h, w, b, safe, t, mask, per_token_args, buffers)
+
+    out = _per_platform(chunk_size, name, n, vocab * num_shards, call, _CHUNK_ELEMENTS)
+    loss, outs = cast(tuple[jax.Array, tuple], out)
   valid = positive_finite(temperature)
-  loss = nan_unless(loss.astype(out_dtype), valid, jnp.all(in_range))
+  loss_dtype = out_dtype if loss_dtype is None else loss_dtype
+  loss = nan_unless(loss.astype(loss_dtype), valid, jnp.all(in_range))
   log_p, entropy, aux = outs
   log_p = nan_unless(jnp.where(mask[:, 0], log_p, 0.0), in_range[:, 0], valid)
-  entropy = nan_unless(jnp.where(mask[:, 0], entropy, 0.0), valid) if with_entropy else None
+  entropy = nan_unless(jnp.where(mask[:, 0], entropy, 0.0), valid)
   return loss, TokenOutputs(log_p, entropy, aux)

@@ -1,6 +1,7 @@
 """policy_loss: PPO/GRPO-family policy losses from per-token log-probs (the math: _surrogates)."""
 
-from typing import Any, cast
+import dataclasses
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +11,15 @@ from kldiv_jax._checks import (
   as_array,
   check_bool,
   check_choice,
+  check_int,
   check_normalizer,
+  compute_dtype,
   mask_array,
   promote_and_broadcast,
   real_scalar,
 )
+from kldiv_jax._fused import _check_linear
+from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rl import ESTIMATORS, _clip_bounds
 from kldiv_jax._surrogates import (
@@ -23,6 +28,7 @@ from kldiv_jax._surrogates import (
   SURROGATES,
   Options,
   PolicyMetrics,
+  Weights,
   aggregation_weights,
   reduce_metrics,
   rollout_weights,
@@ -57,6 +63,102 @@ def _token_array(name, arg, value, shape, kind):
   if a.shape != shape:
     raise ValueError(f"{name}: {arg} must have the tokens' shape {shape}; got {a.shape}.")
   return a
+
+
+class _Parsed(NamedTuple):
+  """The checked options of a policy loss (:func:`_parse`)."""
+
+  options: Options
+  aggregation: str
+  normalizer: Any  # None, a float or a traced scalar
+  rollout_correction: str
+  rollout_bounds: tuple
+  valid: list  # static True or traced booleans: NaN unless all hold
+
+
+def _parse(
+  name, shape, *, surrogate, clip_low, clip_high, dual_clip, ratio_cap, sapo_temperatures,
+  aggregation, segment_ids, normalizer, beta, kl_estimator, kl_clip, kl_importance_weighted,
+  kl_in_loss, entropy_coef, rollout_correction, rollout_bounds,
+) -> _Parsed:  # fmt: skip
+  """The options of :func:`policy_loss` and :func:`fused_policy_loss` checked once, for
+  tokens of ``shape``: errors name ``name``."""
+  check_choice(name, "surrogate", surrogate, SURROGATES)
+  if aggregation is None:
+    aggregation = _DEFAULT_AGGREGATION.get(surrogate, "token-mean")
+  check_choice(name, "aggregation", aggregation, AGGREGATIONS)
+  check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
+  check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
+  kl_clip_bounds = _clip_bounds(name, kl_clip, "kl_clip")
+  kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
+  kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
+  nonnegative = "a number >= 0"
+  low, v1 = _scalar(name, "clip_low", clip_low, lambda x: x >= 0, nonnegative)
+  high, v2 = _scalar(name, "clip_high", clip_high, lambda x: x >= 0, nonnegative)
+  low = cast(Any, low)
+  high = low if high is None else high
+  dual, v3 = _scalar(name, "dual_clip", dual_clip, lambda x: x > 1, "a number > 1")
+  cap, v4 = _scalar(name, "ratio_cap", ratio_cap, lambda x: x > 0, "a positive number")
+  if surrogate == "cispo-cap" and cap is None:
+    raise ValueError(
+      f"{name}: surrogate='cispo-cap' needs ratio_cap (TRL's epsilon_high, e.g. 5.0)."
+    )
+  if len(sapo_temperatures) != 2 or not all(t > 0 for t in sapo_temperatures):
+    raise ValueError(
+      f"{name}: sapo_temperatures must be two positive numbers; got {sapo_temperatures!r}."
+    )
+  beta, _ = real_scalar(name, "beta", beta)
+  entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)
+  valid = [v1, v2, v3, v4]
+  if normalizer is not None:
+    normalizer = check_normalizer(name, normalizer)
+  elif surrogate == "gmpo" and segment_ids is None and len(shape) > 1:
+    normalizer = float(np.prod(shape[:-1]))  # verl's geo_mean: a mean over rows
+    valid.append(True if isinstance(normalizer, float) else positive_finite(normalizer))
+  bounds = tuple(
+    None if b is None else real_scalar(name, "rollout_bounds", b)[0] for b in rollout_bounds
+  )
+  options = Options(
+    surrogate, low, high, dual, cap, tuple(sapo_temperatures), beta, kl_estimator,
+    kl_clip_bounds, kl_importance_weighted, kl_in_loss, entropy_coef,
+  )  # fmt: skip
+  return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
+
+
+def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), keep=None):
+  """``(arrays, out_dtype, weights, valid)``: the per-token arrays of ``named`` (``None``s
+  left out; ``advantages`` may be one per sequence) promoted (with ``dtypes``), broadcast to
+  the tokens' ``shape`` and set to 0 outside the mask (``where``, ``keep``, the padding of
+  ``segment_ids``); the aggregation weights."""
+  adv_shape = np.shape(named["advantages"])
+  if len(adv_shape) == len(shape) - 1 and adv_shape == shape[:-1] and adv_shape != ():
+    named = named | {"advantages": jnp.asarray(named["advantages"])[..., None]}
+  named = {k: v for k, v in named.items() if v is not None}
+  arrays, out_dtype = promote_and_broadcast(name, tuple(named), *named.values())
+  got = arrays[0].shape
+  if jnp.broadcast_shapes(got, shape) != shape:
+    raise ValueError(f"{name}: the per-token arrays broadcast to {got}, not the tokens' {shape}.")
+  out_dtype = jnp.promote_types(out_dtype, jnp.result_type(*dtypes)) if dtypes else out_dtype
+  mask = jnp.ones(shape, bool)
+  if where is not None:
+    w = mask_array(name, where)
+    if jnp.broadcast_shapes(w.shape, shape) != shape:
+      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
+    mask = jnp.broadcast_to(w, shape)
+  mask = mask if keep is None else mask & keep
+  ids = (
+    None
+    if segment_ids is None
+    else _token_array(name, "segment_ids", segment_ids, shape, jnp.integer)
+  )
+  segment, num_segments, mask, ids_ok = sequence_layout(shape, mask, ids)
+  # Padding cannot leak, -inf included.
+  a = {k: jnp.where(mask, jnp.broadcast_to(x, shape), 0.0) for k, x in zip(named, arrays)}
+  dtype = compute_dtype(out_dtype)
+  weights = aggregation_weights(
+    mask, segment, num_segments, parsed.aggregation, parsed.normalizer, dtype
+  )
+  return a, out_dtype, weights, [*parsed.valid, ids_ok]
 
 
 def policy_loss(
@@ -158,88 +260,32 @@ def policy_loss(
     (Array(0.3333..., dtype=float32), Array(2., dtype=float32))
   """
   name = "policy_loss"
-  check_choice(name, "surrogate", surrogate, SURROGATES)
-  if aggregation is None:
-    aggregation = _DEFAULT_AGGREGATION.get(surrogate, "token-mean")
-  check_choice(name, "aggregation", aggregation, AGGREGATIONS)
-  check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
-  check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
-  kl_clip_bounds = _clip_bounds(name, kl_clip, "kl_clip")
-  kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
-  kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
-  nonnegative = "a number >= 0"
-  low, v1 = _scalar(name, "clip_low", clip_low, lambda x: x >= 0, nonnegative)
-  high, v2 = _scalar(name, "clip_high", clip_high, lambda x: x >= 0, nonnegative)
-  low = cast(Any, low)
-  high = low if high is None else high
-  dual, v3 = _scalar(name, "dual_clip", dual_clip, lambda x: x > 1, "a number > 1")
-  cap, v4 = _scalar(name, "ratio_cap", ratio_cap, lambda x: x > 0, "a positive number")
-  if surrogate == "cispo-cap" and cap is None:
-    raise ValueError(
-      f"{name}: surrogate='cispo-cap' needs ratio_cap (TRL's epsilon_high, e.g. 5.0)."
-    )
-  if len(sapo_temperatures) != 2 or not all(t > 0 for t in sapo_temperatures):
-    raise ValueError(
-      f"{name}: sapo_temperatures must be two positive numbers; got {sapo_temperatures!r}."
-    )
-  beta, _ = real_scalar(name, "beta", beta)
-  entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)
-  valid = [v1, v2, v3, v4]
-  if normalizer is not None:
-    normalizer = check_normalizer(name, normalizer)
-  elif surrogate == "gmpo" and segment_ids is None and np.ndim(log_probs) > 1:
-    normalizer = float(np.prod(np.shape(log_probs)[:-1]))  # verl's geo_mean: a mean over rows
-    valid.append(True if isinstance(normalizer, float) else positive_finite(normalizer))
-  bounds = tuple(
-    None if b is None else real_scalar(name, "rollout_bounds", b)[0] for b in rollout_bounds
-  )
-
-  # Layout: every per-token array promoted and broadcast to the tokens' shape.
   shape = tuple(np.shape(log_probs))
   if len(shape) == 0:
     raise ValueError(f"{name}: log_probs must have a token axis, shape [..., T]; got a scalar.")
-  adv_shape = np.shape(advantages)
-  if len(adv_shape) == len(shape) - 1 and adv_shape == shape[:-1] and adv_shape != ():
-    advantages = jnp.asarray(advantages)[..., None]  # one per sequence
-  on_policy = old_log_probs is None
-  named = {"log_probs": log_probs, "advantages": advantages}
-  optional = {"old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs}
-  optional |= {"entropy": entropy, "rollout_log_probs": rollout_log_probs}
-  named |= {k: v for k, v in optional.items() if v is not None}
-  arrays, out_dtype = promote_and_broadcast(name, tuple(named), *named.values())
-  if arrays[0].shape != shape:
-    raise ValueError(
-      f"{name}: the per-token arrays broadcast to {arrays[0].shape}, not log_probs' shape {shape}."
-    )
-  a = dict(zip(named, arrays, strict=True))
-  mask = jnp.ones(shape, bool)
-  if where is not None:
-    w = mask_array(name, where)
-    if jnp.broadcast_shapes(w.shape, shape) != shape:
-      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
-    mask = jnp.broadcast_to(w, shape)
-  ids = (
-    None
-    if segment_ids is None
-    else _token_array(name, "segment_ids", segment_ids, shape, jnp.integer)
-  )
-  segment, num_segments, mask, ids_ok = sequence_layout(shape, mask, ids)
-  valid.append(ids_ok)
-  a = {k: jnp.where(mask, x, 0.0) for k, x in a.items()}  # padding cannot leak, -inf included
-  logp = a["log_probs"]
-  old = jax.lax.stop_gradient(logp) if on_policy else a["old_log_probs"]
-
-  weights = aggregation_weights(mask, segment, num_segments, aggregation, normalizer, logp.dtype)
-  options = Options(
-    surrogate, low, high, dual, cap, tuple(sapo_temperatures), beta, kl_estimator,
-    kl_clip_bounds, kl_importance_weighted, kl_in_loss, entropy_coef,
+  parsed = _parse(
+    name, shape, surrogate=surrogate, clip_low=clip_low, clip_high=clip_high,
+    dual_clip=dual_clip, ratio_cap=ratio_cap, sapo_temperatures=sapo_temperatures,
+    aggregation=aggregation, segment_ids=segment_ids, normalizer=normalizer, beta=beta,
+    kl_estimator=kl_estimator, kl_clip=kl_clip, kl_importance_weighted=kl_importance_weighted,
+    kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
+    rollout_bounds=rollout_bounds,
   )  # fmt: skip
+  named = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages}
+  named |= {"ref_log_probs": ref_log_probs, "entropy": entropy}
+  named |= {"rollout_log_probs": rollout_log_probs}
+  a, out_dtype, weights, valid = _layout(name, shape, named, where, segment_ids, parsed)
+  logp = a["log_probs"]
+  old = jax.lax.stop_gradient(logp) if old_log_probs is None else a["old_log_probs"]
+  options = parsed.options
   seq_lr = None
-  if surrogate in SEQUENCE_LEVEL:
+  if options.surrogate in SEQUENCE_LEVEL:
     seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options)
   rollout = None
   if rollout_log_probs is not None:
-    rollout = rollout_weights(old, a["rollout_log_probs"], weights, rollout_correction, bounds)
+    rollout = rollout_weights(
+      old, a["rollout_log_probs"], weights, parsed.rollout_correction, parsed.rollout_bounds
+    )
   loss_terms, metric_terms = token_losses(
     logp, old, a["advantages"], weights.loss, weights.token, weights.mask, options,
     seq_log_ratio=seq_lr, ref_log_probs=a.get("ref_log_probs"), entropy=a.get("entropy"),
@@ -247,3 +293,190 @@ def policy_loss(
   )  # fmt: skip
   loss = nan_unless(jnp.sum(loss_terms), *valid).astype(out_dtype)
   return loss, reduce_metrics(metric_terms, weights)
+
+
+# Options' scalar fields, passed per token to the fused engine (its per-token function is static).
+_SCALARS = ("clip_low", "clip_high", "dual_clip", "ratio_cap", "beta", "entropy_coef")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TokenTerms:
+  """``per_token_fn`` of :func:`fused_policy_loss`: :func:`token_losses` of the engine's
+  log-probs and entropy, with the metric terms as aux. Hashable: the static options only
+  (``options``' scalars are placeholders; their values come per token in ``args``)."""
+
+  options: Options
+  num_segments: int
+  on_policy: bool
+  rollout: str | None  # the rollout correction when it needs the log-probs (on-policy)
+
+  def __call__(self, log_p, entropy, args):
+    o = self.options._replace(**args["scalars"])
+    old = jax.lax.stop_gradient(log_p) if self.on_policy else args["old_log_probs"]
+    unused = jnp.zeros((), log_p.dtype)  # the counts: reduce_metrics' business, outside
+    w = Weights(args["loss"], args["token"], args["mask"], args.get("segment"),
+                self.num_segments, unused, unused)  # fmt: skip
+    adv = args["advantages"]
+    seq_lr = sequence_log_ratio(log_p, old, adv, w, o) if o.surrogate in SEQUENCE_LEVEL else None
+    rollout = args.get("rollout_weights")
+    if self.rollout is not None:
+      bounds = args["rollout_bounds"]
+      rollout = rollout_weights(old, args["rollout_log_probs"], w, self.rollout, bounds)
+    return token_losses(
+      log_p, old, adv, w.loss, w.token, w.mask, o, seq_log_ratio=seq_lr,
+      ref_log_probs=args.get("ref_log_probs"), entropy=entropy, rollout_weights=rollout,
+    )  # fmt: skip
+
+
+def fused_policy_loss(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  token_ids: jax.typing.ArrayLike,
+  old_log_probs: jax.typing.ArrayLike | None,
+  advantages: jax.typing.ArrayLike,
+  *,
+  bias: jax.typing.ArrayLike | None = None,
+  surrogate: str = "ppo",
+  clip_low: float | jax.typing.ArrayLike = 0.2,
+  clip_high: float | jax.typing.ArrayLike | None = None,
+  dual_clip: float | jax.typing.ArrayLike | None = None,
+  ratio_cap: float | jax.typing.ArrayLike | None = None,
+  sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+  aggregation: str | None = None,
+  where: jax.typing.ArrayLike | None = None,
+  segment_ids: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+  ref_log_probs: jax.typing.ArrayLike | None = None,
+  beta: float | jax.typing.ArrayLike = 0.0,
+  kl_estimator: str = "k3",
+  kl_clip: float | tuple[float, float] | None = None,
+  kl_importance_weighted: bool = False,
+  kl_in_loss: bool = True,
+  entropy_coef: float | jax.typing.ArrayLike = 0.0,
+  rollout_log_probs: jax.typing.ArrayLike | None = None,
+  rollout_correction: str = "token_truncate",
+  rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  softcap: float | None = None,
+  ignore_index: int | None = None,
+  axis_name: str | None = None,
+  chunk_size: int | None = None,
+) -> tuple[jax.Array, PolicyMetrics]:
+  r""":func:`policy_loss` from hidden states and the LM head, with no ``[tokens, vocab]`` array.
+
+  The loss and metrics of ``policy_loss(log_probs, old_log_probs,
+  advantages, entropy=entropy, ...)`` with ``log_probs, entropy =
+  token_log_probs(hidden @ weight + bias, token_ids, temperature=,
+  softcap=, return_entropy=True)``, computed ``chunk_size`` tokens at a
+  time. Token-level surrogates take one pass with the gradient computed in
+  the forward (three matmuls per chunk: the logits, the gradients wrt
+  ``hidden`` and ``weight``); the sequence-level ones (``"gspo"``,
+  ``"gspo-token"``, ``"gmpo"``, and an on-policy sequence-level rollout
+  correction) need whole sequences first: two passes, four matmuls per
+  chunk, as :func:`fused_token_log_probs` + :func:`policy_loss`. The
+  metrics come from the same pass; the mean entropy is always reported
+  (the log-normaliser gives it), and it is differentiated only when
+  ``entropy_coef`` is not a static 0.
+
+  Args:
+    hidden: hidden states ``[..., T, H]`` (the tokens' shape ``[..., T]``).
+    weight: the LM head ``[H, V]``; ``bias``: optional ``[V]``.
+    token_ids: the sampled tokens ``[..., T]``.
+    old_log_probs, advantages: as :func:`policy_loss`.
+    temperature, softcap: the sampling temperature and the logits'
+      soft-cap, as :func:`token_log_probs`.
+    ignore_index: a token id meaning "no token" (left out like ``where``).
+    axis_name: the mesh axis over which ``weight``'s and ``bias``' V axis
+      is split inside ``jax.shard_map`` (the rest whole), as
+      :func:`fused_token_log_probs`.
+    chunk_size: tokens per chunk (``None``: per platform, as
+      :func:`fused_token_log_probs`; on CPU about ``2**23`` logits).
+
+  The other options are :func:`policy_loss`'s (without ``entropy``: it
+  is computed here). Gradients flow to ``hidden``, ``weight`` and ``bias``
+  (reverse mode only); the per-token inputs and ``temperature`` get zero.
+
+  Returns:
+    ``(loss, metrics)`` as :func:`policy_loss`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> h, w = jax.random.normal(k1, (2, 5, 4)), jax.random.normal(k2, (4, 10))
+    >>> ids = jax.random.randint(k3, (2, 5), 0, 10)
+    >>> old, adv = jnp.full((2, 5), -2.0), jnp.array([1.0, -1.0])
+    >>> loss, metrics = fused_policy_loss(h, w, ids, old, adv, clip_high=0.28, chunk_size=4)
+    >>> lp, ent = token_log_probs(h @ w, ids, return_entropy=True)
+    >>> want, _ = policy_loss(lp, old, adv, clip_high=0.28, entropy=ent)
+    >>> bool(jnp.allclose(loss, want, atol=1e-6)), int(metrics.tokens)
+    (True, 10)
+  """
+  name = "fused_policy_loss"
+  head_dtype = _check_linear(name, "student", hidden, weight, bias)
+  shape = tuple(np.shape(hidden)[:-1])
+  if len(shape) == 0:
+    raise ValueError(f"{name}: hidden must have a token axis, shape [..., T, H]; got a vector.")
+  if tuple(np.shape(token_ids)) != shape:
+    raise ValueError(
+      f"{name}: token_ids must have shape hidden.shape[:-1] = {shape}; got {np.shape(token_ids)}."
+    )
+  parsed = _parse(
+    name, shape, surrogate=surrogate, clip_low=clip_low, clip_high=clip_high,
+    dual_clip=dual_clip, ratio_cap=ratio_cap, sapo_temperatures=sapo_temperatures,
+    aggregation=aggregation, segment_ids=segment_ids, normalizer=normalizer, beta=beta,
+    kl_estimator=kl_estimator, kl_clip=kl_clip, kl_importance_weighted=kl_importance_weighted,
+    kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
+    rollout_bounds=rollout_bounds,
+  )  # fmt: skip
+  keep = None
+  if ignore_index is not None:
+    keep = jnp.asarray(token_ids) != check_int(name, "ignore_index", ignore_index)
+
+  # Layout: the per-token arrays on the tokens' shape, flattened to the engine's [N].
+  on_policy = old_log_probs is None
+  named = {"old_log_probs": old_log_probs, "advantages": advantages}
+  named |= {"ref_log_probs": ref_log_probs, "rollout_log_probs": rollout_log_probs}
+  a, out_dtype, weights, valid = _layout(
+    name, shape, named, where, segment_ids, parsed, (head_dtype,), keep
+  )
+  o = parsed.options
+  sequence_rollout = rollout_log_probs is not None and parsed.rollout_correction[:3] == "seq"
+  two_pass = o.surrogate in SEQUENCE_LEVEL or (on_policy and sequence_rollout)
+  dtype = weights.loss.dtype
+  n = weights.loss.size
+  per_token = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (n,))  # noqa: E731
+  scalars = {k: getattr(o, k) for k in _SCALARS if getattr(o, k) is not None}
+  args: dict[str, Any] = {"loss": weights.loss, "token": weights.token, "mask": weights.mask}
+  args |= {k: v for k, v in a.items() if k != "rollout_log_probs" or on_policy}
+  if rollout_log_probs is not None and not on_policy:
+    args["rollout_weights"] = rollout_weights(
+      a["old_log_probs"], a["rollout_log_probs"], weights, parsed.rollout_correction,
+      parsed.rollout_bounds,
+    )  # fmt: skip
+  if two_pass:
+    args["segment"] = weights.segment
+  args = jax.tree.map(lambda x: x.reshape(n), args)
+  args["scalars"] = {k: per_token(v) for k, v in scalars.items()}
+  if rollout_log_probs is not None and on_policy:
+    args["rollout_bounds"] = tuple(
+      None if b is None else per_token(b) for b in parsed.rollout_bounds
+    )
+  placeholders = {k: 0.0 for k in scalars}
+  static_fn = _TokenTerms(
+    o._replace(**placeholders), weights.num_segments, on_policy,
+    parsed.rollout_correction if rollout_log_probs is not None and on_policy else None,
+  )  # fmt: skip
+  coef = o.entropy_coef
+  with_entropy = not (isinstance(coef, float) and coef == 0.0)
+
+  # Kernel: the engine, then the metrics from its per-token outputs.
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+  loss, outs = fused_token_loss(
+    h, weight, bias, jnp.asarray(token_ids).reshape(n), static_fn, args,
+    where=weights.mask.reshape(n), temperature=temperature, softcap=softcap,
+    axis_name=axis_name, chunk_size=chunk_size, with_entropy=with_entropy, has_aux=True,
+    two_pass=two_pass, name=name, loss_dtype=out_dtype,
+  )  # fmt: skip
+  terms = outs.aux._replace(entropy=args["token"] * outs.entropy.astype(dtype))
+  return nan_unless(loss, *valid), reduce_metrics(terms, weights)

@@ -1,0 +1,218 @@
+"""fused_policy_loss == policy_loss on the materialised logits: values, metrics, gradients.
+
+The reference materialises ``hidden @ weight + bias``, takes
+``token_log_probs(..., return_entropy=True)`` and calls :func:`policy_loss`
+(itself checked against verl and TRL in float64 in test_policy.py), both
+differentiated wrt hidden, weight and bias.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import PartitionSpec as P
+
+from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
+from kldiv_jax._fused import FUSED_CHUNK_SCOPE, default_chunk_size, platform_chunk_size
+
+B, T, HIDDEN, VOCAB = 3, 5, 6, 24  # N = 15 tokens: chunks of 4 leave a remainder
+TOL = {"rtol": 3e-5, "atol": 3e-6}
+
+
+def _data(rng, dtype=np.float32):
+  f = lambda *shape: (1.2 * rng.normal(size=shape)).astype(dtype)  # noqa: E731
+  h, w, b = f(B, T, HIDDEN), f(HIDDEN, VOCAB), f(VOCAB)
+  ids = rng.integers(0, VOCAB, size=(B, T))
+  where = np.ones((B, T), bool)
+  where[1, 3:] = False
+  # The sampling policy's and the reference's log-probs: those of nearby heads (ratios near 1,
+  # some clipped either side).
+  z = lambda dw: np.asarray(h, np.float64) @ (w + dw) + b  # noqa: E731
+  lp = lambda dw: np.asarray(token_log_probs(z(dw), ids), np.float32)  # noqa: E731
+  old, ref = lp(0.3 * rng.normal(size=w.shape)), lp(0.3 * rng.normal(size=w.shape))
+  adv = rng.normal(size=B).astype(np.float32)
+  return h, w, b, ids, where, old, adv, ref
+
+
+def _pair(ids, old, adv, temperature=1.0, softcap=None, chunk_size=4, acc=None, fused_ids=None,
+          **kw):  # fmt: skip
+  """(fused, materialised) value_and_grad wrt hidden, weight and bias."""
+  fused_kw = kw | ({} if fused_ids is None else {"ignore_index": -100, "where": None})
+
+  def fused(h, w, b):
+    ids_ = ids if fused_ids is None else fused_ids
+    return fused_policy_loss(h, w, ids_, old, adv, bias=b, temperature=temperature,
+                             softcap=softcap, chunk_size=chunk_size, **fused_kw)  # fmt: skip
+
+  def materialised(h, w, b):
+    z = jnp.matmul(h, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc)
+    lp, ent = token_log_probs(z + b[None, None], ids, temperature=temperature, softcap=softcap,
+                              return_entropy=True)  # fmt: skip
+    return policy_loss(lp, old, adv, entropy=ent, **kw)
+
+  vg = lambda f: jax.value_and_grad(f, (0, 1, 2), has_aux=True)  # noqa: E731
+  return vg(fused), vg(materialised)
+
+
+def _assert_equal(got, want, tol=TOL):
+  (loss, metrics), grads = got
+  (want_loss, want_metrics), want_grads = want
+  np.testing.assert_allclose(loss, want_loss, **tol)
+  for field, x, y in zip(metrics._fields, metrics, want_metrics, strict=True):
+    np.testing.assert_allclose(x, y, **tol, err_msg=field)
+  for x, y in zip(grads, want_grads, strict=True):
+    assert x.dtype == y.dtype
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), **tol)
+
+
+SEGMENTS = np.array([[1, 1, 2, 2, 2], [1, 1, 1, 0, 0], [1, 2, 2, 3, 3]])
+CASES = {
+  "ppo clip-higher dual-clip, k3, entropy, rollout, soft-cap": dict(
+    clip_high=0.28, dual_clip=3.0, beta=0.04, kl_estimator="k3", entropy_coef=0.01,
+    rollout_correction="sequence_mask", rollout_bounds=(0.5, 2.0), temperature=0.7, softcap=3.0,
+  ),
+  "seq-mean-token-mean packed, low_var_kl+": dict(
+    aggregation="seq-mean-token-mean", segment_ids=SEGMENTS, beta=0.1,
+    kl_estimator="low_var_kl+", kl_clip=20.0, kl_importance_weighted=True, chunk_size=6,
+  ),
+  "gspo two-pass packed": dict(
+    surrogate="gspo", segment_ids=SEGMENTS, entropy_coef=0.01, temperature=1.3
+  ),
+  "gmpo on-policy, sequence rollout": dict(
+    surrogate="gmpo", rollout_correction="sequence_truncate", on_policy=True
+  ),
+  "cispo seq-mean-token-sum-norm, ignore_index": dict(
+    surrogate="cispo", clip_low=0.3, aggregation="seq-mean-token-sum-norm", ignore=True
+  ),
+}  # fmt: skip
+TRACED = ("clip_low", "clip_high", "dual_clip", "beta", "entropy_coef", "temperature")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_policy_loss_on_materialised_logits(rng, case):
+  """Each surrogate family and option group over 15 tokens with a padding mask, chunks not
+  dividing them; the scalar options traced (one compilation)."""
+  h, w, b, ids, where, old, adv, ref = _data(rng)
+  kw = dict(CASES[case], where=where)
+  if kw.pop("on_policy", False):
+    old = None
+  if kw.pop("ignore", False):  # the padding as an id (fused) rather than a mask
+    kw["fused_ids"] = np.where(where, ids, -100)
+  if kw.get("beta"):
+    kw["ref_log_probs"] = ref
+  if "rollout_correction" in kw:
+    kw["rollout_log_probs"] = ref  # an inference engine's log-probs, near the old ones
+  scalars = {k: kw.pop(k) for k in TRACED if k in kw}
+
+  @jax.jit
+  def both(scalars):
+    fused, materialised = _pair(ids, old, adv, **kw, **scalars)
+    return fused(h, w, b), materialised(h, w, b)
+
+  got, want = both(scalars)
+  _assert_equal(got, want)
+  assert got[0][1].tokens == where.sum()
+
+
+def test_bf16_head(rng):
+  """bf16 hidden and weight: equal to the materialised loss of float32-accumulated logits;
+  gradients in bf16, the loss in the per-token arrays' float32."""
+  h, w, b, ids, where, old, adv, _ = _data(rng)
+  h, w, b = (jnp.asarray(x, jnp.bfloat16) for x in (h, w, b))
+  fused, materialised = _pair(ids, old, adv, acc=jnp.float32, where=where, entropy_coef=0.01)
+  got, want = jax.jit(fused)(h, w, b), jax.jit(materialised)(h, w, b)
+  assert got[0][0].dtype == jnp.float32
+  _assert_equal(got, want, {"rtol": 2e-2, "atol": 2e-2})
+
+
+def _dots(jaxpr):
+  """dot_generals in a jaxpr and its sub-jaxprs (a loop body counted once)."""
+  n = 0
+  for e in jaxpr.eqns:
+    n += e.primitive.name == "dot_general"
+    for v in e.params.values():
+      for x in v if isinstance(v, (tuple, list)) else (v,):
+        x = getattr(x, "jaxpr", x)
+        n += _dots(x) if hasattr(x, "eqns") else 0
+  return n
+
+
+@pytest.mark.parametrize(("surrogate", "dots"), [("ppo", 3), ("gspo", 4)])
+def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots):
+  """value_and_grad: the token-level loss's one pass has three matmuls per chunk (logits,
+  grad_hidden, grad_weight); GSPO's two passes one and three."""
+  h, w, b, ids, _, old, adv, _ = _data(rng)
+
+  def loss(h, w, b):
+    return fused_policy_loss(h, w, ids, old, adv, bias=b, surrogate=surrogate, chunk_size=5)[0]
+
+  assert _dots(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr) == dots
+
+
+def test_default_chunk_per_platform():
+  """chunk_size=None: the engine's CPU chunk (2**23 logits) in a CPU module, the accelerator
+  chunk of platform_chunk_size on CUDA/TPU."""
+  n, hd, v = 256, 8, 1 << 16
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in [((n, hd), jnp.float32), ((hd, v), jnp.float32),
+          ((n,), jnp.int32), ((n,), jnp.float32)]]  # fmt: skip
+
+  def loss(h, w, ids, x):
+    return fused_policy_loss(h, w, ids, x, x)[0]
+
+  program = jax.jit(jax.value_and_grad(loss, (0, 1)))
+  cpu, accel = default_chunk_size(n, v, 1 << 23), platform_chunk_size(n, v, "tpu")
+  assert (cpu, accel) == (128, 256)
+  for platforms, want in [(("cpu",), {cpu}), (("cuda",), {accel}), (("tpu",), {accel})]:
+    text = export.export(program, platforms=platforms)(*args).mlir_module()
+    assert {int(c) for c in re.findall(FUSED_CHUNK_SCOPE + r"(\d+)", text)} == want, platforms
+
+
+@pytest.mark.parametrize(
+  "kw",
+  [
+    dict(surrogate="grpo"),
+    dict(aggregation="seq-mean"),
+    dict(clip_low=-0.1),
+    dict(surrogate="cispo-cap"),
+    dict(rollout_correction="token"),
+    dict(kl_in_loss=1),
+    dict(segment_ids=np.ones((B,), np.int32)),
+  ],
+)
+def test_bad_options_raise_as_policy_loss(rng, kw):
+  """The shared parse: the same error as policy_loss's, naming fused_policy_loss."""
+  h, w, _, ids, *_ = _data(rng)
+  x = np.zeros((B, T), np.float32)
+  with pytest.raises((TypeError, ValueError)) as want:
+    policy_loss(x, x, x, **kw)
+  message = str(want.value).replace("policy_loss:", "fused_policy_loss:", 1)
+  with pytest.raises(type(want.value), match=re.escape(message)):
+    fused_policy_loss(h, w, ids, x, x, **kw)
+
+
+@pytest.mark.multidevice
+def test_vocab_parallel_equals_unsharded(cpu_devices):
+  """axis_name: the head split over 8 devices, token-level and GSPO, soft-cap and temperature."""
+  h, w, b, ids, where, old, adv, ref = _data(np.random.default_rng(3))
+  mesh = jax.sharding.Mesh(np.array(cpu_devices), ("vocab",))
+  for surrogate in ("ppo", "gspo"):
+
+    def loss(h, w, b, axis_name=None, surrogate=surrogate):
+      return fused_policy_loss(
+        h, w, ids, old, adv, bias=b, surrogate=surrogate, where=where, ref_log_probs=ref,
+        beta=0.04, entropy_coef=0.01, temperature=1.3, softcap=4.0, chunk_size=4,
+        axis_name=axis_name,
+      )  # fmt: skip
+
+    sharded = jax.shard_map(
+      lambda h, w, b, loss=loss: loss(h, w, b, "vocab"),
+      mesh=mesh,
+      in_specs=(P(), P(None, "vocab"), P("vocab")),
+      out_specs=(P(), P()),
+    )
+    got = jax.jit(jax.value_and_grad(sharded, (0, 1, 2), has_aux=True))(h, w, b)
+    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(h, w, b)
+    _assert_equal(got, want)
