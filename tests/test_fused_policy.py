@@ -167,8 +167,8 @@ def test_dtypes(rng, dtype):
 
 
 def test_constants_out_of_range_and_errors(rng):
-  """No gradient to the per-token args or temperature; an id out of range gives NaN unless
-  masked (where, ignore_index); clear errors for a per-token function or args of the wrong shape."""
+  """No gradient to the per-token args or temperature; an id out of range raises when known
+  and gives NaN when traced, unless masked (where, ignore_index); clear errors for a per-token function or args of the wrong shape."""
   h, w, b, ids, where, old, adv = _data(rng)
   args = _ppo_args(where, old, adv)
 
@@ -186,8 +186,13 @@ def test_constants_out_of_range_and_errors(rng):
   bad[4] = -100  # padding, left out by ignore_index as by where
   got, _ = fused_token_loss(h, w, b, bad, ppo, args, ignore_index=-100, has_aux=True)
   np.testing.assert_array_equal(got, want)
-  bad[4] = VOCAB
-  got, outs = fused_token_loss(h, w, b, bad, ppo, args, has_aux=True)
+  bad[4] = VOCAB  # counted: known ids raise (the id contract), traced ones give NaN
+  with pytest.raises(
+    ValueError, match=r"token_ids must be in \[0, 24\); got 24 at position \(4,\)"
+  ):
+    fused_token_loss(h, w, b, bad, ppo, args, has_aux=True)
+  traced = jax.jit(lambda i: fused_token_loss(h, w, b, i, ppo, args, has_aux=True))
+  got, outs = traced(bad)
   assert np.isnan(got) and np.isnan(outs.log_probs[4]) and not np.isnan(outs.log_probs[3])
   with pytest.raises(ValueError, match="one loss per token"):
     fused_token_loss(h, w, b, ids, lambda lp, ent, a: jnp.sum(lp), ())
