@@ -45,8 +45,8 @@ from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
 from kldiv_jax._engine import formula_params, identical_rows
 from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
-from kldiv_jax._rows import compiled, is_zero, normalizer, row_stats, times_slope
-from kldiv_jax._vocab_parallel import class_offset, combine
+from kldiv_jax._rows import compiled, is_zero, map_rows, normalizer, row_stats, times_slope
+from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 # ---------------------------------------------------------------- student
 
@@ -57,15 +57,17 @@ def tail_classes(z: jax.Array, ids: jax.Array, keep: jax.Array, axis_name) -> ja
 
   ``ids`` are global ids ``[rows, k]`` (in range where ``keep``); with
   ``axis_name`` the classes are this device's slice and the ids of the other
-  slices mark nothing here. One scatter of ``k`` entries per row (a repeated
-  id marks its class once, whichever slot holds it).
+  slices mark nothing here. Compared slot by slot (``k`` comparisons per
+  class, elementwise: no scatter into a ``[rows, classes]`` mask).
   """
   classes = z.shape[-1]
   local = ids if axis_name is None else ids - class_offset(axis_name, classes).astype(ids.dtype)
-  here = keep & (local >= 0) & (local < classes)
-  local = jnp.where(here, local, classes)  # past the end: dropped
-  rows = lax.broadcasted_iota(local.dtype, local.shape, 0)
-  return jnp.ones(z.shape, jnp.bool_).at[rows, local].set(False, mode="drop")
+  local = jnp.where(keep, local, -1)  # a slot without mass marks no class
+  iota = lax.broadcasted_iota(local.dtype, z.shape, 1)
+  tail = jnp.ones(z.shape, jnp.bool_)
+  for j in range(local.shape[-1]):
+    tail = tail & (iota != local[:, j : j + 1])
+  return tail
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -78,10 +80,11 @@ def tail_lse(cap, axis_name, z: jax.Array, scale: jax.Array, shift: jax.Array, i
   derivative: the caller's ``stop_gradient`` max of the top-k's scaled
   logits, so that large logits lose no digits), ``ids``/``keep`` the top-k
   (:func:`tail_classes`); the result is in ``scale``'s dtype, ``-inf`` for an
-  empty tail. The max is the tail's own, so a tail far below the top-k
-  (``1e-30`` of the mass) is exact, not rounded to 0. With the top-k logits,
-  whose log-sum-exp is ``k``-sized, it gives the full log-sum-exp
-  (:func:`student_log_probs`): one pass over the classes for both. The rule
+  empty tail. A tail far below the top-k (``1e-30`` of the mass; down to
+  float32's smallest normal number relative to the row's max) is exact, not
+  rounded to 0. With the top-k logits, whose log-sum-exp is ``k``-sized, it
+  gives the full log-sum-exp (:func:`student_log_probs`): one pass over the
+  classes for both, as the full log-sum-exp alone took before. The rule
   recomputes the tail's softmax in the tangent instead of saving it: reverse
   mode writes no ``[rows, vocab]`` residual.
   """
@@ -89,26 +92,45 @@ def tail_lse(cap, axis_name, z: jax.Array, scale: jax.Array, shift: jax.Array, i
 
 
 def _tail_stats(cap, axis_name, z, scale, shift, ids, keep):
-  """``(tail_lse, x, m, log_s)``: ``x`` the scaled logits (``-inf`` outside the tail), the
-  tail's softmax ``exp((x - m) - log_s)`` (``x - m`` exact: no digits lost to large logits)."""
-  tail = tail_classes(z, ids, keep, axis_name)
-  # The max of the raw logits (the cap is increasing): no upcast copy of bf16 logits.
-  top = jnp.max(jnp.where(tail, z, -jnp.inf), axis=-1, keepdims=True)
-  m = lax.stop_gradient(max_shift(soft_cap(top.astype(scale.dtype), cap) * scale))
-  x = jnp.where(tail, soft_cap(z.astype(scale.dtype), cap) * scale, -jnp.inf)
-  s = jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+  """``(tail_lse, m, log_s)``: the tail's softmax is ``exp((x - m) - log_s)`` on the tail
+  classes (:func:`_scaled_tail`; ``x - m`` is exact for large logits).
+
+  Per block of rows on CPU (:func:`kldiv_jax._rows.map_rows`): XLA:CPU writes the masked
+  logits as a ``[rows, vocab]`` temporary before a reduction, a block's at a time there.
+  """
+
+  def stats(z, ids, keep, scale):
+    # The max of the raw logits (the cap is increasing): no upcast copy of bf16 logits.
+    # The whole row's: a tail down to float32's smallest normal (1e-38) of the top-k's
+    # mass stays exact.
+    top = jnp.max(z, axis=-1, keepdims=True)
+    m = lax.stop_gradient(max_shift(soft_cap(top.astype(scale.dtype), cap) * scale))
+    x = _scaled_tail(cap, axis_name, z, scale, ids, keep)
+    return m, jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+
+  # Half the rows of a block: a block writes two temporaries (the mask and the masked logits),
+  # one block's worth together.
+  classes = 2 * global_classes(z.shape[-1], axis_name)
+  m, s = map_rows(stats, (z, ids, keep, scale.reshape(1, 1)), z.shape[0], classes)
   if axis_name is not None:
     m, s = combine(m, s, axis_name)
   has, _, log_s = normalizer(s)
-  return jnp.where(has, log_s + (m - shift), -jnp.inf), x, m, log_s
+  return jnp.where(has, log_s + (m - shift), -jnp.inf), m, log_s
+
+
+def _scaled_tail(cap, axis_name, z, scale, ids, keep):
+  """``soft_cap(z) * scale`` on the tail classes, ``-inf`` elsewhere."""
+  tail = tail_classes(z, ids, keep, axis_name)
+  return jnp.where(tail, soft_cap(z.astype(scale.dtype), cap) * scale, -jnp.inf)
 
 
 def _tail_lse_jvp(cap, axis_name, primals, tangents):
   z, scale, shift, ids, keep = primals
   dz, dscale = tangents[:2]
-  lse, x, m, log_s = _tail_stats(cap, axis_name, z, scale, shift, ids, keep)
+  lse, m, log_s = _tail_stats(cap, axis_name, z, scale, shift, ids, keep)
   # d lse = sum_v w_v dx_v over the tail, w its softmax (0 elsewhere: x = -inf there),
   # x = soft_cap(z) * scale; 0 * -inf guarded at masked logits and top-k classes.
+  x = _scaled_tail(cap, axis_name, z, scale, ids, keep)
   w = jnp.exp((x - m) - log_s)
   tangent = jnp.zeros_like(lse)
   if not is_zero(dz):
