@@ -188,8 +188,9 @@ def _outcomes(needs: Needs, mu, su, mv, sv, norms: Norms, same, sums) -> Outcome
   or ``+inf`` logit (the options' range tests are the caller's: ``nan_unless``).
   """
   ok = jnp.isfinite(su) & jnp.isfinite(sv)
-  # log(-1): a NaN only where one is meant to be (jax.debug_nans stays quiet elsewhere).
-  nan = jnp.log(jnp.where(ok, 1.0, -1.0))
+  # log(-1): a NaN only where one is meant to be (jax.debug_nans stays quiet elsewhere), in
+  # the rows' dtype (two Python floats would make a weakly typed float64 under x64).
+  nan = jnp.log(jnp.where(ok, 1.0, -1.0).astype(su.dtype))
   value = nonnegative(jnp.where(same, 0.0, sums[0])) + nan
   infinite = value == jnp.inf
   rest = iter(sums[1:])

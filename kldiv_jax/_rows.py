@@ -108,18 +108,30 @@ def map_rows(fn, arrays, num_rows, num_classes=None):
   ``jit``, the platform of the default device decides at once. The CPU loop
   runs in the name scope :data:`ROW_BLOCKS_SCOPE`, which marks it in a lowered
   module.
+
+  The outputs are strongly typed on every path. The loop and
+  ``lax.platform_dependent`` return a weakly typed result (one made from
+  Python numbers) strongly typed, and a plain call would not: a program's
+  types would then depend on the row count. Under ``jax_enable_x64`` a weakly
+  typed float64 ``[rows, 1]`` added to float32 stays float32 on one path and
+  becomes float64 on the other (a ``custom_jvp`` rule's tangent no longer
+  matches its primal).
   """
   if num_classes is None:
     num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
   block = max(1, _BLOCK_ELEMENTS // max(num_classes, 1))
+
+  def strong(*a):
+    return tuple(lax.convert_element_type(r, r.dtype) for r in fn(*a))
+
   if num_rows <= block or not _per_device_code():
-    return fn(*arrays)
+    return strong(*arrays)
 
   def blocked(*a):
     with jax.named_scope(ROW_BLOCKS_SCOPE):
-      return _row_blocks(fn, a, num_rows, block)
+      return _row_blocks(strong, a, num_rows, block)
 
-  return lax.platform_dependent(*arrays, cpu=blocked, default=lambda *a: tuple(fn(*a)))
+  return lax.platform_dependent(*arrays, cpu=blocked, default=strong)
 
 
 def _row_blocks(fn, arrays, num_rows, block):

@@ -6,16 +6,21 @@ softmax over its whole vocabulary on ``k + 1`` classes: the ``k`` top-k
 tokens and one *tail* class holding the rest of the mass.
 
 * Student: ``log q_j = soft_cap(z_{i_j}) / T - logsumexp(soft_cap(z) / T)``,
-  and the tail ``log(1 - sum_j q_j)``. The log-sum-exp is a reduction with a
-  ``jax.custom_jvp`` (:func:`student_lse`) that recomputes the softmax in its
-  tangent, so neither pass keeps a ``[rows, vocab]`` residual; with
-  ``axis_name`` each device reduces its slice of the vocabulary and only
-  per-row scalars cross devices.
+  and the tail ``logsumexp`` over the classes outside the top-k minus the
+  same normaliser: in log space, never ``1 - sum_j q_j`` (which rounds to 0,
+  and makes a divergence ``+inf``, for a tail below the top-k's rounding or
+  logits shifted by a constant). The tail's log-sum-exp is a reduction with
+  a ``jax.custom_jvp`` (:func:`tail_lse`) that recomputes the tail's softmax
+  in its tangent, so neither pass keeps a ``[rows, vocab]`` residual; the
+  full log-sum-exp adds the ``k`` top-k logits to it. With ``axis_name``
+  each device reduces its slice of the vocabulary and only per-row scalars
+  cross devices.
 * Teacher, ``tail=False`` (renormalised): ``p_j = softmax(l / T)_j`` over the
   top-k, and no mass in the tail. For forward KL this is exactly
   ``KL(p || q)`` over the whole vocabulary (``p`` is 0 outside the top-k).
 * Teacher, ``tail=True`` (the tail bucket, TRL's ``add_tail_bucket``, verl's
-  ``forward_kl_topk_tail``): ``p_j = exp(l_j)`` and the tail ``1 - sum_j p_j``.
+  ``forward_kl_topk_tail``): ``p_j = exp(l_j)`` and the tail ``1 - sum_j p_j``,
+  as ``log1mexp`` of the top-k's log-sum-exp (:func:`tail_log`).
   The teacher's mass outside the top-k is unknown at another temperature, so
   the log-probabilities are taken as the teacher's at the distillation
   temperature (as a server computes them when it samples at ``T``) and ``T``
@@ -40,56 +45,107 @@ from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
 from kldiv_jax._engine import formula_params, identical_rows
 from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
-from kldiv_jax._rows import compiled, is_zero, normalizer, row_stats, times_slope
-from kldiv_jax._vocab_parallel import class_offset, combine
+from kldiv_jax._rows import compiled, is_zero, map_rows, normalizer, row_stats, times_slope
+from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 # ---------------------------------------------------------------- student
 
 
+def tail_classes(z: jax.Array, ids: jax.Array, keep: jax.Array, axis_name) -> jax.Array:
+  """Whether each class of ``z`` ``[rows, classes]`` is in the tail: no kept top-k slot
+  holds its id, ``[rows, classes]`` bool.
+
+  ``ids`` are global ids ``[rows, k]`` (in range where ``keep``); with
+  ``axis_name`` the classes are this device's slice and the ids of the other
+  slices mark nothing here. Compared slot by slot (``k`` comparisons per
+  class, elementwise: no scatter into a ``[rows, classes]`` mask).
+  """
+  classes = z.shape[-1]
+  local = ids if axis_name is None else ids - class_offset(axis_name, classes).astype(ids.dtype)
+  local = jnp.where(keep, local, -1)  # a slot without mass marks no class
+  iota = lax.broadcasted_iota(local.dtype, z.shape, 1)
+  tail = jnp.ones(z.shape, jnp.bool_)
+  for j in range(local.shape[-1]):
+    tail = tail & (iota != local[:, j : j + 1])
+  return tail
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def student_lse(cap, axis_name, z: jax.Array, scale: jax.Array) -> jax.Array:
-  """``log sum exp(soft_cap(z) * scale)`` over the (whole) class axis, ``[rows, 1]``.
+def tail_lse(cap, axis_name, z: jax.Array, scale: jax.Array, shift: jax.Array, ids, keep):
+  """``log sum exp(soft_cap(z_v) * scale - shift)`` over the tail classes ``v`` (no kept
+  top-k id), ``[rows, 1]``: the student's tail mass in log space, never ``1 - sum_j q_j``.
 
   ``z`` is the raw logits (any float dtype, cast inside the fusions that read
-  it), ``scale = 1 / T``; the result is in ``scale``'s dtype, ``-inf`` for a
-  row without mass. The rule recomputes the softmax in the tangent instead
-  of saving it: reverse mode writes no ``[rows, vocab]`` residual.
+  it), ``scale = 1 / T``, ``shift`` a per-row constant ``[rows, 1]`` (no
+  derivative: the caller's ``stop_gradient`` max of the top-k's scaled
+  logits, so that large logits lose no digits), ``ids``/``keep`` the top-k
+  (:func:`tail_classes`); the result is in ``scale``'s dtype, ``-inf`` for an
+  empty tail. A tail far below the top-k (``1e-30`` of the mass; down to
+  float32's smallest normal number relative to the row's max) is exact, not
+  rounded to 0. With the top-k logits, whose log-sum-exp is ``k``-sized, it
+  gives the full log-sum-exp (:func:`student_log_probs`): one pass over the
+  classes for both, as the full log-sum-exp alone took before. The rule
+  recomputes the tail's softmax in the tangent instead of saving it: reverse
+  mode writes no ``[rows, vocab]`` residual.
   """
-  return _lse_stats(cap, axis_name, z, scale)[0]
+  return _tail_stats(cap, axis_name, z, scale, shift, ids, keep)[0]
 
 
-def _lse_stats(cap, axis_name, z, scale):
-  # The max of the raw logits (the cap is increasing): no upcast copy of bf16 logits.
-  m = soft_cap(jnp.max(z, axis=-1, keepdims=True).astype(scale.dtype), cap) * scale
-  m = lax.stop_gradient(max_shift(m))
-  x = soft_cap(z.astype(scale.dtype), cap) * scale
-  s = jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+def _tail_stats(cap, axis_name, z, scale, shift, ids, keep):
+  """``(tail_lse, m, log_s)``: the tail's softmax is ``exp((x - m) - log_s)`` on the tail
+  classes (:func:`_scaled_tail`; ``x - m`` is exact for large logits).
+
+  Per block of rows on CPU (:func:`kldiv_jax._rows.map_rows`): XLA:CPU writes the masked
+  logits as a ``[rows, vocab]`` temporary before a reduction, a block's at a time there.
+  """
+
+  def stats(z, ids, keep, scale):
+    # The max of the raw logits (the cap is increasing): no upcast copy of bf16 logits.
+    # The whole row's: a tail down to float32's smallest normal (1e-38) of the top-k's
+    # mass stays exact.
+    top = jnp.max(z, axis=-1, keepdims=True)
+    m = lax.stop_gradient(max_shift(soft_cap(top.astype(scale.dtype), cap) * scale))
+    x = _scaled_tail(cap, axis_name, z, scale, ids, keep)
+    return m, jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+
+  # Half the rows of a block: a block writes two temporaries (the mask and the masked logits),
+  # one block's worth together.
+  classes = 2 * global_classes(z.shape[-1], axis_name)
+  m, s = map_rows(stats, (z, ids, keep, scale.reshape(1, 1)), z.shape[0], classes)
   if axis_name is not None:
     m, s = combine(m, s, axis_name)
   has, _, log_s = normalizer(s)
-  return jnp.where(has, log_s + m, -jnp.inf), x
+  return jnp.where(has, log_s + (m - shift), -jnp.inf), m, log_s
 
 
-def _student_lse_jvp(cap, axis_name, primals, tangents):
-  z, scale = primals
-  dz, dscale = tangents
-  lse, x = _lse_stats(cap, axis_name, z, scale)
-  # d lse = sum_v softmax_v dx_v, x = soft_cap(z) * scale; 0 * -inf guarded at masked logits.
-  q = jnp.exp(x - max_shift(lse))
+def _scaled_tail(cap, axis_name, z, scale, ids, keep):
+  """``soft_cap(z) * scale`` on the tail classes, ``-inf`` elsewhere."""
+  tail = tail_classes(z, ids, keep, axis_name)
+  return jnp.where(tail, soft_cap(z.astype(scale.dtype), cap) * scale, -jnp.inf)
+
+
+def _tail_lse_jvp(cap, axis_name, primals, tangents):
+  z, scale, shift, ids, keep = primals
+  dz, dscale = tangents[:2]
+  lse, m, log_s = _tail_stats(cap, axis_name, z, scale, shift, ids, keep)
+  # d lse = sum_v w_v dx_v over the tail, w its softmax (0 elsewhere: x = -inf there),
+  # x = soft_cap(z) * scale; 0 * -inf guarded at masked logits and top-k classes.
+  x = _scaled_tail(cap, axis_name, z, scale, ids, keep)
+  w = jnp.exp((x - m) - log_s)
   tangent = jnp.zeros_like(lse)
   if not is_zero(dz):
-    g = times_slope(q * scale, x / scale, cap)
-    tangent = tangent + jnp.sum(g * dz.astype(q.dtype), axis=-1, keepdims=True)
+    g = times_slope(w * scale, x / scale, cap)
+    tangent = tangent + jnp.sum(g * dz.astype(w.dtype), axis=-1, keepdims=True)
   if not is_zero(dscale):
-    xq = jnp.where(q > 0, x, 0.0) * q
-    tangent = tangent + jnp.sum(xq, axis=-1, keepdims=True) / scale * dscale
+    xw = jnp.where(w > 0, x, 0.0) * w
+    tangent = tangent + jnp.sum(xw, axis=-1, keepdims=True) / scale * dscale
   if axis_name is not None:
     tangent = lax.psum(tangent, axis_name)
   return lse, tangent
 
 
-student_lse.defjvp(_student_lse_jvp, symbolic_zeros=True)
-student_lse = compiled(student_lse, static_argnums=(0, 1), inline=False)
+tail_lse.defjvp(_tail_lse_jvp, symbolic_zeros=True)
+tail_lse = compiled(tail_lse, static_argnums=(0, 1), inline=False)
 
 
 def gather_logits(z: jax.Array, ids: jax.Array, axis_name: str | None) -> jax.Array:
@@ -136,14 +192,23 @@ def tail_log(x: jax.Array, k: int) -> jax.Array:
   """``log(1 - exp(x))``: the log of the mass left outside a top-k whose masses sum to
   ``exp(x)``, ``x <= 0``; ``-inf`` (an empty tail) where that mass is below ``4 k`` ulps of 1.
 
-  A sum of ``k`` probabilities is exact to about ``k`` ulps, so a smaller tail is rounding:
-  counting it as mass would make a divergence that charges one side for mass the other
-  lacks (reverse KL) ``+inf`` between two identical top-k lists covering the vocabulary.
-  ``x`` is clamped below that first, so the derivative stays finite where the tail is
-  empty: a zero cotangent there gives 0, not NaN. NaN stays NaN.
+  The teacher's tail, from its stored top-k log-probabilities: a sum of ``k``
+  probabilities is exact to about ``k`` ulps, so a smaller tail is rounding: counting it
+  as mass would make a divergence that charges one side for mass the other lacks (reverse
+  KL) ``+inf`` between two identical top-k lists covering the vocabulary. ``x`` is clamped
+  below that first, so the derivative stays finite where the tail is empty: a zero
+  cotangent there gives 0, not NaN. ``log1mexp`` (Maechler, "Accurately computing
+  log(1 - exp(-|a|))", 2012): ``log(-expm1(x))`` near 0, ``log1p(-exp(x))`` below
+  ``-log 2``, so a tail holding almost all the mass keeps its digits too. NaN stays NaN.
   """
   top = jnp.log1p(jnp.asarray(-4.0 * k * jnp.finfo(x.dtype).eps, x.dtype))
-  out = jnp.log(-jnp.expm1(jnp.minimum(x, top)))
+  x_ = jnp.minimum(x, top)
+  near = x_ > -jnp.log(2.0)
+  out = jnp.where(
+    near,
+    jnp.log(-jnp.expm1(jnp.where(near, x_, top))),
+    jnp.log1p(-jnp.exp(jnp.where(near, -1.0, x_))),
+  )
   return jnp.where(x >= top, -jnp.inf, out)
 
 
@@ -182,17 +247,24 @@ def student_log_probs(z, ids, keep, temperature, cap, axis_name):
   """The student's log-probabilities on the top-k ids and the tail, ``[rows, k + 1]``.
 
   ``ids`` hold ids in range where ``keep`` (int32; the others gather id 0 and
-  are selected away). An all ``-inf`` student row is the zero measure: every
-  class ``-inf``.
+  are selected away). The tail is the log-sum-exp over the classes outside
+  the top-k (:func:`tail_lse`), and the normaliser the log-sum-exp of the
+  tail and the ``k`` top-k logits: both in log space, so no mass is a
+  difference of two sums (a shift of the logits changes nothing; a tail
+  holding ``1e-30`` of the mass is that, not 0). An all ``-inf`` student row
+  is the zero measure: every class ``-inf``.
   """
   scale = 1.0 / temperature
-  lse = student_lse(cap, axis_name, z, jnp.asarray(scale))
-  picked = gather_logits(z, jnp.where(keep, ids, 0), axis_name).astype(lse.dtype)
-  log_q = jnp.where(keep, soft_cap(picked, cap) * scale - max_shift(lse), -jnp.inf)
-  log_q = jnp.where(keep & (picked == -jnp.inf), -jnp.inf, log_q)
-  log_tail = tail_log(_logsumexp(log_q), log_q.shape[-1])
-  log_tail = jnp.where(lse == -jnp.inf, -jnp.inf, log_tail)
-  return jnp.concatenate([log_q, log_tail], axis=-1)
+  picked = gather_logits(z, jnp.where(keep, ids, 0), axis_name)
+  has = keep & (picked != -jnp.inf)
+  dtype = jnp.result_type(scale)
+  top = soft_cap(jnp.where(has, picked, 0.0).astype(dtype), cap) * scale
+  top = jnp.where(has, top, -jnp.inf)
+  # Everything relative to the top-k's max, so that logits far from 0 keep their digits.
+  shift = lax.stop_gradient(max_shift(jnp.max(top, axis=-1, keepdims=True)))
+  log_tail = tail_lse(cap, axis_name, z, jnp.asarray(scale, dtype), shift, ids, keep)
+  both = jnp.concatenate([top - shift, log_tail], axis=-1)
+  return both - max_shift(_logsumexp(both))
 
 
 # ---------------------------------------------------------------- the divergence

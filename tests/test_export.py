@@ -20,18 +20,20 @@ The inputs have more rows than one CPU block holds, so that the CPU path is a
 loop: the check on the CPU module is what shows that the others can fail.
 """
 
+import contextlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import lm_inputs
+from _references import TOLERANCES, enable_x64, lm_inputs
 from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
+from kldiv_jax import _rows as _rows_mod
 from kldiv_jax._fused import FUSED_CHUNK_SCOPE, platform_chunk_size
 from kldiv_jax._rows import ROW_BLOCKS_SCOPE
 
@@ -42,12 +44,12 @@ ROWS, VOCAB, HIDDEN, K = 512, 1024, 16, 8
 CHUNK = 256
 
 
-def _data() -> dict[str, np.ndarray]:
-  data, rng = lm_inputs(ROWS, VOCAB, HIDDEN, K, seed=0, scale=2.0)
+def _data(rows: int = ROWS) -> dict[str, np.ndarray]:
+  data, rng = lm_inputs(rows, VOCAB, HIDDEN, K, seed=0, scale=2.0)
   f32 = lambda *shape, scale=1.0: (scale * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
   data.update(log_q=np.asarray(jax.nn.log_softmax(data["s"])), p=np.exp(data["log_p"]))
-  data.update(lp=f32(ROWS, scale=0.5) - 2.0, ref_lp=f32(ROWS, scale=0.5) - 2.0)
-  data.update(mean=f32(ROWS, 8), log_var=f32(ROWS, 8, scale=0.3))
+  data.update(lp=f32(rows, scale=0.5) - 2.0, ref_lp=f32(rows, scale=0.5) - 2.0, adv=f32(rows))
+  data.update(mean=f32(rows, 8), log_var=f32(rows, 8, scale=0.3))
   return data
 
 
@@ -139,6 +141,18 @@ def _losses() -> dict[str, Loss]:
     ),
     "distillation_advantages": Loss(kd.distillation_advantages, ("lp", "ref_lp"), 0, False),
     "gaussian_kl": Loss(kd.gaussian_kl, ("mean", "log_var"), (0, 1), False),
+    "policy_loss": Loss(
+      lambda a, b, adv: kd.policy_loss(a, b, adv, ref_log_probs=b, beta=0.1)[0],
+      ("lp", "ref_lp", "adv"),
+      0,
+      False,
+    ),
+    "fused_policy_loss": Loss(
+      lambda h, w, y, b, adv: kd.fused_policy_loss(h, w, y, b, adv, chunk_size=CHUNK)[0],
+      ("h", "w", "labels", "ref_lp", "adv"),
+      (0, 1),
+      True,
+    ),
   }
 
 
@@ -317,3 +331,98 @@ def test_fused_default_chunk_is_chosen_per_platform(name):
     assert _fused_chunks(text) == want, platforms
   text = export.export(program, platforms=PLATFORMS)(*args).mlir_module()
   assert _fused_chunks(text) == {cpu, accel}
+
+
+# -- jax_enable_x64 -------------------------------------------------------------------------------
+
+# Row counts: one row, a few, many, and one more than a CPU block of VOCAB classes (the CPU
+# path loops over two blocks, the last one shifted back). The fused losses' chunk (CHUNK rows)
+# holds all of them, so they go through the same paths.
+X64_ROWS = (1, 7, 123, _rows_mod._BLOCK_ELEMENTS // VOCAB + 1)
+X64_DATA = {rows: _data(rows) for rows in X64_ROWS}
+# The fused losses are ``custom_vjp`` functions: reverse mode only.
+REVERSE_ONLY = {name for name in LOSSES if name.startswith("fused_")}
+
+
+@contextlib.contextmanager
+def _single_pass_rows():
+  """The rows in one pass, as on GPU and TPU, in a program run on CPU.
+
+  ``map_rows`` stages both paths with ``lax.platform_dependent``, and a CPU
+  program keeps the row loop (:func:`kldiv_jax._rows._row_blocks`): here the
+  loop is replaced by one call of its body on every row, the other platforms'
+  computation. The kernels are ``jax.jit`` functions whose traces are cached,
+  hence the cleared caches around the change.
+  """
+  saved = _rows_mod._row_blocks
+  jax.clear_caches()
+  _rows_mod._row_blocks = lambda fn, arrays, num_rows, block: fn(*arrays)
+  try:
+    yield
+  finally:
+    _rows_mod._row_blocks = saved
+    jax.clear_caches()
+
+
+def _argnums(name):
+  argnums = LOSSES[name].argnums
+  return argnums if isinstance(argnums, tuple) else (argnums,)
+
+
+def _x64_results(name, row_counts, x64):
+  """Per input dtype and row count: the inputs, and the loss, its gradients wrt ``argnums``
+  and (``custom_jvp`` losses) a ``jvp`` of the total, from one jitted program."""
+  loss, argnums = LOSSES[name], _argnums(name)
+
+  def results(*args):
+    total = lambda *a: jnp.sum(loss.fn(*a))  # noqa: E731
+    out = {"value": loss.fn(*args), "grads": jax.grad(total, argnums=argnums)(*args)}
+    if name not in REVERSE_ONLY:
+      i = argnums[0]
+      along = lambda x: total(*args[:i], x, *args[i + 1 :])  # noqa: E731
+      out["jvp"] = jax.jvp(along, (args[i],), (jnp.ones_like(args[i]),))[1]
+    return out
+
+  def cast(a, dtype):
+    return jnp.asarray(a, dtype) if np.issubdtype(a.dtype, np.floating) else jnp.asarray(a)
+
+  with enable_x64(x64):
+    inputs = [
+      tuple(cast(X64_DATA[r][n], dtype) for n in loss.names)
+      for dtype in (jnp.float32, jnp.bfloat16)
+      for r in row_counts
+    ]
+    got = jax.jit(lambda sets: [results(*a) for a in sets])(inputs)
+  return inputs, jax.tree.map(np.asarray, got)
+
+
+def _check_x64(name, row_counts):
+  """x64 on against x64 off: the dtypes, finite gradients, the same numbers."""
+  inputs, on = _x64_results(name, row_counts, True)
+  _, off = _x64_results(name, row_counts, False)
+  for args, got, want in zip(inputs, on, off, strict=True):
+    dtype = args[_argnums(name)[0]].dtype
+    rtol, atol = TOLERANCES[dtype.name]
+    where = f"{name}, {dtype.name}, {np.shape(args[0])[0]} rows"
+    # The dtype contract: the value in the inputs' dtype, each gradient in its input's.
+    assert got["value"].dtype == dtype, where
+    for g, i in zip(got["grads"], _argnums(name), strict=True):
+      assert g.dtype == args[i].dtype and np.isfinite(g.astype(np.float32)).all(), where
+    for key in got:
+      for g, w in zip(jax.tree.leaves(got[key]), jax.tree.leaves(want[key]), strict=True):
+        np.testing.assert_allclose(
+          g.astype(np.float64), w.astype(np.float64), rtol, atol, err_msg=f"{where}: {key}"
+        )
+
+
+@pytest.mark.filterwarnings("ignore:The function convex_kl_divergence is deprecated")
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_x64_float32_and_bfloat16_inputs(name):
+  """Under ``jax_enable_x64``, float32 and bfloat16 inputs: the value, ``grad`` and ``jvp``
+  keep the inputs' dtypes, are finite and equal those computed with x64 off: the row
+  kernels at every row count, on the CPU row loop and on the other platforms' single pass."""
+  # The other losses have no row loop: one row count is their every path.
+  _check_x64(name, X64_ROWS if LOSSES[name].rows else X64_ROWS[1:2])
+  if LOSSES[name].rows:
+    with _single_pass_rows():
+      _check_x64(name, X64_ROWS[-1:])

@@ -10,12 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import TOLERANCES, np_log_softmax
+from _references import TOLERANCES, enable_x64, np_log_softmax, np_topk_divergence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
-from kldiv_jax import kl_div_from_logits, kl_div_from_topk
+from kldiv_jax import (
+  Divergence,
+  divergence_from_logits,
+  divergence_from_topk,
+  kl_div_from_logits,
+  kl_div_from_topk,
+)
 
 # Jitted once per shape: one compilation instead of one per eager op keeps the file fast.
 topk = jax.jit(kl_div_from_topk, static_argnames=("temperature",))
@@ -402,3 +408,113 @@ def test_value_and_grad_writes_no_vocab_sized_temporary():
     jax.ShapeDtypeStruct((n, k), jnp.float32),
   ).compile()
   assert compiled.memory_analysis().temp_size_in_bytes < n * vocab * 4 // 2
+
+
+# ---------------------------------------------------------------- tails in log space
+# The tails are log-sum-exps (the student's over the logits outside the top-k), never
+# 1 - sum q: that difference rounds to 0 (+inf divergences) for a tail below the top-k's
+# rounding, which a constant shift of the logits makes out of any tail.
+
+
+def _fd_grad(fn, z, h=1e-5):
+  """Central finite differences of a float64 NumPy function of ``z`` (summed over rows)."""
+  z = np.asarray(z, np.float64)
+  grad = np.zeros_like(z)
+  for i in np.ndindex(*z.shape):
+    e = np.zeros_like(z)
+    e[i] = h
+    grad[i] = (np.sum(fn(z + e)) - np.sum(fn(z - e))) / (2 * h)
+  return grad
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.4])
+def test_bucket_tail_below_the_top_k_rounding_is_finite(scale):
+  # The student's tail holds e^-50 (e^-20 at scale 0.4) of its mass, the teacher's 0.5.
+  z = np.array([[0.0, -50.0, -60.0]]) * scale
+  ids, lp = np.array([[0]]), np.log(np.array([[0.5]]))
+  fn = lambda z: divergence_from_topk(z, ids, lp, tail="bucket").sum()  # noqa: E731
+  value, grad = jax.value_and_grad(fn)(z.astype(np.float32))
+  ref = lambda z: np_topk_divergence("forward_kl", {}, z, ids, lp, 1.0, "bucket")  # noqa: E731
+  np.testing.assert_allclose(value, ref(z).sum(), rtol=2e-6)  # 24.3068 at scale 1
+  # About 0.5 * (1, -1, 0): the tail's softmax, not 0.
+  np.testing.assert_allclose(grad, _fd_grad(ref, z), rtol=1e-5, atol=1e-7)
+
+
+def test_shifted_logits_covering_the_vocabulary_reverse_kl_is_zero():
+  s = np.array([[1000.0, 1001.0, 999.0]], np.float32)
+  t = np.array([[0.0, 1.0, -1.0]], np.float32)
+  ids, lp = np.array([[0, 1, 2]]), np_log_softmax(t).astype(np.float32)
+  fn = lambda s: divergence_from_topk(s, ids, lp, divergence="reverse_kl").sum()  # noqa: E731
+  value, grad = jax.value_and_grad(fn)(s)
+  # float64: the teacher is the student shifted by 1000, so the divergence is 0.
+  want = np_topk_divergence("reverse_kl", {}, s, ids, lp.astype(np.float64), 1.0)
+  np.testing.assert_allclose(value, want.sum(), atol=1e-6)
+  np.testing.assert_allclose(grad, 0.0, atol=1e-6)
+  np.testing.assert_allclose(divergence_from_logits(s, t, divergence="reverse_kl"), 0.0, atol=1e-6)
+
+
+SHIFT_DIVERGENCES = {
+  "forward_kl": Divergence("forward_kl"),
+  "reverse_kl": Divergence("reverse_kl"),
+  "jsd[0.3]": Divergence("jsd", beta=0.3),
+  "symmetric_kl[0.7]": Divergence("symmetric_kl", lam=0.7),
+  "skew_kl[0.2]": Divergence("skew_kl", alpha=0.2),
+  "skew_reverse_kl[0.3]": Divergence("skew_reverse_kl", alpha=0.3),
+  "tvd": Divergence("tvd"),
+  "alpha_beta[0.6,0.3]": Divergence("alpha_beta", alpha=0.6, beta=0.3),
+}
+OFFSETS = (0.0, 1e2, 1e3, 1e4)
+# Vocabulary 5, top-3 at T = 2: an ordinary row, and one whose student tail holds 2e-31 of
+# its mass (logits -140 at T = 2). Logits on a grid of 1/4: shifted by 1e4, float32 holds them.
+SHIFT_Z = np.array([[1.5, -0.25, 0.75, -1.0, 0.5], [0.0, -0.5, -140.0, -140.25, 0.25]])
+SHIFT_IDS = np.array([[0, 2, 4], [0, 1, 4]])
+SHIFT_LP = np.log(np.array([[0.5, 0.25, 0.125], [0.5, 0.25, 0.125]]))
+SHIFT_T = 2.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(SHIFT_DIVERGENCES))
+def test_shift_invariance_and_tiny_tails(case, dtype):
+  """Every divergence, both tails: the logits shifted by 0, 1e2, 1e3 and 1e4 give the
+  float64 value and gradient (finite differences) of the unshifted logits."""
+  spec = SHIFT_DIVERGENCES[case]
+  rows = len(SHIFT_Z)
+  ids, lp = np.tile(SHIFT_IDS, (len(OFFSETS), 1)), np.tile(SHIFT_LP, (len(OFFSETS), 1))
+
+  def per_tail(z, lp):
+    out = {}
+    for tail in ("renormalize", "bucket"):
+
+      def fn(z, tail=tail):
+        return divergence_from_topk(z, ids, lp, divergence=spec, temperature=SHIFT_T, tail=tail)
+
+      out[tail] = (fn(z), jax.grad(lambda z, fn=fn: fn(z).sum())(z))
+    return out
+
+  with enable_x64(dtype == "float64"):
+    z = np.concatenate([SHIFT_Z + o for o in OFFSETS]).astype(dtype)
+    got = jax.jit(per_tail)(z, lp.astype(dtype))
+  rtol, atol = (2e-5, 2e-6) if dtype == "float32" else (1e-7, 1e-8)
+  for tail, (value, grad) in got.items():
+    want, want_grad = _topk_reference(spec, tail)
+    finite = np.isfinite(want)
+    for i, offset in enumerate(OFFSETS):
+      at = slice(i * rows, (i + 1) * rows)
+      msg = f"{case}, {tail}, offset {offset}"
+      np.testing.assert_allclose(value[at], want, rtol=rtol, atol=atol, err_msg=msg)
+      assert np.isfinite(grad[at]).all(), msg
+      # On a +inf row (mass where the teacher has none) the gradient is finite, unchanged.
+      np.testing.assert_allclose(grad[at][finite], want_grad[finite], rtol, atol, err_msg=msg)
+      np.testing.assert_allclose(grad[at], grad[:rows], rtol=rtol, atol=atol, err_msg=msg)
+
+
+def _topk_reference(spec, tail):
+  """float64 value and gradient (finite differences, 0 on +inf rows) of the shift rows."""
+  args = (SHIFT_IDS, SHIFT_LP, SHIFT_T, tail)
+
+  def ref(z):
+    return np_topk_divergence(spec.name, dict(spec.params), z, *args)
+
+  want = ref(SHIFT_Z)
+  finite = np.isfinite(want)
+  return want, _fd_grad(lambda z: np.where(finite, ref(z), 0.0), SHIFT_Z)
