@@ -274,7 +274,7 @@ def test_alpha_beta_limits_are_the_limits_of_abkd_general_formula(x64, rng, para
 
 
 def test_alpha_beta_near_a_limit_is_continuous(x64, rng):
-  z, y = _pair(rng, (2, 6), scale=1.0)
+  z, y = _pair(rng, scale=1.0)
   for limit, near in [
     ((0.7, 0.0), (0.7, 1e-7)),
     ((0.0, 0.6), (1e-7, 0.6)),
@@ -422,11 +422,11 @@ def test_no_nan_is_made_on_the_way(rng, case, name, params):
 
 @pytest.mark.parametrize(("case", "name", "params"), EACH, ids=EACH_IDS)
 def test_identical_logits_give_exactly_zero(rng, case, name, params):
-  z = rng.normal(size=(5, 33)) * 3
+  z = rng.normal(size=(64, 50)) * 3
   z[1, :4] = -INF
   z[2, 10:] = -INF
   z[3] = -INF
-  mask = rng.random((1, 33)) > 0.2
+  mask = rng.random((1, 50)) > 0.2
   for dtype, traced in ((np.float32, False), (jnp.bfloat16, True)):
     a = jnp.asarray(z, dtype)
     spec = _spec(name, params, traced=traced, dtype=jnp.float32)
