@@ -691,36 +691,43 @@ def _sharded_inputs():
   return s, t, mask
 
 
+def _per_example(a, b, m, temperature, spec, axis_name=None):
+  return divergence_from_logits(
+    a, b, divergence=spec, temperature=temperature, where=m, axis_name=axis_name
+  )
+
+
+def _objective(fn):
+  """Values, and the gradients of their weighted sum wrt a, b, temperature and parameters."""
+  weights = np.linspace(0.5, 1.5, ROWS).astype(np.float32)
+
+  def obj(*args):
+    out = fn(*args)
+    return jnp.sum(jnp.where(jnp.isfinite(out), out * weights, 0.0)), out
+
+  return jax.value_and_grad(obj, argnums=(0, 1, 3, 4), has_aux=True)
+
+
+# The unsharded reference: one jit, so compiled once per divergence (its parameters are
+# traced), not once per case and mesh.
+_UNSHARDED = jax.jit(_objective(_per_example))
+
+
 def _run_sharded(devices, name, params, mesh_name):
   shape, axes = {"8": ((8,), ("vocab",)), "2x4": ((2, 4), ("data", "vocab"))}[mesh_name]
   mesh = jax.sharding.Mesh(np.array(devices[: int(np.prod(shape))]).reshape(shape), axes)
   data = "data" if "data" in axes else None
   s, t, mask = _sharded_inputs()
-  weights = np.linspace(0.5, 1.5, ROWS).astype(np.float32)
   spec = Divergence(name, **{k: jnp.float32(v) for k, v in params.items()})
-
-  def per_example(a, b, m, temperature, spec, axis_name=None):
-    return divergence_from_logits(
-      a, b, divergence=spec, temperature=temperature, where=m, axis_name=axis_name
-    )
-
   sharded = jax.shard_map(
-    lambda a, b, m, temperature, spec: per_example(a, b, m, temperature, spec, "vocab"),
+    lambda a, b, m, temperature, spec: _per_example(a, b, m, temperature, spec, "vocab"),
     mesh=mesh,
     in_specs=(P(data, "vocab"), P(data, "vocab"), P(None, "vocab"), P(), P()),
     out_specs=P(data),
   )
-
-  def objective(fn):
-    def obj(*args):
-      out = fn(*args)
-      return jnp.sum(jnp.where(jnp.isfinite(out), out * weights, 0.0)), out
-
-    return jax.value_and_grad(obj, argnums=(0, 1, 3, 4), has_aux=True)
-
   args = (s, t, mask, jnp.float32(1.7), spec)
-  (_, ref_val), ref_grads = jax.jit(objective(per_example))(*args)
-  compiled = jax.jit(objective(sharded)).lower(*args).compile()
+  (_, ref_val), ref_grads = _UNSHARDED(*args)
+  compiled = jax.jit(_objective(sharded)).lower(*args).compile()
   (_, val), grads = compiled(*args)
   return (val, grads), (ref_val, ref_grads), refs.collectives(compiled.as_text())
 
