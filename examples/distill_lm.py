@@ -3,7 +3,7 @@
 A corpus every machine has offline: the ``*.py`` files of the running Python's
 standard library (a deterministic subset; a deterministic tenth of the files
 held out for evaluation). A byte-level BPE tokenizer (HuggingFace
-``tokenizers``, 8192 tokens) is trained on the training files, then small
+``tokenizers``, 8192 tokens; 512 with ``--quick``) is trained on the training files, then small
 decoder-only transformers written in plain JAX (causal self-attention,
 pre-LayerNorm, learned positions, an untied LM head ``[H, V]``) inside jitted
 Optax train steps:
@@ -81,6 +81,7 @@ class ModelSize:
 class Preset:
   """Everything ``--quick`` changes."""
 
+  vocab: int  # BPE vocabulary size
   train_chars: int  # characters of training files read (the tokenizer's and models' corpus)
   eval_chars: int  # characters of held-out files read
   seq_len: int
@@ -94,6 +95,7 @@ class Preset:
 
 
 DEFAULT = Preset(
+  vocab=8192,
   train_chars=3_000_000,
   eval_chars=400_000,
   seq_len=128,
@@ -106,15 +108,16 @@ DEFAULT = Preset(
   eval_seqs=32,
 )
 QUICK = Preset(
-  train_chars=600_000,
-  eval_chars=100_000,
+  vocab=512,
+  train_chars=200_000,
+  eval_chars=30_000,
   seq_len=64,
   batch=8,
   teacher=ModelSize(d_model=64, n_layers=1, n_heads=2),
   student=ModelSize(d_model=32, n_layers=1, n_heads=1),
-  teacher_steps=40,
-  steps=30,
-  eval_every=10,
+  teacher_steps=10,
+  steps=10,
+  eval_every=5,
   eval_seqs=16,
 )
 
@@ -611,7 +614,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   parser.add_argument(
     "--teacher-steps", type=int, help=f"teacher steps (default {DEFAULT.teacher_steps})"
   )
-  parser.add_argument("--vocab", type=int, default=8192, help="BPE vocabulary size (default 8192)")
+  parser.add_argument(
+    "--vocab", type=int, help=f"BPE vocabulary size (default {DEFAULT.vocab}; {QUICK.vocab} quick)"
+  )
   parser.add_argument("--temperature", type=float, default=1.0, help="distillation T (default 1)")
   parser.add_argument(
     "--alpha", type=float, default=0.5, help="weight of the KD term in [0, 1] (default 0.5)"
@@ -639,14 +644,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
     preset,
     steps=args.steps or preset.steps,
     teacher_steps=args.teacher_steps or preset.teacher_steps,
+    vocab=preset.vocab if args.vocab is None else args.vocab,
   )
-  if args.vocab < 512:
-    parser.error(f"--vocab must be at least 512; got {args.vocab}")
+  if preset.vocab < 512:
+    parser.error(f"--vocab must be at least 512; got {preset.vocab}")
   if args.temperature <= 0:
     parser.error(f"--temperature must be positive; got {args.temperature}")
   if not 0.0 <= args.alpha <= 1.0:
     parser.error(f"--alpha must be in [0, 1]; got {args.alpha}")
-  if not 0 < args.top_k <= args.vocab:
+  if not 0 < args.top_k <= preset.vocab:
     parser.error(f"--top-k must be in [1, --vocab]; got {args.top_k}")
   if args.chunk_size < 1:
     parser.error(f"--chunk-size must be positive; got {args.chunk_size}")
@@ -658,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
   train_files, held_out_files = stdlib_files()
   train_texts = read_texts(train_files, preset.train_chars)
   eval_texts = read_texts(held_out_files, preset.eval_chars)
-  tokenizer = train_tokenizer(train_texts, args.vocab)
+  tokenizer = train_tokenizer(train_texts, preset.vocab)
   vocab = tokenizer.get_vocab_size()
   train_tokens = to_sequences(tokenizer, train_texts, seq_len)
   eval_rows = to_sequences(tokenizer, eval_texts, seq_len)[: preset.eval_seqs]
