@@ -669,9 +669,9 @@ def fused_distillation_loss(
       global token count for gradient accumulation), positive and finite.
     chunk_size: tokens per chunk; ``None`` picks a power of two per platform
       when the program is lowered: about ``2**22`` logits per chunk and side on
-      CPU, ``2**27`` (at most 4096 tokens) on GPU and TPU, where each chunk
-      reads both heads and the float32 weight gradient and small chunks are
-      bound by that traffic. The last chunk may be smaller.
+      CPU, ``2**27`` on TPU and ``2**28`` on GPU (at most 4096 tokens), where
+      each chunk reads both heads and the float32 weight gradient and small
+      chunks are bound by that traffic. The last chunk may be smaller.
     axis_name: for vocabulary parallelism: the name of a mesh axis over which
       the V axis of ``weight``, ``bias``, ``target_weight`` and
       ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
@@ -917,8 +917,8 @@ def fused_token_log_probs(
   forward or backward. The forward pass keeps two per-token statistics (the
   row max and the log-normaliser); the backward pass recomputes each chunk's
   logits from them and folds the chunk's gradient into the gradients wrt
-  ``hidden``, ``weight`` and ``bias`` at once, the weight's a block of
-  vocabulary columns at a time (as the fused distillation losses do). PPO and
+  ``hidden``, ``weight`` and ``bias`` at once (the weight's on CPU a block of
+  vocabulary columns at a time, as the fused distillation losses do). PPO and
   GRPO need these for the policy's and the reference model's sampled tokens
   (see :func:`kl_estimate`); Liger Kernel's fused linear cross entropy is the
   same design.
