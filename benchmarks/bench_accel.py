@@ -19,7 +19,7 @@ the same loss on materialised ``hidden @ weight`` logits.
   analysis of the optimised GPU module (``jax._src`` tooling, benchmarks only),
   and the time is the roofline.
 * XLA counts a ``while`` loop's body once. The fused losses loop over chunks of
-  tokens (and over column blocks of the weight gradient): their costs are
+  tokens (and, on CPU, over column blocks of the weight gradient): their costs are
   compiled with every ``fori_loop`` unrolled at one and at two chunks of tokens,
   and extrapolated linearly to N tokens (``c(1) + (N/C - 1) (c(2) - c(1))``).
   Their temp comes from the real (looped) program at N tokens.
@@ -111,6 +111,10 @@ ROW_CASES = (
 # Reported, not among the issue's targets: the top-k gather is its own problem.
 UNCHECKED = ("divergence_from_topk",)
 FUSED_CASES = ("fused_distillation", "fused_topk", "fused_token_log_probs")
+# Reads of an [H, V] head per chunk (the logits of each side, the gradient wrt the hidden
+# states; the token log-probs recompute the logits backward): with the float32 weight
+# gradient's read and write, the weight traffic a chunk cannot avoid.
+HEAD_READS = {"fused_distillation": 3, "fused_topk": 2, "fused_token_log_probs": 3}
 
 
 # ----------------------------------------------------------------------------- the cases
@@ -445,6 +449,7 @@ def _fused_records(target: str, dev, shape, cases, chunk: int | None) -> list[di
       chunks = n / c
       est = {k: one[k] + (chunks - 1) * (two[k] - one[k]) for k in ("flops", "bytes", "seconds")}
       per_chunk_intensity = (two["flops"] - one["flops"]) / max(two["bytes"] - one["bytes"], 1)
+      weight_bytes = h * v * (HEAD_READS[case] * dt.itemsize + 2 * 4)
       # The real program at N tokens, its chunk chosen by the library: its temp.
       default = None if chunk else fused["fused"](None)
       full = _measure(default or fn, (0, 1), _structs(kinds, dims(n), dev), target, matmul=True)
@@ -453,6 +458,7 @@ def _fused_records(target: str, dev, shape, cases, chunk: int | None) -> list[di
         "time_source": one["time_source"],
         "temp_bytes": full["temp_bytes"],
         "chunk_intensity": per_chunk_intensity,
+        "weight_intensity": (two["flops"] - one["flops"]) / weight_bytes,
         "one_chunk": one,
         "two_chunks": two,
       }
@@ -567,6 +573,7 @@ def _line(row: dict[str, Any]) -> str:
     f"{what} chunk {row['chunk']:>5}  time {_fmt_ratio(row['time_ratio']):>5}x materialised  "
     f"temp {_fmt_bytes(fused['temp_bytes']):>7} (materialised "
     f"{_fmt_bytes(row['materialised']['temp_bytes'])})  intensity {fused['chunk_intensity']:.0f}"
+    f" (weights {fused.get('weight_intensity', 0):.0f})"
     f"  {fused['seconds'] * 1e3:8.2f} ms"
   )
 
@@ -589,12 +596,16 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
       if target in FUSED_TEMP_TARGET:
         limit = FUSED_TEMP_TARGET[target] / 2**30
         out.append(_target(f"{name}: temp GiB", limit, r["fused"]["temp_bytes"] / 2**30))
-      # The guard: a default chunk whose matmuls are not compute-bound (flops per HBM byte
-      # of one chunk below the chip's flops/bandwidth ratio) is weight-bandwidth-bound.
+      # The guard: a default chunk is weight-bandwidth-bound when its flops (XLA's count)
+      # per byte of the weight traffic it must move (the heads' reads, the float32 weight
+      # gradient's read and write) are below the chip's flops / bandwidth. The chunk's
+      # intensity over all its bytes (the logits' passes too) is reported beside it.
       balance = TARGETS[target]["peak"] / TARGETS[target]["bw"]
       out.append(
         _target(
-          f"{name}: chip balance / chunk intensity", 1.0, balance / r["fused"]["chunk_intensity"]
+          f"{name}: chip balance / chunk weight intensity",
+          1.0,
+          balance / r["fused"]["weight_intensity"],
         )
       )
     elif "time_ratio" not in r:

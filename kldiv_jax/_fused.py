@@ -63,19 +63,28 @@ from kldiv_jax._vocab_parallel import (
 
 # Logit elements per chunk and side when chunk_size=None on CPU (16 MiB of float32).
 _CHUNK_ELEMENTS = 1 << 22
-# On GPUs and TPUs (chunk_size=None): about 2**27 logits per chunk (512 MiB of float32 per
-# [chunk, vocab] array), at most 4096 tokens. Each chunk reads both heads and reads and
-# writes the float32 weight gradient: ~14 bytes per head element for 8 C H V flops (four
-# [C, H] x [H, V] matmuls), C / 1.75 flops per byte, against a chip balance of ~240 (TPU
-# v5e) to ~300 (H100) flops per byte. 1024 tokens at V = 131072 keeps the matmuls
-# compute-bound; 32 (the CPU default there) left them bound by weight bandwidth.
+# On TPUs (chunk_size=None): about 2**27 logits per chunk (512 MiB of float32 per [chunk,
+# vocab] array), at most 4096 tokens. Each chunk reads both heads and reads and writes the
+# float32 weight gradient: ~14 bytes per head element for 8 C H V flops (four [C, H] x
+# [H, V] matmuls), C / 1.75 flops per byte, against a chip balance of ~240 (TPU v5e) to
+# ~300 (H100) flops per byte. 1024 tokens at V = 131072 keeps the matmuls compute-bound;
+# 32 (the CPU default there) left them bound by weight bandwidth.
 _ACCEL_CHUNK_ELEMENTS = 1 << 27
+# On GPUs: twice that (2048 tokens at V = 131072). XLA:GPU writes each chunk's float32
+# logits and their gradient to HBM between its fusions (~13 passes over a [chunk, vocab]
+# float32 array per chunk, the matmuls' epilogues not fused): at 1024 tokens that traffic
+# plus the heads' made an H100 chunk bandwidth-bound (1.6x the materialised loss, XLA's
+# estimate), at 2048 it is 1.1x, with 3.1 GiB of temporaries against the 80 GiB.
+_GPU_CHUNK_ELEMENTS = 1 << 28
 _ACCEL_MAX_CHUNK = 4096
 # The name scope of a fused call's chunk loop, followed by its chunk (``..._1024``): it marks
 # the chunking in a lowered module.
 FUSED_CHUNK_SCOPE = "kldiv_jax_fused_chunk_"
-# Vocabulary columns per block of the weight-gradient update.
+# CPU: vocabulary columns per block of the weight-gradient update.
 _GRAD_W_BLOCK = 4096
+# The name scope of a chunk's weight-gradient update, followed by how it is done: the block
+# width (``..._4096``, CPU) or ``whole`` (GPU and TPU): it marks the choice in a lowered module.
+FUSED_GRAD_W_SCOPE = "kldiv_jax_fused_grad_w_"
 
 
 def _power_of_two_chunk(elements: int, num_tokens: int, vocab_size: int, cap: int) -> int:
@@ -91,18 +100,20 @@ def default_chunk_size(num_tokens: int, vocab_size: int, elements: int = _CHUNK_
 
 
 def platform_chunk_size(num_tokens: int, vocab_size: int, platform: str) -> int:
-  """The default chunk for a platform: :func:`default_chunk_size` on ``"cpu"``; elsewhere a
-  power of two near ``2**27 / vocab_size`` tokens, at most 4096, within ``[1, num_tokens]``."""
+  """The default chunk for a platform: :func:`default_chunk_size` on ``"cpu"``; on ``"cuda"``
+  and ``"rocm"`` a power of two near ``2**28 / vocab_size`` tokens, elsewhere (TPU) near
+  ``2**27 / vocab_size``, at most 4096, within ``[1, num_tokens]``."""
   if platform == "cpu":
     return default_chunk_size(num_tokens, vocab_size)
-  return _power_of_two_chunk(_ACCEL_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+  elements = _GPU_CHUNK_ELEMENTS if platform in ("cuda", "rocm") else _ACCEL_CHUNK_ELEMENTS
+  return _power_of_two_chunk(elements, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
 
 
 def _per_platform(chunk_size, name, n, vocab_size, call, elements=_CHUNK_ELEMENTS):
   """``call(chunk)`` with ``chunk_size``, or by default the chunk of the platform the program
   is lowered for (:func:`platform_chunk_size`; on CPU, ``elements`` logits per chunk).
 
-  As the row path's blocks (:func:`kldiv_jax._rows.map_rows`), both chunkings are staged
+  As the row path's blocks (:func:`kldiv_jax._rows.map_rows`), the chunkings are staged
   out with ``lax.platform_dependent`` and lowering keeps the platform's own: a program
   exported with ``jax.export`` for several platforms holds each one's. Each runs in the
   name scope :data:`FUSED_CHUNK_SCOPE` followed by its chunk.
@@ -116,10 +127,17 @@ def _per_platform(chunk_size, name, n, vocab_size, call, elements=_CHUNK_ELEMENT
     return run
 
   chunk = _check_chunk(name, chunk_size, n, vocab_size, elements)
-  accel = chunk if chunk_size is not None else platform_chunk_size(n, vocab_size, "tpu")
-  if accel == chunk:
+  if chunk_size is not None:
     return scoped(chunk)()
-  return lax.platform_dependent(cpu=scoped(chunk), default=scoped(accel))
+  chunks = {p: platform_chunk_size(n, vocab_size, p) for p in ("cuda", "rocm", "tpu")}
+  chunks["cpu"] = chunk  # the CPU default, with the caller's ``elements``
+  if len(set(chunks.values())) == 1:
+    return scoped(chunk)()
+  # One traced branch per distinct chunk (``platform_dependent`` joins equal callables).
+  runs = {c: scoped(c) for c in set(chunks.values())}
+  default = runs[chunks.pop("tpu")]
+  others = {p: runs[c] for p, c in chunks.items() if runs[c] is not default}
+  return lax.platform_dependent(**others, default=default)
 
 
 def _matmul(a, w, b, dtype):
@@ -240,22 +258,40 @@ _fused = compiled(_fused, static_argnums=0)
 
 
 def _add_weight_grad(grad_w, hc, dz, axis_name, acc):
-  """``grad_w += hc^T dz``, a block of vocabulary columns at a time: a dot writes a fresh
-  buffer, so a whole ``[H, V]`` product would be a second ``[H, V]`` array.
-  Vocabulary parallel: a device's slice of the unsharded call's blocks."""
-  shards = 1 if axis_name is None else lax.axis_size(axis_name)
-  block = min(grad_w.shape[1], max(1, _GRAD_W_BLOCK // shards))
-  num_blocks, rest = divmod(grad_w.shape[1], block)
+  """``grad_w += hc^T dz``, the way of the platform the program is lowered for.
 
-  def one(j, grad_w, width):
-    cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
-    gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=acc)
-    return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
+  CPU: a block of vocabulary columns at a time (a dot writes a fresh buffer, so a
+  whole ``[H, V]`` product is a second ``[H, V]`` array in cache-unfriendly passes).
+  GPU and TPU: one ``[H, V]`` dot per chunk added to the carry, which XLA fuses into
+  the matmul's output (cuBLAS's ``beta = 1``, TPU output fusion) in place; the
+  blocks there each re-read and re-wrote the whole float32 accumulator. Chosen with
+  ``lax.platform_dependent`` as the chunk is (:func:`_per_platform`): an exported
+  program holds each platform's own. Vocabulary parallel: a device's slice of the
+  unsharded call's blocks.
+  """
 
-  grad_w = lax.fori_loop(0, num_blocks, lambda k, g: one(k * block, g, block), grad_w)
-  if rest:
-    grad_w = one(num_blocks * block, grad_w, rest)
-  return grad_w
+  def blocked(grad_w, hc, dz):
+    shards = 1 if axis_name is None else lax.axis_size(axis_name)
+    block = min(grad_w.shape[1], max(1, _GRAD_W_BLOCK // shards))
+    num_blocks, rest = divmod(grad_w.shape[1], block)
+
+    def one(j, grad_w, width):
+      cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
+      gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=acc)
+      return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
+
+    with jax.named_scope(f"{FUSED_GRAD_W_SCOPE}{block}"):
+      grad_w = lax.fori_loop(0, num_blocks, lambda k, g: one(k * block, g, block), grad_w)
+      if rest:
+        grad_w = one(num_blocks * block, grad_w, rest)
+    return grad_w
+
+  def whole(grad_w, hc, dz):
+    with jax.named_scope(f"{FUSED_GRAD_W_SCOPE}whole"):
+      gw = lax.dot_general(hc, dz, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+      return grad_w + gw
+
+  return lax.platform_dependent(grad_w, hc, dz, cpu=blocked, default=whole)
 
 
 def _chunks(n, chunk, part, carry):
@@ -669,9 +705,9 @@ def fused_distillation_loss(
       global token count for gradient accumulation), positive and finite.
     chunk_size: tokens per chunk; ``None`` picks a power of two per platform
       when the program is lowered: about ``2**22`` logits per chunk and side on
-      CPU, ``2**27`` (at most 4096 tokens) on GPU and TPU, where each chunk
-      reads both heads and the float32 weight gradient and small chunks are
-      bound by that traffic. The last chunk may be smaller.
+      CPU, ``2**27`` on TPU and ``2**28`` on GPU (at most 4096 tokens), where
+      each chunk reads both heads and the float32 weight gradient and small
+      chunks are bound by that traffic. The last chunk may be smaller.
     axis_name: for vocabulary parallelism: the name of a mesh axis over which
       the V axis of ``weight``, ``bias``, ``target_weight`` and
       ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
@@ -841,8 +877,8 @@ def fused_token_log_probs(
   forward or backward. The forward pass keeps two per-token statistics (the
   row max and the log-normaliser); the backward pass recomputes each chunk's
   logits from them and folds the chunk's gradient into the gradients wrt
-  ``hidden``, ``weight`` and ``bias`` at once, the weight's a block of
-  vocabulary columns at a time (as the fused distillation losses do). PPO and
+  ``hidden``, ``weight`` and ``bias`` at once (the weight's on CPU a block of
+  vocabulary columns at a time, as the fused distillation losses do). PPO and
   GRPO need these for the policy's and the reference model's sampled tokens
   (see :func:`kl_estimate`); Liger Kernel's fused linear cross entropy is the
   same design.

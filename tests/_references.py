@@ -38,6 +38,50 @@ else:
   enable_x64 = jax.experimental.enable_x64
 
 
+def _sub_jaxprs(eqn):
+  for v in eqn.params.values():
+    for x in v if isinstance(v, (tuple, list)) else (v,):
+      x = getattr(x, "jaxpr", x)
+      if hasattr(x, "eqns"):
+        yield x
+
+
+def dot_generals(jaxpr) -> int:
+  """The ``dot_general``s one platform runs in ``jaxpr``: a loop body counted once, and of
+  a ``cond`` (``lax.platform_dependent``'s per-platform branches) its largest branch."""
+  n = 0
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      n += 1
+    elif e.primitive.name == "cond":
+      n += max(dot_generals(b) for b in _sub_jaxprs(e))
+    else:
+      n += sum(dot_generals(s) for s in _sub_jaxprs(e))
+  return n
+
+
+def loop_dot_generals(jaxpr) -> tuple[int, list[int]]:
+  """``(dot_generals outside loops, [dot_generals in each outermost loop])``, as
+  :func:`dot_generals` counts them."""
+  outside, loops = 0, []
+
+  def walk(j):
+    nonlocal outside
+    for e in j.eqns:
+      if e.primitive.name == "dot_general":
+        outside += 1
+      elif e.primitive.name in ("scan", "while"):
+        loops.append(sum(dot_generals(s) for s in _sub_jaxprs(e)))
+      elif e.primitive.name == "cond":
+        outside += max(dot_generals(b) for b in _sub_jaxprs(e))
+      else:
+        for s in _sub_jaxprs(e):
+          walk(s)
+
+  walk(jaxpr)
+  return outside, loops
+
+
 def docs_snippet(page: str, heading: str) -> str:
   """The first Python block of a section of a docs page (the guides' snippets must run)."""
   text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text()

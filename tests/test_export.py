@@ -34,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
 from kldiv_jax import _rows as _rows_mod
-from kldiv_jax._fused import FUSED_CHUNK_SCOPE, platform_chunk_size
+from kldiv_jax._fused import FUSED_CHUNK_SCOPE, FUSED_GRAD_W_SCOPE, platform_chunk_size
 from kldiv_jax._rows import ROW_BLOCKS_SCOPE
 
 PLATFORMS = ("cpu", "cuda", "tpu")
@@ -102,13 +102,13 @@ def _losses() -> dict[str, Loss]:
       lambda a, i, lp: kd.divergence_from_topk(a, i, lp, divergence="reverse_kl"),
       ("s", "idx", "topk_lp"),
       (0, 2),
-      False,
+      True,
     ),
     "kl_div_from_topk": Loss(
       lambda a, i, lp: kd.kl_div_from_topk(a, i, lp, tail="bucket"),
       ("s", "idx", "topk_lp"),
       0,
-      False,
+      True,
     ),
     "fused_distillation_loss": Loss(
       lambda h, w, th, tw, y: kd.fused_distillation_loss(h, w, th, tw, labels=y, chunk_size=CHUNK),
@@ -128,7 +128,7 @@ def _losses() -> dict[str, Loss]:
       lambda h, w, i, lp: kd.fused_topk_distillation_loss(h, w, i, lp, chunk_size=CHUNK),
       ("h", "w", "idx", "topk_lp"),
       (0, 1),
-      False,
+      True,
     ),
     "fused_token_log_probs": Loss(
       lambda h, w, y: kd.fused_token_log_probs(h, w, y, chunk_size=CHUNK),
@@ -314,10 +314,23 @@ def _fused_chunks(text: str) -> set[int]:
   return {int(c) for c in re.findall(FUSED_CHUNK_SCOPE + r"(\d+)", text)}
 
 
+def _fused_grad_w(text: str) -> set[str]:
+  return set(re.findall(FUSED_GRAD_W_SCOPE + r"([0-9a-z]+)", text))
+
+
+def test_fused_default_chunk_per_platform_at_a_large_vocabulary():
+  """N = 16384, V = 2**17 (bench-accel's size): 2**22 logits per chunk on CPU, 2**28 on GPUs
+  (their fusions pass the chunk's logits through HBM: more tokens amortise the heads), 2**27
+  on TPU (a 16 GiB v5e)."""
+  chunks = [platform_chunk_size(16384, 1 << 17, p) for p in ("cpu", "cuda", "rocm", "tpu")]
+  assert chunks == [32, 2048, 2048, 1024]
+
+
 @pytest.mark.parametrize("name", sorted(FUSED_DEFAULTS))
 def test_fused_default_chunk_is_chosen_per_platform(name):
   """``chunk_size=None``: the CPU module chunks 16 tokens at a time, the CUDA and TPU modules
-  the accelerator default (every token here), and a module for all three holds both."""
+  the accelerator default (every token here), and a module for all three holds both; the
+  weight gradient is updated in blocks of 4096 columns on CPU, whole elsewhere."""
   fn, kinds = FUSED_DEFAULTS[name]
   n, v, h = FUSED_TOKENS, FUSED_VOCAB, FUSED_HIDDEN
   shapes = {"h": ((n, h), jnp.float32), "w": ((h, v), jnp.float32), "y": ((n,), jnp.int32)}
@@ -326,11 +339,18 @@ def test_fused_default_chunk_is_chosen_per_platform(name):
   program = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
   cpu, accel = platform_chunk_size(n, v, "cpu"), platform_chunk_size(n, v, "tpu")
   assert (cpu, accel) == (16, 256)
-  for platforms, want in [(("cpu",), {cpu}), (("cuda",), {accel}), (("tpu",), {accel})]:
+  blocked, whole = {"4096"}, {"whole"}
+  for platforms, want, grad_w in [
+    (("cpu",), {cpu}, blocked),
+    (("cuda",), {accel}, whole),
+    (("tpu",), {accel}, whole),
+  ]:
     text = export.export(program, platforms=platforms)(*args).mlir_module()
     assert _fused_chunks(text) == want, platforms
+    assert _fused_grad_w(text) == grad_w, platforms
   text = export.export(program, platforms=PLATFORMS)(*args).mlir_module()
   assert _fused_chunks(text) == {cpu, accel}
+  assert _fused_grad_w(text) == blocked | whole
 
 
 # -- jax_enable_x64 -------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import enable_x64, np_log_softmax
+from _references import enable_x64, loop_dot_generals, np_log_softmax
 from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
@@ -200,38 +200,6 @@ def test_constants_out_of_range_and_errors(rng):
     fused_token_loss(h, w, b, ids, ppo, (old[:3], adv, args[2]), has_aux=True)
 
 
-def _loop_dot_counts(jaxpr):
-  """``(dot_generals outside loops, [dot_generals inside each outermost loop])``."""
-
-  def subjaxprs(eqn):
-    for v in eqn.params.values():
-      for x in v if isinstance(v, (tuple, list)) else (v,):
-        x = getattr(x, "jaxpr", x)
-        if hasattr(x, "eqns"):
-          yield x
-
-  def count(j):
-    return sum(
-      (e.primitive.name == "dot_general") + sum(count(s) for s in subjaxprs(e)) for e in j.eqns
-    )
-
-  outside, loops = 0, []
-
-  def walk(j):
-    nonlocal outside
-    for e in j.eqns:
-      if e.primitive.name == "dot_general":
-        outside += 1
-      elif e.primitive.name in ("scan", "while"):
-        loops.append(sum(count(s) for s in subjaxprs(e)))
-      else:
-        for s in subjaxprs(e):
-          walk(s)
-
-  walk(jaxpr.jaxpr)
-  return outside, loops
-
-
 @pytest.mark.parametrize(("two_pass", "loops"), [(False, [3]), (True, [1, 3])])
 def test_matmuls_per_chunk(rng, two_pass, loops):
   """value_and_grad: token-level, one loop over the chunks with three matmuls in its body
@@ -246,7 +214,7 @@ def test_matmuls_per_chunk(rng, two_pass, loops):
     )[0]
 
   jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b)
-  assert _loop_dot_counts(jaxpr) == (0, loops)
+  assert loop_dot_generals(jaxpr.jaxpr) == (0, loops)
 
 
 def test_no_logits_array_in_compiled_memory():

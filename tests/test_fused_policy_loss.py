@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import dot_generals
 from jax import export
 from jax.sharding import PartitionSpec as P
 
@@ -128,18 +129,6 @@ def test_bf16_head(rng):
   _assert_equal(got, want, {"rtol": 2e-2, "atol": 2e-2})
 
 
-def _dots(jaxpr):
-  """dot_generals in a jaxpr and its sub-jaxprs (a loop body counted once)."""
-  n = 0
-  for e in jaxpr.eqns:
-    n += e.primitive.name == "dot_general"
-    for v in e.params.values():
-      for x in v if isinstance(v, (tuple, list)) else (v,):
-        x = getattr(x, "jaxpr", x)
-        n += _dots(x) if hasattr(x, "eqns") else 0
-  return n
-
-
 @pytest.mark.parametrize(("surrogate", "dots"), [("ppo", 3), ("gspo", 4)])
 def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots):
   """value_and_grad: the token-level loss's one pass has three matmuls per chunk (logits,
@@ -149,7 +138,7 @@ def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots):
   def loss(h, w, b):
     return fused_policy_loss(h, w, ids, old, adv, bias=b, surrogate=surrogate, chunk_size=5)[0]
 
-  assert _dots(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr) == dots
+  assert dot_generals(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr) == dots
 
 
 def test_default_chunk_per_platform():
