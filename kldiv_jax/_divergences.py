@@ -97,10 +97,16 @@ class OnePass(NamedTuple):
   b, (sum df/dtheta, ...))`` per row, the class sums the engine otherwise
   gets from a second pass over normalised :class:`Classes`. (KL is the
   example: ``sum p (log p - log q) = sum ev (v0 - u0) / sv + log su - log sv``.)
+
+  ``kl_sums`` names each term as one of the two KL sums, ``"v"`` for ``sum ev (v0 -
+  u0)`` (:func:`_kl_pass_terms`) and ``"u"`` for ``sum eu (u0 - v0)``: off CPU the engine
+  then accumulates them with running maxes in the pass that finds the maxes
+  (:func:`kldiv_jax._engine.online_kl_sums`). Empty: no such form.
   """
 
   terms: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]]
   finish: Callable[[tuple[jax.Array, ...], Norms], tuple]
+  kl_sums: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- plug-ins
@@ -189,7 +195,7 @@ def _kl_pass_finish(sums, n):
   return kl, kl + mass, -mass, ()
 
 
-FORWARD_PASS = OnePass(_kl_pass_terms, _kl_pass_finish)
+FORWARD_PASS = OnePass(_kl_pass_terms, _kl_pass_finish, ("v",))
 
 
 def _reverse_pass_finish(sums, n):
@@ -197,7 +203,9 @@ def _reverse_pass_finish(sums, n):
   return kl, b, a, ()
 
 
-REVERSE_PASS = OnePass(lambda u0, v0, eu, ev: _kl_pass_terms(v0, u0, ev, eu), _reverse_pass_finish)
+REVERSE_PASS = OnePass(
+  lambda u0, v0, eu, ev: _kl_pass_terms(v0, u0, ev, eu), _reverse_pass_finish, ("u",)
+)
 
 
 def _jsd_logs(c, beta):
@@ -267,7 +275,7 @@ def _symmetric_one_pass(params):
     f, a, b = (weigh(1.0 - lam, x) + weigh(lam, y) for x, y in zip(fwd, rev))
     return f, a, b, (rev[0] - fwd[0],)
 
-  return OnePass(terms, finish)
+  return OnePass(terms, finish, ("v", "u"))
 
 
 def _symmetric_kl(c, params):

@@ -11,7 +11,8 @@ with or without a class axis split over a mesh axis (``axis_name``). For rows
 2. per row, the sums over classes of the formula's ``f`` (the value) and,
    for the derivative rule, of ``a``, ``b`` and ``df/dtheta`` (``psum``-ed).
    A formula with a one-pass form (:class:`kldiv_jax._divergences.OnePass`:
-   the KL family) gets these sums in the first pass, from unnormalised terms.
+   the KL family) gets these sums in the first pass, from unnormalised terms;
+   off CPU that pass finds the maxes too (running maxes: :func:`online_kl_sums`).
 
 The rule then computes the derivatives per class, elementwise, from those
 per-row statistics (no residual of the vocabulary's size):
@@ -60,8 +61,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._divergences import FORMULAS, Classes, Formula, Norms
-from kldiv_jax._numerics import nonnegative
+from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS, Classes, Formula, Norms
+from kldiv_jax._numerics import max_shift, nonnegative
 from kldiv_jax._rows import (
   compiled,
   is_zero,
@@ -207,17 +208,89 @@ def _norms(su, sv) -> Norms:
   return Norms(*normalizer(su), *normalizer(sv))
 
 
-def _per_block(fn, arrays, num_rows, num_classes=None):
-  """:func:`map_rows` of ``fn`` returning :class:`Outcomes` (flattened through the row loop)."""
+def _per_block(fn, arrays, num_rows, num_classes=None, accel=None):
+  """:func:`map_rows` of ``fn`` (and off CPU ``accel``) returning :class:`Outcomes`
+  (flattened through the row loop and ``lax.platform_dependent``)."""
   tree = []
 
-  def flat(*arrays):
-    leaves, treedef = jax.tree.flatten(fn(*arrays))
-    tree[:] = [treedef]
-    return tuple(leaves)
+  def flat(fn):
+    def run(*arrays):
+      leaves, treedef = jax.tree.flatten(fn(*arrays))
+      tree[:] = [treedef]
+      return tuple(leaves)
 
-  leaves = map_rows(flat, arrays, num_rows, num_classes)
+    return run
+
+  leaves = map_rows(flat(fn), arrays, num_rows, num_classes, None if accel is None else flat(accel))
   return jax.tree.unflatten(tree[0], leaves)
+
+
+def _rescaled(m, total):
+  """``(exp(m - total), m - total)`` for a partial max ``m`` of a row whose max is
+  ``total``: ``(1, 0)`` where they are equal (``-inf`` ones too); NaN propagates."""
+  same = m == total
+  return jnp.where(same, 1.0, jnp.exp(m - total)), jnp.where(same, 0.0, m - total)
+
+
+def _combine_online(a, b):
+  """Two partial :func:`online_kl_sums` states of the same rows, as one."""
+  mu, mv = jnp.maximum(a[0], b[0]), jnp.maximum(a[2], b[2])
+  out = [mu, jnp.zeros_like(mu), mv, jnp.zeros_like(mv), jnp.zeros_like(mu), jnp.zeros_like(mu)]
+  for mu_i, su_i, mv_i, sv_i, gv_i, gu_i in (a, b):
+    fu, du = _rescaled(mu_i, mu)
+    fv, dv = _rescaled(mv_i, mv)
+    out[1] = out[1] + su_i * fu
+    out[3] = out[3] + sv_i * fv
+    # The log-ratios shift by the change of the maxes; a side without mass (or whose
+    # mass underflows at the new max, as ``ev > 0`` in _kl_pass_terms) adds nothing.
+    out[4] = out[4] + jnp.where(sv_i * fv > 0, fv * (gv_i + sv_i * (dv - du)), 0.0)
+    out[5] = out[5] + jnp.where(su_i * fu > 0, fu * (gu_i + su_i * (du - dv)), 0.0)
+  return tuple(out)
+
+
+@jax.custom_jvp
+def online_kl_sums(u: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+  """``(mu, su, mv, sv, gv, gu)`` per row ``[rows, 1]`` in one pass over ``u`` and ``v``.
+
+  The row maxes (:func:`~kldiv_jax._numerics.max_shift`-ed) and sums of exponentials of
+  :func:`kldiv_jax._rows.row_stats`, and the KL sums of the one-pass formulas, ``gv =
+  sum ev (v0 - u0)`` (:func:`kldiv_jax._divergences._kl_pass_terms`) and ``gu = sum eu
+  (u0 - v0)``, from one variadic reduction whose combiner carries running maxes and
+  rescales the sums when a max grows (online softmax, Milakov & Gimelshein 2018). XLA
+  then reads the logits once for all of them, where the max and the sums are two passes.
+  Off CPU only: XLA:CPU runs the combiner's exponentials per element.
+  """
+  has_u, has_v = u != -jnp.inf, v != -jnp.inf
+  # Each class a partial state of its own: its logits are the maxes; a class with mass
+  # on one side only gives +inf to that side's log-ratio sum (as _kl_pass_terms does).
+  su = jnp.where(has_u, jnp.exp(u - u), 0.0)  # 1, or NaN at a NaN or +inf logit
+  sv = jnp.where(has_v, jnp.exp(v - v), 0.0)
+  inf = jnp.asarray(jnp.inf, u.dtype)
+  gv = jnp.where(has_v & ~has_u, inf, 0.0)
+  gu = jnp.where(has_u & ~has_v, inf, 0.0)
+  zero = jnp.zeros((), u.dtype)
+  init = (-inf, zero, -inf, zero, zero, zero)
+  mu, su, mv, sv, gv, gu = lax.reduce((u, su, v, sv, gv, gu), init, _combine_online, (1,))
+  return tuple(x[:, None] for x in (max_shift(mu), su, max_shift(mv), sv, gv, gu))
+
+
+def _two_pass_kl_sums(u, v):
+  """:func:`online_kl_sums` the CPU's way (a max pass, then the sums): differentiable."""
+  mu, eu, su = row_stats(u)
+  mv, ev, sv = row_stats(v)
+  u0, v0 = u - mu, v - mv
+  (gv,) = FORWARD_PASS.terms(u0, v0, eu, ev)
+  (gu,) = REVERSE_PASS.terms(u0, v0, eu, ev)
+  total = lambda x: jnp.sum(x, axis=-1, keepdims=True)  # noqa: E731
+  return mu, su, mv, sv, total(gv), total(gu)
+
+
+@online_kl_sums.defjvp
+def _online_kl_sums_jvp(primals, tangents):
+  # Second and higher derivatives only (the first come from the rule of _kernel): the
+  # tangents of the same sums written with differentiable reductions.
+  _, out_tangents = jax.jvp(_two_pass_kl_sums, primals, tangents)
+  return online_kl_sums(*primals), out_tangents
 
 
 def _same_one_pass(mu, su, mv, sv, sums):
@@ -241,11 +314,8 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, cap
 
   one_pass = None if formula.one_pass is None else formula.one_pass(params)
   if axis_name is None and one_pass is not None:
-    # One pass per block: the sums of exponentials and the formula's unnormalised sums.
-    def fn(z, y, *masks):
-      u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
-      terms = one_pass.terms(u - mu, v - mv, eu, ev)
-      sums = tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms)
+
+    def outcomes(mu, su, mv, sv, sums):
       same = _same_one_pass(mu, su, mv, sv, sums)
       norms = _norms(su, sv)
       f, a, b, partials = one_pass.finish(sums, norms)
@@ -253,7 +323,21 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, cap
       class_sums += [d for d, need in zip(partials, needs.params) if need]
       return _outcomes(needs, mu, su, mv, sv, norms, same, class_sums)
 
-    return _per_block(fn, (z, y, *masks), z.shape[0])
+    # One pass per block: the sums of exponentials and the formula's unnormalised sums.
+    def fn(z, y, *masks):
+      u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
+      terms = one_pass.terms(u - mu, v - mv, eu, ev)
+      return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
+
+    # Off CPU: the maxes in the same pass too (online_kl_sums).
+    def online(z, y, *masks):
+      u, _ = scaled(z, temperature, masks, cap_z)
+      v, _ = scaled(y, temperature, masks, cap_y)
+      mu, su, mv, sv, gv, gu = online_kl_sums(u, v)
+      return outcomes(mu, su, mv, sv, tuple({"v": gv, "u": gu}[k] for k in one_pass.kl_sums))
+
+    accel = online if one_pass.kl_sums else None
+    return _per_block(fn, (z, y, *masks), z.shape[0], accel=accel)
 
   if axis_name is None:
 

@@ -89,7 +89,7 @@ def _per_device_code() -> bool:
   return jax.device_count() == 1 or bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
-def map_rows(fn, arrays, num_rows, num_classes=None):
+def map_rows(fn, arrays, num_rows, num_classes=None, accel=None):
   """``fn(*arrays)`` for per-row statistics, over blocks of rows on CPU.
 
   ``arrays`` have rows on axis 0 (``num_rows`` of them, or 1 to broadcast);
@@ -107,7 +107,10 @@ def map_rows(fn, arrays, num_rows, num_classes=None):
   for several platforms holds both, and the runtime picks). Eagerly, outside
   ``jit``, the platform of the default device decides at once. The CPU loop
   runs in the name scope :data:`ROW_BLOCKS_SCOPE`, which marks it in a lowered
-  module.
+  module. ``accel``: the same statistics computed another way off CPU (GPU, TPU),
+  run once over every row there instead of ``fn`` (on one device, or per device
+  inside ``jax.shard_map``; under ``jax.jit`` with several devices ``fn`` is left
+  to XLA's partitioner everywhere).
 
   The outputs are strongly typed on every path. The loop and
   ``lax.platform_dependent`` return a weakly typed result (one made from
@@ -121,17 +124,24 @@ def map_rows(fn, arrays, num_rows, num_classes=None):
     num_classes = max(a.shape[-1] for a in arrays if a.ndim == 2)
   block = max(1, _BLOCK_ELEMENTS // max(num_classes, 1))
 
-  def strong(*a):
-    return tuple(lax.convert_element_type(r, r.dtype) for r in fn(*a))
+  def strong(f):
+    return lambda *a: tuple(lax.convert_element_type(r, r.dtype) for r in f(*a))
 
-  if num_rows <= block or not _per_device_code():
-    return strong(*arrays)
+  plain = strong(fn)
+  if not _per_device_code():
+    return plain(*arrays)
+  off_cpu = plain if accel is None else strong(accel)
+  if num_rows <= block:
+    if accel is None:
+      return plain(*arrays)
+    cpu = plain
+  else:
 
-  def blocked(*a):
-    with jax.named_scope(ROW_BLOCKS_SCOPE):
-      return _row_blocks(strong, a, num_rows, block)
+    def cpu(*a):
+      with jax.named_scope(ROW_BLOCKS_SCOPE):
+        return _row_blocks(plain, a, num_rows, block)
 
-  return lax.platform_dependent(*arrays, cpu=blocked, default=strong)
+  return lax.platform_dependent(*arrays, cpu=cpu, default=off_cpu)
 
 
 def _row_blocks(fn, arrays, num_rows, block):

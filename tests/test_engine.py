@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _references import enable_x64
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
@@ -812,3 +813,87 @@ def test_vocab_parallel_per_device_temp_memory(cpu_devices):
   split = shape((n, v), P(None, "vocab"))
   sharded = temp(jax.value_and_grad(sharded_fn), split, split)
   assert sharded <= 0.2 * single, (sharded, single)
+
+
+@pytest.fixture
+def accelerator_branch(monkeypatch):
+  """Every ``lax.platform_dependent`` takes its non-CPU branch: the GPU/TPU code run on CPU
+  (caches cleared around it, so that no kernel traced for one path serves the other)."""
+
+  def default_branch(*args, default, **per_platform):
+    return default(*args)
+
+  jax.clear_caches()
+  monkeypatch.setattr(jax.lax, "platform_dependent", default_branch)
+  yield
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
+ONLINE_CASES = {
+  "forward_kl": (Divergence("forward_kl"), (1.0, 0.0)),
+  "reverse_kl": (Divergence("reverse_kl"), (0.0, 1.0)),
+  "symmetric_kl[0.7]": (Divergence("symmetric_kl", lam=0.7), (0.3, 0.7)),
+  "jsd[1]": (Divergence("jsd", beta=1.0), (0.0, 1.0)),
+}
+
+
+@pytest.mark.parametrize("x64_mode", [False, True])
+@pytest.mark.parametrize("case", sorted(ONLINE_CASES))
+def test_online_softmax_accelerator_path(accelerator_branch, case, x64_mode):
+  """The KL family's accelerator statistics (one pass with running maxes: online_kl_sums)
+  against float64 NumPy: values on rows with -inf logits, mass on one side only (+inf), a
+  class 200 below the max (its mass underflows in float32: none there, as on CPU, also
+  where the other side has -inf), a NaN logit and identical rows (exactly 0); gradients
+  wrt both logits on the finite rows."""
+  spec, (w_fwd, w_rev) = ONLINE_CASES[case]
+  rng = np.random.default_rng(1)
+  z, y = 3.0 * rng.normal(size=(2, 7, 37)), 3.0 * rng.normal(size=(2, 7, 37))
+  z[0, 0, :5] = y[0, 0, :5] = -np.inf  # masked classes on both sides
+  z[0, 1, 3] = -np.inf  # teacher mass where the student has none: forward KL +inf
+  y[0, 2, 4] = -np.inf  # and the reverse
+  z[0, 3, 6], y[0, 3, 7] = -200.0, -200.0
+  y[0, 4] = z[0, 4]  # identical rows
+  z[0, 5, 0] = np.nan
+  z[0, 6, 8], y[0, 6, 8], z[0, 6, 9], y[0, 6, 9] = -np.inf, -200.0, -200.0, -np.inf
+  temperature = 1.5
+  zr, yr = z.copy(), y.copy()
+  if not x64_mode:  # float32: the underflowing masses are none
+    yr[0, 6, 8] = zr[0, 6, 9] = -np.inf
+  fwd = refs.np_kl_from_logits(zr, yr, temperature, "forward")
+  rev = refs.np_kl_from_logits(zr, yr, temperature, "reverse")
+  with np.errstate(invalid="ignore"):
+    want = np.where(w_fwd > 0, w_fwd * fwd, 0.0) + np.where(w_rev > 0, w_rev * rev, 0.0)
+  want[0, 5] = np.nan
+  with enable_x64(x64_mode):
+    dtype = jnp.float64 if x64_mode else jnp.float32
+    got = divergence_from_logits(
+      jnp.asarray(z, dtype), jnp.asarray(y, dtype), divergence=spec, temperature=temperature
+    )
+    tol = 1e-12 if x64_mode else 2e-5
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    assert float(got[0, 4]) == 0.0
+
+    zf, yf = z[1], y[1]  # finite rows: gradients
+    weights = rng.uniform(0.5, 1.5, size=zf.shape[0])
+
+    def loss(a, b):
+      d = divergence_from_logits(a, b, divergence=spec, temperature=temperature)
+      return jnp.sum(jnp.asarray(weights, a.dtype) * d)
+
+    gz, gy = jax.grad(loss, argnums=(0, 1))(jnp.asarray(zf, dtype), jnp.asarray(yf, dtype))
+    fz, fy = refs.np_logits_grads(zf, yf, weights, temperature, direction="forward")
+    rz, ry = refs.np_logits_grads(zf, yf, weights, temperature, direction="reverse")
+    gtol = 1e-10 if x64_mode else 1e-5
+    np.testing.assert_allclose(gz, w_fwd * fz + w_rev * rz, rtol=gtol, atol=gtol)
+    np.testing.assert_allclose(gy, w_fwd * fy + w_rev * ry, rtol=gtol, atol=gtol)
+
+    # Second derivatives (through the statistics' own rule) against autodiff of log_softmax.
+    def formula(a):
+      lq, lp = jax.nn.log_softmax(a / temperature), jax.nn.log_softmax(yf[0] / temperature)
+      return w_fwd * jnp.sum(jnp.exp(lp) * (lp - lq)) + w_rev * jnp.sum(jnp.exp(lq) * (lq - lp))
+
+    one = lambda a: divergence_from_logits(a, yf[0], divergence=spec, temperature=temperature)  # noqa: E731
+    a = jnp.asarray(zf[0], dtype)
+    htol = 1e-9 if x64_mode else 1e-4
+    np.testing.assert_allclose(jax.hessian(one)(a), jax.hessian(formula)(a), rtol=htol, atol=htol)

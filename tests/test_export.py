@@ -366,21 +366,19 @@ REVERSE_ONLY = {name for name in LOSSES if name.startswith("fused_")}
 
 @contextlib.contextmanager
 def _single_pass_rows():
-  """The rows in one pass, as on GPU and TPU, in a program run on CPU.
+  """The other platforms' code (GPU, TPU) in a program run on CPU.
 
-  ``map_rows`` stages both paths with ``lax.platform_dependent``, and a CPU
-  program keeps the row loop (:func:`kldiv_jax._rows._row_blocks`): here the
-  loop is replaced by one call of its body on every row, the other platforms'
-  computation. The kernels are ``jax.jit`` functions whose traces are cached,
-  hence the cleared caches around the change.
+  Every ``lax.platform_dependent`` (the row loop of ``map_rows``, its off-CPU statistics,
+  the fused losses' chunking) takes its non-CPU branch. The kernels are ``jax.jit``
+  functions whose traces are cached, hence the cleared caches around the change.
   """
-  saved = _rows_mod._row_blocks
+  saved = jax.lax.platform_dependent
   jax.clear_caches()
-  _rows_mod._row_blocks = lambda fn, arrays, num_rows, block: fn(*arrays)
+  jax.lax.platform_dependent = lambda *args, default, **per_platform: default(*args)
   try:
     yield
   finally:
-    _rows_mod._row_blocks = saved
+    jax.lax.platform_dependent = saved
     jax.clear_caches()
 
 
