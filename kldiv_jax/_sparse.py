@@ -50,6 +50,9 @@ from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 # ---------------------------------------------------------------- student
 
+# Top-k slots whose tail mask is built by elementwise comparisons; more are scattered.
+_COMPARED_SLOTS = 64
+
 
 def tail_classes(z: jax.Array, ids: jax.Array, keep: jax.Array, axis_name) -> jax.Array:
   """Whether each class of ``z`` ``[rows, classes]`` is in the tail: no kept top-k slot
@@ -57,11 +60,21 @@ def tail_classes(z: jax.Array, ids: jax.Array, keep: jax.Array, axis_name) -> ja
 
   ``ids`` are global ids ``[rows, k]`` (in range where ``keep``); with
   ``axis_name`` the classes are this device's slice and the ids of the other
-  slices mark nothing here. Compared slot by slot (``k`` comparisons per
-  class, elementwise: no scatter into a ``[rows, classes]`` mask).
+  slices mark nothing here. Up to :data:`_COMPARED_SLOTS` slots, compared slot
+  by slot (``k`` elementwise comparisons per class, which XLA fuses into the
+  reduction that reads the mask: no ``[rows, classes]`` scatter); more slots (a
+  teacher keeping hundreds of classes, or all of them) are scattered into the
+  mask, as a program of ``k`` comparisons grows with ``k`` and takes minutes and
+  gigabytes to compile at ``k = 131072``.
   """
   classes = z.shape[-1]
   local = ids if axis_name is None else ids - class_offset(axis_name, classes).astype(ids.dtype)
+  if local.shape[-1] > _COMPARED_SLOTS:
+    # A slot without mass, or another device's id, points past the classes: dropped.
+    outside = ~keep | (local < 0) | (local >= classes)
+    local = jnp.where(outside, classes, local)
+    rows = lax.broadcasted_iota(local.dtype, local.shape, 0)
+    return jnp.ones(z.shape, jnp.bool_).at[rows, local].set(False, mode="drop")
   local = jnp.where(keep, local, -1)  # a slot without mass marks no class
   iota = lax.broadcasted_iota(local.dtype, z.shape, 1)
   tail = jnp.ones(z.shape, jnp.bool_)

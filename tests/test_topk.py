@@ -518,3 +518,17 @@ def _topk_reference(spec, tail):
   want = ref(SHIFT_Z)
   finite = np.isfinite(want)
   return want, _fd_grad(lambda z: np.where(finite, ref(z), 0.0), SHIFT_Z)
+
+
+@pytest.mark.parametrize("k", [5, 100])
+def test_many_slots_scattered_few_compared(rng, k):
+  """A teacher keeping more slots than are compared one by one (the tail mask scattered
+  instead): the same float64 reference, with -inf padding and repeated-free ids."""
+  rows, vocab = 3, 150
+  z = rng.normal(size=(rows, vocab)).astype(np.float32)
+  t = rng.normal(size=(rows, vocab))
+  ids = np.argsort(-t, axis=-1)[:, :k]
+  lp = np.take_along_axis(np_log_softmax(t), ids, axis=-1)
+  got = divergence_from_topk(z, ids, lp.astype(np.float32), tail="bucket")
+  want = np_topk_divergence("forward_kl", {}, z, ids, lp, 1.0, "bucket")
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
