@@ -84,7 +84,7 @@ def logits_contenders(shape):
   return {
     "logits: plain": (loss(), same),
     "logits: softcap": (loss(softcap=CAP, target_softcap=CAP), same),
-    "logits: padded teacher": (loss(), (s, t)),
+    "logits: padded teacher": (loss(teacher_vocab_size=v + PAD), (s, t)),
   }
 
 
@@ -107,7 +107,7 @@ def fused_contenders(shape):
   return {
     "fused: plain": (loss(), same),
     "fused: softcap": (loss(softcap=CAP, target_softcap=CAP), same),
-    "fused: padded teacher": (loss(), (hs, w, th, tw)),
+    "fused: padded teacher": (loss(teacher_vocab_size=v + PAD), (hs, w, th, tw)),
     "fused: labels (CE inside)": (loss(labels=y, alpha=0.5), same),
   }
 

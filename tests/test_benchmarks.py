@@ -193,7 +193,7 @@ def test_accel_section_parses_and_is_opt_in(monkeypatch):
   row = {"case": "tvd", "kind": "row", "shape": [8, 4], "dtype": "float32"}
   row |= {"time_ratio": 0.9, "naive_hbm_ratio": 4.0, "hbm_ratio": 2.0, "temp_ratio": 0.0}
   fused = {"case": "fused_topk", "kind": "fused", "shape": [8, 2, 4], "dtype": "bfloat16"}
-  fused |= {"time_ratio": 1.0, "fused": {"temp_bytes": 0, "chunk_intensity": 100.0}}
+  fused |= {"time_ratio": 1.0, "fused": {"temp_bytes": 0, "weight_intensity": 100.0}}
   verdict = {
     c["target"].split(": ")[1]: c["pass"]
     for c in bench_accel.check_targets("v5e", [row, fused], True)
@@ -204,5 +204,5 @@ def test_accel_section_parses_and_is_opt_in(monkeypatch):
     "temp / [N, V] f32": True,
     "time / materialised": True,
     "temp GiB": True,
-    "chip balance / chunk intensity": False,  # 197e12 / 819e9 = 240 flops per byte > 100
+    "chip balance / chunk weight intensity": False,  # 197e12 / 819e9 = 240 flops per byte > 100
   }
