@@ -82,6 +82,22 @@ def loop_dot_generals(jaxpr) -> tuple[int, list[int]]:
   return outside, loops
 
 
+def vocab_sharded_and_whole(loss, mesh, h, w, b):
+  """``value_and_grad`` (with aux) of ``loss(h, w, b, axis_name)`` wrt ``(h, w, b)``: with
+  the head's vocabulary split over ``mesh``'s ``"vocab"`` axis in ``jax.shard_map``, and on
+  one device; ``(sharded, whole)``, for the vocabulary-parallel tests of the fused losses."""
+  from jax.sharding import PartitionSpec as P
+
+  sharded = jax.shard_map(
+    lambda h, w, b: loss(h, w, b, "vocab"),
+    mesh=mesh,
+    in_specs=(P(), P(None, "vocab"), P("vocab")),
+    out_specs=(P(), P()),
+  )
+  grads = lambda fn: jax.jit(jax.value_and_grad(fn, (0, 1, 2), has_aux=True))(h, w, b)  # noqa: E731
+  return grads(sharded), grads(lambda h, w, b: loss(h, w, b, None))
+
+
 def docs_snippet(page: str, heading: str) -> str:
   """The first Python block of a section of a docs page (the guides' snippets must run)."""
   text = (Path(__file__).resolve().parent.parent / "docs" / page).read_text()

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import enable_x64, loop_dot_generals, np_log_softmax
-from jax.sharding import PartitionSpec as P
+from _references import enable_x64, loop_dot_generals, np_log_softmax, vocab_sharded_and_whole
 
 import kldiv_jax as kd
 from kldiv_jax._fused_policy import fused_token_loss
@@ -249,13 +248,6 @@ def test_vocab_parallel_equals_unsharded(cpu_devices):
       )  # fmt: skip
       return value, outs.log_probs
 
-    sharded = jax.shard_map(
-      lambda h, w, b, loss=loss: loss(h, w, b, "vocab"),
-      mesh=mesh,
-      in_specs=(P(), P(None, "vocab"), P("vocab")),
-      out_specs=(P(), P()),
-    )
-    got = jax.jit(jax.value_and_grad(sharded, (0, 1, 2), has_aux=True))(h, w, b)
-    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(h, w, b)
+    got, want = vocab_sharded_and_whole(loss, mesh, h, w, b)
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6)

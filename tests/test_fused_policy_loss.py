@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import dot_generals
+from _references import dot_generals, vocab_sharded_and_whole
 from jax import export
-from jax.sharding import PartitionSpec as P
 
 from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
 from kldiv_jax._fused import FUSED_CHUNK_SCOPE, default_chunk_size, platform_chunk_size
@@ -196,12 +195,5 @@ def test_vocab_parallel_equals_unsharded(cpu_devices):
         axis_name=axis_name,
       )  # fmt: skip
 
-    sharded = jax.shard_map(
-      lambda h, w, b, loss=loss: loss(h, w, b, "vocab"),
-      mesh=mesh,
-      in_specs=(P(), P(None, "vocab"), P("vocab")),
-      out_specs=(P(), P()),
-    )
-    got = jax.jit(jax.value_and_grad(sharded, (0, 1, 2), has_aux=True))(h, w, b)
-    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(h, w, b)
+    got, want = vocab_sharded_and_whole(loss, mesh, h, w, b)
     _assert_equal(got, want)
