@@ -7,6 +7,8 @@ the fused function independently of the library's kernels.
 """
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -413,13 +415,6 @@ def test_bad_options(rng, kw, error, match):
 # Memory: no [N, V] buffer in the fused computation.
 
 
-@pytest.mark.xfail(
-  jax.__version_info__ < (0, 8),
-  reason="seen in CI at the floor (jax 0.7.0): the fused temp is 101.8 MB, 0.38x of one "
-  "[N, V] float32 array (bound 0.25x) since the per-platform chunking; jax 0.10 passes. "
-  "To investigate at the floor.",
-  strict=False,
-)
 def test_no_full_logits_buffer_in_compiled_memory():
   n, h, v = 4096, 64, 16384
   full_logits = n * v * 4
@@ -434,11 +429,20 @@ def test_no_full_logits_buffer_in_compiled_memory():
     "tb": None,
   }
 
-  def temp_bytes(fn):
-    compiled = jax.jit(jax.value_and_grad(fn)).lower(shapes, teacher).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+  def compiled(fn):
+    return jax.jit(jax.value_and_grad(fn)).lower(shapes, teacher).compile()
 
-  fused_bytes = temp_bytes(fused)
-  materialised_bytes = temp_bytes(materialised)
-  assert materialised_bytes > full_logits, materialised_bytes
-  assert fused_bytes < 0.25 * full_logits, (fused_bytes, full_logits)
+  def largest_array(compiled):
+    """Elements of the largest array in the optimized program."""
+    dims = re.findall(r"\b(?:f32|f16|bf16|pred|s32)\[([\d,]+)\]", compiled.as_text())
+    return max(math.prod(int(d) for d in ds.split(",")) for ds in dims)
+
+  fused_c, materialised_c = compiled(fused), compiled(materialised)
+  assert materialised_c.memory_analysis().temp_size_in_bytes > full_logits
+  assert largest_array(materialised_c) >= n * v
+  # No array of more than one chunk's logits (256 tokens here), and a temp well under one
+  # [N, V] array: 0.14x with jaxlib 0.10, 0.38x with jaxlib 0.7 (whose XLA:CPU keeps more
+  # chunk-sized buffers live at once).
+  assert largest_array(fused_c) <= 256 * v, largest_array(fused_c)
+  fused_bytes = fused_c.memory_analysis().temp_size_in_bytes
+  assert fused_bytes < 0.5 * full_logits, (fused_bytes, full_logits)
