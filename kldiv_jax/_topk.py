@@ -10,6 +10,7 @@ recomputes the softmax in its tangent, so reverse mode saves no
 (:mod:`kldiv_jax._sparse`); this module validates and lays out.
 """
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -131,7 +132,7 @@ def topk_per_example(
   lp = jnp.asarray(topk_log_probs)
   idx = index_array(name, "topk_indices", topk_indices, "token ids")
   _check_shapes(name, z, idx, lp)
-  temperature, is_static = check_temperature(name, temperature)
+  temperature, _ = check_temperature(name, temperature)
   check_choice(name, "tail", tail, TAILS)
   cap = check_softcap(name, "softcap", softcap)
   if axis_name is not None:
@@ -151,15 +152,44 @@ def topk_per_example(
     log_probs=lp,
     fix=TOPK_PADDING,
   )
+  if math.prod(z.shape[:-1]) == 0 or min(z.shape[-1], teacher_vocab) == 0:
+    out = jnp.zeros(z.shape[:-1], out_dtype)
+    return nan_unless(out, positive_finite(temperature), *spec.valid())
+  t = jnp.asarray(temperature, compute_dtype(out_dtype))
+  out = _topk_kernel(
+    spec,
+    z,
+    idx,
+    lp,
+    t,
+    slot,
+    example,
+    vocab=vocab,
+    teacher_vocab=teacher_vocab,
+    tail_bucket=tail == "bucket",
+    cap=cap,
+    axis_name=axis_name,
+    out_dtype=jnp.dtype(out_dtype),
+  )
+  return nan_unless(out, positive_finite(temperature), *spec.valid())
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("vocab", "teacher_vocab", "tail_bucket", "cap", "axis_name", "out_dtype"),
+)
+def _topk_kernel(
+  spec, z, idx, lp, t, slot, example, *, vocab, teacher_vocab, tail_bucket, cap, axis_name, out_dtype
+):
+  """Layout → the top-k path → per example, as one program (an eager call compiles it
+  once, not op by op). Checked arguments; ``t`` the temperature in the compute dtype."""
   if teacher_vocab < vocab:  # the student's own classes carry no mass: cut them
     z = shared_classes(z, teacher_vocab)
-
-  cdt = compute_dtype(out_dtype)
   batch_shape = z.shape[:-1]
   rows = math.prod(batch_shape)
   k = idx.shape[-1]
   z = z.reshape(rows, z.shape[-1])
-  lp = lp.astype(cdt).reshape(rows, k)
+  lp = lp.astype(t.dtype).reshape(rows, k)
   idx = idx.reshape(rows, k)
   slot = None if slot is None else slot.reshape(rows, k)
   if example is not None:
@@ -168,21 +198,14 @@ def topk_per_example(
     z = jnp.where(ex, z, 0.0)
     lp = jnp.where(ex, lp, 0.0)
     slot = ex if slot is None else slot & ex
-  t = temperature if is_static else jnp.asarray(temperature).astype(cdt)
-  t = jnp.asarray(t, cdt)
-  if rows == 0 or z.shape[-1] == 0:
-    out = jnp.zeros(batch_shape, out_dtype)
-    return nan_unless(out, positive_finite(temperature), *spec.valid())
   teacher = topk_teacher(idx, lp, slot, min(vocab, teacher_vocab), teacher_vocab)
-  tail_bucket = tail == "bucket"
   per_row = topk_rows(
     z, teacher.ids, teacher.lp, teacher.keep, teacher.dropped, t, spec, tail_bucket, cap, axis_name
   )
   per_row = nan_unless(per_row, ~teacher.bad)
   if example is not None:
     per_row = jnp.where(example.reshape(rows), per_row, 0.0)
-  out = per_row.reshape(batch_shape).astype(out_dtype)
-  return nan_unless(out, positive_finite(temperature), *spec.valid())
+  return per_row.reshape(batch_shape).astype(out_dtype)
 
 
 def divergence_from_topk(

@@ -120,7 +120,7 @@ def test_log_probs_alone_equal_the_entropy_kernels_at_the_edges():
     assert np.isnan(grads[0][1]) and np.isnan(grads[1][1])  # the NaN row reaches T
     g_t = [jax.grad(total, 1)(z[:3], jnp.float32(t), e, 3) for e in (False, True)]
     assert np.isfinite(g_t[0])
-    np.testing.assert_allclose(g_t[0], g_t[1], rtol=1e-6)
+    np.testing.assert_allclose(g_t[0], g_t[1], rtol=4e-6)  # a few float32 ulps
 
 
 def test_masks_padding_and_out_of_range(rng):
