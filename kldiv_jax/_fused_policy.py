@@ -50,7 +50,7 @@ from kldiv_jax._fused import (
   _check_linear,
   _chunks,
   _fused_tokens,
-  _matmul,
+  _logits,
   _per_platform,
   _token_zero,
   _vary_like_tokens,
@@ -101,6 +101,7 @@ class _Static(NamedTuple):
   cap: float | None
   with_entropy: bool
   has_aux: bool
+  low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (_logits)
 
 
 def _call(static: _Static, log_p, entropy, args):
@@ -142,7 +143,7 @@ def _one_pass_fwd(static: _Static, h, w, b, ids, temperature, mask, args, aux):
   def part(start, size, cut, carry):
     total, outs, grads = carry
     hc, mc, args_c = cut(h), cut(mask), cut(args)
-    z = _matmul(hc, w, b, acc)
+    z = _logits(hc, w, b, acc, static.low)
     log_p, entropy, (top, log_s, local) = token_stats(
       static.axis_name, static.cap, z, cut(ids), temperature, (mc,)
     )
@@ -152,8 +153,9 @@ def _one_pass_fwd(static: _Static, h, w, b, ids, temperature, mask, args, aux):
     tokens = (local, mc, (top, log_s, entropy))
     g_h = g_h if static.with_entropy else None
     grads = fold_token_grads(
-      static.axis_name, static.cap, start, hc, w, z, tokens, temperature, g_lp, g_h, grads
-    )
+      static.axis_name, static.cap, start, hc, w, z, tokens, temperature, g_lp, g_h, grads,
+      static.low,
+    )  # fmt: skip
     put = lambda o, r: lax.dynamic_update_slice_in_dim(o, r.astype(o.dtype), start, axis=0)  # noqa: E731
     outs = jax.tree.map(put, outs, (log_p, entropy, aux))
     return total + loss, outs, grads
@@ -185,7 +187,8 @@ _one_pass = compiled(_one_pass, static_argnums=0)
 def _two_pass(static: _Static, h, w, b, ids, temperature, mask, args):
   """Pass 1 (forward) and pass 2 (its backward) of :func:`fused_token_log_probs`'s kernel,
   ``per_token_fn`` on the whole ``[N]`` arrays between them."""
-  out = _fused_tokens((static.chunk, static.axis_name, static.cap), h, w, b, ids, temperature, mask)
+  kernel = (static.chunk, static.axis_name, static.cap, static.low)
+  out = _fused_tokens(kernel, h, w, b, ids, temperature, mask)
   # The cast restates _fused_tokens' result, lost to jax.custom_vjp's unannotated __new__.
   log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   loss, aux = _apply(static, log_p, entropy, mask, lax.stop_gradient(args))
@@ -268,7 +271,8 @@ def fused_token_loss(
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
   _check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
-  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux)
+  low = None if compute_dtype(out_dtype) == out_dtype else out_dtype
+  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux, low)
   # What per_token_fn returns, checked once on abstract values.
   token = jax.ShapeDtypeStruct((n,), t.dtype)
   loss_shape, aux_shapes = jax.eval_shape(
