@@ -62,13 +62,14 @@ from kldiv_jax._rows import compiled
 from kldiv_jax._tokens import token_layout, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
-# Logit elements per chunk on CPU when chunk_size=None: 2**23 (32 MiB of float32), twice the
-# distillation losses' 2**22. Here a chunk's logits are the only [chunk, V] buffers
+# Logit elements per chunk on CPU when chunk_size=None: 2**24 (64 MiB of float32), four times
+# the distillation losses' 2**22. Here a chunk's logits are the only [chunk, V] buffers
 # (one side, no teacher), and each chunk reads and writes the whole [H, V] weight
 # gradient once: at H = 1024, V = 32768 on 2 CPU cores (benchmarks/bench_rl.py,
-# policy), 128 / 256 / 512 tokens per chunk took 1.08-1.14x / 0.95x / 0.84-0.88x the
-# materialised loss's time, and the temp at N = 8192, V = 65536 stays ~0.03x of it.
-_CHUNK_ELEMENTS = 1 << 23
+# policy), 128 / 256 / 512 tokens per chunk took 1.08-1.14x / 0.99-1.02x / 0.91-0.96x the
+# materialised loss's time (wall and process CPU time, side by side), and the temp at
+# N = 8192, V = 65536 (256 tokens) is 0.042x of it (2**23: 0.025x; 2**25: 0.075x).
+_CHUNK_ELEMENTS = 1 << 24
 
 # ``per_token_fn(log_probs [n], entropy [n] | None, args) -> losses [n]`` (or
 # ``(losses, aux)`` with ``has_aux``): ``args`` is the pytree of ``[n, ...]``
@@ -241,7 +242,7 @@ def fused_token_loss(
   and ``bias`` split on V, the rest whole; the loss and outputs replicated)
   and ``chunk_size`` as in :func:`kldiv_jax.fused_token_log_probs`, whose
   kernels these are (``chunk_size=None``: per platform as there, on CPU
-  about ``2**23`` logits per chunk, twice that default). Matmuls accumulate
+  about ``2**24`` logits per chunk, four times that default). Matmuls accumulate
   in float32 (float64 for float64 inputs); ``per_token_fn`` sees that dtype;
   the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
   ``hidden`` and ``weight``), NaN for an invalid traced temperature.

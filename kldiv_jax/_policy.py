@@ -390,7 +390,7 @@ def fused_policy_loss(
       is split inside ``jax.shard_map`` (the rest whole), as
       :func:`fused_token_log_probs`.
     chunk_size: tokens per chunk (``None``: per platform, as
-      :func:`fused_token_log_probs`; on CPU about ``2**23`` logits).
+      :func:`fused_token_log_probs`; on CPU about ``2**24`` logits).
 
   The other options are :func:`policy_loss`'s (without ``entropy``: it
   is computed here). Gradients flow to ``hidden``, ``weight`` and ``bias``

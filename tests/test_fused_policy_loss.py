@@ -179,9 +179,9 @@ def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots):
 
 
 def test_default_chunk_per_platform():
-  """chunk_size=None: the engine's CPU chunk (2**23 logits) in a CPU module, the accelerator
+  """chunk_size=None: the engine's CPU chunk (2**24 logits) in a CPU module, the accelerator
   chunk of platform_chunk_size on CUDA/TPU."""
-  n, hd, v = 256, 8, 1 << 16
+  n, hd, v = 256, 8, 1 << 17
   args = [jax.ShapeDtypeStruct(s, d) for s, d in [((n, hd), jnp.float32), ((hd, v), jnp.float32),
           ((n,), jnp.int32), ((n,), jnp.float32)]]  # fmt: skip
 
@@ -189,7 +189,7 @@ def test_default_chunk_per_platform():
     return fused_policy_loss(h, w, ids, x, x)[0]
 
   program = jax.jit(jax.value_and_grad(loss, (0, 1)))
-  cpu, accel = default_chunk_size(n, v, 1 << 23), platform_chunk_size(n, v, "tpu")
+  cpu, accel = default_chunk_size(n, v, 1 << 24), platform_chunk_size(n, v, "tpu")
   assert (cpu, accel) == (128, 256)
   for platforms, want in [(("cpu",), {cpu}), (("cuda",), {accel}), (("tpu",), {accel})]:
     text = export.export(program, platforms=platforms)(*args).mlir_module()
