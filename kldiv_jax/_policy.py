@@ -224,7 +224,7 @@ def policy_loss(
       TRL's ``epsilon_high`` for ``"cispo-cap"`` (required), verl's
       ``clip_ratio_c`` truncation for DPPO (default 20).
     sapo_temperatures: SAPO's :math:`(\tau_+, \tau_-)`.
-    aggregation: ``"token-mean"``, ``"seq-mean-token-mean"``,
+    aggregation: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
       ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"bnpo"``
       (``None``: verl's choice for the surrogate, ``"token-mean"`` for most).
     where: a boolean token mask, broadcastable to the tokens.
