@@ -244,6 +244,9 @@ def fused_token_loss(
   kernels these are (``chunk_size=None``: per platform as there, on CPU
   about ``2**24`` logits per chunk, four times that default). Matmuls accumulate
   in float32 (float64 for float64 inputs); ``per_token_fn`` sees that dtype;
+  for bf16/f16 inputs each chunk's logits and their gradient are held in the
+  inputs' dtype between the matmuls and the softmax, as the materialised
+  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused._logits`);
   the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
   ``hidden`` and ``weight``), NaN for an invalid traced temperature.
   """

@@ -393,7 +393,10 @@ def fused_policy_loss(
       :func:`fused_token_log_probs`; on CPU about ``2**24`` logits).
 
   The other options are :func:`policy_loss`'s (without ``entropy``: it
-  is computed here). Gradients flow to ``hidden``, ``weight`` and ``bias``
+  is computed here). For bf16/f16 ``hidden`` and ``weight`` each chunk's
+  logits and their gradient are held in that dtype between the matmuls
+  and the softmax, as the materialised ``hidden @ weight + bias``'s (the
+  log-probs, entropy and loss in float32). Gradients flow to ``hidden``, ``weight`` and ``bias``
   (reverse mode only); the per-token inputs and ``temperature`` get zero.
 
   Returns:
