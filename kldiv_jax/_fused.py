@@ -145,6 +145,19 @@ def _matmul(a, w, b, dtype):
   return out if b is None else out + b.astype(dtype)[None, :]
 
 
+def _logits(a, w, b, acc, low=None):
+  """``a @ w + b`` accumulated in ``acc``; with ``low`` (bf16/f16) in ``low`` between the
+  matmul and the softmax, as the materialised ``a @ w + b`` of ``low`` inputs (the product
+  rounded, then the bias), read in ``acc``. XLA:GPU writes a chunk's logits and their
+  gradient to HBM between its fusions: in ``low`` they move half the bytes of float32. Where
+  XLA fuses the conversions away (``xla_allow_excess_precision``, its default, as on CPU),
+  they stay in ``acc``, as the materialised loss's do."""
+  if low is None:
+    return _matmul(a, w, b, acc)
+  z = lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=acc).astype(low)
+  return (z if b is None else z + b.astype(low)[None, :]).astype(acc)
+
+
 class Static(NamedTuple):
   """The static part of a fused call (hashable): what each chunk computes."""
 
@@ -323,8 +336,8 @@ def _fused_tokens(static, h, w, b, ids, temperature, mask):
 
 def _token_chunk(static, hc, w, b, idc, temperature, mc, acc):
   """A chunk's ``(log p, H, row max, log s)`` per token, ``[size]`` each."""
-  _, axis_name, cap = static
-  z = _matmul(hc, w, b, acc)
+  _, axis_name, cap, low = static
+  z = _logits(hc, w, b, acc, low)
   log_p, entropy, (top, log_s, _) = token_stats(axis_name, cap, z, idc, temperature, (mc,))
   return log_p, entropy, top[:, 0], log_s[:, 0]
 
@@ -345,7 +358,7 @@ def _fused_tokens_fwd(static, h, w, b, ids, temperature, mask):
 
 
 def _fused_tokens_bwd(static, residuals, g):
-  chunk, axis_name, cap = static
+  chunk, axis_name, cap, low = static
   h, w, b, ids, temperature, mask, top, log_s, entropy = residuals
   g_lp, g_h = g
   n, acc = h.shape[0], temperature.dtype
@@ -356,11 +369,11 @@ def _fused_tokens_bwd(static, residuals, g):
 
   def part(start, size, rows, carry):
     hc = rows(h)
-    z = _matmul(hc, w, b, acc)
+    z = _logits(hc, w, b, acc, low)
     stats = (rows(top)[:, None], rows(log_s)[:, None], rows(entropy))
     tokens = (rows(local), rows(mask), stats)
     return fold_token_grads(
-      axis_name, cap, start, hc, w, z, tokens, temperature, rows(g_lp), rows(g_h), carry
+      axis_name, cap, start, hc, w, z, tokens, temperature, rows(g_lp), rows(g_h), carry, low
     )
 
   grad_h, grad_w, grad_b = _chunks(n, chunk, part, (grad_h, grad_w, grad_b))
@@ -374,7 +387,9 @@ def _fused_tokens_bwd(static, residuals, g):
   )
 
 
-def fold_token_grads(axis_name, cap, start, hc, w, z, tokens, temperature, g_lp, g_h, carry):
+def fold_token_grads(
+  axis_name, cap, start, hc, w, z, tokens, temperature, g_lp, g_h, carry, grad_dtype=None
+):
   """Folds a chunk's cotangents of ``(log p_y, H)`` per token into ``(grad_h, grad_w, grad_b)``.
 
   ``z`` are the chunk's logits ``hc @ w + b``, ``tokens = (local ids [size, 1], mask [size,
@@ -382,8 +397,10 @@ def fold_token_grads(axis_name, cap, start, hc, w, z, tokens, temperature, g_lp,
   ``dz = g_lp (hit - p) + g_h dH/du`` through the soft-cap and the temperature
   (:func:`class_derivatives`), then two matmuls: ``dz W^T`` into rows ``start:`` of
   ``grad_h`` (summed over ``axis_name``) and ``hc^T dz`` added to ``grad_w``
-  (:func:`_add_weight_grad`). Shared by the backward pass of :func:`fused_token_log_probs`
-  and the forward pass of the fused policy losses (``_fused_policy``).
+  (:func:`_add_weight_grad`), ``dz`` in ``grad_dtype`` for them when given (the cotangent
+  of logits in that dtype, as autodiff's of the materialised ``hc @ w``; see :func:`_logits`). Shared
+  by the backward pass of :func:`fused_token_log_probs` and the forward pass of the fused
+  policy losses (``_fused_policy``).
   """
   grad_h, grad_w, grad_b = carry
   acc = temperature.dtype
@@ -393,12 +410,15 @@ def fold_token_grads(axis_name, cap, start, hc, w, z, tokens, temperature, g_lp,
   if g_h is not None:
     dz = dz + d_h * g_h.astype(acc)[:, None]
   dz = times_slope(dz, zc, cap) / temperature
+  grad_b = grad_b + jnp.sum(dz, axis=0)
+  if grad_dtype is not None:
+    dz = dz.astype(grad_dtype)
   gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
   if axis_name is not None:  # each device holds a slice of the head: sum the parts
     gh = lax.psum(gh, axis_name)
   grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
   grad_w = _add_weight_grad(grad_w, hc, dz, axis_name, acc)
-  return grad_h, grad_w, grad_b + jnp.sum(dz, axis=0)
+  return grad_h, grad_w, grad_b
 
 
 _fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
@@ -955,7 +975,8 @@ def fused_token_log_probs(
   else:
     h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
     w_arr, b_arr = _vary_like_tokens(weight, bias, h, safe, mask)
-    call = lambda chunk: _fused_tokens((chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask)  # noqa: E731
+    kernel = lambda chunk: (chunk, axis_name, cap, None)  # noqa: E731
+    call = lambda chunk: _fused_tokens(kernel(chunk), h, w_arr, b_arr, safe, t, mask)  # noqa: E731
     out = _per_platform(chunk_size, name, n, vocab * num_shards, call)
     log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   return token_outputs(

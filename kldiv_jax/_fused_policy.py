@@ -50,7 +50,7 @@ from kldiv_jax._fused import (
   _check_linear,
   _chunks,
   _fused_tokens,
-  _matmul,
+  _logits,
   _per_platform,
   _token_zero,
   _vary_like_tokens,
@@ -62,13 +62,14 @@ from kldiv_jax._rows import compiled
 from kldiv_jax._tokens import token_layout, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
-# Logit elements per chunk on CPU when chunk_size=None: 2**23 (32 MiB of float32), twice the
-# distillation losses' 2**22. Here a chunk's logits are the only [chunk, V] buffers
+# Logit elements per chunk on CPU when chunk_size=None: 2**24 (64 MiB of float32), four times
+# the distillation losses' 2**22. Here a chunk's logits are the only [chunk, V] buffers
 # (one side, no teacher), and each chunk reads and writes the whole [H, V] weight
 # gradient once: at H = 1024, V = 32768 on 2 CPU cores (benchmarks/bench_rl.py,
-# policy), 128 / 256 / 512 tokens per chunk took 1.08-1.14x / 0.95x / 0.84-0.88x the
-# materialised loss's time, and the temp at N = 8192, V = 65536 stays ~0.03x of it.
-_CHUNK_ELEMENTS = 1 << 23
+# policy), 128 / 256 / 512 tokens per chunk took 1.08-1.14x / 0.99-1.02x / 0.91-0.96x the
+# materialised loss's time (wall and process CPU time, side by side), and the temp at
+# N = 8192, V = 65536 (256 tokens) is 0.042x of it (2**23: 0.025x; 2**25: 0.075x).
+_CHUNK_ELEMENTS = 1 << 24
 
 # ``per_token_fn(log_probs [n], entropy [n] | None, args) -> losses [n]`` (or
 # ``(losses, aux)`` with ``has_aux``): ``args`` is the pytree of ``[n, ...]``
@@ -101,6 +102,7 @@ class _Static(NamedTuple):
   cap: float | None
   with_entropy: bool
   has_aux: bool
+  low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (_logits)
 
 
 def _call(static: _Static, log_p, entropy, args):
@@ -142,7 +144,7 @@ def _one_pass_fwd(static: _Static, h, w, b, ids, temperature, mask, args, aux):
   def part(start, size, cut, carry):
     total, outs, grads = carry
     hc, mc, args_c = cut(h), cut(mask), cut(args)
-    z = _matmul(hc, w, b, acc)
+    z = _logits(hc, w, b, acc, static.low)
     log_p, entropy, (top, log_s, local) = token_stats(
       static.axis_name, static.cap, z, cut(ids), temperature, (mc,)
     )
@@ -152,8 +154,9 @@ def _one_pass_fwd(static: _Static, h, w, b, ids, temperature, mask, args, aux):
     tokens = (local, mc, (top, log_s, entropy))
     g_h = g_h if static.with_entropy else None
     grads = fold_token_grads(
-      static.axis_name, static.cap, start, hc, w, z, tokens, temperature, g_lp, g_h, grads
-    )
+      static.axis_name, static.cap, start, hc, w, z, tokens, temperature, g_lp, g_h, grads,
+      static.low,
+    )  # fmt: skip
     put = lambda o, r: lax.dynamic_update_slice_in_dim(o, r.astype(o.dtype), start, axis=0)  # noqa: E731
     outs = jax.tree.map(put, outs, (log_p, entropy, aux))
     return total + loss, outs, grads
@@ -185,7 +188,8 @@ _one_pass = compiled(_one_pass, static_argnums=0)
 def _two_pass(static: _Static, h, w, b, ids, temperature, mask, args):
   """Pass 1 (forward) and pass 2 (its backward) of :func:`fused_token_log_probs`'s kernel,
   ``per_token_fn`` on the whole ``[N]`` arrays between them."""
-  out = _fused_tokens((static.chunk, static.axis_name, static.cap), h, w, b, ids, temperature, mask)
+  kernel = (static.chunk, static.axis_name, static.cap, static.low)
+  out = _fused_tokens(kernel, h, w, b, ids, temperature, mask)
   # The cast restates _fused_tokens' result, lost to jax.custom_vjp's unannotated __new__.
   log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   loss, aux = _apply(static, log_p, entropy, mask, lax.stop_gradient(args))
@@ -238,8 +242,11 @@ def fused_token_loss(
   and ``bias`` split on V, the rest whole; the loss and outputs replicated)
   and ``chunk_size`` as in :func:`kldiv_jax.fused_token_log_probs`, whose
   kernels these are (``chunk_size=None``: per platform as there, on CPU
-  about ``2**23`` logits per chunk, twice that default). Matmuls accumulate
+  about ``2**24`` logits per chunk, four times that default). Matmuls accumulate
   in float32 (float64 for float64 inputs); ``per_token_fn`` sees that dtype;
+  for bf16/f16 inputs each chunk's logits and their gradient are held in the
+  inputs' dtype between the matmuls and the softmax, as the materialised
+  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused._logits`);
   the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
   ``hidden`` and ``weight``), NaN for an invalid traced temperature.
   """
@@ -268,7 +275,8 @@ def fused_token_loss(
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
   _check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
-  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux)
+  low = None if compute_dtype(out_dtype) == out_dtype else out_dtype
+  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux, low)
   # What per_token_fn returns, checked once on abstract values.
   token = jax.ShapeDtypeStruct((n,), t.dtype)
   loss_shape, aux_shapes = jax.eval_shape(

@@ -224,7 +224,7 @@ def policy_loss(
       TRL's ``epsilon_high`` for ``"cispo-cap"`` (required), verl's
       ``clip_ratio_c`` truncation for DPPO (default 20).
     sapo_temperatures: SAPO's :math:`(\tau_+, \tau_-)`.
-    aggregation: ``"token-mean"``, ``"seq-mean-token-mean"``,
+    aggregation: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
       ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"bnpo"``
       (``None``: verl's choice for the surrogate, ``"token-mean"`` for most).
     where: a boolean token mask, broadcastable to the tokens.
@@ -390,10 +390,13 @@ def fused_policy_loss(
       is split inside ``jax.shard_map`` (the rest whole), as
       :func:`fused_token_log_probs`.
     chunk_size: tokens per chunk (``None``: per platform, as
-      :func:`fused_token_log_probs`; on CPU about ``2**23`` logits).
+      :func:`fused_token_log_probs`; on CPU about ``2**24`` logits).
 
   The other options are :func:`policy_loss`'s (without ``entropy``: it
-  is computed here). Gradients flow to ``hidden``, ``weight`` and ``bias``
+  is computed here). For bf16/f16 ``hidden`` and ``weight`` each chunk's
+  logits and their gradient are held in that dtype between the matmuls
+  and the softmax, as the materialised ``hidden @ weight + bias``'s (the
+  log-probs, entropy and loss in float32). Gradients flow to ``hidden``, ``weight`` and ``bias``
   (reverse mode only); the per-token inputs and ``temperature`` get zero.
 
   Returns:

@@ -55,6 +55,7 @@ SURROGATES = (
 SEQUENCE_LEVEL = ("gspo", "gspo-token", "gmpo")
 AGGREGATIONS = (
   "token-mean",
+  "token-sum",
   "seq-mean-token-mean",
   "seq-mean-token-sum",
   "seq-mean-token-sum-norm",
@@ -163,9 +164,11 @@ def aggregation_weights(
     number of sequences with a counted token (verl; TRL's grpo divides by the
     number of rows, empty ones included: pass it);
   - ``"seq-mean-token-sum"``: ``w = m / N``, ``N`` as above;
-  - ``"seq-mean-token-sum-norm"``: ``w = m / N``, ``N`` defaulting to the
-    sequence length ``T`` (verl's ``loss_scale_factor``; Dr. GRPO and TRL's
-    ``dr_grpo``: ``rows * max_completion_length``).
+  - ``"seq-mean-token-sum-norm"``: ``w = m / N``, ``N`` defaulting to that
+    number of sequences times the sequence length ``T`` (verl 0.9's
+    ``global_batch_size * loss_scale_factor``; verl 0.8 divided by ``T``
+    alone; Dr. GRPO and TRL's ``dr_grpo``: ``rows * max_completion_length``);
+  - ``"token-sum"``: ``w = m / N``, ``N`` defaulting to 1 (verl 0.9).
   """
   m = mask.astype(dtype)
   tokens = jnp.sum(m)
@@ -177,7 +180,8 @@ def aggregation_weights(
     "bnpo": tokens,
     "seq-mean-token-mean": sequences,
     "seq-mean-token-sum": sequences,
-    "seq-mean-token-sum-norm": jnp.asarray(float(length), dtype),
+    "seq-mean-token-sum-norm": sequences * float(length),
+    "token-sum": jnp.ones((), dtype),
   }[aggregation]
   denominator = jnp.maximum(default, 1.0) if normalizer is None else jnp.asarray(normalizer, dtype)
   loss = m / denominator

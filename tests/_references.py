@@ -800,7 +800,11 @@ def lm_inputs(rows, vocab, hidden, k, *, seed, scale):
 #   verl/trainer/ppo/core_algos.py (agg_loss, compute_policy_loss_vanilla, _gspo,
 #   _sapo, _gpg, _geo_mean, _cispo, kl_penalty_forward) and rollout_corr_helper.py
 #   (compute_rollout_correction_weights); compute_policy_loss_dppo_tv/_kl from the
-#   registry of later verl (0.9 line), as indexed.
+#   registry of later verl (0.9 line), as indexed. Checked against verl-project/verl
+#   release/v0.9.0 @ 88512193628b (0.9.0, 2026-08-20; no 0.9.1 was stored): the
+#   surrogates above, kl_penalty_forward and the TIS weights are unchanged there;
+#   agg_loss gained "token-sum" and its "seq-mean-token-sum-norm" became
+#   "seq-mean-token-sum" / loss_scale_factor (verl #5366), ported below.
 # TRL: huggingface/trl @ f2cd57710ae3 (1.10.0.dev0), trl/trainer/grpo_trainer.py
 #   (GRPOTrainer._compute_loss; the vLLM importance-sampling ratio in
 #   _generate_and_score_completions).
@@ -817,25 +821,28 @@ def verl_agg_loss(loss_mat, mask, mode, global_batch_size=None, batch_num_tokens
   if mode == "token-mean":
     n = mask.sum() if batch_num_tokens is None else batch_num_tokens
     return (loss_mat * mask).sum() / n
-  if mode == "seq-mean-token-sum":
-    seq = (loss_mat * mask).sum(-1)
-    seq_mask = (mask.sum(-1) > 0).astype(float)
-    n = seq_mask.sum() if global_batch_size is None else global_batch_size
-    return (seq * seq_mask).sum() / n
   if mode == "seq-mean-token-mean":
     count = mask.sum(-1)
     seq = (loss_mat * mask).sum(-1) / (count + 1e-8)
     seq_mask = (count > 0).astype(float)
     n = seq_mask.sum() if global_batch_size is None else global_batch_size
     return (seq * seq_mask).sum() / n
-  if mode == "seq-mean-token-sum-norm":
-    return (loss_mat * mask).sum() / (mask.shape[-1] if scale is None else scale)
+  if mode == "token-sum":
+    return (loss_mat * mask).sum()
+  if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+    seq = (loss_mat * mask).sum(-1)
+    seq_mask = (mask.sum(-1) > 0).astype(float)
+    n = seq_mask.sum() if global_batch_size is None else global_batch_size
+    loss = (seq * seq_mask).sum() / n
+    if mode == "seq-mean-token-sum-norm":
+      loss = loss / (mask.shape[-1] if scale is None else scale)
+    return loss
   raise ValueError(mode)
 
 
 def verl_policy_loss(
   name, old, logp, adv, mask, mode="token-mean", *, clip_low=0.2, clip_high=0.2, clip_c=3.0,
-  taus=(1.0, 1.05), rollout_w=None, logp_sg=None,
+  taus=(1.0, 1.05), rollout_w=None, logp_sg=None, dro_beta=None,
 ):  # fmt: skip
   """``(loss, clipfrac, ppo_kl, clipfrac_lower)`` of verl's ``compute_policy_loss_<name>``."""
   sg = logp if logp_sg is None else logp_sg
@@ -870,6 +877,8 @@ def verl_policy_loss(
     frac, mode = 0.0, "seq-mean-token-mean"
   elif name == "gpg":
     losses, frac = -logp * adv, 0.0
+  elif name == "dro":  # verl 0.9 (release/v0.9.0): compute_policy_loss_dro
+    losses, frac = -(logp * adv - 0.5 * dro_beta * (logp - old) ** 2), 0.0
   elif name == "cispo":
     ratio = np.exp(np.clip(nakl, -20.0, 20.0))
     ratio_sg = np.exp(np.clip(sg - old, -20.0, 20.0))
@@ -905,7 +914,7 @@ def verl_policy_loss(
     raise ValueError(name)
   if rollout_w is not None:
     losses = losses * rollout_w
-  ppo_kl = _masked_mean(-np.clip(nakl, -20.0, 20.0) if name != "gspo" else -nakl, mask)
+  ppo_kl = _masked_mean(-np.clip(nakl, -20.0, 20.0) if name not in ("gspo", "dro") else -nakl, mask)
   return verl_agg_loss(losses, mask, mode), frac, ppo_kl, frac_lower
 
 
@@ -920,14 +929,20 @@ def verl_kl_penalty(logp, ref, kind):
 
 
 def verl_rollout_is_weights(old, rollout, mask, level, threshold):
-  """verl's ``compute_rollout_correction_weights`` (TIS, no batch normalisation)."""
+  """verl's ``compute_rollout_correction_weights`` (no batch normalisation): a float
+  ``threshold`` is TIS (clamped above), a ``"lower_upper"`` string IcePop (verl 0.9: weights
+  outside ``[lower, upper]`` zeroed, the others kept)."""
   log_ratio = old - rollout
   if level == "token":
     w = np.exp(np.clip(log_ratio, -20.0, 20.0))
   else:
     s = (log_ratio * mask).sum(-1, keepdims=True)
     w = np.broadcast_to(np.exp(np.clip(s, -20.0, 20.0)), log_ratio.shape)
-  return np.minimum(w * mask, threshold)
+  w = w * mask
+  if isinstance(threshold, str):
+    lower, upper = (float(x) for x in threshold.split("_", 1))
+    return np.where((w >= lower) & (w <= upper), w, 0.0)
+  return np.minimum(w, threshold)
 
 
 def trl_vllm_is_ratio(old, sampling, mask, mode, clip_min=None, clip_max=3.0):

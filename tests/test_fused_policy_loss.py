@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import dot_generals, vocab_sharded_and_whole
+from _references import _sub_jaxprs, dot_generals, vocab_sharded_and_whole
 from jax import export
 
 from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
@@ -38,8 +38,9 @@ def _data(rng, dtype=np.float32):
 
 
 def _pair(ids, old, adv, temperature=1.0, softcap=None, chunk_size=4, acc=None, fused_ids=None,
-          **kw):  # fmt: skip
-  """(fused, materialised) value_and_grad wrt hidden, weight and bias."""
+          upcast=False, **kw):  # fmt: skip
+  """(fused, materialised) value_and_grad wrt hidden, weight and bias (``upcast``: the
+  materialised logits ``h @ w + b`` in the inputs' dtype, then float32)."""
   fused_kw = kw | ({} if fused_ids is None else {"ignore_index": -100, "where": None})
 
   def fused(h, w, b):
@@ -49,7 +50,9 @@ def _pair(ids, old, adv, temperature=1.0, softcap=None, chunk_size=4, acc=None, 
 
   def materialised(h, w, b):
     z = jnp.matmul(h, w, precision=jax.lax.Precision.HIGHEST, preferred_element_type=acc)
-    lp, ent = token_log_probs(z + b[None, None], ids, temperature=temperature, softcap=softcap,
+    z = z + b[None, None]
+    z = z.astype(jnp.float32) if upcast else z
+    lp, ent = token_log_probs(z, ids, temperature=temperature, softcap=softcap,
                               return_entropy=True)  # fmt: skip
     return policy_loss(lp, old, adv, entropy=ent, **kw)
 
@@ -117,15 +120,50 @@ def test_matches_policy_loss_on_materialised_logits(rng, case):
   assert got[0][1].tokens == where.sum()
 
 
-def test_bf16_head(rng):
-  """bf16 hidden and weight: equal to the materialised loss of float32-accumulated logits;
-  gradients in bf16, the loss in the per-token arrays' float32."""
+@pytest.mark.parametrize("surrogate", ["ppo", "gspo"])
+def test_bf16_head(rng, surrogate):
+  """bf16 hidden and weight: the materialised loss of the same inputs' bf16 logits ``h @ w +
+  b``, log-probs in float32 (one pass and two): the loss and metrics to float32 rounding,
+  gradients in bf16 (the logits' cotangent rounded to bf16 before the matmuls, as
+  autodiff's), the loss in the per-token arrays' float32."""
   h, w, b, ids, where, old, adv, _ = _data(rng)
   h, w, b = (jnp.asarray(x, jnp.bfloat16) for x in (h, w, b))
-  fused, materialised = _pair(ids, old, adv, acc=jnp.float32, where=where, entropy_coef=0.01)
-  got, want = jax.jit(fused)(h, w, b), jax.jit(materialised)(h, w, b)
-  assert got[0][0].dtype == jnp.float32
-  _assert_equal(got, want, {"rtol": 2e-2, "atol": 2e-2})
+  opts = dict(where=where, entropy_coef=0.01, surrogate=surrogate)
+  fused, materialised = _pair(ids, old, adv, upcast=True, **opts)
+  (got, got_grads), (want, want_grads) = jax.jit(fused)(h, w, b), jax.jit(materialised)(h, w, b)
+  assert got[0].dtype == jnp.float32
+  _assert_equal((got, ()), (want, ()), {"rtol": 1e-5, "atol": 1e-6})
+  for x, y in zip(got_grads, want_grads, strict=True):
+    assert x.dtype == y.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("surrogate", ["ppo", "gspo"])
+def test_bf16_head_logits_and_gradient_in_bf16(rng, surrogate):
+  """bf16 inputs: the chunks' logits and their gradient pass between the matmuls in bf16, as
+  the materialised loss's (XLA:GPU writes them to HBM; in float32 they made the fused loss
+  1.5x the materialised one on an H100, benchmarks/bench_accel.py): every matmul takes bf16
+  operands, and each chunk's float32-accumulated logits are converted to bf16."""
+  h, w, b, ids, _, old, adv, _ = _data(rng)
+  h, w, b = (jnp.asarray(x, jnp.bfloat16) for x in (h, w, b))
+
+  def loss(h, w, b):
+    return fused_policy_loss(h, w, ids, old, adv, bias=b, surrogate=surrogate, chunk_size=4)[0]
+
+  eqns = []
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      eqns.append(e)
+      for sub in _sub_jaxprs(e):
+        walk(sub)
+
+  walk(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr)
+  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+  to_bf16 = [e.outvars[0].aval.shape for e in eqns if e.primitive.name == "convert_element_type"
+             and e.params["new_dtype"] == jnp.bfloat16]  # fmt: skip
+  assert (4, VOCAB) in to_bf16 and (3, VOCAB) in to_bf16  # a full chunk and the last one
 
 
 @pytest.mark.parametrize(("surrogate", "dots"), [("ppo", 3), ("gspo", 4)])
@@ -141,9 +179,9 @@ def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots):
 
 
 def test_default_chunk_per_platform():
-  """chunk_size=None: the engine's CPU chunk (2**23 logits) in a CPU module, the accelerator
+  """chunk_size=None: the engine's CPU chunk (2**24 logits) in a CPU module, the accelerator
   chunk of platform_chunk_size on CUDA/TPU."""
-  n, hd, v = 256, 8, 1 << 16
+  n, hd, v = 256, 8, 1 << 17
   args = [jax.ShapeDtypeStruct(s, d) for s, d in [((n, hd), jnp.float32), ((hd, v), jnp.float32),
           ((n,), jnp.int32), ((n,), jnp.float32)]]  # fmt: skip
 
@@ -151,7 +189,7 @@ def test_default_chunk_per_platform():
     return fused_policy_loss(h, w, ids, x, x)[0]
 
   program = jax.jit(jax.value_and_grad(loss, (0, 1)))
-  cpu, accel = default_chunk_size(n, v, 1 << 23), platform_chunk_size(n, v, "tpu")
+  cpu, accel = default_chunk_size(n, v, 1 << 24), platform_chunk_size(n, v, "tpu")
   assert (cpu, accel) == (128, 256)
   for platforms, want in [(("cpu",), {cpu}), (("cuda",), {accel}), (("tpu",), {accel})]:
     text = export.export(program, platforms=platforms)(*args).mlir_module()

@@ -53,7 +53,8 @@ VERL = [
   ("vanilla", "token-mean", dict(clip_high=0.28), dict(clip_high=0.28, dual_clip=3.0)),
   ("vanilla", "seq-mean-token-mean", {}, dict(dual_clip=3.0)),
   ("vanilla", "seq-mean-token-sum", dict(clip_c=1.5), dict(dual_clip=1.5)),
-  ("vanilla", "seq-mean-token-sum-norm", {}, dict(dual_clip=3.0)),
+  ("vanilla", "seq-mean-token-sum-norm", {}, dict(dual_clip=3.0)),  # verl 0.9: / (sequences T)
+  ("vanilla", "token-sum", {}, dict(dual_clip=3.0)),  # verl 0.9
   ("gspo", "token-mean", {}, dict(surrogate="gspo-token")),  # verl: always seq-mean-token-mean
   ("gspo", "token-mean", {}, dict(surrogate="gspo")),  # = the token form (advantages per sequence)
   ("sapo", "token-mean", dict(taus=(1.0, 1.05)), dict(surrogate="sapo")),
@@ -89,9 +90,30 @@ def test_matches_verl_policy_losses(x64, rng, verl_name, mode, verl_kw, kw):
     np.testing.assert_allclose((m.clip_high, m.clip_dual), (frac, frac_lower), rtol=1e-12)
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_verl_rollout_correction_kl_and_entropy(x64, rng, level):
-  """verl's actor: pg_loss (with TIS weights) + kl_coef * agg(kl) - entropy_coeff * agg(entropy)."""
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_verl_dro_is_gpg_plus_k2_to_the_old_policy(x64, rng, mode):
+  """verl 0.9's ``dro`` policy loss, -(A log pi - beta/2 (log pi - log pi_old)^2): GPG's
+  surrogate plus beta * k2 to the old policy as the reference."""
+  logp, old, adv, mask = batch(rng, per_token_adv=True)
+  loss, m, grad = ours(logp, old, adv, mask, surrogate="gpg", aggregation=mode,
+                       ref_log_probs=old, beta=0.3, kl_estimator="k2")  # fmt: skip
+
+  def ref(x):
+    return verl_policy_loss("dro", old, x, adv, mask, mode, dro_beta=0.3)[0]
+
+  check(loss, grad, ref, logp)
+  np.testing.assert_allclose(m.approx_kl, verl_policy_loss("dro", old, logp, adv, mask, mode,
+                                                           dro_beta=0.3)[2], rtol=1e-12)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  ("level", "threshold", "kind", "bounds"),
+  [("token", 1.5, "truncate", (None, 1.5)), ("sequence", 1.5, "truncate", (None, 1.5)),
+   ("token", "0.9_1.2", "mask", (0.9, 1.2))],  # verl 0.9's IcePop: a "lower_upper" threshold
+)  # fmt: skip
+def test_verl_rollout_correction_kl_and_entropy(x64, rng, level, threshold, kind, bounds):
+  """verl's actor: pg_loss (with TIS or IcePop weights) + kl_coef * agg(kl) - entropy_coeff *
+  agg(entropy)."""
   logp, old, adv, mask = batch(rng)
   rollout = old + 0.2 * rng.normal(size=(B, T))
   ref_lp = logp + 0.5 * rng.normal(size=(B, T))
@@ -99,10 +121,11 @@ def test_verl_rollout_correction_kl_and_entropy(x64, rng, level):
   mode = "seq-mean-token-mean"
   loss, m, grad = ours(
     logp, old, adv, mask, dual_clip=3.0, aggregation=mode, rollout_log_probs=rollout,
-    rollout_correction=f"{level}_truncate", rollout_bounds=(None, 1.5), ref_log_probs=ref_lp,
+    rollout_correction=f"{level}_{kind}", rollout_bounds=bounds, ref_log_probs=ref_lp,
     beta=0.1, kl_estimator="k3", kl_clip=20.0, entropy=ent, entropy_coef=0.01,
   )  # fmt: skip
-  w = verl_rollout_is_weights(old, rollout, mask, level, 1.5)
+  w = verl_rollout_is_weights(old, rollout, mask, level, threshold)
+  assert kind != "mask" or ((w == 0) & (mask > 0)).any()  # IcePop drops some counted tokens
 
   def ref(x):
     pg = verl_policy_loss("vanilla", old, x, adv, mask, mode, rollout_w=w)[0]
