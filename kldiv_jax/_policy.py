@@ -13,6 +13,7 @@ from kldiv_jax._checks import (
   check_choice,
   check_int,
   check_normalizer,
+  clip_bounds,
   compute_dtype,
   mask_array,
   promote_and_broadcast,
@@ -21,7 +22,7 @@ from kldiv_jax._checks import (
 from kldiv_jax._fused import _check_linear
 from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._numerics import nan_unless, positive_finite
-from kldiv_jax._rl import ESTIMATORS, _clip_bounds
+from kldiv_jax._rl import ESTIMATORS
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
   SEQUENCE_LEVEL,
@@ -89,7 +90,7 @@ def _parse(
   check_choice(name, "aggregation", aggregation, AGGREGATIONS)
   check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
   check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
-  kl_clip_bounds = _clip_bounds(name, kl_clip, "kl_clip")
+  kl_clip_bounds = clip_bounds(name, kl_clip, "kl_clip")
   kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
   kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
   nonnegative = "a number >= 0"

@@ -13,7 +13,7 @@ from jax.test_util import check_grads
 
 import kldiv_jax as kd
 from kldiv_jax import kl_estimate
-from kldiv_jax._rl import exp_minus_one_minus
+from kldiv_jax._numerics import exp_minus_one_minus
 
 decimal.getcontext().prec = 60
 
