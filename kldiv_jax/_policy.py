@@ -18,6 +18,7 @@ from kldiv_jax._checks import (
   mask_array,
   promote_and_broadcast,
   real_scalar,
+  result_dtype,
 )
 from kldiv_jax._fused import _check_linear
 from kldiv_jax._fused_policy import fused_token_loss
@@ -126,6 +127,11 @@ def _parse(
   return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
 
 
+def _optional_arrays(name: str, **named: Any) -> list[Any]:
+  """The arrays of ``named`` checked with ``as_array`` (errors name the argument); ``None`` stays."""
+  return [None if v is None else as_array(name, k, v) for k, v in named.items()]
+
+
 def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), keep=None):
   """``(arrays, out_dtype, weights, valid)``: the per-token arrays of ``named`` (``None``s
   left out; ``advantages`` may be one per sequence) promoted (with ``dtypes``), broadcast to
@@ -139,7 +145,7 @@ def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), 
   got = arrays[0].shape
   if jnp.broadcast_shapes(got, shape) != shape:
     raise ValueError(f"{name}: the per-token arrays broadcast to {got}, not the tokens' {shape}.")
-  out_dtype = jnp.promote_types(out_dtype, jnp.result_type(*dtypes)) if dtypes else out_dtype
+  out_dtype = result_dtype(out_dtype, *dtypes)  # standard promotion, in strict mode too
   mask = jnp.ones(shape, bool)
   if where is not None:
     w = mask_array(name, where)
@@ -261,6 +267,14 @@ def policy_loss(
     (Array(0.3333..., dtype=float32), Array(2., dtype=float32))
   """
   name = "policy_loss"
+  log_probs, advantages = (
+    as_array(name, "log_probs", log_probs),
+    as_array(name, "advantages", advantages),
+  )
+  old_log_probs, ref_log_probs, entropy, rollout_log_probs = _optional_arrays(
+    name, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, entropy=entropy,
+    rollout_log_probs=rollout_log_probs,
+  )  # fmt: skip
   shape = tuple(np.shape(log_probs))
   if len(shape) == 0:
     raise ValueError(f"{name}: log_probs must have a token axis, shape [..., T]; got a scalar.")
@@ -418,6 +432,14 @@ def fused_policy_loss(
   shape = tuple(np.shape(hidden)[:-1])
   if len(shape) == 0:
     raise ValueError(f"{name}: hidden must have a token axis, shape [..., T, H]; got a vector.")
+  token_ids, advantages = (
+    as_array(name, "token_ids", token_ids),
+    as_array(name, "advantages", advantages),
+  )
+  old_log_probs, ref_log_probs, rollout_log_probs = _optional_arrays(
+    name, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
+    rollout_log_probs=rollout_log_probs,
+  )  # fmt: skip
   if tuple(np.shape(token_ids)) != shape:
     raise ValueError(
       f"{name}: token_ids must have shape hidden.shape[:-1] = {shape}; got {np.shape(token_ids)}."

@@ -91,9 +91,10 @@ class PublicCall:
     return self.output(self.fn(**{**kwargs, **self.options, **changes}))
 
   def optional(self) -> tuple[str, ...]:
-    """The keyword arguments that default to ``None`` (``None`` is a valid value there)."""
+    """The arguments that take ``None`` (a ``None`` default, or ``None`` in the annotation:
+    ``policy_loss``'s ``old_log_probs``)."""
     params = inspect.signature(self.fn).parameters
-    return tuple(k for k, p in params.items() if p.default is None)
+    return tuple(k for k, p in params.items() if p.default is None or "None" in str(p.annotation))
 
 
 _LOGITS = (("logits", "s"), ("target_logits", "t"))
