@@ -1,5 +1,6 @@
-"""kl_estimate: Schulman's k1/k2/k3 and verl's kl_penalty modes against float64, exact-decimal
-and torch references."""
+"""kl_estimate (Schulman's k1/k2/k3 and verl's kl_penalty modes, against float64,
+exact-decimal and torch references), its e^x - 1 - x, distillation_advantages, sequence_sum
+and sequence_mean."""
 
 import decimal
 import functools
