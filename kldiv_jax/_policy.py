@@ -127,9 +127,11 @@ def _parse(
   return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
 
 
-def _optional_arrays(name: str, **named: Any) -> list[Any]:
-  """The arrays of ``named`` checked with ``as_array`` (errors name the argument); ``None`` stays."""
-  return [None if v is None else as_array(name, k, v) for k, v in named.items()]
+def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
+  """An error naming the argument unless each array is array-like (``as_array``); an
+  ``optional`` one may be ``None``."""
+  for k, v in (*required.items(), *((k, v) for k, v in optional.items() if v is not None)):
+    as_array(name, k, v)
 
 
 def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), keep=None):
@@ -267,13 +269,10 @@ def policy_loss(
     (Array(0.3333..., dtype=float32), Array(2., dtype=float32))
   """
   name = "policy_loss"
-  log_probs, advantages = (
-    as_array(name, "log_probs", log_probs),
-    as_array(name, "advantages", advantages),
-  )
-  old_log_probs, ref_log_probs, entropy, rollout_log_probs = _optional_arrays(
-    name, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs, entropy=entropy,
-    rollout_log_probs=rollout_log_probs,
+  _check_arrays(
+    name, {"log_probs": log_probs, "advantages": advantages},
+    {"old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs, "entropy": entropy,
+     "rollout_log_probs": rollout_log_probs},
   )  # fmt: skip
   shape = tuple(np.shape(log_probs))
   if len(shape) == 0:
@@ -432,13 +431,10 @@ def fused_policy_loss(
   shape = tuple(np.shape(hidden)[:-1])
   if len(shape) == 0:
     raise ValueError(f"{name}: hidden must have a token axis, shape [..., T, H]; got a vector.")
-  token_ids, advantages = (
-    as_array(name, "token_ids", token_ids),
-    as_array(name, "advantages", advantages),
-  )
-  old_log_probs, ref_log_probs, rollout_log_probs = _optional_arrays(
-    name, old_log_probs=old_log_probs, ref_log_probs=ref_log_probs,
-    rollout_log_probs=rollout_log_probs,
+  _check_arrays(
+    name, {"token_ids": token_ids, "advantages": advantages},
+    {"old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs,
+     "rollout_log_probs": rollout_log_probs},
   )  # fmt: skip
   if tuple(np.shape(token_ids)) != shape:
     raise ValueError(
