@@ -45,7 +45,7 @@ from _harness import (  # noqa: E402
   write_json,
 )
 
-from kldiv_jax._divergence_api import Divergence, divergence_from_logits  # noqa: E402
+from kldiv_jax import Divergence, divergence_from_logits  # noqa: E402
 
 FULL_SHAPE = (4096, 8192)
 QUICK_SHAPE = (256, 1024)

@@ -397,6 +397,25 @@ def check_softcap(name: str, option: str, value: object) -> float | None:
   return cap
 
 
+def clip_bounds(name: str, clip: object, option: str = "clip"):
+  """``clip`` as ``(low, high)`` bounds of a log-ratio (``None`` stays ``None``; ``c`` is ``(-c, c)``)."""
+  if clip is None:
+    return None
+  if isinstance(clip, (tuple, list)):
+    if len(clip) != 2:
+      raise ValueError(f"{name}: {option} must be a number or a (low, high) pair; got {clip!r}.")
+    (low, low_static), (high, high_static) = (real_scalar(name, option, b) for b in clip)
+  else:
+    c, static = real_scalar(name, option, clip)
+    (low, low_static), (high, high_static) = (-c, static), (c, static)
+  if low_static and high_static and not low <= high:
+    raise ValueError(
+      f"{name}: {option} must bound the log-ratio by low <= high (a number c means "
+      f"[-c, c]); got {clip!r}."
+    )
+  return low, high
+
+
 def concrete(*arrays: object) -> list[np.ndarray | None] | None:
   """The arrays as NumPy arrays when none is traced (``None`` stays ``None``), else ``None``.
 

@@ -18,7 +18,8 @@ from kldiv_jax._checks import (
   ids_in_range,
   index_array,
 )
-from kldiv_jax._divergence_api import Divergence, as_divergence, check_softcaps
+from kldiv_jax._divergence_api import check_softcaps
+from kldiv_jax._divergence_spec import Divergence, as_divergence
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._numerics import in_unit_interval, is_static, nan_unless, positive_finite
 from kldiv_jax._rows import prepare

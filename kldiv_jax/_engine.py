@@ -55,12 +55,13 @@ classes(log_p, log_q), params)``, and reduces as it needs.
 """
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS, Classes, Formula, Norms
 from kldiv_jax._numerics import max_shift, nonnegative
 from kldiv_jax._rows import (
@@ -73,9 +74,6 @@ from kldiv_jax._rows import (
   scaled,
 )
 from kldiv_jax._vocab_parallel import combine, global_classes
-
-if TYPE_CHECKING:  # the spec's module imports this one
-  from kldiv_jax._divergence_api import Divergence
 
 
 def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
@@ -438,7 +436,7 @@ def divergence_rows(
   y: jax.Array,
   temperature: jax.Array,
   masks: tuple[jax.Array, ...],
-  divergence: "Divergence",
+  divergence: Divergence,
   axis_name: str | None = None,
   caps: tuple[float | None, float | None] = (None, None),
 ) -> jax.Array:
@@ -448,7 +446,7 @@ def divergence_rows(
   computation runs in ``temperature``'s dtype, at least float32);
   ``temperature`` is a scalar; ``masks`` a tuple of boolean ``[rows or 1,
   classes or 1]`` arrays (masked classes leave both distributions);
-  ``divergence`` a :class:`kldiv_jax._divergence_api.Divergence`. With
+  ``divergence`` a :class:`kldiv_jax._divergence_spec.Divergence`. With
   ``axis_name``, inside ``jax.shard_map``, the arrays hold this device's
   slice of the classes and the result is replicated over the axis. Compiled
   once per shapes and static arguments when called eagerly (``_rows.compiled``).

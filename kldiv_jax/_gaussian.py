@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 
 from kldiv_jax._checks import Axis, normalize_axis, promote_and_broadcast, split_where
-from kldiv_jax._optax import masked_sum
-from kldiv_jax._rl import exp_minus_one_minus
+from kldiv_jax._masked_sum import masked_sum
+from kldiv_jax._numerics import exp_minus_one_minus
 
 
 def gaussian_kl(

@@ -11,7 +11,8 @@ derivative rules and the vocabulary-parallel passes are the engine's
 import jax
 
 from kldiv_jax._checks import Axis, check_choice, check_unit_interval
-from kldiv_jax._divergence_api import Divergence, check_softcaps, per_example
+from kldiv_jax._divergence_api import check_softcaps, per_example
+from kldiv_jax._divergence_spec import Divergence
 
 DIRECTIONS = ("forward", "reverse")
 

@@ -25,7 +25,8 @@ from kldiv_jax._checks import (
   compute_dtype,
   mask_array,
 )
-from kldiv_jax._divergence_api import Divergence, as_divergence, per_example
+from kldiv_jax._divergence_api import per_example
+from kldiv_jax._divergence_spec import Divergence, as_divergence
 from kldiv_jax._rl import sequence_mean
 
 INPUTS = ("logits", "log_probs", "probs")

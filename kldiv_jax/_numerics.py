@@ -23,6 +23,11 @@ safe before the partial function). Probabilities ``p`` and log-probabilities
 ``lp`` come in pairs, with ``p = 0`` and ``lp = -inf`` for a class without
 mass. The row-level helpers (``-inf``-safe division by the temperature, safe
 normalisers) are in :mod:`kldiv_jax._rows`.
+
+Elementwise helpers of the closed forms and estimators:
+:func:`exp_minus_one_minus` (``e^x - 1 - x`` without cancellation: the
+Gaussian KL, the k3 estimator) and :func:`clamp` (``torch.clamp``'s gradient
+at the bounds).
 """
 
 import functools
@@ -205,3 +210,38 @@ def split_small(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(|x| < 1/2, x there else 0, x elsewhere else 1)``: the series and closed-form arguments."""
   small = jnp.abs(x) < 0.5
   return small, jnp.where(small, x, 0.0), jnp.where(small, 1.0, x)
+
+
+# Taylor coefficients 1/n! of e^x - 1 - x, highest first, to the degree whose
+# remainder for |x| < 1 is below the dtype's rounding (2/(n+1)! < eps / 4).
+_SERIES = {
+  degree: tuple(1.0 / float(np.prod(np.arange(1, n + 1))) for n in range(degree, 1, -1))
+  for degree in (11, 19)
+}
+
+
+def exp_minus_one_minus(x: jax.Array) -> jax.Array:
+  r"""``e^x - 1 - x`` without cancellation, finite gradients, ``+inf`` at ``+-inf``.
+
+  ``expm1(x) - x`` loses relative precision where ``|x| < 1`` (about
+  ``2 eps / |x|``: the result is near ``x**2 / 2``); there a Taylor
+  polynomial (to ``x**11`` in float32, ``x**19`` in float64) is used
+  instead, accurate to a few ulps.
+  """
+  small = jnp.abs(x) < 1.0
+  xs = jnp.where(small, x, 0.0)
+  series = jnp.zeros_like(xs)
+  for c in _SERIES[11 if jnp.finfo(x.dtype).bits <= 32 else 19]:
+    series = series * xs + c
+  series = series * xs * xs
+  big = jnp.where(small | (x == jnp.inf), 1.0, x)
+  direct = jnp.where(x == jnp.inf, jnp.inf, jnp.expm1(big) - big)
+  return jnp.where(small, series, direct)
+
+
+def clamp(x: jax.Array, low: jax.typing.ArrayLike, high: jax.typing.ArrayLike) -> jax.Array:
+  """``torch.clamp``: the gradient passes where ``low <= x <= high``, bounds included.
+
+  (``jnp.clip`` gives half the gradient at a bound, as ``jnp.minimum`` does at a tie.)
+  """
+  return jnp.where(x < low, low, jnp.where(x > high, high, x))

@@ -6,46 +6,14 @@ per-example mask.
 """
 
 import warnings
-from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax._checks import Axis, normalize_axis, promote_and_broadcast, split_where
+from kldiv_jax._checks import Axis, promote_and_broadcast
+from kldiv_jax._masked_sum import masked_sum
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
-
-
-def masked_sum(
-  name: str,
-  terms: jax.Array | Callable[..., jax.Array],
-  axis: Axis,
-  where: jax.typing.ArrayLike | None,
-  inputs: Sequence[tuple[jax.Array, float]] = (),
-) -> jax.Array:
-  """Sums ``terms`` over ``axis`` under an element or per-example ``where``.
-
-  Masked elements are selected away (never multiplied), so a NaN or ``inf``
-  there cannot leak into the result; a masked-out example gives 0. With
-  ``inputs`` (pairs of an array and a harmless fill value), ``terms`` is a
-  function of those arrays, called after the masked entries are replaced by
-  the fills: a NaN under the mask then cannot reach the gradients either.
-  """
-  shape = inputs[0][0].shape if callable(terms) else terms.shape
-  axes = normalize_axis(name, axis, len(shape))
-  element, example = split_where(name, where, shape, axes)
-  if callable(terms):
-    keep = element
-    if example is not None:
-      keep = jnp.broadcast_to(jnp.expand_dims(example, axes), shape)
-    arrays = [a if keep is None else jnp.where(keep, a, fill) for a, fill in inputs]
-    terms = terms(*arrays)
-  if element is not None:
-    terms = jnp.where(element, terms, 0.0)
-  out = jnp.sum(terms, axis=axes)
-  if example is not None:
-    out = jnp.where(example, out, 0.0)
-  return out
 
 
 def _per_example(name, what, kernel, zero_mass, log_predictions, targets, axis, where):

@@ -13,15 +13,17 @@ from kldiv_jax._checks import (
   check_choice,
   check_int,
   check_normalizer,
+  clip_bounds,
   compute_dtype,
   mask_array,
   promote_and_broadcast,
   real_scalar,
+  result_dtype,
 )
 from kldiv_jax._fused import _check_linear
 from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._numerics import nan_unless, positive_finite
-from kldiv_jax._rl import ESTIMATORS, _clip_bounds
+from kldiv_jax._rl import ESTIMATORS
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
   SEQUENCE_LEVEL,
@@ -89,7 +91,7 @@ def _parse(
   check_choice(name, "aggregation", aggregation, AGGREGATIONS)
   check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
   check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
-  kl_clip_bounds = _clip_bounds(name, kl_clip, "kl_clip")
+  kl_clip_bounds = clip_bounds(name, kl_clip, "kl_clip")
   kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
   kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
   nonnegative = "a number >= 0"
@@ -125,6 +127,13 @@ def _parse(
   return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
 
 
+def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
+  """An error naming the argument unless each array is array-like (``as_array``); an
+  ``optional`` one may be ``None``."""
+  for k, v in (*required.items(), *((k, v) for k, v in optional.items() if v is not None)):
+    as_array(name, k, v)
+
+
 def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), keep=None):
   """``(arrays, out_dtype, weights, valid)``: the per-token arrays of ``named`` (``None``s
   left out; ``advantages`` may be one per sequence) promoted (with ``dtypes``), broadcast to
@@ -138,7 +147,7 @@ def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), 
   got = arrays[0].shape
   if jnp.broadcast_shapes(got, shape) != shape:
     raise ValueError(f"{name}: the per-token arrays broadcast to {got}, not the tokens' {shape}.")
-  out_dtype = jnp.promote_types(out_dtype, jnp.result_type(*dtypes)) if dtypes else out_dtype
+  out_dtype = result_dtype(out_dtype, *dtypes)  # standard promotion, in strict mode too
   mask = jnp.ones(shape, bool)
   if where is not None:
     w = mask_array(name, where)
@@ -260,6 +269,11 @@ def policy_loss(
     (Array(0.3333..., dtype=float32), Array(2., dtype=float32))
   """
   name = "policy_loss"
+  _check_arrays(
+    name, {"log_probs": log_probs, "advantages": advantages},
+    {"old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs, "entropy": entropy,
+     "rollout_log_probs": rollout_log_probs},
+  )  # fmt: skip
   shape = tuple(np.shape(log_probs))
   if len(shape) == 0:
     raise ValueError(f"{name}: log_probs must have a token axis, shape [..., T]; got a scalar.")
@@ -420,6 +434,11 @@ def fused_policy_loss(
   shape = tuple(np.shape(hidden)[:-1])
   if len(shape) == 0:
     raise ValueError(f"{name}: hidden must have a token axis, shape [..., T, H]; got a vector.")
+  _check_arrays(
+    name, {"token_ids": token_ids, "advantages": advantages},
+    {"old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs,
+     "rollout_log_probs": rollout_log_probs},
+  )  # fmt: skip
   if tuple(np.shape(token_ids)) != shape:
     raise ValueError(
       f"{name}: token_ids must have shape hidden.shape[:-1] = {shape}; got {np.shape(token_ids)}."

@@ -11,12 +11,13 @@ from kldiv_jax._checks import (
   check_float,
   check_softcap,
   check_temperature,
+  clip_bounds,
   compute_dtype,
   promote_and_broadcast,
   real_scalar,
   split_where,
 )
-from kldiv_jax._numerics import nan_unless, positive_finite
+from kldiv_jax._numerics import clamp, exp_minus_one_minus, nan_unless, positive_finite
 from kldiv_jax._tokens import token_layout, token_log_prob_rows, token_outputs, token_rows
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
@@ -26,58 +27,6 @@ from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 # verl's straight-through form: the estimator's value with k2's gradient.
 _BASES = ("k1", "k2", "k3", "kl", "abs", "mse", "low_var_kl")
 ESTIMATORS = (*_BASES, *(f"{b}+" for b in _BASES))
-
-# Taylor coefficients 1/n! of e^x - 1 - x, highest first, to the degree whose
-# remainder for |x| < 1 is below the dtype's rounding (2/(n+1)! < eps / 4).
-_SERIES = {
-  degree: tuple(1.0 / float(np.prod(np.arange(1, n + 1))) for n in range(degree, 1, -1))
-  for degree in (11, 19)
-}
-
-
-def exp_minus_one_minus(x: jax.Array) -> jax.Array:
-  r"""``e^x - 1 - x`` without cancellation, finite gradients, ``+inf`` at ``+-inf``.
-
-  ``expm1(x) - x`` loses relative precision where ``|x| < 1`` (about
-  ``2 eps / |x|``: the result is near ``x**2 / 2``); there a Taylor
-  polynomial (to ``x**11`` in float32, ``x**19`` in float64) is used
-  instead, accurate to a few ulps.
-  """
-  small = jnp.abs(x) < 1.0
-  xs = jnp.where(small, x, 0.0)
-  series = jnp.zeros_like(xs)
-  for c in _SERIES[11 if jnp.finfo(x.dtype).bits <= 32 else 19]:
-    series = series * xs + c
-  series = series * xs * xs
-  big = jnp.where(small | (x == jnp.inf), 1.0, x)
-  direct = jnp.where(x == jnp.inf, jnp.inf, jnp.expm1(big) - big)
-  return jnp.where(small, series, direct)
-
-
-def _clip_bounds(name, clip, option="clip"):
-  if clip is None:
-    return None
-  if isinstance(clip, (tuple, list)):
-    if len(clip) != 2:
-      raise ValueError(f"{name}: {option} must be a number or a (low, high) pair; got {clip!r}.")
-    (low, low_static), (high, high_static) = (real_scalar(name, option, b) for b in clip)
-  else:
-    c, static = real_scalar(name, option, clip)
-    (low, low_static), (high, high_static) = (-c, static), (c, static)
-  if low_static and high_static and not low <= high:
-    raise ValueError(
-      f"{name}: {option} must bound the log-ratio by low <= high (a number c means "
-      f"[-c, c]); got {clip!r}."
-    )
-  return low, high
-
-
-def clamp(x: jax.Array, low: jax.typing.ArrayLike, high: jax.typing.ArrayLike) -> jax.Array:
-  """``torch.clamp``: the gradient passes where ``low <= x <= high``, bounds included.
-
-  (``jnp.clip`` gives half the gradient at a bound, as ``jnp.minimum`` does at a tie.)
-  """
-  return jnp.where(x < low, low, jnp.where(x > high, high, x))
 
 
 def _estimate(delta: jax.Array, estimator: str) -> jax.Array:
@@ -201,8 +150,8 @@ def kl_estimate(
   """
   name = "kl_estimate"
   check_choice(name, "estimator", estimator, ESTIMATORS)
-  bounds = _clip_bounds(name, clip)
-  weight_bounds = _clip_bounds(name, importance_clip, "importance_clip")
+  bounds = clip_bounds(name, clip)
+  weight_bounds = clip_bounds(name, importance_clip, "importance_clip")
   arrays = (log_probs, ref_log_probs) + (() if old_log_probs is None else (old_log_probs,))
   names = ("log_probs", "ref_log_probs", "old_log_probs")[: len(arrays)]
   promoted, out_dtype = promote_and_broadcast(name, names, *arrays)

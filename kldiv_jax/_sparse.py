@@ -361,7 +361,7 @@ def topk_rows(
   ``keep``; ``lp`` the teacher's log-probabilities (compute dtype);
   ``keep`` the slots with mass (distinct ids: :func:`first_occurrences`);
   ``dropped`` slots whose ids only the teacher has; ``divergence`` a
-  :class:`kldiv_jax._divergence_api.Divergence`. A row without a slot with
+  :class:`kldiv_jax._divergence_spec.Divergence`. A row without a slot with
   mass gives 0 with zero gradients.
   """
   log_p = teacher_log_probs(lp, keep, dropped, temperature, tail)

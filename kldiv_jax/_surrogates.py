@@ -323,9 +323,9 @@ def token_losses(
     if options.kl_importance_weighted:  # TRL's use_bias_correction_kl: KL * r, r carrying gradient
       kl = kl * ratio
     if options.kl_in_loss:
-      total = total + options.beta * kl
+      total = total + jnp.asarray(options.beta, kl.dtype) * kl  # a traced beta: any float
   if entropy is not None:
-    total = total - options.entropy_coef * entropy
+    total = total - jnp.asarray(options.entropy_coef, total.dtype) * entropy
   zero = jnp.zeros_like(pg)
   loss_terms = jnp.where(mask, loss_weights * total, 0.0)
 

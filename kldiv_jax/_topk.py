@@ -29,7 +29,7 @@ from kldiv_jax._checks import (
   mask_array,
   teacher_classes,
 )
-from kldiv_jax._divergence_api import Divergence, as_divergence
+from kldiv_jax._divergence_spec import Divergence, as_divergence
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import first_occurrences, topk_rows

@@ -16,35 +16,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import lm_inputs
+from _public_calls import PUBLIC_CALLS, inputs
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import kldiv_jax as kd
-
 ROWS, VOCAB, HIDDEN, K = 384, 1024, 16, 8
 
 
-DATA, _ = lm_inputs(ROWS, VOCAB, HIDDEN, K, seed=7, scale=3.0)
+DATA = inputs(ROWS, VOCAB, HIDDEN, K, seed=7, scale=3.0)
+# One public call of each kernel family (_public_calls): the engine's per-row kernel, the loss
+# with labels, the log-probabilities, the top-k path, the fused LM head.
+CALLS = {
+  name: PUBLIC_CALLS[name]
+  for name in (
+    "distillation_loss",
+    "divergence_from_logits",
+    "token_log_probs",
+    "kl_div_from_topk",
+    "fused_distillation_loss",
+  )
+}
+# The log-probabilities alone: their own kernel (with axis_name, the row kernel's).
+OPTIONS = {"token_log_probs": {"return_entropy": False}}
+
+
+def _chunk(call):
+  return {"chunk_size": 128} if call.chunked else {}
+
+
+def _scalar(fn):
+  return lambda *a: jnp.sum(fn(*a))
+
+
 LOSSES = {
-  "distillation_loss": (
-    lambda s, t, y: kd.distillation_loss(s, t, y, temperature=2.0),
-    ("s", "t", "labels"),
-  ),
-  "divergence_from_logits[jsd]": (
-    lambda s, t: jnp.sum(kd.divergence_from_logits(s, t, divergence="jsd")),
-    ("s", "t"),
-  ),
-  "token_log_probs": (lambda s, y: jnp.sum(kd.token_log_probs(s, y)), ("s", "labels")),
-  "kl_div_from_topk": (
-    lambda s, i, lp: jnp.mean(kd.kl_div_from_topk(s, i, lp)),
-    ("s", "idx", "topk_lp"),
-  ),
-  "fused_distillation_loss": (
-    lambda h, w, th, tw, y: kd.fused_distillation_loss(h, w, th, tw, labels=y, chunk_size=128),
-    ("h", "w", "th", "tw", "labels"),
-  ),
+  name: (
+    _scalar(call.positional(**_chunk(call), **OPTIONS.get(name, {}))),
+    call.roles,
+  )
+  for name, call in CALLS.items()
 }
 
 
@@ -84,31 +94,23 @@ def test_run_to_run_bit_identical(name):
   assert not _bits_equal(first, _host(program(*nudged))), name
 
 
-# Sharded: batch over "data", classes over "vocab" (the fused loss: heads over "vocab").
+# Sharded: batch over "data", classes over "vocab" (the fused loss: heads over "vocab"); the
+# per-shard sums added over "data" (the losses' normalizer is a constant: the global one).
+ROLE_SPECS = {"s": P("data", "vocab"), "t": P("data", "vocab"), "w": P(None, "vocab")}
+ROLE_SPECS |= {"tw": P(None, "vocab"), "b": P("vocab"), "tb": P("vocab")}
 SHARDED = {
-  "distillation_loss": (P("data", "vocab"), P("data", "vocab"), P("data")),
-  "divergence_from_logits[jsd]": (P("data", "vocab"), P("data", "vocab")),
-  "token_log_probs": (P("data", "vocab"), P("data")),
-  "fused_distillation_loss": (P("data"), P(None, "vocab"), P("data"), P(None, "vocab"), P("data")),
+  name: tuple(ROLE_SPECS.get(r, P("data")) for r in call.roles)
+  for name, call in CALLS.items()
+  if call.axis_name
 }
-SHARDED_CALLS = {
-  # Per-shard calls: the global normaliser, a psum over the data axis.
-  "distillation_loss": lambda s, t, y: lax.psum(
-    kd.distillation_loss(s, t, y, temperature=2.0, normalizer=ROWS, axis_name="vocab"), "data"
-  ),
-  "divergence_from_logits[jsd]": lambda s, t: lax.psum(
-    jnp.sum(kd.divergence_from_logits(s, t, divergence="jsd", axis_name="vocab")), "data"
-  ),
-  "token_log_probs": lambda s, y: lax.psum(
-    jnp.sum(kd.token_log_probs(s, y, axis_name="vocab")), "data"
-  ),
-  "fused_distillation_loss": lambda h, w, th, tw, y: lax.psum(
-    kd.fused_distillation_loss(
-      h, w, th, tw, labels=y, chunk_size=128, normalizer=ROWS, axis_name="vocab"
-    ),
-    "data",
-  ),
-}
+
+
+def _sharded_call(name, call):
+  f = _scalar(call.positional(axis_name="vocab", **_chunk(call), **OPTIONS.get(name, {})))
+  return lambda *a: lax.psum(f(*a), "data")
+
+
+SHARDED_CALLS = {name: _sharded_call(name, CALLS[name]) for name in SHARDED}
 # Sharded vs unsharded: the bound of docs/beyond-one-machine.md.
 RTOL, ATOL = 1e-5, 1e-7
 

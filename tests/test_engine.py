@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import kldiv_jax as kd
-from kldiv_jax._divergence_api import Divergence, divergence_from_logits
+from kldiv_jax import Divergence, divergence_from_logits
 from kldiv_jax._divergences import FORMULAS, Classes
 from kldiv_jax._engine import divergence_rows
 

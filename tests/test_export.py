@@ -21,13 +21,15 @@ loop: the check on the CPU module is what shows that the others can fail.
 """
 
 import contextlib
+import dataclasses
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import TOLERANCES, enable_x64, lm_inputs
+from _public_calls import PUBLIC_CALLS, PublicCall, inputs, missing_calls
+from _references import TOLERANCES, enable_x64
 from jax import export
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,15 +46,6 @@ ROWS, VOCAB, HIDDEN, K = 512, 1024, 16, 8
 CHUNK = 256
 
 
-def _data(rows: int = ROWS) -> dict[str, np.ndarray]:
-  data, rng = lm_inputs(rows, VOCAB, HIDDEN, K, seed=0, scale=2.0)
-  f32 = lambda *shape, scale=1.0: (scale * rng.normal(size=shape)).astype(np.float32)  # noqa: E731
-  data.update(log_q=np.asarray(jax.nn.log_softmax(data["s"])), p=np.exp(data["log_p"]))
-  data.update(lp=f32(rows, scale=0.5) - 2.0, ref_lp=f32(rows, scale=0.5) - 2.0, adv=f32(rows))
-  data.update(mean=f32(rows, 8), log_var=f32(rows, 8, scale=0.3))
-  return data
-
-
 class Loss:
   """``fn(*args)`` of the named inputs; ``rows``: whether it is built on the row kernels."""
 
@@ -60,104 +53,44 @@ class Loss:
     self.fn, self.names, self.argnums, self.rows = fn, names, argnums, rows
 
 
+def _data(rows: int = ROWS) -> dict[str, np.ndarray]:
+  return inputs(rows, VOCAB, HIDDEN, K, seed=0, scale=2.0)
+
+
+def _chunk(call: PublicCall) -> dict:
+  return {"chunk_size": CHUNK} if call.chunked else {}
+
+
+# Variants beside the public calls: the fused loss without labels at T = 2 (no hard term),
+# and the log-probabilities without the entropy (a kernel without a row loop, nor axis_name).
+VARIANTS = {
+  "fused_distillation_loss T=2": dataclasses.replace(
+    PUBLIC_CALLS["fused_distillation_loss"],
+    inputs=PUBLIC_CALLS["fused_distillation_loss"].inputs[:4],
+    options={"temperature": 2.0},
+  ),
+  "token_log_probs alone": dataclasses.replace(
+    PUBLIC_CALLS["token_log_probs"], options={}, rows=False, axis_name=False, output=lambda out: out
+  ),
+}
+CALLS = {**PUBLIC_CALLS, **VARIANTS}
+
+
 def _losses() -> dict[str, Loss]:
-  logits = ("s", "t")
   return {
-    "kl_div": Loss(lambda a, b: kd.kl_div(a, b, reduction="batchmean"), ("log_q", "p"), 0, False),
-    "KLDivLoss": Loss(
-      lambda a, b: kd.KLDivLoss(reduction="sum", log_target=True)(a, b),
-      ("log_q", "log_p"),
-      0,
-      False,
-    ),
-    "kl_div_pointwise": Loss(kd.kl_div_pointwise, ("log_q", "p"), 0, False),
-    "kl_divergence": Loss(kd.kl_divergence, ("log_q", "p"), 0, False),
-    "kl_divergence_with_log_targets": Loss(
-      kd.kl_divergence_with_log_targets, ("log_q", "log_p"), (0, 1), False
-    ),
-    "generalized_kl_divergence": Loss(kd.generalized_kl_divergence, ("log_q", "p"), 0, False),
-    "convex_kl_divergence": Loss(kd.convex_kl_divergence, ("log_q", "p"), 0, False),
-    "kl_div_from_logits": Loss(
-      lambda a, b: kd.kl_div_from_logits(a, b, temperature=2.0), logits, (0, 1), True
-    ),
-    "generalized_jsd": Loss(lambda a, b: kd.generalized_jsd(a, b, beta=0.3), logits, (0, 1), True),
-    "divergence_from_logits": Loss(
-      lambda a, b: kd.divergence_from_logits(a, b, divergence="skew_kl"), logits, (0, 1), True
-    ),
-    "distillation_loss": Loss(
-      lambda a, b, y: kd.distillation_loss(a, b, y, temperature=2.0),
-      ("s", "t", "labels"),
-      (0, 1),
-      True,
-    ),
-    # With the entropy: the row kernel; the log-probabilities alone: a kernel without a row loop.
-    "token_log_probs": Loss(
-      lambda a, y: jnp.stack(kd.token_log_probs(a, y, return_entropy=True)),
-      ("s", "labels"),
-      0,
-      True,
-    ),
-    "token_log_probs_alone": Loss(kd.token_log_probs, ("s", "labels"), 0, False),
-    "divergence_from_topk": Loss(
-      lambda a, i, lp: kd.divergence_from_topk(a, i, lp, divergence="reverse_kl"),
-      ("s", "idx", "topk_lp"),
-      (0, 2),
-      True,
-    ),
-    "kl_div_from_topk": Loss(
-      lambda a, i, lp: kd.kl_div_from_topk(a, i, lp, tail="bucket"),
-      ("s", "idx", "topk_lp"),
-      0,
-      True,
-    ),
-    "fused_distillation_loss": Loss(
-      lambda h, w, th, tw, y: kd.fused_distillation_loss(h, w, th, tw, labels=y, chunk_size=CHUNK),
-      ("h", "w", "th", "tw", "labels"),
-      (0, 1),
-      True,
-    ),
-    "fused_distillation_loss T=2": Loss(
-      lambda h, w, th, tw: kd.fused_distillation_loss(
-        h, w, th, tw, temperature=2.0, chunk_size=CHUNK
-      ),
-      ("h", "w", "th", "tw"),
-      (0, 1),
-      True,
-    ),
-    "fused_topk_distillation_loss": Loss(
-      lambda h, w, i, lp: kd.fused_topk_distillation_loss(h, w, i, lp, chunk_size=CHUNK),
-      ("h", "w", "idx", "topk_lp"),
-      (0, 1),
-      True,
-    ),
-    "fused_token_log_probs": Loss(
-      lambda h, w, y: kd.fused_token_log_probs(h, w, y, chunk_size=CHUNK),
-      ("h", "w", "labels"),
-      (0, 1),
-      True,
-    ),
-    "kl_estimate": Loss(
-      lambda a, b: kd.kl_estimate(a, b, estimator="k3"), ("lp", "ref_lp"), (0, 1), False
-    ),
-    "distillation_advantages": Loss(kd.distillation_advantages, ("lp", "ref_lp"), 0, False),
-    "gaussian_kl": Loss(kd.gaussian_kl, ("mean", "log_var"), (0, 1), False),
-    "policy_loss": Loss(
-      lambda a, b, adv: kd.policy_loss(a, b, adv, ref_log_probs=b, beta=0.1)[0],
-      ("lp", "ref_lp", "adv"),
-      0,
-      False,
-    ),
-    "fused_policy_loss": Loss(
-      lambda h, w, y, b, adv: kd.fused_policy_loss(h, w, y, b, adv, chunk_size=CHUNK)[0],
-      ("h", "w", "labels", "ref_lp", "adv"),
-      (0, 1),
-      True,
-    ),
+    name: Loss(call.positional(**_chunk(call)), call.roles, call.argnums, call.rows)
+    for name, call in CALLS.items()
   }
 
 
 DATA = _data()
 LOSSES = _losses()
+
+
+def test_every_public_call_is_listed():
+  """Each callable of ``kldiv_jax.__all__`` has its entry in ``_public_calls.PUBLIC_CALLS``,
+  so that every suite built on that list runs it."""
+  assert missing_calls() == set()
 
 
 def _programs(loss: Loss):
@@ -220,49 +153,14 @@ def test_each_platform_holds_its_own_path(name):
 
 # -- axis_name ------------------------------------------------------------------------------------
 
-# The losses that take ``axis_name``: the call, and its inputs' specs over the "vocab" axis.
+# The losses that take ``axis_name``, and their inputs' specs over the "vocab" axis: logits
+# split over their classes, LM heads and biases over their vocabulary, the rest replicated.
 CLASSES, HEAD, ROWWISE = P(None, "vocab"), P(None, "vocab"), P()
+ROLE_SPECS = {"s": CLASSES, "t": CLASSES, "w": HEAD, "tw": HEAD, "b": P("vocab"), "tb": P("vocab")}
 SHARDED = {
-  "kl_div_from_logits": (
-    lambda a, b, axis_name: kd.kl_div_from_logits(a, b, temperature=2.0, axis_name=axis_name),
-    (CLASSES, CLASSES),
-  ),
-  "generalized_jsd": (
-    lambda a, b, axis_name: kd.generalized_jsd(a, b, beta=0.3, axis_name=axis_name),
-    (CLASSES, CLASSES),
-  ),
-  "divergence_from_logits": (
-    lambda a, b, axis_name: kd.divergence_from_logits(
-      a, b, divergence="skew_kl", axis_name=axis_name
-    ),
-    (CLASSES, CLASSES),
-  ),
-  "distillation_loss": (
-    lambda a, b, y, axis_name: kd.distillation_loss(a, b, y, temperature=2.0, axis_name=axis_name),
-    (CLASSES, CLASSES, ROWWISE),
-  ),
-  "token_log_probs": (
-    lambda a, y, axis_name: kd.token_log_probs(a, y, axis_name=axis_name),
-    (CLASSES, ROWWISE),
-  ),
-  "fused_distillation_loss": (
-    lambda h, w, th, tw, y, axis_name: kd.fused_distillation_loss(
-      h, w, th, tw, labels=y, chunk_size=CHUNK, axis_name=axis_name
-    ),
-    (ROWWISE, HEAD, ROWWISE, HEAD, ROWWISE),
-  ),
-  "fused_distillation_loss T=2": (
-    lambda h, w, th, tw, axis_name: kd.fused_distillation_loss(
-      h, w, th, tw, temperature=2.0, chunk_size=CHUNK, axis_name=axis_name
-    ),
-    (ROWWISE, HEAD, ROWWISE, HEAD),
-  ),
-  "fused_token_log_probs": (
-    lambda h, w, y, axis_name: kd.fused_token_log_probs(
-      h, w, y, chunk_size=CHUNK, axis_name=axis_name
-    ),
-    (ROWWISE, HEAD, ROWWISE),
-  ),
+  name: tuple(ROLE_SPECS.get(r, ROWWISE) for r in call.roles)
+  for name, call in CALLS.items()
+  if call.axis_name
 }
 
 
@@ -271,9 +169,9 @@ SHARDED = {
 def test_each_platform_holds_its_own_path_with_axis_name(cpu_devices, name):
   """The same, inside ``jax.shard_map`` with the classes over 4 devices."""
   mesh = jax.sharding.Mesh(np.array(cpu_devices[:4]), ("vocab",))
-  call, specs = SHARDED[name]
+  specs, call = SHARDED[name], CALLS[name]
   base = LOSSES[name]
-  local = lambda *a: call(*a, axis_name="vocab")  # noqa: E731
+  local = call.positional(axis_name="vocab", **_chunk(call))
   fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P())
   loss = Loss(fn, base.names, base.argnums, base.rows)
   args = tuple(jax.device_put(DATA[n], NamedSharding(mesh, s)) for n, s in zip(base.names, specs))
@@ -361,7 +259,7 @@ def test_fused_default_chunk_is_chosen_per_platform(name):
 X64_ROWS = (1, 7, 123, _rows_mod._BLOCK_ELEMENTS // VOCAB + 1)
 X64_DATA = {rows: _data(rows) for rows in X64_ROWS}
 # The fused losses are ``custom_vjp`` functions: reverse mode only.
-REVERSE_ONLY = {name for name in LOSSES if name.startswith("fused_")}
+REVERSE_ONLY = {name for name, call in CALLS.items() if call.reverse_only}
 
 
 @contextlib.contextmanager

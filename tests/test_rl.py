@@ -1,5 +1,6 @@
-"""kl_estimate: Schulman's k1/k2/k3 and verl's kl_penalty modes against float64, exact-decimal
-and torch references."""
+"""kl_estimate (Schulman's k1/k2/k3 and verl's kl_penalty modes, against float64,
+exact-decimal and torch references), its e^x - 1 - x, distillation_advantages, sequence_sum
+and sequence_mean."""
 
 import decimal
 import functools
@@ -13,7 +14,7 @@ from jax.test_util import check_grads
 
 import kldiv_jax as kd
 from kldiv_jax import kl_estimate
-from kldiv_jax._rl import exp_minus_one_minus
+from kldiv_jax._numerics import exp_minus_one_minus
 
 decimal.getcontext().prec = 60
 

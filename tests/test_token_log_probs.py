@@ -1,5 +1,6 @@
-"""token_log_probs: sampled tokens' log-probabilities and the entropy, against float64 NumPy
-and autodiff of the straightforward ``log_softmax`` code, on one device and with axis_name."""
+"""token_log_probs and fused_token_log_probs: sampled tokens' log-probabilities and the entropy,
+against float64 NumPy and autodiff of the straightforward ``log_softmax`` code, on one device
+and with axis_name."""
 
 import jax
 import jax.numpy as jnp

@@ -1,4 +1,4 @@
-"""Tests for ``kl_div_from_topk`` against a float64 NumPy reference.
+"""``kl_div_from_topk`` and ``divergence_from_topk`` against a float64 NumPy reference.
 
 The reference renormalises the teacher over its top-k slots with mass at
 temperature ``T`` and compares it with the student's full-vocabulary softmax,

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _public_calls import PUBLIC_CALLS
+from _public_calls import inputs as public_inputs
 from _references import collectives, compare_finite
 from jax import lax
 from jax.sharding import NamedSharding
@@ -544,22 +546,18 @@ def test_per_device_temp_memory(report):
 # Bad input, in this process (no devices needed).
 
 
-FUNCTIONS = {
-  "kl_div_from_logits": lambda a, **kw: kd.kl_div_from_logits(a, a, **kw),
-  "generalized_jsd": lambda a, **kw: kd.generalized_jsd(a, a, **kw),
-  "distillation_loss": lambda a, **kw: kd.distillation_loss(a, a, **kw),
-  "fused_distillation_loss": lambda a, **kw: kd.fused_distillation_loss(a, a, a, a, **kw),
-}
+# Every public call that takes axis_name (_public_calls).
+FUNCTIONS = {name: call for name, call in PUBLIC_CALLS.items() if call.axis_name}
+SMALL = public_inputs(3, 4, 3, 2, seed=0)
 
 
-@pytest.mark.parametrize("fn", FUNCTIONS.values(), ids=FUNCTIONS.keys())
-def test_axis_name_outside_shard_map_raises(fn):
-  x = jnp.ones((3, 3))
-  with pytest.raises(ValueError, match="axis_name='vocab' is not a mesh axis"):
-    fn(x, axis_name="vocab")
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_axis_name_outside_shard_map_raises(name):
+  with pytest.raises(ValueError, match=rf"^{name}: axis_name='vocab' is not a mesh axis"):
+    FUNCTIONS[name](SMALL, axis_name="vocab")
 
 
-@pytest.mark.parametrize("fn", FUNCTIONS.values(), ids=FUNCTIONS.keys())
-def test_axis_name_must_be_a_string(fn):
-  with pytest.raises(TypeError, match="axis_name must be a str"):
-    fn(jnp.ones((3, 3)), axis_name=0)
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_axis_name_must_be_a_string(name):
+  with pytest.raises(TypeError, match=rf"^{name}: axis_name must be a str"):
+    FUNCTIONS[name](SMALL, axis_name=0)
