@@ -11,10 +11,12 @@ from kldiv_jax._checks import (
   as_array,
   check_bool,
   check_choice,
+  check_ids,
   check_int,
   check_normalizer,
   clip_bounds,
   compute_dtype,
+  index_array,
   mask_array,
   promote_and_broadcast,
   real_scalar,
@@ -38,6 +40,7 @@ from kldiv_jax._surrogates import (
   sequence_log_ratio,
   token_losses,
 )
+from kldiv_jax._vocab_parallel import check_axis_name
 
 ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # verl's loss_agg_mode for the surrogates that ignore it (gspo, sapo: always
@@ -462,6 +465,13 @@ def fused_policy_loss(
   a, out_dtype, weights, valid = _layout(
     name, shape, named, where, segment_ids, parsed, (head_dtype,), keep
   )
+  # Known ids in the tokens' own layout, so that an error names their position there (the
+  # engine sees them flattened).
+  shards = 1 if axis_name is None else check_axis_name(name, axis_name)
+  check_ids(
+    name, "token_ids", index_array(name, "token_ids", token_ids, "token ids"),
+    np.shape(weight)[-1] * shards, where, ignore_index=ignore_index, has_ignore_index=True,
+  )  # fmt: skip
   o = parsed.options
   sequence_rollout = rollout_log_probs is not None and parsed.rollout_correction[:3] == "seq"
   two_pass = o.surrogate in SEQUENCE_LEVEL or (on_policy and sequence_rollout)

@@ -155,7 +155,9 @@ def topk_per_example(
   if math.prod(z.shape[:-1]) == 0 or min(z.shape[-1], teacher_vocab) == 0:
     out = jnp.zeros(z.shape[:-1], out_dtype)
     return nan_unless(out, positive_finite(temperature), *spec.valid())
-  t = jnp.asarray(temperature, compute_dtype(out_dtype))
+  # An invalid traced temperature is NaN inside the kernel too: the gradients are NaN, where
+  # the student's 1/T at T = +-inf would make them 0.
+  t = nan_unless(jnp.asarray(temperature, compute_dtype(out_dtype)), positive_finite(temperature))
   out = _topk_kernel(
     spec,
     z,
@@ -179,7 +181,20 @@ def topk_per_example(
   static_argnames=("vocab", "teacher_vocab", "tail_bucket", "cap", "axis_name", "out_dtype"),
 )
 def _topk_kernel(
-  spec, z, idx, lp, t, slot, example, *, vocab, teacher_vocab, tail_bucket, cap, axis_name, out_dtype
+  spec,
+  z,
+  idx,
+  lp,
+  t,
+  slot,
+  example,
+  *,
+  vocab,
+  teacher_vocab,
+  tail_bucket,
+  cap,
+  axis_name,
+  out_dtype,
 ):
   """Layout → the top-k path → per example, as one program (an eager call compiles it
   once, not op by op). Checked arguments; ``t`` the temperature in the compute dtype."""

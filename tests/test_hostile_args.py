@@ -200,13 +200,6 @@ def test_numpy_int64_labels_never_alias_a_class(bad):
 ID_CALLS = {name: call.ids for name, call in CALLS.items() if call.ids}
 
 
-# fused_policy_loss flattens the tokens before its id check: the position it reports is
-# the flat one ("(4,)" for (1, 1)). Its check is in _fused_policy.py, with the fused split.
-FLAT_POSITION = pytest.mark.xfail(
-  strict=True, reason="fused_policy_loss reports the flattened position of a bad id"
-)
-
-
 def _with_ids(name, ids, **kw):
   arg = ID_CALLS[name]
   if arg == "topk_indices":  # one slot: forward KL (the reverse is +inf off that class)
@@ -218,11 +211,7 @@ def _with_ids(name, ids, **kw):
   return _call(name, **kw)
 
 
-def _id_params(names):
-  return [pytest.param(n, marks=FLAT_POSITION) if n == "fused_policy_loss" else n for n in names]
-
-
-@pytest.mark.parametrize("name", _id_params(ID_CALLS))
+@pytest.mark.parametrize("name", sorted(ID_CALLS))
 def test_ids_out_of_range_raise_when_known_and_give_nan_under_jit(name):
   """Known ids out of range: ValueError naming the function, the argument, the first bad
   position and the range (NumPy arrays, JAX arrays and lists alike); traced: NaN. A masked
@@ -241,7 +230,7 @@ def test_ids_out_of_range_raise_when_known_and_give_nan_under_jit(name):
   assert np.all(np.isfinite(np.asarray(call(ids, where=where))))
 
 
-@pytest.mark.parametrize("name", _id_params(n for n, arg in ID_CALLS.items() if arg == "token_ids"))
+@pytest.mark.parametrize("name", sorted(n for n, arg in ID_CALLS.items() if arg == "token_ids"))
 def test_minus_100_without_ignore_index_says_to_set_it(name):
   call = functools.partial(_with_ids, name)
   ids = np.array([[0, 4, 1], [2, -100, 3]], np.int32)

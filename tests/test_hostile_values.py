@@ -262,19 +262,9 @@ TEMPERATURE_LOSSES = {
 }
 
 
-# divergence_from_topk at T = +-inf (forward or reverse KL): the value is NaN, the gradient
-# wrt the logits 0 (the top-k kernel's rule zeroes it); the contract says NaN.
-TOPK_AT_INFINITE_T = pytest.mark.xfail(
-  strict=True, reason="divergence_from_topk: zero logit gradient at temperature +-inf"
-)
-
-
 @pytest.mark.parametrize(
   "name",
-  [
-    pytest.param(n, marks=TOPK_AT_INFINITE_T) if n == "divergence_from_topk" else n
-    for n in TEMPERATURE_LOSSES
-  ],
+  list(TEMPERATURE_LOSSES),
 )
 def test_invalid_traced_temperature_gives_nan(name):
   loss = TEMPERATURE_LOSSES[name]
