@@ -100,6 +100,19 @@ def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
   return jnp.sum(jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest)), -1, keepdims=True) == 0
 
 
+def _identical_gap(u, v):
+  """``|u - v|`` per class, ``-inf`` raised to the lowest float: its row sum is 0 exactly
+  where :func:`identical_rows` is true."""
+  lowest = jnp.finfo(u.dtype).min
+  return jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest))
+
+
+def _plain_sums(*arrays):
+  """Row sums of ``arrays`` as a part of :func:`kldiv_jax._rows.joint_reduce`."""
+  init = tuple(jnp.zeros((), a.dtype) for a in arrays)
+  return arrays, init, lambda a, b: tuple(x + y for x, y in zip(a, b)), tuple
+
+
 class Needs(NamedTuple):
   """Which class sums the derivative rule needs besides ``sum f`` (static)."""
 
@@ -137,11 +150,13 @@ def normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu=None, ev=None) -
   return Classes(v - mv - log_sv, u - mu - log_su, ev * inv_sv, eu * inv_su)
 
 
-def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
+def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True):
   f, a, b = formula.terms(c, params)
-  # Written out per block (in cache) before the sums: XLA:CPU would otherwise recompute
-  # a shared transcendental (alpha-beta's expm1) in each sum's fusion.
-  f, a, b = lax.optimization_barrier((f, a if needs.a else f, b if needs.b else f))
+  if barrier:
+    # Written out per block (in cache) before the sums: XLA:CPU would otherwise recompute
+    # a shared transcendental (alpha-beta's expm1) in each sum's fusion. (Off CPU that
+    # would be a [rows, classes] temporary: the terms are fused into the sums there.)
+    f, a, b = lax.optimization_barrier((f, a if needs.a else f, b if needs.b else f))
   infinite = f == jnp.inf
 
   def total(x, partial=True):
@@ -385,7 +400,22 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, cap
       sums = _class_sums(formula, params, needs, c)
       return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, sums)
 
-    return _per_block(fn, (z, y, *masks), z.shape[0])
+    # Off CPU: both sides' maxes and sums of exponentials in one pass (online softmax),
+    # then the class sums in a second one, the terms fused into them (no temporary).
+    def online(z, y, *masks):
+      u, _ = scaled(z, temperature, masks, cap_z)
+      v, _ = scaled(y, temperature, masks, cap_y)
+      (mu, su), (mv, sv), (gap,) = joint_reduce(
+        online_softmax_parts(False, u, None, None),
+        online_softmax_parts(False, v, None, None),
+        _plain_sums(_identical_gap(u, v)),
+      )
+      norms = _norms(su, sv)
+      c = normalized(u, v, mu, norms.inv_su, norms.log_su, mv, norms.inv_sv, norms.log_sv)
+      sums = _class_sums(formula, params, needs, c, barrier=False)
+      return _outcomes(needs, mu, su, mv, sv, norms, gap == 0, sums)
+
+    return _per_block(fn, (z, y, *masks), z.shape[0], accel=online)
 
   rows, classes = z.shape
   num_classes = global_classes(classes, axis_name)
