@@ -164,7 +164,7 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True
     # row sum is +inf, not NaN (+inf - inf): the rule zeroes it on such rows anyway.
     if partial:
       x = jnp.where(infinite & ~jnp.isfinite(x) & ~jnp.isnan(x), jnp.inf, x)
-    return jnp.sum(x, axis=-1, keepdims=True)
+    return x if not barrier else jnp.sum(x, axis=-1, keepdims=True)
 
   out = [total(f, partial=False)]
   if needs.a:
@@ -175,6 +175,8 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True
     assert formula.partials is not None  # needs.params: the formula has parameters
     partials = formula.partials(c, params)
     out.extend(total(d) for d, need in zip(partials, needs.params) if need)
+  if not barrier:  # off CPU: one variadic reduction, one pass (XLA:TPU may split sums)
+    return joint_reduce(_plain_sums(*out))[0]
   return tuple(out)
 
 
