@@ -990,7 +990,8 @@ def test_accelerator_path_tokens_and_distillation(accelerator_branch, x64_mode):
     )(jnp.asarray(z, dtype))
     labels = np.array([4, -100, 9, 0])
     value, (gs, gt) = jax.value_and_grad(
-      lambda s, t: kd.distillation_loss(s, t, labels[1:], temperature=temperature, alpha=0.3), (0, 1)
+      lambda s, t: kd.distillation_loss(s, t, labels[1:], temperature=temperature, alpha=0.3),
+      (0, 1),
     )(jnp.asarray(z[1:], dtype), jnp.asarray(y[1:], dtype))
   q = np.exp(lq)
   hit = np.eye(z.shape[1])[ids]
