@@ -24,6 +24,7 @@ from kldiv_jax._rows import (
   label_hit,
   map_rows,
   normalizer,
+  online_softmax,
   row_stats,
   row_sum,
   scaled,
@@ -31,7 +32,7 @@ from kldiv_jax._rows import (
 from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 
-def _ce_stats(axis_name, cap, z, labels, masks):
+def ce_stats(axis_name, cap, z, labels, masks):
   one = jnp.ones((), compute_dtype(z.dtype))
   if axis_name is not None:  # labels of this device's classes; the others hit nothing
     labels = labels - class_offset(axis_name, z.shape[1]).astype(labels.dtype)
@@ -42,24 +43,34 @@ def _ce_stats(axis_name, cap, z, labels, masks):
     picked = jnp.sum(jnp.where(label_hit(labels, u.shape), u, 0.0), axis=-1, keepdims=True)
     return m, s, picked
 
+  def online(z, labels, *masks):  # off CPU: one pass (online_softmax)
+    u, _ = scaled(z, one, masks, cap)
+    return online_softmax(u, picked=jnp.where(label_hit(labels, u.shape), u, 0.0))
+
   num_classes = global_classes(z.shape[1], axis_name)
-  m, s, picked = map_rows(fn, (z, labels, *masks), z.shape[0], num_classes)
+  m, s, picked = map_rows(fn, (z, labels, *masks), z.shape[0], num_classes, accel=online)
   if axis_name is not None:
     m, s = combine(m, s, axis_name)
     picked = lax.psum(picked, axis_name)
+  ce, (m, inv_s) = ce_finish(m, s, picked)
+  return ce, (m, inv_s, labels)
+
+
+def ce_finish(m, s, picked):
+  """``(ce, (m, 1/s))`` per row from the row max, sum of exponentials and label's logit."""
   has, inv_s, log_s = normalizer(s)
-  return jnp.where(has, log_s + m - picked, 0.0), (m, inv_s, labels)
+  return jnp.where(has, log_s + m - picked, 0.0), (m, inv_s)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _kernel(axis_name, cap, z, labels, masks):
-  return _ce_stats(axis_name, cap, z, labels, masks)[0][:, 0]
+  return ce_stats(axis_name, cap, z, labels, masks)[0][:, 0]
 
 
 def _kernel_jvp(axis_name, cap, primals, tangents):
   z, labels, masks = primals
   dz = tangents[0]
-  ce, (m, inv_s, local_labels) = _ce_stats(axis_name, cap, z, labels, masks)
+  ce, (m, inv_s, local_labels) = ce_stats(axis_name, cap, z, labels, masks)
   if is_zero(dz):
     return ce[:, 0], jnp.zeros_like(ce[:, 0])
   tangent = row_sum(ce_grad(z, local_labels, masks, m, inv_s, cap), dz)

@@ -20,7 +20,7 @@ from kldiv_jax._checks import (
 )
 from kldiv_jax._divergence_api import check_softcaps
 from kldiv_jax._divergence_spec import Divergence, as_divergence
-from kldiv_jax._engine import divergence_rows
+from kldiv_jax._engine import divergence_ce_rows, divergence_rows
 from kldiv_jax._numerics import in_unit_interval, is_static, nan_unless, positive_finite
 from kldiv_jax._rows import prepare
 from kldiv_jax._vocab_parallel import any_class, check_axis_name, global_classes
@@ -94,10 +94,15 @@ def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None) -> jax.Array
   axis is NaN (the callers raise first when the labels are known,
   :func:`check_labels`); the others are those of :func:`kldiv_jax._ce.ce_rows`.
   """
-  in_range = ids_in_range(labels, global_classes(z.shape[1], axis_name))
+  safe, ok = _safe_labels(labels, labelled, global_classes(z.shape[1], axis_name))
+  return nan_unless(ce_rows(z, safe, masks, axis_name, cap), ok)
+
+
+def _safe_labels(labels, labelled, num_classes):
+  """``(labels in range or 0 (int32), [rows, 1]; which rows are not NaN, [rows])``."""
+  in_range = ids_in_range(labels, num_classes)
   safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
-  ce = ce_rows(z, safe, masks, axis_name, cap)
-  return nan_unless(ce, in_range[:, 0] | ~labelled[:, 0])
+  return safe, in_range[:, 0] | ~labelled[:, 0]
 
 
 def check_labels(name, labels, token_shape, shape_text, ignore_index, num_classes, counted):
@@ -299,12 +304,19 @@ def distillation_loss(
       hard = jnp.where(jnp.any(labelled), jnp.nan, hard)
   else:
     soft = hard = jnp.zeros((rows.z.shape[0],), cdt)
-    if weights.soft:
-      soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps) * t2
-    if weights.hard:
-      assert labels is not None and labelled is not None  # weights.hard: there are labels
-      # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
-      hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0])
+    if weights.soft and weights.hard and axis_name is None:
+      # One kernel: off CPU one pass gives both terms' statistics.
+      assert labels is not None
+      safe, ok = _safe_labels(labels, valid, rows.z.shape[1])
+      soft, hard = divergence_ce_rows(rows.z, rows.y, t, masks, spec, safe, caps)
+      soft, hard = soft * t2, nan_unless(hard, ok)
+    else:
+      if weights.soft:
+        soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps) * t2
+      if weights.hard:
+        assert labels is not None and labelled is not None  # weights.hard: there are labels
+        # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
+        hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0])
     soft, hard = jnp.sum(soft), jnp.sum(hard)
   total = weights.mix(soft, hard, alpha, cdt)
   if normalizer is None:

@@ -61,17 +61,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._ce import ce_finish, ce_stats
+from kldiv_jax._checks import compute_dtype
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS, Classes, Formula, Norms
 from kldiv_jax._numerics import max_shift, nonnegative
 from kldiv_jax._rows import (
+  ce_grad,
   compiled,
   is_zero,
+  joint_reduce,
+  label_hit,
   logit_tangents,
   map_rows,
   normalizer,
+  online_softmax_parts,
+  per_platform,
   row_stats,
+  row_sum,
   scaled,
+  two_pass_softmax,
 )
 from kldiv_jax._vocab_parallel import combine, global_classes
 
@@ -87,6 +96,19 @@ def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
   """
   lowest = jnp.finfo(u.dtype).min
   return jnp.sum(jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest)), -1, keepdims=True) == 0
+
+
+def _identical_gap(u, v):
+  """``|u - v|`` per class, ``-inf`` raised to the lowest float: its row sum is 0 exactly
+  where :func:`identical_rows` is true."""
+  lowest = jnp.finfo(u.dtype).min
+  return jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest))
+
+
+def _plain_sums(*arrays):
+  """Row sums of ``arrays`` as a part of :func:`kldiv_jax._rows.joint_reduce`."""
+  init = tuple(jnp.zeros((), a.dtype) for a in arrays)
+  return arrays, init, lambda a, b: tuple(x + y for x, y in zip(a, b)), tuple
 
 
 class Needs(NamedTuple):
@@ -126,11 +148,13 @@ def normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu=None, ev=None) -
   return Classes(v - mv - log_sv, u - mu - log_su, ev * inv_sv, eu * inv_su)
 
 
-def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
+def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True):
   f, a, b = formula.terms(c, params)
-  # Written out per block (in cache) before the sums: XLA:CPU would otherwise recompute
-  # a shared transcendental (alpha-beta's expm1) in each sum's fusion.
-  f, a, b = lax.optimization_barrier((f, a if needs.a else f, b if needs.b else f))
+  if barrier:
+    # Written out per block (in cache) before the sums: XLA:CPU would otherwise recompute
+    # a shared transcendental (alpha-beta's expm1) in each sum's fusion. (Off CPU that
+    # would be a [rows, classes] temporary: the terms are fused into the sums there.)
+    f, a, b = lax.optimization_barrier((f, a if needs.a else f, b if needs.b else f))
   infinite = f == jnp.inf
 
   def total(x, partial=True):
@@ -138,7 +162,7 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
     # row sum is +inf, not NaN (+inf - inf): the rule zeroes it on such rows anyway.
     if partial:
       x = jnp.where(infinite & ~jnp.isfinite(x) & ~jnp.isnan(x), jnp.inf, x)
-    return jnp.sum(x, axis=-1, keepdims=True)
+    return x if not barrier else jnp.sum(x, axis=-1, keepdims=True)
 
   out = [total(f, partial=False)]
   if needs.a:
@@ -149,6 +173,8 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes):
     assert formula.partials is not None  # needs.params: the formula has parameters
     partials = formula.partials(c, params)
     out.extend(total(d) for d, need in zip(partials, needs.params) if need)
+  if not barrier:  # off CPU: one variadic reduction, one pass (XLA:TPU may split sums)
+    return joint_reduce(_plain_sums(*out))[0]
   return tuple(out)
 
 
@@ -258,6 +284,11 @@ def online_kl_sums(u: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
   then reads the logits once for all of them, where the max and the sums are two passes.
   Off CPU only: XLA:CPU runs the combiner's exponentials per element.
   """
+  return joint_reduce(_online_kl_parts(u, v))[0]
+
+
+def _online_kl_parts(u, v):
+  """:func:`online_kl_sums`' reduction for :func:`kldiv_jax._rows.joint_reduce`."""
   has_u, has_v = u != -jnp.inf, v != -jnp.inf
   # Each class a partial state of its own: its logits are the maxes; a class with mass
   # on one side only gives +inf to that side's log-ratio sum (as _kl_pass_terms does).
@@ -268,8 +299,28 @@ def online_kl_sums(u: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
   gu = jnp.where(has_u & ~has_v, inf, 0.0)
   zero = jnp.zeros((), u.dtype)
   init = (-inf, zero, -inf, zero, zero, zero)
-  mu, su, mv, sv, gv, gu = lax.reduce((u, su, v, sv, gv, gu), init, _combine_online, (1,))
-  return tuple(x[:, None] for x in (max_shift(mu), su, max_shift(mv), sv, gv, gu))
+
+  def finish(res):
+    mu, su, mv, sv, gv, gu = res
+    return max_shift(mu), su, max_shift(mv), sv, gv, gu
+
+  return (u, su, v, sv, gv, gu), init, _combine_online, finish
+
+
+@jax.custom_jvp
+def online_kl_ce_sums(u, v, w, picked):
+  """:func:`online_kl_sums` of ``u``, ``v`` and :func:`kldiv_jax._rows.online_softmax`
+  ``(m, s, picked)`` of ``w`` (a cross entropy's logits) in the same single pass."""
+  return joint_reduce(_online_kl_parts(u, v), online_softmax_parts(False, w, None, picked))
+
+
+@online_kl_ce_sums.defjvp
+def _online_kl_ce_sums_jvp(primals, tangents):
+  u, v, w, picked = primals
+  du, dv, dw, dpicked = tangents
+  _, kl = jax.jvp(_two_pass_kl_sums, (u, v), (du, dv))
+  _, ce = jax.jvp(lambda w, p: two_pass_softmax(False, w, None, p), (w, picked), (dw, dpicked))
+  return online_kl_ce_sums(*primals), (kl, ce)
 
 
 def _two_pass_kl_sums(u, v):
@@ -300,6 +351,16 @@ def _same_one_pass(mu, su, mv, sv, sums):
   return same
 
 
+def _one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
+  """The :class:`Outcomes` of a one-pass formula from its row statistics and sums."""
+  same = _same_one_pass(mu, su, mv, sv, sums)
+  norms = _norms(su, sv)
+  f, a, b, partials = one_pass.finish(sums, norms)
+  class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
+  class_sums += [d for d, need in zip(partials, needs.params) if need]
+  return _outcomes(needs, mu, su, mv, sv, norms, same, class_sums)
+
+
 def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps) -> Outcomes:
   cap_z, cap_y = caps
 
@@ -312,14 +373,7 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, cap
 
   one_pass = None if formula.one_pass is None else formula.one_pass(params)
   if axis_name is None and one_pass is not None:
-
-    def outcomes(mu, su, mv, sv, sums):
-      same = _same_one_pass(mu, su, mv, sv, sums)
-      norms = _norms(su, sv)
-      f, a, b, partials = one_pass.finish(sums, norms)
-      class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
-      class_sums += [d for d, need in zip(partials, needs.params) if need]
-      return _outcomes(needs, mu, su, mv, sv, norms, same, class_sums)
+    outcomes = functools.partial(_one_pass_outcomes, one_pass, needs)
 
     # One pass per block: the sums of exponentials and the formula's unnormalised sums.
     def fn(z, y, *masks):
@@ -346,7 +400,22 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, cap
       sums = _class_sums(formula, params, needs, c)
       return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, sums)
 
-    return _per_block(fn, (z, y, *masks), z.shape[0])
+    # Off CPU: both sides' maxes and sums of exponentials in one pass (online softmax),
+    # then the class sums in a second one, the terms fused into them (no temporary).
+    def online(z, y, *masks):
+      u, _ = scaled(z, temperature, masks, cap_z)
+      v, _ = scaled(y, temperature, masks, cap_y)
+      (mu, su), (mv, sv), (gap,) = joint_reduce(
+        online_softmax_parts(False, u, None, None),
+        online_softmax_parts(False, v, None, None),
+        _plain_sums(_identical_gap(u, v)),
+      )
+      norms = _norms(su, sv)
+      c = normalized(u, v, mu, norms.inv_su, norms.log_su, mv, norms.inv_sv, norms.log_sv)
+      sums = _class_sums(formula, params, needs, c, barrier=False)
+      return _outcomes(needs, mu, su, mv, sv, norms, gap == 0, sums)
+
+    return _per_block(fn, (z, y, *masks), z.shape[0], accel=online)
 
   rows, classes = z.shape
   num_classes = global_classes(classes, axis_name)
@@ -457,3 +526,89 @@ def divergence_rows(
   """
   key = divergence.key
   return _kernel(key, axis_name, tuple(caps), z, y, temperature, divergence.traced, tuple(masks))
+
+
+def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels):
+  """``(Outcomes, (ce, m, inv_s))``: :func:`_statistics` and the cross entropy's
+  (:func:`kldiv_jax._ce.ce_stats`, at temperature 1) of the same rows, one device. Off
+  CPU, for a formula whose sums are KL sums, from one pass over both logits
+  (:func:`online_kl_ce_sums`); elsewhere as the two kernels compute them."""
+  cap_z, cap_y = caps
+
+  def apart(z, y, labels, *masks):
+    rows = _statistics(formula, params, needs, z, y, temperature, masks, None, caps)
+    ce, (m, inv_s, _) = ce_stats(None, cap_z, z, labels, masks)
+    return rows, (ce, m, inv_s)
+
+  one_pass = None if formula.one_pass is None else formula.one_pass(params)
+  if one_pass is None or not one_pass.kl_sums:
+    return apart(z, y, labels, *masks)
+
+  def together(z, y, labels, *masks):
+    u, _ = scaled(z, temperature, masks, cap_z)
+    v, _ = scaled(y, temperature, masks, cap_y)
+    w, _ = scaled(z, jnp.ones((), compute_dtype(z.dtype)), masks, cap_z)
+    hit = label_hit(labels, w.shape)
+    kl, (m, s, picked) = online_kl_ce_sums(u, v, w, jnp.where(hit, w, 0.0))
+    mu, su, mv, sv, gv, gu = kl
+    sums = tuple({"v": gv, "u": gu}[k] for k in one_pass.kl_sums)
+    rows = _one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums)
+    ce, (m, inv_s) = ce_finish(m, s, picked)
+    return rows, (ce, m, inv_s)
+
+  return per_platform(apart, together, z, y, labels, *masks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel_ce(key, caps, z, y, temperature, traced, masks, labels):
+  formula = FORMULAS[key[0]]
+  params = formula_params(key, traced, temperature.dtype)
+  rows, (ce, _, _) = _statistics_ce(
+    formula, params, Needs(), z, y, temperature, masks, caps, labels
+  )
+  return rows.value[:, 0], ce[:, 0]
+
+
+def _kernel_ce_jvp(key, caps, primals, tangents):
+  z, y, temperature, traced, masks, labels = primals
+  dz, dy, dtemp, dtraced, _, _ = tangents
+  formula = FORMULAS[key[0]]
+  params = formula_params(key, traced, temperature.dtype)
+  dtraced = iter(dtraced)
+  dparams = tuple(next(dtraced) if v is None else None for _, v in key[1])
+  needs = Needs(
+    a=not (is_zero(dy) and is_zero(dtemp)),
+    b=not (is_zero(dz) and is_zero(dtemp)),
+    params=tuple(d is not None and not is_zero(d) for d in dparams),
+  )
+  rows, (ce, m, inv_s) = _statistics_ce(
+    formula, params, needs, z, y, temperature, masks, caps, labels
+  )
+  tangent = _tangent(
+    formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, None, caps
+  )
+  d_ce = jnp.zeros_like(ce)
+  if not is_zero(dz):
+    d_ce = row_sum(ce_grad(z, labels, masks, m, inv_s, caps[0]), dz)
+  return (rows.value[:, 0], ce[:, 0]), (tangent[:, 0], d_ce[:, 0])
+
+
+_kernel_ce.defjvp(_kernel_ce_jvp, symbolic_zeros=True)
+_kernel_ce = compiled(_kernel_ce, static_argnums=(0, 1))
+
+
+def divergence_ce_rows(
+  z: jax.Array,
+  y: jax.Array,
+  temperature: jax.Array,
+  masks: tuple[jax.Array, ...],
+  divergence: "Divergence",
+  labels: jax.Array,
+  caps: tuple[float | None, float | None] = (None, None),
+) -> tuple[jax.Array, jax.Array]:
+  """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,
+  masks, cap=caps[0]))`` (values and derivatives) from one kernel, without ``axis_name``:
+  off CPU the KL family's statistics and the cross entropy's come from one pass over the
+  logits (:func:`_statistics_ce`). ``labels`` ``[rows, 1]`` int32 in range."""
+  key = divergence.key
+  return _kernel_ce(key, tuple(caps), z, y, temperature, divergence.traced, tuple(masks), labels)

@@ -34,13 +34,22 @@ from kldiv_jax._checks import (
   index_array,
   mask_array,
 )
-from kldiv_jax._numerics import max_shift, nan_unless, nonnegative, positive_finite, soft_cap
+from kldiv_jax._numerics import (
+  divide_logits,
+  max_shift,
+  nan_unless,
+  nonnegative,
+  positive_finite,
+  soft_cap,
+)
 from kldiv_jax._rows import (
   compiled,
   is_zero,
   label_hit,
   map_rows,
   normalizer,
+  online_softmax,
+  per_platform,
   times_slope,
 )
 from kldiv_jax._vocab_parallel import class_offset, global_classes
@@ -91,7 +100,18 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
       top = lax.stop_gradient(max_shift(_row_max(*_capped(z, masks, cap, dtype))))
       return (top, *sums(z, ids, top, *masks))
 
-    top, s, picked, centred = map_rows(fn, (z, ids, *masks), z.shape[0], num_classes)
+    def online(z, ids, *masks):
+      # Off CPU, one pass (online_softmax): the sums of exp(u - max u), u = zc / T,
+      # taken as those of x = (zc - top) / T (the same up to rounding).
+      zc, keep = _capped(z, masks, cap, dtype)
+      raw = jnp.where(keep, zc, -jnp.inf)
+      hit = label_hit(ids, zc.shape)
+      u = divide_logits(zc, temperature, keep)
+      _, s, centred, top, zy = online_softmax(u, raw, jnp.where(hit, raw, 0.0), centred=True)
+      top = max_shift(top)
+      return top, s, _shifted(zy, zy != -jnp.inf, top, temperature), centred
+
+    top, s, picked, centred = map_rows(fn, (z, ids, *masks), z.shape[0], num_classes, accel=online)
   else:
 
     def tops(z, *masks):
@@ -249,7 +269,14 @@ def token_log_prob_rows(z: jax.Array, ids: jax.Array, temperature: jax.Array) ->
   for bf16/f16 logits that would be a float32 ``[rows, classes]`` temporary,
   which :func:`token_rows` does not hold.
   """
-  return _log_probs_only(z, ids, temperature.astype(compute_dtype(temperature.dtype)))
+  temperature = temperature.astype(compute_dtype(temperature.dtype))
+
+  def accel(z, ids, temperature):
+    # Off CPU, :func:`_kernel` (its one-pass statistics; the entropy is dead code there):
+    # XLA:GPU and XLA:TPU recompute ``exp`` in the gradient's pass at no cost in bandwidth.
+    return _kernel(None, None, z, ids, temperature, ())[0]
+
+  return per_platform(_log_probs_only, accel, z, ids, temperature)
 
 
 # -- the public functions' token layout (token_log_probs, fused_token_log_probs) -----------------

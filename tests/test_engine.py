@@ -897,3 +897,112 @@ def test_online_softmax_accelerator_path(accelerator_branch, case, x64_mode):
     a = jnp.asarray(zf[0], dtype)
     htol = 1e-9 if x64_mode else 1e-4
     np.testing.assert_allclose(jax.hessian(one)(a), jax.hessian(formula)(a), rtol=htol, atol=htol)
+
+
+OTHER_ONLINE_CASES = {
+  "jsd[0.5]": ("jsd", {"beta": 0.5}),
+  "tvd": ("tvd", {}),
+  "skew_kl[0.1]": ("skew_kl", {"alpha": 0.1}),
+  "alpha_beta[0.5,0.3]": ("alpha_beta", {"alpha": 0.5, "beta": 0.3}),
+}
+
+
+@pytest.mark.parametrize("x64_mode", [False, True])
+@pytest.mark.parametrize("case", sorted(OTHER_ONLINE_CASES))
+def test_accelerator_path_other_divergences(accelerator_branch, case, x64_mode):
+  """The accelerator statistics of the divergences without a one-pass form (online maxes
+  and sums of exponentials, then the class sums with their terms fused in) against float64
+  references: values on rows with classes -inf on both sides, a NaN logit and identical
+  rows (exactly 0); gradients wrt the student against autodiff of log_softmax + formula."""
+  name, params = OTHER_ONLINE_CASES[case]
+  spec = Divergence(name, **params)
+  ref = refs.REFERENCES[name]
+  rng = np.random.default_rng(2)
+  z, y = 2.0 * rng.normal(size=(5, 37)), 2.0 * rng.normal(size=(5, 37))
+  z[0, :4] = y[0, :4] = -np.inf
+  y[1] = z[1]
+  z[2, 5] = np.nan
+  temperature = 1.5
+  with np.errstate(invalid="ignore"):
+    want = np.array(
+      [
+        ref(z[i, 4:] if i == 0 else z[i], y[i, 4:] if i == 0 else y[i], temperature, **params)
+        for i in range(5)
+      ]
+    )
+  with enable_x64(x64_mode):
+    dtype = jnp.float64 if x64_mode else jnp.float32
+    a, b = jnp.asarray(z, dtype), jnp.asarray(y, dtype)
+    got = divergence_from_logits(a, b, divergence=spec, temperature=temperature)
+    tol = 1e-11 if x64_mode else 2e-5
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+    assert float(got[1]) == 0.0 and np.isnan(float(got[2]))
+    weights = jnp.asarray(rng.uniform(0.5, 1.5, size=2), dtype)
+    rows = (jnp.asarray(z[3:], dtype), jnp.asarray(y[3:], dtype))
+    gz = jax.grad(
+      lambda a, b: jnp.sum(
+        weights * divergence_from_logits(a, b, divergence=spec, temperature=temperature)
+      )
+    )(*rows)
+  with enable_x64(True):
+    wz = jax.grad(
+      lambda a: jnp.sum(
+        np.asarray(weights, np.float64) * ref(a, y[3:], temperature, xp=jnp, **params)
+      )
+    )(jnp.asarray(z[3:], jnp.float64))
+  gtol = 1e-10 if x64_mode else 1e-5
+  np.testing.assert_allclose(np.asarray(gz, np.float64), np.asarray(wz), rtol=gtol, atol=gtol)
+
+
+@pytest.mark.parametrize("x64_mode", [False, True])
+def test_accelerator_path_tokens_and_distillation(accelerator_branch, x64_mode):
+  """token_log_probs (± entropy) and distillation_loss on the accelerator path (one
+  online-softmax pass for their statistics) against float64 NumPy: values with -inf
+  logits and a NaN row, gradients on finite rows."""
+  rng = np.random.default_rng(3)
+  z, y = 2.0 * rng.normal(size=(4, 29)), 2.0 * rng.normal(size=(4, 29))
+  z[0, :3] = -np.inf
+  ids = np.array([5, 1, 7, 2])
+  temperature = 1.5
+  lq = refs.np_log_softmax(z / temperature)
+  want_lp = np.take_along_axis(lq, ids[:, None], -1)[:, 0]
+  with np.errstate(invalid="ignore"):
+    want_h = -np.sum(np.where(np.isfinite(lq), np.exp(lq) * lq, 0.0), -1)
+  zn = z.copy()
+  zn[3, 4] = np.nan
+  with enable_x64(x64_mode):
+    dtype = jnp.float64 if x64_mode else jnp.float32
+    tol = 1e-11 if x64_mode else 2e-5
+    a = jnp.asarray(zn, dtype)
+    lp_only = kd.token_log_probs(a, ids, temperature=temperature)
+    lp, h = kd.token_log_probs(a, ids, temperature=temperature, return_entropy=True)
+    for got, want in ((lp_only, want_lp), (lp, want_lp), (h, want_h)):
+      np.testing.assert_allclose(np.asarray(got[:3], np.float64), want[:3], rtol=tol, atol=tol)
+      assert np.isnan(float(got[3]))
+    w = rng.uniform(0.5, 1.5, size=4)
+    g_lp = jax.grad(lambda a: jnp.sum(w * kd.token_log_probs(a, ids, temperature=temperature)))(
+      jnp.asarray(z, dtype)
+    )
+    g_h = jax.grad(
+      lambda a: jnp.sum(
+        w * kd.token_log_probs(a, ids, temperature=temperature, return_entropy=True)[1]
+      )
+    )(jnp.asarray(z, dtype))
+    labels = np.array([4, -100, 9, 0])
+    value, (gs, gt) = jax.value_and_grad(
+      lambda s, t: kd.distillation_loss(s, t, labels[1:], temperature=temperature, alpha=0.3),
+      (0, 1),
+    )(jnp.asarray(z[1:], dtype), jnp.asarray(y[1:], dtype))
+  q = np.exp(lq)
+  hit = np.eye(z.shape[1])[ids]
+  gtol = 1e-10 if x64_mode else 1e-5
+  np.testing.assert_allclose(g_lp, w[:, None] * (hit - q) / temperature, rtol=gtol, atol=gtol)
+  with np.errstate(invalid="ignore"):
+    dh = np.where(q > 0, -q * (lq + want_h[:, None]), 0.0)
+  np.testing.assert_allclose(g_h, w[:, None] * dh / temperature, rtol=gtol, atol=gtol)
+  want = refs.np_distillation(
+    z[1:], y[1:], labels[1:], temperature=temperature, alpha=0.3, divergence="forward_kl"
+  )
+  np.testing.assert_allclose(float(value), want[0], rtol=tol, atol=tol)
+  np.testing.assert_allclose(gs, want[1], rtol=gtol, atol=gtol)
+  np.testing.assert_allclose(gt, want[2], rtol=gtol, atol=gtol)
