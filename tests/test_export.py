@@ -148,7 +148,10 @@ def test_each_platform_holds_its_own_path(name):
     _check_paths(name, mode, per_platform, loss.rows)
     if mode == ROUND_TRIP:
       both = _round_trip(program, args)
-      assert _holds_row_loop(both.mlir_module()) == loss.rows
+      # The module for all platforms holds the CPU row loop where the CPU one does (another
+      # platform's branch may hold one too, never taken: token_log_probs alone nests the
+      # row statistics' own platform switch inside its accelerator branch).
+      assert _holds_row_loop(both.mlir_module()) or not loss.rows
 
 
 # -- axis_name ------------------------------------------------------------------------------------
