@@ -69,6 +69,7 @@ from kldiv_jax._numerics import max_shift, nonnegative
 from kldiv_jax._rows import (
   ce_grad,
   compiled,
+  gpu_or_other,
   is_zero,
   joint_reduce,
   label_hit,
@@ -149,6 +150,38 @@ def normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu=None, ev=None) -
 
 
 def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True):
+  """Row sums of ``f`` and of the partials ``needs`` names: on CPU (``barrier``) each
+  its own ``jnp.sum`` of terms written out per block, off CPU one variadic reduction."""
+  out = _summands(formula, params, needs, c, barrier)
+  if barrier:
+    return tuple(jnp.sum(x, axis=-1, keepdims=True) for x in out)
+  return joint_reduce(_plain_sums(*out))[0]
+
+
+def _class_sums_apart(formula: Formula, params, needs: Needs, u, v, *stats):
+  """:func:`_class_sums` off CPU for XLA:GPU: each sum from its own copy of the row
+  statistics ``stats`` (:func:`normalized`'s ``mu, inv_su, log_su, mv, inv_sv, log_sv``).
+
+  XLA:GPU does not fuse an elementwise value that several reductions share when it holds
+  transcendentals (JSD's ``log m``, TVD's ``|p - q|`` that the ``+inf`` rule below reads
+  again): it writes it out, an ``[N, V]`` temporary read back by the sums. Behind its own
+  ``optimization_barrier`` (a distinct scalar, used, keeps XLA's CSE from merging the
+  copies) each sum recomputes its terms from ``u`` and ``v``, and XLA:GPU still merges the
+  sums into one kernel (sibling multi-output fusion: the logits read once). XLA:TPU fuses
+  the shared terms into one variadic reduction instead (:func:`_class_sums`).
+  """
+  count = 1 + needs.a + needs.b + sum(needs.params)
+  sums = []
+  for k in range(count):
+    *copy, tag = lax.optimization_barrier((*stats, jnp.asarray(k, u.dtype)))
+    copy[0] = copy[0] + 0.0 * tag  # never simplified away (0 * x is not 0 for floats)
+    x = _summands(formula, params, needs, normalized(u, v, *copy), False)[k]
+    sums.append(jnp.sum(x, axis=-1, keepdims=True))
+  return tuple(sums)
+
+
+def _summands(formula: Formula, params, needs: Needs, c: Classes, barrier):
+  """The per-class terms whose row sums :func:`_class_sums` takes (``[rows, classes]``)."""
   f, a, b = formula.terms(c, params)
   if barrier:
     # Written out per block (in cache) before the sums: XLA:CPU would otherwise recompute
@@ -162,7 +195,7 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True
     # row sum is +inf, not NaN (+inf - inf): the rule zeroes it on such rows anyway.
     if partial:
       x = jnp.where(infinite & ~jnp.isfinite(x) & ~jnp.isnan(x), jnp.inf, x)
-    return x if not barrier else jnp.sum(x, axis=-1, keepdims=True)
+    return x
 
   out = [total(f, partial=False)]
   if needs.a:
@@ -173,9 +206,7 @@ def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True
     assert formula.partials is not None  # needs.params: the formula has parameters
     partials = formula.partials(c, params)
     out.extend(total(d) for d, need in zip(partials, needs.params) if need)
-  if not barrier:  # off CPU: one variadic reduction, one pass (XLA:TPU may split sums)
-    return joint_reduce(_plain_sums(*out))[0]
-  return tuple(out)
+  return out
 
 
 class Outcomes(NamedTuple):
@@ -411,8 +442,13 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, cap
         _plain_sums(_identical_gap(u, v)),
       )
       norms = _norms(su, sv)
-      c = normalized(u, v, mu, norms.inv_su, norms.log_su, mv, norms.inv_sv, norms.log_sv)
-      sums = _class_sums(formula, params, needs, c, barrier=False)
+      stats = (mu, norms.inv_su, norms.log_su, mv, norms.inv_sv, norms.log_sv)
+
+      def joint(u, v, *stats):
+        return _class_sums(formula, params, needs, normalized(u, v, *stats), barrier=False)
+
+      apart = functools.partial(_class_sums_apart, formula, params, needs)
+      sums = gpu_or_other(apart, joint, u, v, *stats)
       return _outcomes(needs, mu, su, mv, sv, norms, gap == 0, sums)
 
     return _per_block(fn, (z, y, *masks), z.shape[0], accel=online)

@@ -159,6 +159,16 @@ def per_platform(cpu, accel, *arrays):
   return jax.tree.map(lambda r: lax.convert_element_type(r, r.dtype), out)
 
 
+def gpu_or_other(gpu, other, *arrays):
+  """``gpu(*arrays)`` in a program lowered for CUDA or ROCm, ``other(*arrays)`` elsewhere.
+
+  For an accelerator kernel whose best form differs between XLA:GPU and XLA:TPU (staged
+  out with ``lax.platform_dependent``, as :func:`per_platform`; strongly typed results).
+  """
+  out = lax.platform_dependent(*arrays, cuda=gpu, rocm=gpu, default=other)
+  return jax.tree.map(lambda r: lax.convert_element_type(r, r.dtype), out)
+
+
 def _rescale(m, total):
   """``(exp(m - total), m - total)`` for a partial max ``m`` of a row whose max is
   ``total``: ``(1, 0)`` where they are equal (``-inf`` ones too); NaN propagates."""

@@ -830,6 +830,21 @@ def accelerator_branch(monkeypatch):
   jax.clear_caches()
 
 
+@pytest.fixture(params=["default", "cuda"])
+def accelerator_platform(request, monkeypatch):
+  """As :func:`accelerator_branch`, for each accelerator branch a kernel may have: the
+  default one (TPU) and, where there is one, the ``cuda`` one (XLA:GPU)."""
+
+  def branch(*args, default, **per_platform):
+    return per_platform.get(request.param, default)(*args)
+
+  jax.clear_caches()
+  monkeypatch.setattr(jax.lax, "platform_dependent", branch)
+  yield request.param
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
 ONLINE_CASES = {
   "forward_kl": (Divergence("forward_kl"), (1.0, 0.0)),
   "reverse_kl": (Divergence("reverse_kl"), (0.0, 1.0)),
@@ -907,11 +922,16 @@ OTHER_ONLINE_CASES = {
 }
 
 
-@pytest.mark.parametrize("x64_mode", [False, True])
+@pytest.mark.parametrize(
+  ("accelerator_platform", "x64_mode"),
+  [("default", False), ("default", True), ("cuda", False)],
+  indirect=["accelerator_platform"],
+)
 @pytest.mark.parametrize("case", sorted(OTHER_ONLINE_CASES))
-def test_accelerator_path_other_divergences(accelerator_branch, case, x64_mode):
+def test_accelerator_path_other_divergences(accelerator_platform, case, x64_mode):
   """The accelerator statistics of the divergences without a one-pass form (online maxes
-  and sums of exponentials, then the class sums with their terms fused in) against float64
+  and sums of exponentials, then the class sums with their terms fused in: one variadic
+  reduction by default, on GPU each sum from its own copy of the row statistics) against float64
   references: values on rows with classes -inf on both sides, a NaN logit and identical
   rows (exactly 0); gradients wrt the student against autodiff of log_softmax + formula."""
   name, params = OTHER_ONLINE_CASES[case]
