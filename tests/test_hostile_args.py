@@ -7,6 +7,7 @@ dtype promotion, and eager calls that must not compile again.
 
 import functools
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -421,7 +422,9 @@ def test_strict_dtype_promotion(name, dtype, other, traced):
   assert out.dtype == expected_dtype and strict_program.out_avals[1].dtype == dtype
   # The same program: strict mode changes no value (compiled and run, it would give the
   # same numbers bit for bit).
-  assert str(strict_program) == str(program)
+  # (jax 0.7 prints a reduction's Python combiner with its address: one closure per trace.)
+  same = lambda jaxpr: re.sub(r" at 0x[0-9a-f]+>", ">", str(jaxpr))  # noqa: E731
+  assert same(strict_program) == same(program)
 
 
 # 3. Eager calls compile once.
