@@ -512,12 +512,9 @@ def _kernel(key, axis_name, caps, z, y, temperature, traced, masks):
   return rows.value[:, 0]
 
 
-def _kernel_jvp(key, axis_name, caps, primals, tangents):
-  z, y, temperature, traced, masks = primals
-  dz, dy, dtemp, dtraced, _ = tangents
-  formula = FORMULAS[key[0]]
-  params = formula_params(key, traced, temperature.dtype)
-  # Tangents per parameter, static ones (never differentiated) as symbolic zeros.
+def _tangent_needs(key, dz, dy, dtemp, dtraced):
+  """The tangents per parameter (static ones, never differentiated, as ``None``) and which
+  statistics the tangent needs, from the kernels' tangents."""
   dtraced = iter(dtraced)
   dparams = tuple(next(dtraced) if v is None else None for _, v in key[1])
   needs = Needs(
@@ -525,6 +522,15 @@ def _kernel_jvp(key, axis_name, caps, primals, tangents):
     b=not (is_zero(dz) and is_zero(dtemp)),
     params=tuple(d is not None and not is_zero(d) for d in dparams),
   )
+  return dparams, needs
+
+
+def _kernel_jvp(key, axis_name, caps, primals, tangents):
+  z, y, temperature, traced, masks = primals
+  dz, dy, dtemp, dtraced, _ = tangents
+  formula = FORMULAS[key[0]]
+  params = formula_params(key, traced, temperature.dtype)
+  dparams, needs = _tangent_needs(key, dz, dy, dtemp, dtraced)
   rows = _statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps)
   tangent = _tangent(
     formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, axis_name, caps
@@ -610,13 +616,7 @@ def _kernel_ce_jvp(key, caps, primals, tangents):
   dz, dy, dtemp, dtraced, _, _ = tangents
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
-  dtraced = iter(dtraced)
-  dparams = tuple(next(dtraced) if v is None else None for _, v in key[1])
-  needs = Needs(
-    a=not (is_zero(dy) and is_zero(dtemp)),
-    b=not (is_zero(dz) and is_zero(dtemp)),
-    params=tuple(d is not None and not is_zero(d) for d in dparams),
-  )
+  dparams, needs = _tangent_needs(key, dz, dy, dtemp, dtraced)
   rows, (ce, m, inv_s) = _statistics_ce(
     formula, params, needs, z, y, temperature, masks, caps, labels
   )
