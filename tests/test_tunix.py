@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("tunix")
+pytest.importorskip("flax")  # Tunix's own dependency, imported below
 
 import jax
 import jax.numpy as jnp
