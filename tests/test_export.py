@@ -299,7 +299,10 @@ def _x64_program(name):
     if name not in REVERSE_ONLY:
       i = argnums[0]
       along = lambda x: total(*args[:i], x, *args[i + 1 :])  # noqa: E731
-      out["jvp"] = jax.jvp(along, (args[i],), (jnp.ones_like(args[i]),))[1]
+      # Not along ones: a shift of the logits, to which most losses are blind (a jvp of 0).
+      x = args[i]
+      tangent = jnp.cos(jnp.arange(x.size, dtype=x.dtype)).reshape(x.shape)
+      out["jvp"] = jax.jvp(along, (x,), (tangent,))[1]
     return out
 
   return lambda sets: [results(*a) for a in sets]
@@ -315,9 +318,10 @@ def _x64_inputs(name, cases):
   return [tuple(cast(X64_DATA[r][n], dtype) for n in names) for dtype, r in cases]
 
 
-def _check_x64(name, row_counts):
-  """Under x64: the dtypes of every dtype and row count (traced); then two of them compiled
-  and run with x64 on and off: finite gradients, the same numbers."""
+def _check_x64(name, row_counts, numbers, want=None):
+  """Under x64: the dtypes of every dtype and row count (traced); then the ``numbers`` cases
+  compiled and run with x64 on: finite gradients, the same numbers as ``want`` (by default
+  the same cases compiled and run with x64 off). Returns the x64-on results per case."""
   program, argnums = _x64_program(name), _argnums(name)
   cases = [(dtype, r) for dtype in (jnp.float32, jnp.bfloat16) for r in row_counts]
   inputs = _x64_inputs(name, cases)
@@ -329,24 +333,24 @@ def _check_x64(name, row_counts):
     assert got["value"].dtype == dtype, where
     for g, i in zip(got["grads"], argnums, strict=True):
       assert g.dtype == args[i].dtype, where
-  # Numbers: float32 at the most rows (the CPU loop's shifted last block, where it has one),
-  # bfloat16 at the fewest.
-  cases = [(jnp.float32, row_counts[-1]), (jnp.bfloat16, row_counts[0])]
-  inputs = _x64_inputs(name, cases)
+  inputs = _x64_inputs(name, numbers)
   with enable_x64(True):
     on = jax.tree.map(np.asarray, jax.jit(program)(inputs))
-  off = jax.tree.map(np.asarray, jax.jit(program)(inputs))
-  for (dtype, rows), args, got, want in zip(cases, inputs, on, off, strict=True):
+  if want is None:
+    want = dict(zip(numbers, jax.tree.map(np.asarray, jax.jit(program)(inputs)), strict=True))
+  for (dtype, rows), args, got in zip(numbers, inputs, on, strict=True):
     rtol, atol = TOLERANCES[jnp.dtype(dtype).name]
     where = f"{name}, {jnp.dtype(dtype).name}, {rows} rows"
     assert got["value"].dtype == dtype, where
     for g, i in zip(got["grads"], argnums, strict=True):
       assert g.dtype == args[i].dtype and np.isfinite(g.astype(np.float32)).all(), where
     for key in got:
-      for g, w in zip(jax.tree.leaves(got[key]), jax.tree.leaves(want[key]), strict=True):
+      leaves = zip(jax.tree.leaves(got[key]), jax.tree.leaves(want[dtype, rows][key]), strict=True)
+      for g, w in leaves:
         np.testing.assert_allclose(
           g.astype(np.float64), w.astype(np.float64), rtol, atol, err_msg=f"{where}: {key}"
         )
+  return want
 
 
 @pytest.mark.filterwarnings("ignore:The function convex_kl_divergence is deprecated")
@@ -356,7 +360,12 @@ def test_x64_float32_and_bfloat16_inputs(name):
   keep the inputs' dtypes at every row count, are finite and equal those computed with x64
   off; on the CPU row loop and on the other platforms' single pass."""
   # The other losses have no row loop: one row count is their every path.
-  _check_x64(name, X64_ROWS if LOSSES[name].rows else X64_ROWS[1:2])
+  rows = X64_ROWS if LOSSES[name].rows else X64_ROWS[1:2]
+  # Numbers: float32 at the most rows (the CPU loop's shifted last block, where it has one),
+  # bfloat16 at the fewest; against the same cases with x64 off.
+  most = (jnp.float32, rows[-1])
+  off = _check_x64(name, rows, [most, (jnp.bfloat16, rows[0])])
   if LOSSES[name].rows:
+    # The single pass at the same most rows, against the CPU loop's numbers with x64 off.
     with _single_pass_rows():
-      _check_x64(name, X64_ROWS[1::2])
+      _check_x64(name, X64_ROWS[1::2], [most], want=off)
