@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 INF = np.inf
 
@@ -526,7 +527,9 @@ TORCH_BATCHMEAN = {"numpy": np_torch_batchmean_distillation, "torch": torch_batc
 
 
 # Compilations counted by one listener registered for the whole session: jax.monitoring has
-# no way to unregister a listener before jax 0.8 (the floor is 0.7.0).
+# no way to unregister a listener before jax 0.8 (the floor is 0.7.0). The event times JAX's
+# whole compile step, so an executable loaded from the persistent compilation cache
+# (conftest.py) counts too: the program was traced and lowered again.
 _COMPILE_COUNTERS: list[list[str]] = []
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -549,6 +552,19 @@ def count_compiles():
     yield compiles
   finally:
     _COMPILE_COUNTERS.remove(compiles)
+
+
+@contextlib.contextmanager
+def fresh_compilations():
+  """Inside the block, every compilation is made by XLA: none is loaded from the session's
+  persistent compilation cache (conftest.py)."""
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # JAX decides once whether the cache is used
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 
 # ----------------------------------------------------------------- divergences (test_engine)

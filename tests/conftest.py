@@ -11,7 +11,18 @@
 
 64-bit tests use the ``x64`` fixture (``enable_x64`` as a context), so the
 doctests, which run in the same process, keep JAX's float32 default.
+
+Each test process (every pytest-xdist worker, the 8-device child) keeps the
+executables it compiles in a persistent compilation cache of its own, in a
+temporary directory removed when the session ends: a program compiled again —
+after ``jax.clear_caches()`` (the tests of the accelerator branches clear JAX's
+caches around them), or traced again by another test — is loaded from it, not
+recompiled. A load counts as a compilation in ``count_compiles``; the
+determinism tests compile without it (``fresh_compilations``).
 """
+
+import shutil
+import tempfile
 
 import _multidevice
 import jax
@@ -20,6 +31,11 @@ import pytest
 from _references import enable_x64
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+_COMPILATION_CACHE = tempfile.mkdtemp(prefix="kldiv_jax-tests-xla-cache-")
+jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def pytest_configure(config):
@@ -46,6 +62,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_logreport(report):
   if _multidevice.in_child():
     _multidevice.record(report)
+
+
+def pytest_unconfigure(config):
+  shutil.rmtree(_COMPILATION_CACHE, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):

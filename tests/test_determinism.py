@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _public_calls import PUBLIC_CALLS, inputs
+from _references import fresh_compilations
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -56,6 +57,13 @@ LOSSES = {
   )
   for name, call in CALLS.items()
 }
+
+
+@pytest.fixture(autouse=True)
+def _no_compilation_cache():
+  """Every executable of these tests compiled by XLA, none loaded from a cache."""
+  with fresh_compilations():
+    yield
 
 
 def _program(fn, args):
