@@ -445,15 +445,18 @@ def _row_ratios(row: dict[str, Any], full_f32: int) -> dict[str, Any]:
 def _fused_records(target: str, dev, shape, cases, chunk: int | None) -> list[dict[str, Any]]:
   import jax.numpy as jnp
 
-  from kldiv_jax import _fused
+  try:
+    from kldiv_jax import _fused_chunks as chunking
+  except ImportError:  # before the fused losses' split: one _fused module
+    from kldiv_jax import _fused as chunking  # type: ignore[no-redef]
 
   n, h, v = shape
   dt = jnp.dtype("bfloat16")
   platform = "tpu" if TARGETS[target]["kind"] == "tpu" else "cuda"
-  if hasattr(_fused, "platform_chunk_size"):
-    default_chunk = _fused.platform_chunk_size(n, v, platform)
+  if hasattr(chunking, "platform_chunk_size"):
+    default_chunk = chunking.platform_chunk_size(n, v, platform)
   else:  # before the per-platform choice: one default everywhere
-    default_chunk = _fused.default_chunk_size(n, v)
+    default_chunk = chunking.default_chunk_size(n, v)
   c = chunk or default_chunk
   records = []
   for case in [x for x in cases if x in FUSED_CASES]:

@@ -10,9 +10,9 @@ from kldiv_jax._distill import DistillationParts as DistillationParts
 from kldiv_jax._distill import distillation_loss as distillation_loss
 from kldiv_jax._divergence_api import divergence_from_logits as divergence_from_logits
 from kldiv_jax._divergence_spec import Divergence as Divergence
-from kldiv_jax._fused import fused_distillation_loss as fused_distillation_loss
-from kldiv_jax._fused import fused_token_log_probs as fused_token_log_probs
-from kldiv_jax._fused import fused_topk_distillation_loss as fused_topk_distillation_loss
+from kldiv_jax._fused_distill import fused_distillation_loss as fused_distillation_loss
+from kldiv_jax._fused_distill import fused_topk_distillation_loss as fused_topk_distillation_loss
+from kldiv_jax._fused_tokens import fused_token_log_probs as fused_token_log_probs
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
 from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits

@@ -126,6 +126,91 @@ def check_labels(name, labels, token_shape, shape_text, ignore_index, num_classe
   return labels, ids_differ(labels, ignore_index)
 
 
+class DistillOptions(NamedTuple):
+  """The options of a distillation loss, checked (:func:`distill_options`): what
+  :func:`distillation_loss` and the fused losses (``_fused_distill``) read alike."""
+
+  alpha: float | jax.Array
+  alpha_static: bool
+  beta: float | jax.Array
+  spec: Divergence
+  temperature: float | jax.Array
+  t_static: bool
+  scale_t2: bool  # scale_by_temperature_squared
+  ignore_index: int
+  caps: tuple[float | None, float | None]  # (softcap, target_softcap)
+  return_parts: bool
+  normalizer: float | jax.Array | None
+
+  def labels(self, name, labels, token_shape, shape_text, num_classes, counted):
+    """:func:`check_labels` with the loss's ``ignore_index``: ``(labels, labelled)``."""
+    return check_labels(
+      name, labels, token_shape, shape_text, self.ignore_index, num_classes, counted
+    )
+
+  def weights(self, labelled: bool) -> LossWeights:
+    """The terms to compute (:func:`loss_weights`), with labels or without."""
+    return loss_weights(self.alpha, self.alpha_static, labelled, self.return_parts)
+
+  def t2(self, t):
+    """The divergence's factor: :math:`T^2` (``t`` the temperature in the compute dtype,
+    squared when traced), or 1 with ``scale_by_temperature_squared=False``."""
+    if not self.scale_t2:
+      return 1.0
+    return self.temperature**2 if self.t_static else t * t
+
+  def checks(self) -> tuple:
+    """The traced options' range tests, for ``nan_unless``: an invalid one makes the loss
+    and the parts NaN (``True`` for a static one, checked already)."""
+    checks = (
+      positive_finite(self.temperature),
+      in_unit_interval(self.alpha),
+      in_unit_interval(self.beta),
+      *self.spec.valid(),
+    )
+    if self.normalizer is not None:
+      checks = (*checks, positive_finite(self.normalizer))
+    return checks
+
+  def denominator(self, valid, dtype):
+    """The mean's denominator: ``normalizer``, else the number of ``valid`` tokens, at
+    least 1."""
+    if self.normalizer is None:
+      return jnp.maximum(jnp.sum(valid), 1).astype(dtype)
+    n = self.normalizer
+    return n.astype(dtype) if isinstance(n, jax.Array) else n
+
+  def finish(self, loss, soft, hard, num_tokens, checks, out_dtype):
+    """The loss in ``out_dtype``, NaN unless ``checks`` hold; with ``return_parts``,
+    ``(loss, DistillationParts(soft, hard, num_tokens))``."""
+    loss = nan_unless(loss.astype(out_dtype), *checks)
+    if not self.return_parts:
+      return loss
+    return loss, DistillationParts.of(soft, hard, num_tokens, checks)
+
+
+def distill_options(
+  name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
+  softcap, target_softcap, return_parts, normalizer, /,
+) -> DistillOptions:  # fmt: skip
+  """The options of a distillation loss checked, errors naming ``name`` (the public
+  function called); the arguments in this order, named as the losses name them."""
+  alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
+  beta, _ = check_unit_interval(name, "beta", beta)
+  spec = loss_divergence(name, divergence, beta)
+  temperature, t_static = check_temperature(name, temperature)
+  scale_t2 = check_bool(name, "scale_by_temperature_squared", scale_by_temperature_squared)
+  ignore_index = check_int(name, "ignore_index", ignore_index)
+  caps = check_softcaps(name, softcap, target_softcap)
+  return_parts = check_bool(name, "return_parts", return_parts)
+  if normalizer is not None:
+    normalizer = check_normalizer(name, normalizer)
+  return DistillOptions(
+    alpha, alpha_static, beta, spec, temperature, t_static, scale_t2, ignore_index, caps,
+    return_parts, normalizer,
+  )  # fmt: skip
+
+
 def distillation_loss(
   student_logits: jax.typing.ArrayLike,
   teacher_logits: jax.typing.ArrayLike,
@@ -260,24 +345,16 @@ def distillation_loss(
     (2015), arXiv:1503.02531.
   """
   name = "distillation_loss"
-  alpha, alpha_static = check_unit_interval(name, "alpha", alpha)
-  beta, _ = check_unit_interval(name, "beta", beta)
-  spec = loss_divergence(name, divergence, beta)
-  temperature, t_static = check_temperature(name, temperature)
-  scale_by_temperature_squared = check_bool(
-    name, "scale_by_temperature_squared", scale_by_temperature_squared
-  )
-  ignore_index = check_int(name, "ignore_index", ignore_index)
-  caps = check_softcaps(name, softcap, target_softcap)
-  return_parts = check_bool(name, "return_parts", return_parts)
+  o = distill_options(
+    name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
+    softcap, target_softcap, return_parts, normalizer,
+  )  # fmt: skip
   if axis_name is not None:
     check_axis_name(name, axis_name)
   what = ("student_logits", "teacher_logits")
   rows = prepare(
     name, what, student_logits, teacher_logits, -1, where, teacher_vocab_size, axis_name
   )
-  if normalizer is not None:
-    normalizer = check_normalizer(name, normalizer)
   masks = rows.masks
   valid = jnp.ones((rows.z.shape[0], 1), jnp.bool_)
   for m in masks:
@@ -287,16 +364,13 @@ def distillation_loss(
     # Compared in the labels' own dtype: a cast could wrap an id onto another.
     num_classes = global_classes(rows.z.shape[1], axis_name)
     shape_text = "the logits' shape without the class axis,"
-    labels, labelled = check_labels(
-      name, labels, rows.out_shape, shape_text, ignore_index, num_classes, valid
-    )
+    labels, labelled = o.labels(name, labels, rows.out_shape, shape_text, num_classes, valid)
     valid = valid & labelled
     masks = (*masks, labelled)
-  cdt = rows.cdt
-  weights = loss_weights(alpha, alpha_static, labels is not None, return_parts)
-  t = jnp.asarray(temperature).astype(cdt)
-  t2 = temperature**2 if t_static else t * t
-  t2 = t2 if scale_by_temperature_squared else 1.0
+  cdt, spec, caps = rows.cdt, o.spec, o.caps
+  weights = o.weights(labels is not None)
+  t = jnp.asarray(o.temperature).astype(cdt)
+  t2 = o.t2(t)
   if rows.empty:
     soft = hard = jnp.zeros((), cdt)
     if labelled is not None and weights.hard:
@@ -318,16 +392,6 @@ def distillation_loss(
         # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
         hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0])
     soft, hard = jnp.sum(soft), jnp.sum(hard)
-  total = weights.mix(soft, hard, alpha, cdt)
-  if normalizer is None:
-    denominator = jnp.maximum(jnp.sum(valid), 1).astype(cdt)
-  else:
-    denominator = normalizer.astype(cdt) if isinstance(normalizer, jax.Array) else normalizer
-  checks = (positive_finite(temperature), in_unit_interval(alpha), in_unit_interval(beta))
-  if normalizer is not None:
-    checks = (*checks, positive_finite(normalizer))
-  checks = (*checks, *spec.valid())
-  loss = nan_unless((total / denominator).astype(rows.out_dtype), *checks)
-  if not return_parts:
-    return loss
-  return loss, DistillationParts.of(soft, hard, jnp.sum(valid), checks)
+  total = weights.mix(soft, hard, o.alpha, cdt)
+  loss = total / o.denominator(valid, cdt)
+  return o.finish(loss, soft, hard, jnp.sum(valid), o.checks(), rows.out_dtype)

@@ -21,7 +21,7 @@ and :math:`g_H`, and
 
 (:math:`s'` the soft-cap's slope) is folded into the gradients wrt ``hidden``
 (one matmul) and ``weight`` (one matmul, a block of vocabulary columns at a
-time) at once, as the fused distillation losses do (:mod:`kldiv_jax._fused`,
+time) at once, as the fused distillation losses do (:mod:`kldiv_jax._fused_distill`,
 after Liger Kernel's fused-linear losses): three matmuls per chunk, no
 recomputation; the backward pass only scales the gradients by the cotangent.
 
@@ -45,18 +45,18 @@ import numpy as np
 from jax import lax
 
 from kldiv_jax._checks import check_bool, check_softcap, check_temperature, compute_dtype
-from kldiv_jax._fused import (
-  _check_chunk,
-  _check_linear,
-  _chunks,
-  _fused_tokens,
-  _logits,
-  _per_platform,
-  _token_zero,
-  _vary_like_tokens,
-  _zero_cotangent,
-  fold_token_grads,
+from kldiv_jax._fused_chunks import (
+  check_chunk,
+  check_linear,
+  chunk_logits,
+  chunks,
+  head_cotangents,
+  per_platform,
+  token_zero,
+  vary_like_tokens,
+  zero_head_grads,
 )
+from kldiv_jax._fused_tokens import TokenKernel, fold_token_grads, fused_tokens
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rows import compiled
 from kldiv_jax._tokens import token_layout, token_stats
@@ -102,7 +102,7 @@ class _Static(NamedTuple):
   cap: float | None
   with_entropy: bool
   has_aux: bool
-  low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (_logits)
+  low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (chunk_logits)
 
 
 def _call(static: _Static, log_p, entropy, args):
@@ -131,20 +131,16 @@ def _one_pass_fwd(static: _Static, h, w, b, ids, temperature, mask, args, aux):
   n, acc = h.shape[0], temperature.dtype
   # Inside jax.shard_map, loop carries keep the mesh axes their values vary over: the
   # outputs vary like the tokens (see fused_token_log_probs).
-  zero = _token_zero(h, ids, mask, *jax.tree.leaves(args)).astype(acc)
-  token_zero = lax.full_like(mask[:, 0], 0, acc) + zero
+  zero = token_zero(h, ids, mask, *jax.tree.leaves(args)).astype(acc)
+  per_token = lax.full_like(mask[:, 0], 0, acc) + zero
   varying = lambda a: jnp.where(zero == 0, a, jnp.zeros_like(a))  # noqa: E731
-  outs = (token_zero, token_zero, jax.tree.map(varying, aux))
-  grads = (
-    lax.full_like(h, 0, acc),
-    lax.full_like(w, 0, acc),
-    lax.full_like(w, 0, acc, w.shape[1:]),
-  )
+  outs = (per_token, per_token, jax.tree.map(varying, aux))
+  grads = zero_head_grads(h, w, acc)
 
   def part(start, size, cut, carry):
     total, outs, grads = carry
     hc, mc, args_c = cut(h), cut(mask), cut(args)
-    z = _logits(hc, w, b, acc, static.low)
+    z = chunk_logits(hc, w, b, acc, static.low)
     log_p, entropy, (top, log_s, local) = token_stats(
       static.axis_name, static.cap, z, cut(ids), temperature, (mc,)
     )
@@ -161,24 +157,14 @@ def _one_pass_fwd(static: _Static, h, w, b, ids, temperature, mask, args, aux):
     outs = jax.tree.map(put, outs, (log_p, entropy, aux))
     return total + loss, outs, grads
 
-  total, outs, grads = _chunks(n, static.chunk, part, (zero, outs, grads))
+  total, outs, grads = chunks(n, static.chunk, part, (zero, outs, grads))
   return (total, outs), (grads, (h, w, b, ids, temperature, mask, args, aux))
 
 
 def _one_pass_bwd(static, residuals, g):
-  (grad_h, grad_w, grad_b), (h, w, b, ids, temperature, mask, args, aux) = residuals
-  s = g[0].astype(grad_h.dtype)  # the per-token outputs carry no gradient
-  zeros = lambda tree: jax.tree.map(_zero_cotangent, tree)  # noqa: E731
-  return (
-    (grad_h * s).astype(h.dtype),
-    (grad_w * s).astype(w.dtype),
-    None if b is None else (grad_b * s).astype(b.dtype),
-    _zero_cotangent(ids),
-    jnp.zeros_like(temperature),
-    _zero_cotangent(mask),
-    zeros(args),
-    zeros(aux),
-  )
+  grads, (h, w, b, *operands) = residuals  # operands: ids, temperature, mask, args, aux
+  s = g[0].astype(grads[0].dtype)  # the per-token outputs carry no gradient
+  return head_cotangents(grads, s, h, w, b, operands)
 
 
 _one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
@@ -188,9 +174,9 @@ _one_pass = compiled(_one_pass, static_argnums=0)
 def _two_pass(static: _Static, h, w, b, ids, temperature, mask, args):
   """Pass 1 (forward) and pass 2 (its backward) of :func:`fused_token_log_probs`'s kernel,
   ``per_token_fn`` on the whole ``[N]`` arrays between them."""
-  kernel = (static.chunk, static.axis_name, static.cap, static.low)
-  out = _fused_tokens(kernel, h, w, b, ids, temperature, mask)
-  # The cast restates _fused_tokens' result, lost to jax.custom_vjp's unannotated __new__.
+  kernel = TokenKernel(static.chunk, static.axis_name, static.cap, static.low)
+  out = fused_tokens(kernel, h, w, b, ids, temperature, mask)
+  # The cast restates fused_tokens' result, lost to jax.custom_vjp's unannotated __new__.
   log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   loss, aux = _apply(static, log_p, entropy, mask, lax.stop_gradient(args))
   outs = (log_p, entropy, aux)
@@ -246,11 +232,11 @@ def fused_token_loss(
   in float32 (float64 for float64 inputs); ``per_token_fn`` sees that dtype;
   for bf16/f16 inputs each chunk's logits and their gradient are held in the
   inputs' dtype between the matmuls and the softmax, as the materialised
-  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused._logits`);
+  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused_chunks.chunk_logits`);
   the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
   ``hidden`` and ``weight``), NaN for an invalid traced temperature.
   """
-  out_dtype = _check_linear(name, "student", hidden, weight, bias)
+  out_dtype = check_linear(name, "student", hidden, weight, bias)
   temperature, _ = check_temperature(name, temperature)
   cap = check_softcap(name, "softcap", softcap)
   with_entropy = check_bool(name, "with_entropy", with_entropy)
@@ -274,7 +260,7 @@ def fused_token_loss(
   )
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
-  _check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
+  check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
   low = None if compute_dtype(out_dtype) == out_dtype else out_dtype
   static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux, low)
   # What per_token_fn returns, checked once on abstract values.
@@ -297,7 +283,7 @@ def fused_token_loss(
     outs = (zeros, zeros, aux)
   else:
     h = jnp.asarray(hidden)
-    w, b = _vary_like_tokens(weight, bias, h, safe, mask)
+    w, b = vary_like_tokens(weight, bias, h, safe, mask)
     buffers = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), aux_shapes)
 
     def call(chunk):
@@ -306,7 +292,7 @@ def fused_token_loss(
         return _two_pass(s, h, w, b, safe, t, mask, per_token_args)
       return _one_pass(s, h, w, b, safe, t, mask, per_token_args, buffers)
 
-    out = _per_platform(chunk_size, name, n, vocab * num_shards, call, _CHUNK_ELEMENTS)
+    out = per_platform(chunk_size, name, n, vocab * num_shards, call, _CHUNK_ELEMENTS)
     loss, outs = cast(tuple[jax.Array, tuple], out)
   valid = positive_finite(temperature)
   loss_dtype = out_dtype if loss_dtype is None else loss_dtype

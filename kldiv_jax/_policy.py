@@ -22,7 +22,7 @@ from kldiv_jax._checks import (
   real_scalar,
   result_dtype,
 )
-from kldiv_jax._fused import _check_linear
+from kldiv_jax._fused_chunks import check_linear
 from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rl import ESTIMATORS
@@ -433,7 +433,7 @@ def fused_policy_loss(
     (True, 10)
   """
   name = "fused_policy_loss"
-  head_dtype = _check_linear(name, "student", hidden, weight, bias)
+  head_dtype = check_linear(name, "student", hidden, weight, bias)
   shape = tuple(np.shape(hidden)[:-1])
   if len(shape) == 0:
     raise ValueError(f"{name}: hidden must have a token axis, shape [..., T, H]; got a vector.")

@@ -38,23 +38,6 @@ from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name, g
 TAILS = ("renormalize", "bucket")
 
 
-def _check_shapes(name, logits, indices, log_probs):
-  if logits.ndim == 0:
-    raise ValueError(f"{name}: logits must have a class axis, shape [..., vocab]; got a scalar.")
-  if indices.shape != log_probs.shape:
-    raise ValueError(
-      f"{name}: topk_indices and topk_log_probs must have the same shape [..., k]; "
-      f"got {indices.shape} and {log_probs.shape}."
-    )
-  if indices.ndim != logits.ndim or indices.shape[:-1] != logits.shape[:-1]:
-    raise ValueError(
-      f"{name}: topk_indices must have shape logits.shape[:-1] + (k,) = "
-      f"{logits.shape[:-1]} + (k,); got {indices.shape} for logits of shape {logits.shape}."
-    )
-  if indices.shape[-1] < 1:
-    raise ValueError(f"{name}: the number of top-k entries must be at least 1; got k = 0.")
-
-
 def _split_mask(name, where, batch_shape, slot_shape):
   """``(example_mask, slot_mask)`` from ``where`` (one of them ``None``)."""
   if where is None:
@@ -80,6 +63,63 @@ TOPK_PADDING = (
   " (only where the teacher has mass: pad with any id and a -inf log-probability, "
   "or mask the slot with where)"
 )
+
+
+class TopkArgs(NamedTuple):
+  """A top-k teacher's arguments, checked (:func:`check_topk_teacher`)."""
+
+  indices: jax.Array  # integer ``[..., k]``
+  log_probs: jax.Array  # ``[..., k]``, as given
+  bucket: bool  # tail="bucket"
+  teacher_vocab: int  # the teacher's (global) vocabulary size
+  example: jax.Array | None  # ``where`` as a mask of the tokens ``token_shape``, or None
+  slot: jax.Array | None  # ``where`` as a mask of the slots ``token_shape + (k,)``, or None
+
+
+def check_topk_teacher(
+  name, indices, log_probs, tail, where, token_shape, shape_text, vocab, teacher_vocab_size,
+  axis_name,
+) -> TopkArgs:  # fmt: skip
+  """The one parse of a top-k teacher, for :func:`divergence_from_topk` (logits) and
+  :func:`kldiv_jax.fused_topk_distillation_loss` (hidden states), errors naming ``name``.
+
+  ``indices`` an integer array ``token_shape + (k,)`` (``shape_text`` names that shape) with
+  ``k >= 1``, ``log_probs`` the same shape (its float dtype is the caller's to check, with the
+  student's); ``tail`` one of :data:`TAILS`; ``teacher_vocab_size`` by the vocabulary rule
+  (:func:`kldiv_jax._checks.teacher_classes`, ``vocab`` the student's global size); ``where``
+  a mask of the tokens or of the slots; known ids with mass that ``where`` counts in range
+  (:func:`kldiv_jax._checks.check_ids`).
+  """
+  idx = index_array(name, "topk_indices", indices, "token ids")
+  lp = jnp.asarray(log_probs)
+  if idx.shape != lp.shape:
+    raise ValueError(
+      f"{name}: topk_indices and topk_log_probs must have the same shape [..., k]; "
+      f"got {idx.shape} and {lp.shape}."
+    )
+  if idx.ndim != len(token_shape) + 1 or idx.shape[:-1] != tuple(token_shape):
+    raise ValueError(
+      f"{name}: topk_indices must have shape {shape_text} + (k,) = {tuple(token_shape)} + (k,); "
+      f"got {idx.shape}."
+    )
+  if idx.shape[-1] < 1:
+    raise ValueError(f"{name}: the number of top-k entries must be at least 1; got k = 0.")
+  check_choice(name, "tail", tail, TAILS)
+  example, slot = _split_mask(name, where, tuple(token_shape), idx.shape)
+  sharded = None if axis_name is None else VOCAB_PARALLEL_PADDING
+  teacher_vocab = teacher_classes(name, teacher_vocab_size, vocab, sharded=sharded)
+  check_ids(
+    name,
+    "topk_indices",
+    idx,
+    teacher_vocab,
+    slot,
+    example,
+    what="token ids",
+    log_probs=lp,
+    fix=TOPK_PADDING,
+  )
+  return TopkArgs(idx, lp, tail == "bucket", teacher_vocab, example, slot)
 
 
 class TopK(NamedTuple):
@@ -129,29 +169,19 @@ def topk_per_example(
   """The body of the top-k losses: validate, lay out as rows, run the top-k path, reduce."""
   out_dtype = check_float(name, ("logits", "topk_log_probs"), logits, topk_log_probs)
   z = jnp.asarray(logits)
-  lp = jnp.asarray(topk_log_probs)
-  idx = index_array(name, "topk_indices", topk_indices, "token ids")
-  _check_shapes(name, z, idx, lp)
+  if z.ndim == 0:
+    raise ValueError(f"{name}: logits must have a class axis, shape [..., vocab]; got a scalar.")
   temperature, _ = check_temperature(name, temperature)
-  check_choice(name, "tail", tail, TAILS)
   cap = check_softcap(name, "softcap", softcap)
   if axis_name is not None:
     check_axis_name(name, axis_name)
-  example, slot = _split_mask(name, where, z.shape[:-1], idx.shape)
   vocab = global_classes(z.shape[-1], axis_name)
-  sharded = None if axis_name is None else VOCAB_PARALLEL_PADDING
-  teacher_vocab = teacher_classes(name, teacher_vocab_size, vocab, sharded=sharded)
-  check_ids(
-    name,
-    "topk_indices",
-    idx,
-    teacher_vocab,
-    slot,
-    example,
-    what="token ids",
-    log_probs=lp,
-    fix=TOPK_PADDING,
-  )
+  teacher = check_topk_teacher(
+    name, topk_indices, topk_log_probs, tail, where, z.shape[:-1], "logits.shape[:-1]", vocab,
+    teacher_vocab_size, axis_name,
+  )  # fmt: skip
+  idx, lp, teacher_vocab = teacher.indices, teacher.log_probs, teacher.teacher_vocab
+  example, slot = teacher.example, teacher.slot
   if math.prod(z.shape[:-1]) == 0 or min(z.shape[-1], teacher_vocab) == 0:
     out = jnp.zeros(z.shape[:-1], out_dtype)
     return nan_unless(out, positive_finite(temperature), *spec.valid())
@@ -168,7 +198,7 @@ def topk_per_example(
     example,
     vocab=vocab,
     teacher_vocab=teacher_vocab,
-    tail_bucket=tail == "bucket",
+    tail_bucket=teacher.bucket,
     cap=cap,
     axis_name=axis_name,
     out_dtype=jnp.dtype(out_dtype),

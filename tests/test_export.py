@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
 from kldiv_jax import _rows as _rows_mod
-from kldiv_jax._fused import FUSED_CHUNK_SCOPE, FUSED_GRAD_W_SCOPE, platform_chunk_size
+from kldiv_jax._fused_chunks import FUSED_CHUNK_SCOPE, FUSED_GRAD_W_SCOPE, platform_chunk_size
 from kldiv_jax._rows import ROW_BLOCKS_SCOPE
 
 PLATFORMS = ("cpu", "cuda", "tpu")

@@ -16,7 +16,7 @@ from _references import _sub_jaxprs, dot_generals, vocab_sharded_and_whole
 from jax import export
 
 from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
-from kldiv_jax._fused import FUSED_CHUNK_SCOPE, default_chunk_size, platform_chunk_size
+from kldiv_jax._fused_chunks import FUSED_CHUNK_SCOPE, default_chunk_size, platform_chunk_size
 
 B, T, HIDDEN, VOCAB = 3, 5, 6, 24  # N = 15 tokens: chunks of 4 leave a remainder
 TOL = {"rtol": 3e-5, "atol": 3e-6}

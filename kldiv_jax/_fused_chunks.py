@@ -1,0 +1,290 @@
+"""The chunk machinery of the fused LM-head losses: logits ``hidden @ weight + bias`` a chunk of
+tokens at a time.
+
+A fused loss never holds the ``[tokens, vocab]`` logits: it runs its chunk body over
+``chunk_size`` tokens at a time (:func:`chunks`), each chunk's logits one matmul
+(:func:`chunk_logits`), and folds each chunk's gradient wrt its logits into the gradients wrt
+``hidden``, ``weight`` and ``bias`` (:func:`fold_logit_grad`: two matmuls, the weight's the way
+of the platform). The chunk is chosen per platform when the program is lowered
+(:func:`per_platform`). The losses plug in their chunk bodies: ``_fused_distill`` (gradients in
+the forward pass) and ``_fused_tokens`` and ``_fused_policy`` (the token kernel), as Liger
+Kernel's ``chunked_loss`` losses plug into its base class.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kldiv_jax._checks import check_float
+
+# Logit elements per chunk and side when chunk_size=None on CPU (16 MiB of float32).
+CHUNK_ELEMENTS = 1 << 22
+# On TPUs (chunk_size=None): about 2**27 logits per chunk (512 MiB of float32 per [chunk,
+# vocab] array), at most 4096 tokens. Each chunk reads both heads and reads and writes the
+# float32 weight gradient: ~14 bytes per head element for 8 C H V flops (four [C, H] x
+# [H, V] matmuls), C / 1.75 flops per byte, against a chip balance of ~240 (TPU v5e) to
+# ~300 (H100) flops per byte. 1024 tokens at V = 131072 keeps the matmuls compute-bound;
+# 32 (the CPU default there) left them bound by weight bandwidth.
+_ACCEL_CHUNK_ELEMENTS = 1 << 27
+# On GPUs: twice that (2048 tokens at V = 131072). XLA:GPU writes each chunk's float32
+# logits and their gradient to HBM between its fusions (~13 passes over a [chunk, vocab]
+# float32 array per chunk, the matmuls' epilogues not fused): at 1024 tokens that traffic
+# plus the heads' made an H100 chunk bandwidth-bound (1.6x the materialised loss, XLA's
+# estimate), at 2048 it is 1.1x, with 3.1 GiB of temporaries against the 80 GiB.
+_GPU_CHUNK_ELEMENTS = 1 << 28
+_ACCEL_MAX_CHUNK = 4096
+# The name scope of a fused call's chunk loop, followed by its chunk (``..._1024``): it marks
+# the chunking in a lowered module.
+FUSED_CHUNK_SCOPE = "kldiv_jax_fused_chunk_"
+# CPU: vocabulary columns per block of the weight-gradient update.
+_GRAD_W_BLOCK = 4096
+# The name scope of a chunk's weight-gradient update, followed by how it is done: the block
+# width (``..._4096``, CPU) or ``whole`` (GPU and TPU): it marks the choice in a lowered module.
+FUSED_GRAD_W_SCOPE = "kldiv_jax_fused_grad_w_"
+
+
+def _power_of_two_chunk(elements: int, num_tokens: int, vocab_size: int, cap: int) -> int:
+  size = max(1, min(cap, elements // max(vocab_size, 1)))
+  size = 1 << (size.bit_length() - 1)
+  return max(1, min(size, num_tokens))
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int, elements: int = CHUNK_ELEMENTS) -> int:
+  """CPU: a power of two near ``elements / vocab_size`` tokens (``2**22`` elements unless
+  given), within ``[1, num_tokens]``."""
+  return _power_of_two_chunk(elements, num_tokens, vocab_size, num_tokens)
+
+
+def platform_chunk_size(num_tokens: int, vocab_size: int, platform: str) -> int:
+  """The default chunk for a platform: :func:`default_chunk_size` on ``"cpu"``; on ``"cuda"``
+  and ``"rocm"`` a power of two near ``2**28 / vocab_size`` tokens, elsewhere (TPU) near
+  ``2**27 / vocab_size``, at most 4096, within ``[1, num_tokens]``."""
+  if platform == "cpu":
+    return default_chunk_size(num_tokens, vocab_size)
+  elements = _GPU_CHUNK_ELEMENTS if platform in ("cuda", "rocm") else _ACCEL_CHUNK_ELEMENTS
+  return _power_of_two_chunk(elements, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+
+
+def check_chunk(name, chunk_size, n, vocab_size, elements=CHUNK_ELEMENTS) -> int:
+  """``chunk_size`` checked (a positive int or ``None``) and cut to ``n``; ``None``: the CPU
+  default for ``vocab_size`` (the global vocabulary) and ``elements``."""
+  if chunk_size is None:
+    # The global vocabulary: a vocabulary-parallel call makes the unsharded
+    # call's chunks, each device holding a slice of their logits.
+    return default_chunk_size(n, vocab_size, elements)
+  if (
+    not isinstance(chunk_size, (int, np.integer)) or isinstance(chunk_size, bool) or chunk_size < 1
+  ):
+    raise ValueError(f"{name}: chunk_size must be a positive int or None; got {chunk_size!r}.")
+  return int(min(chunk_size, max(n, 1)))
+
+
+def check_linear(name, what, hidden, weight, bias):
+  """Checks one side's hidden states, head and bias (``what``: ``"student"`` or
+  ``"teacher"``, whose arguments are ``target_*``); returns their promoted dtype."""
+  prefix = "" if what == "student" else "target_"
+  names = ("hidden", "weight") if bias is None else ("hidden", "weight", "bias")
+  arrays = (hidden, weight) if bias is None else (hidden, weight, bias)
+  dtype = check_float(name, [prefix + n for n in names], *arrays)
+  if np.ndim(weight) != 2:
+    raise ValueError(
+      f"{name}: {what} weight must be [hidden, vocab]; got shape {np.shape(weight)}."
+    )
+  if np.ndim(hidden) < 1 or np.shape(hidden)[-1] != np.shape(weight)[0]:
+    raise ValueError(
+      f"{name}: {what} hidden [..., H] and weight [H, V] disagree on H; got shapes "
+      f"{np.shape(hidden)} and {np.shape(weight)}."
+    )
+  if bias is not None and tuple(np.shape(bias)) != (np.shape(weight)[1],):
+    raise ValueError(
+      f"{name}: {what} bias must have shape ({np.shape(weight)[1]},); got {np.shape(bias)}."
+    )
+  return dtype
+
+
+def per_platform(chunk_size, name, n, vocab_size, call, elements=CHUNK_ELEMENTS):
+  """``call(chunk)`` with ``chunk_size``, or by default the chunk of the platform the program
+  is lowered for (:func:`platform_chunk_size`; on CPU, ``elements`` logits per chunk).
+
+  As the row path's blocks (:func:`kldiv_jax._rows.map_rows`), the chunkings are staged
+  out with ``lax.platform_dependent`` and lowering keeps the platform's own: a program
+  exported with ``jax.export`` for several platforms holds each one's. Each runs in the
+  name scope :data:`FUSED_CHUNK_SCOPE` followed by its chunk.
+  """
+
+  def scoped(chunk):
+    def run():
+      with jax.named_scope(f"{FUSED_CHUNK_SCOPE}{chunk}"):
+        return call(chunk)
+
+    return run
+
+  chunk = check_chunk(name, chunk_size, n, vocab_size, elements)
+  if chunk_size is not None:
+    return scoped(chunk)()
+  chunks_of = {p: platform_chunk_size(n, vocab_size, p) for p in ("cuda", "rocm", "tpu")}
+  chunks_of["cpu"] = chunk  # the CPU default, with the caller's ``elements``
+  if len(set(chunks_of.values())) == 1:
+    return scoped(chunk)()
+  # One traced branch per distinct chunk (``platform_dependent`` joins equal callables).
+  runs = {c: scoped(c) for c in set(chunks_of.values())}
+  default = runs[chunks_of.pop("tpu")]
+  others = {p: runs[c] for p, c in chunks_of.items() if runs[c] is not default}
+  return lax.platform_dependent(**others, default=default)
+
+
+def matmul(a, w, b, dtype):
+  """``a @ w (+ b)`` accumulated and returned in ``dtype``."""
+  out = lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=dtype)
+  return out if b is None else out + b.astype(dtype)[None, :]
+
+
+def chunk_logits(a, w, b, acc, low=None):
+  """``a @ w + b`` accumulated in ``acc``; with ``low`` (bf16/f16) in ``low`` between the
+  matmul and the softmax, as the materialised ``a @ w + b`` of ``low`` inputs (the product
+  rounded, then the bias), read in ``acc``. XLA:GPU writes a chunk's logits and their
+  gradient to HBM between its fusions: in ``low`` they move half the bytes of float32. Where
+  XLA fuses the conversions away (``xla_allow_excess_precision``, its default, as on CPU),
+  they stay in ``acc``, as the materialised loss's do."""
+  if low is None:
+    return matmul(a, w, b, acc)
+  z = lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=acc).astype(low)
+  return (z if b is None else z + b.astype(low)[None, :]).astype(acc)
+
+
+def chunks(n, chunk, part, carry):
+  """``part(start, size, cut, carry)`` over the chunks of ``n`` rows, ``cut`` slicing the
+  chunk's rows of an array (or of each leaf of a pytree): a ``fori_loop`` over the full
+  chunks, then the uneven last one with static shapes."""
+  num_full = n // chunk
+  if num_full:
+
+    def body(i, carry):
+      start = i * chunk
+
+      def cut(tree):
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, chunk, axis=0), tree)
+
+      return part(start, chunk, cut, carry)
+
+    carry = lax.fori_loop(0, num_full, body, carry)
+  start = num_full * chunk
+  if start < n:
+    carry = part(start, n - start, lambda tree: jax.tree.map(lambda a: a[start:], tree), carry)
+  return carry
+
+
+def zero_head_grads(h, w, acc):
+  """``(grad_h, grad_w, grad_b)`` zeros in ``acc``: the carry of :func:`fold_logit_grad`.
+
+  ``full_like``: inside ``jax.shard_map``, loop carries keep the mesh axes their values vary
+  over (the head's gradients the head's, see :func:`vary_like_tokens`)."""
+  return (
+    lax.full_like(h, 0, acc),
+    lax.full_like(w, 0, acc),
+    lax.full_like(w, 0, acc, shape=w.shape[1:]),
+  )
+
+
+def fold_logit_grad(carry, start, hc, w, dz, axis_name, acc, grad_dtype=None):
+  """Folds a chunk's gradient wrt its logits ``dz`` (``[size, V]``, in ``acc``) into
+  ``carry = (grad_h, grad_w, grad_b)``.
+
+  ``grad_b += sum(dz)``; ``dz W^T`` into rows ``start:`` of ``grad_h`` (summed over
+  ``axis_name``: each device holds a slice of the head) and ``hc^T dz`` added to ``grad_w``
+  (:func:`_add_weight_grad`); ``dz`` in ``grad_dtype`` for the two matmuls when given (the
+  cotangent of logits in that dtype, as autodiff's of the materialised ``hc @ w``; see
+  :func:`chunk_logits`).
+  """
+  grad_h, grad_w, grad_b = carry
+  grad_b = grad_b + jnp.sum(dz, axis=0)
+  if grad_dtype is not None:
+    dz = dz.astype(grad_dtype)
+  gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+  if axis_name is not None:  # each device holds a slice of the head: sum the parts
+    gh = lax.psum(gh, axis_name)
+  grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
+  grad_w = _add_weight_grad(grad_w, hc, dz, axis_name, acc)
+  return grad_h, grad_w, grad_b
+
+
+def _add_weight_grad(grad_w, hc, dz, axis_name, acc):
+  """``grad_w += hc^T dz``, the way of the platform the program is lowered for.
+
+  CPU: a block of vocabulary columns at a time (a dot writes a fresh buffer, so a
+  whole ``[H, V]`` product is a second ``[H, V]`` array in cache-unfriendly passes).
+  GPU and TPU: one ``[H, V]`` dot per chunk added to the carry, which XLA fuses into
+  the matmul's output (cuBLAS's ``beta = 1``, TPU output fusion) in place; the
+  blocks there each re-read and re-wrote the whole float32 accumulator. Chosen with
+  ``lax.platform_dependent`` as the chunk is (:func:`per_platform`): an exported
+  program holds each platform's own. Vocabulary parallel: a device's slice of the
+  unsharded call's blocks.
+  """
+
+  def blocked(grad_w, hc, dz):
+    shards = 1 if axis_name is None else lax.axis_size(axis_name)
+    block = min(grad_w.shape[1], max(1, _GRAD_W_BLOCK // shards))
+    num_blocks, rest = divmod(grad_w.shape[1], block)
+
+    def one(j, grad_w, width):
+      cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
+      gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=acc)
+      return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
+
+    with jax.named_scope(f"{FUSED_GRAD_W_SCOPE}{block}"):
+      grad_w = lax.fori_loop(0, num_blocks, lambda k, g: one(k * block, g, block), grad_w)
+      if rest:
+        grad_w = one(num_blocks * block, grad_w, rest)
+    return grad_w
+
+  def whole(grad_w, hc, dz):
+    with jax.named_scope(f"{FUSED_GRAD_W_SCOPE}whole"):
+      gw = lax.dot_general(hc, dz, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+      return grad_w + gw
+
+  return lax.platform_dependent(grad_w, hc, dz, cpu=blocked, default=whole)
+
+
+def head_cotangents(grads, s, h, w, b, operands):
+  """The cotangents of ``(h, w, b, *operands)`` of a kernel that computed the gradients
+  ``grads`` in its forward pass: those times the loss's cotangent ``s``, in the head's dtypes
+  (``None`` for no bias), and zeros for the other operands (:func:`zero_cotangent`)."""
+  grad_h, grad_w, grad_b = grads
+  return (
+    (grad_h * s).astype(h.dtype),
+    (grad_w * s).astype(w.dtype),
+    None if b is None else (grad_b * s).astype(b.dtype),
+    *jax.tree.map(zero_cotangent, tuple(operands)),
+  )
+
+
+def zero_cotangent(x):
+  """A zero cotangent: float0 for integer and boolean operands."""
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def vary_like_tokens(weight, bias, *token_arrays):
+  """``(weight, bias)`` plus a 0 that varies like the token arrays.
+
+  Inside ``jax.shard_map`` with the tokens split (over "data", say), the head's
+  gradient in a custom VJP varies over the tokens' mesh axes, and must have the
+  head's type: adding a 0 that varies like the tokens makes the head vary
+  alike, and autodiff then sums its gradient over those axes. Outside
+  ``shard_map`` it is a no-op, which XLA folds away.
+  """
+  zero = token_zero(*token_arrays)
+  w = jnp.asarray(weight)
+  b = None if bias is None else jnp.asarray(bias)
+  return w + zero.astype(w.dtype), None if b is None else b + zero.astype(b.dtype)
+
+
+def token_zero(*token_arrays):
+  """A scalar 0 that varies over the mesh axes of the token arrays (inside ``jax.shard_map``)."""
+  zero = jnp.zeros((), jnp.float32)
+  for a in token_arrays:
+    if a is not None:
+      zero = zero + lax.full_like(a, 0, jnp.float32, shape=())
+  return zero

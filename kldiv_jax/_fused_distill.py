@@ -1,0 +1,530 @@
+"""Fused distillation losses: logits from hidden states and LM heads, gradients in the forward pass.
+
+:func:`fused_distillation_loss` (a dense teacher: hidden states and a head) and
+:func:`fused_topk_distillation_loss` (a teacher stored as its top-k) run over ``chunk_size``
+tokens at a time (:mod:`kldiv_jax._fused_chunks`): each chunk's logits are reduced to the
+chunk's loss and its gradient wrt the student's logits, folded at once into the gradients wrt
+``hidden``, ``weight`` and ``bias`` (as Liger Kernel's fused-linear distillation losses do).
+The backward pass only scales those gradients by the cotangent: no recomputation, memory of
+one chunk's logits plus the gradients. A teacher is a :class:`Teacher` (dense or top-k); the
+options are parsed by :func:`distillation_loss`'s parse (``_distill.distill_options``), a
+top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``).
+"""
+
+import dataclasses
+import functools
+from typing import NamedTuple, Protocol, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kldiv_jax._checks import check_float, compute_dtype, teacher_classes
+from kldiv_jax._distill import (
+  DistillationParts,
+  DistillOptions,
+  LossWeights,
+  distill_options,
+  hard_rows,
+)
+from kldiv_jax._divergence_spec import Divergence
+from kldiv_jax._engine import divergence_rows
+from kldiv_jax._fused_chunks import (
+  check_chunk,
+  check_linear,
+  chunks,
+  fold_logit_grad,
+  head_cotangents,
+  matmul,
+  per_platform,
+  token_zero,
+  vary_like_tokens,
+  zero_head_grads,
+)
+from kldiv_jax._rows import compiled, shared_classes
+from kldiv_jax._sparse import topk_rows
+from kldiv_jax._tokens import token_mask
+from kldiv_jax._topk import check_topk_teacher, topk_teacher
+from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name
+
+
+class Static(NamedTuple):
+  """The static part of a fused call (hashable): what each chunk computes."""
+
+  key: tuple  # the divergence's Divergence.key
+  chunk: int
+  axis_name: str | None
+  caps: tuple[float | None, float | None]
+  weights: LossWeights
+  shared: int  # the classes both sides have (per device): longer logits are cut per chunk
+
+
+class Teacher(Protocol):
+  """What a chunk needs of a teacher (a pytree: an operand of the chunked kernel).
+
+  ``tokens()``: its arrays with one row per token (cut per chunk); ``chunk(cut)``: the teacher
+  of a chunk of tokens, ``cut`` slicing the chunk's rows of an array; ``rows(z, temperature,
+  spec, mask, static)``: the divergence per row of a chunk's student logits ``z`` against it.
+  """
+
+  def tokens(self) -> tuple: ...
+  def chunk(self, cut) -> "Teacher": ...
+  def rows(self, z, temperature, spec: Divergence, mask, static: Static) -> jax.Array: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseTeacher:
+  """A :class:`Teacher` given by its hidden states ``[n, H_T]`` and its LM head."""
+
+  hidden: jax.Array
+  weight: jax.Array
+  bias: jax.Array | None
+
+  def tokens(self) -> tuple:
+    return (self.hidden,)
+
+  def chunk(self, cut) -> "DenseTeacher":
+    return dataclasses.replace(self, hidden=cut(self.hidden))
+
+  def rows(self, z, temperature, spec, mask, static: Static):
+    y = matmul(self.hidden, self.weight, self.bias, z.dtype)
+    y = lax.stop_gradient(shared_classes(y, static.shared, 1))
+    return divergence_rows(z, y, temperature, (mask,), spec, static.axis_name, static.caps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkTeacher:
+  """A :class:`Teacher` stored as its top-k, laid out by :func:`kldiv_jax._topk.topk_teacher`."""
+
+  ids: jax.Array
+  lp: jax.Array
+  keep: jax.Array
+  dropped: jax.Array
+  bucket: bool  # static: tail="bucket"
+
+  def tokens(self) -> tuple:
+    return (self.ids, self.lp, self.keep, self.dropped)
+
+  def chunk(self, cut) -> "TopkTeacher":
+    ids, lp, keep, dropped = cut(self.tokens())
+    return dataclasses.replace(self, ids=ids, lp=lp, keep=keep, dropped=dropped)
+
+  def rows(self, z, temperature, spec, mask, static: Static):
+    return topk_rows(
+      z, self.ids, self.lp, self.keep & mask, self.dropped, temperature, spec, self.bucket,
+      static.caps[0], static.axis_name,
+    )  # fmt: skip
+
+
+jax.tree_util.register_dataclass(DenseTeacher, ["hidden", "weight", "bias"], [])
+jax.tree_util.register_dataclass(TopkTeacher, ["ids", "lp", "keep", "dropped"], ["bucket"])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(static: Static, h, w, b, teacher: Teacher, temperature, params, tokens, coefs) -> tuple:
+  return _fused_fwd(static, h, w, b, teacher, temperature, params, tokens, coefs)[0]
+
+
+def _fused_fwd(static: Static, h, w, b, teacher: Teacher, temperature, params, tokens, coefs):
+  """``(loss, soft, hard)`` summed over the chunks, and the gradients of ``loss`` wrt ``h``,
+  ``w`` and ``b``: each chunk's logit gradient folded in as the chunk is computed."""
+  weights, axis_name = static.weights, static.axis_name
+  # The divergence of the chunks: its static part from ``static``, traced parameters from ``params``.
+  spec = Divergence.tree_unflatten(static.key, params)
+  acc = coefs.dtype  # float32, or float64 for float64 inputs
+
+  def part(start, size, cut, carry):
+    totals, grads = carry
+    hc, teacher_c = cut(h), teacher.chunk(cut)
+    mask, labels, labelled = cut(tokens)
+    # A longer student head: its own classes are cut from each chunk's logits (their
+    # gradient is 0, padded back below).
+    z = shared_classes(matmul(hc, w, b, acc), static.shared, 1)
+
+    def objective(z):
+      soft = hard = jnp.zeros((), acc)
+      if weights.soft:
+        soft = jnp.sum(teacher_c.rows(z, temperature, spec, mask, static))
+      if weights.hard:
+        hard = jnp.sum(hard_rows(z, labels, labelled, (mask,), axis_name, static.caps[0]))
+      return coefs[0] * soft + coefs[1] * hard, (soft, hard)
+
+    loss, vjp, parts = jax.vjp(objective, z, has_aux=True)
+    (dz,) = vjp(jnp.ones_like(loss))
+    if dz.shape[1] < w.shape[1]:
+      dz = jnp.pad(dz, ((0, 0), (0, w.shape[1] - dz.shape[1])))
+    totals = tuple(t + p for t, p in zip(totals, (loss, *parts)))
+    return totals, fold_logit_grad(grads, start, hc, w, dz, axis_name, acc)
+
+  # Inside jax.shard_map, loop carries keep the mesh axes their values vary over: the loss
+  # those of the tokens (the head's gradients the head's, see vary_like_tokens).
+  zero = token_zero(h, *teacher.tokens(), *tokens).astype(acc)
+  carry = ((zero, zero, zero), zero_head_grads(h, w, acc))
+  totals, grads = chunks(h.shape[0], static.chunk, part, carry)
+  return totals, (grads, (h, w, b, teacher, temperature, params, tokens, coefs))
+
+
+def _fused_bwd(static, residuals, g):
+  grads, (h, w, b, *operands) = residuals
+  s = g[0].astype(grads[0].dtype)  # the parts (g[1], g[2]) carry no gradient
+  return head_cotangents(grads, s, h, w, b, operands)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused = compiled(_fused, static_argnums=0)
+
+
+class _Student(NamedTuple):
+  """The student's side of a fused call, checked and laid out as tokens."""
+
+  h: jax.Array  # [n, H]
+  w: jax.Array
+  b: jax.Array | None
+  out_dtype: jnp.dtype
+  token_shape: tuple[int, ...]
+  vocab: int  # the head's (per device)
+  num_shards: int
+  mask: jax.Array  # where, [n, 1]
+
+
+def _student(name, hidden, weight, bias, where, axis_name) -> _Student:
+  out_dtype = check_linear(name, "student", hidden, weight, bias)
+  num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
+  token_shape = tuple(np.shape(hidden)[:-1])
+  n = int(np.prod(token_shape, dtype=np.int64))  # explicit: reshape(-1, 0) is ambiguous
+  mask = token_mask(name, where, token_shape, n)
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+  w, b = jnp.asarray(weight), None if bias is None else jnp.asarray(bias)
+  return _Student(h, w, b, out_dtype, token_shape, w.shape[1], num_shards, mask)
+
+
+def _dense_teacher(name, s: _Student, hidden, weight, bias, teacher_vocab_size, axis_name):
+  """``(DenseTeacher, shared classes per device)``, checked."""
+  check_linear(name, "teacher", hidden, weight, bias)
+  if tuple(np.shape(hidden)[:-1]) != s.token_shape:
+    raise ValueError(
+      f"{name}: hidden and target_hidden must have the same tokens; got shapes "
+      f"{(*s.token_shape, s.h.shape[1])} and {np.shape(hidden)}."
+    )
+  tw = jnp.asarray(weight)
+  tb = None if bias is None else jnp.asarray(bias)
+  sizes = (s.vocab * s.num_shards, tw.shape[1] * s.num_shards)
+  sharded = None if axis_name is None else VOCAB_PARALLEL_PADDING
+  teacher_classes(name, teacher_vocab_size, *sizes, ("weight", "target_weight"), sharded)
+  th = jnp.asarray(hidden).reshape(s.h.shape[0], np.shape(hidden)[-1])
+  # The shared classes (see _rows.shared_classes): each chunk's logits are cut to them,
+  # not the heads (a copy of a [H, V] head would cost more than the chunks).
+  return DenseTeacher(th, tw, tb), min(s.vocab, tw.shape[1])
+
+
+def _topk_teacher(
+  name, s: _Student, indices, log_probs, tail, where, teacher_vocab_size, axis_name
+):
+  """``(TopkTeacher, shared classes per device, rows with an id out of range [n, 1])``."""
+  check_float(name, ("topk_log_probs",), log_probs)
+  global_vocab = s.vocab * s.num_shards
+  shape_text = "hidden.shape[:-1]"
+  args = check_topk_teacher(
+    name, indices, log_probs, tail, where, s.token_shape, shape_text, global_vocab,
+    teacher_vocab_size, axis_name,
+  )  # fmt: skip
+  shared = min(global_vocab, args.teacher_vocab)  # equal with axis_name (checked)
+  n, k = s.h.shape[0], args.indices.shape[-1]
+  lp = args.log_probs.astype(compute_dtype(s.out_dtype)).reshape(n, k)
+  t = topk_teacher(args.indices.reshape(n, k), lp, None, shared, args.teacher_vocab)
+  teacher = TopkTeacher(t.ids, t.lp, t.keep, t.dropped, args.bucket)
+  return teacher, shared // s.num_shards, t.bad[:, None]
+
+
+def _fused_loss(
+  name, o: DistillOptions, s: _Student, teacher: Teacher, vocab, bad, labels, chunk_size, axis_name
+):
+  """The body of the fused losses once the teacher is laid out: labels, the chunked kernel,
+  the mean. ``vocab``: the classes both sides share (per device)."""
+  n, mask, cdt = s.h.shape[0], s.mask, compute_dtype(s.out_dtype)
+  labelled = None
+  if labels is not None:
+    shape_text = "shape hidden.shape[:-1] ="
+    labels, labelled = o.labels(name, labels, s.token_shape, shape_text, vocab * s.num_shards, mask)
+    mask = labelled = mask & labelled  # a masked token's label is not read (no NaN from it)
+  check_chunk(name, chunk_size, n, vocab * s.num_shards)  # a bad chunk_size fails early
+  weights = o.weights(labels is not None)
+  checks = o.checks()
+  if bad is not None:
+    checks = (*checks, ~jnp.any(bad & mask))
+  t = jnp.asarray(o.temperature, cdt)
+  t2 = jnp.asarray(o.t2(t), cdt)
+  if labels is None:
+    coefs = jnp.stack([t2, jnp.zeros((), cdt)])
+  else:
+    a = jnp.asarray(o.alpha, cdt)
+    coefs = jnp.stack([a * t2, 1.0 - a])
+  coefs = coefs / o.denominator(mask, cdt)
+  num_tokens = jnp.sum(mask)
+  if n == 0 or vocab == 0:  # no tokens, or no vocabulary: nothing to sum
+    zero = jnp.zeros((), s.out_dtype)
+    return o.finish(zero, zero, zero, num_tokens, checks, s.out_dtype)
+  w, b = vary_like_tokens(s.w, s.b, s.h, *teacher.tokens(), mask)
+  params = tuple(jnp.asarray(x).astype(cdt) for x in o.spec.traced)
+  tokens = (mask, labels, labelled)
+
+  def call(chunk):
+    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab)
+    return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs)
+
+  totals = per_platform(chunk_size, name, n, vocab * s.num_shards, call)
+  # Arrays: the cast restates ``_fused``'s annotation, which the checker loses
+  # to jax.custom_vjp's unannotated ``__new__`` (it may return jax's custom_vjp3).
+  loss, soft, hard = cast(tuple[jax.Array, jax.Array, jax.Array], totals)
+  return o.finish(loss, soft * t2, hard, num_tokens, checks, s.out_dtype)
+
+
+def fused_distillation_loss(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  target_hidden: jax.typing.ArrayLike,
+  target_weight: jax.typing.ArrayLike,
+  labels: jax.typing.ArrayLike | None = None,
+  *,
+  alpha: float | jax.typing.ArrayLike = 0.5,
+  ignore_index: int = -100,
+  bias: jax.typing.ArrayLike | None = None,
+  target_bias: jax.typing.ArrayLike | None = None,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  divergence: str | Divergence = "forward_kl",
+  beta: float | jax.typing.ArrayLike = 0.5,
+  scale_by_temperature_squared: bool = True,
+  where: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+  softcap: float | None = None,
+  target_softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
+  return_parts: bool = False,
+) -> jax.Array | tuple[jax.Array, DistillationParts]:
+  r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
+
+  With student logits :math:`s = h W + b` and teacher logits
+  :math:`t = h_T W_T + b_T`, exactly :func:`distillation_loss`:
+
+  .. math::
+
+     L = \frac{1}{N} \sum_{\text{valid tokens}} \Big[\alpha\, T^2\,
+         D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
+         + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
+
+  with the cross-entropy term only when ``labels`` are given (else
+  :math:`T^2 D` alone), :math:`D` any divergence of
+  :func:`divergence_from_logits` (a name or a :class:`Divergence`;
+  ``"jsd"`` as a string takes ``beta``), :math:`T^2` unless
+  ``scale_by_temperature_squared=False``, and :math:`N` the number of valid
+  tokens (``where`` and ``labels != ignore_index``, at least 1) or
+  ``normalizer``. Equal to ``distillation_loss(hidden @ weight + bias,
+  target_hidden @ target_weight + target_bias, labels, ...)`` in value and
+  gradients wrt ``hidden``, ``weight`` and ``bias``, but the ``[tokens,
+  vocab]`` logits exist only ``chunk_size`` tokens at a time: each chunk's
+  logits give its divergence *and* its cross entropy (no second pass over the
+  head for the hard loss), and the forward pass folds the chunk's gradient
+  into the gradients wrt ``hidden``, ``weight`` and ``bias`` at once (as
+  Liger Kernel's fused-linear distillation losses do); the backward pass
+  scales them.
+
+  The teacher (``target_*``) receives no gradient, nor do ``temperature``,
+  ``alpha``, ``beta`` and traced :class:`Divergence` parameters (zeros).
+  Reverse mode only (``jax.grad``, ``value_and_grad``); use
+  :func:`distillation_loss` on materialised logits for ``jvp`` or Hessians.
+  NaN and invalid traced options as in :func:`distillation_loss`. Matmuls
+  accumulate in float32 (``preferred_element_type``); gradients come back in
+  the inputs' dtypes.
+
+  Args:
+    hidden: the student's hidden states ``[..., H]``.
+    weight: the student's LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
+    target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
+    target_weight: the teacher's LM head ``[H_T, V_T]``, ``V_T = V`` unless
+      ``teacher_vocab_size`` says otherwise.
+    labels: optional integer token ids ``hidden.shape[:-1]`` (positional or
+      keyword, as in :func:`distillation_loss`): adds the cross entropy,
+      weighted ``1 - alpha``, inside the same chunks. Known labels outside
+      ``[0, V)`` (not ``ignore_index``) raise ``ValueError``; under ``jit``
+      they make the loss NaN.
+    alpha: weight of the distillation term with labels, in ``[0, 1]``.
+    ignore_index: the label of tokens to leave out.
+    bias: optional student bias ``[V]``.
+    target_bias: optional teacher bias ``[V_T]``.
+    temperature: positive, finite softmax temperature (a traced scalar is
+      allowed).
+    divergence: a divergence name (its default parameters) or a
+      :class:`Divergence`, as in :func:`divergence_from_logits`.
+    beta: the mixture weight of ``divergence="jsd"`` given as a string.
+    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
+    where: a token mask of shape ``hidden.shape[:-1]``.
+    normalizer: the denominator instead of the number of valid tokens (a
+      global token count for gradient accumulation), positive and finite.
+    chunk_size: tokens per chunk; ``None`` picks a power of two per platform
+      when the program is lowered: about ``2**22`` logits per chunk and side on
+      CPU, ``2**27`` on TPU and ``2**28`` on GPU (at most 4096 tokens), where
+      each chunk reads both heads and the float32 weight gradient and small
+      chunks are bound by that traffic. The last chunk may be smaller.
+    axis_name: for vocabulary parallelism: the name of a mesh axis over which
+      the V axis of ``weight``, ``bias``, ``target_weight`` and
+      ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
+      states and labels whole on that axis). Each device computes its slice of
+      every chunk's logits; the softmax statistics are combined with
+      ``lax.pmax`` and ``lax.psum`` (per-token scalars only; a label's logit
+      comes from the device that holds it), the gradient wrt ``hidden`` is
+      summed over the axis, the gradients wrt ``weight`` and ``bias`` stay
+      local slices. Values and gradients equal the unsharded call's, with the
+      same chunks (``chunk_size=None`` uses the global vocabulary); the
+      result is replicated over ``axis_name``. E.g. ``jax.shard_map(lambda h,
+      w, th, tw, y: fused_distillation_loss(h, w, th, tw, labels=y,
+      axis_name="vocab"), mesh=mesh, in_specs=(P(), P(None, "vocab"), P(),
+      P(None, "vocab"), P()), out_specs=P())``; with the tokens also split
+      over ``"data"``, pass the global token count as ``normalizer`` and
+      ``lax.psum`` the result over ``"data"``.
+    softcap: soft-cap the student's logits, ``softcap * tanh(s / softcap)``
+      (Gemma 2), before the temperature and for the cross entropy;
+      ``None`` costs nothing.
+    target_softcap: likewise for the teacher's logits.
+    teacher_vocab_size: ``V_T`` when it differs from ``V`` (``None``: they
+      must be equal, else ``ValueError``): the shared classes are then the
+      first ``min(V, V_T)`` and the others carry no mass on either side (as in
+      :func:`distillation_loss`; not with ``axis_name``).
+    return_parts: also return a :class:`DistillationParts` ``(soft, hard,
+      num_tokens)``: sums over the valid tokens, for logging that stays right
+      when summed over micro-batches and hosts.
+
+  Returns:
+    A scalar in the promoted dtype of ``hidden`` and ``weight``; with
+    ``return_parts``, ``(loss, parts)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import distillation_loss, fused_distillation_loss
+    >>> k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
+    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
+    >>> th, tw = jax.random.normal(k3, (6, 5)), jax.random.normal(k4, (5, 10))
+    >>> y = jnp.array([1, 2, 3, -100, 4, 5])
+    >>> fused, parts = fused_distillation_loss(
+    ...   h, w, th, tw, y, temperature=2.0, chunk_size=4, return_parts=True
+    ... )
+    >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, y, temperature=2.0)))
+    True
+    >>> int(parts.num_tokens)
+    5
+
+  References:
+    Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM Training*
+    (2024), arXiv:2410.10989.
+  """
+  name = "fused_distillation_loss"
+  o = distill_options(
+    name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
+    softcap, target_softcap, return_parts, normalizer,
+  )  # fmt: skip
+  s = _student(name, hidden, weight, bias, where, axis_name)
+  teacher, vocab = _dense_teacher(
+    name, s, target_hidden, target_weight, target_bias, teacher_vocab_size, axis_name
+  )
+  return _fused_loss(name, o, s, teacher, vocab, None, labels, chunk_size, axis_name)
+
+
+def fused_topk_distillation_loss(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  topk_indices: jax.typing.ArrayLike,
+  topk_log_probs: jax.typing.ArrayLike,
+  labels: jax.typing.ArrayLike | None = None,
+  *,
+  alpha: float | jax.typing.ArrayLike = 0.5,
+  ignore_index: int = -100,
+  bias: jax.typing.ArrayLike | None = None,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  divergence: str | Divergence = "forward_kl",
+  tail: str = "renormalize",
+  scale_by_temperature_squared: bool = True,
+  where: jax.typing.ArrayLike | None = None,
+  normalizer: float | jax.typing.ArrayLike | None = None,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+  softcap: float | None = None,
+  teacher_vocab_size: int | None = None,
+  return_parts: bool = False,
+) -> jax.Array | tuple[jax.Array, DistillationParts]:
+  r"""Distillation loss from the student's hidden states and LM head and a top-k teacher.
+
+  :func:`fused_distillation_loss` with the teacher given as its stored top-k
+  token ids and log-probabilities (offline distillation, an inference
+  server's logprobs): per valid token
+
+  .. math::
+
+     \alpha\, T^2\, D_k\big(p, \mathrm{softmax}(s/T)\big)
+     + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big),
+
+  averaged over the valid tokens (or divided by ``normalizer``), with
+  :math:`s = h W + b` computed ``chunk_size`` tokens at a time and
+  :math:`D_k` the top-k divergence of :func:`divergence_from_topk` (``tail``
+  ``"renormalize"`` or ``"bucket"``, padding with ``-inf`` log-probabilities,
+  repeated ids, ``teacher_vocab_size``). Equal, in value and gradients wrt
+  ``hidden``, ``weight`` and ``bias``, to :func:`divergence_from_topk` on the
+  materialised logits ``hidden @ weight + bias`` mixed with their cross
+  entropy as :func:`distillation_loss` mixes them; no ``[tokens, vocab]``
+  array exists, forward or backward. Without ``labels``: :math:`T^2 D_k`
+  alone.
+
+  Ids with mass outside ``[0, teacher_vocab_size)``: ``ValueError`` when
+  the values are known, NaN loss under ``jit``. Gradients, options and
+  ``axis_name`` as in :func:`fused_distillation_loss` (the top-k arrays and
+  labels whole on the vocabulary axis).
+
+  Args:
+    hidden: the student's hidden states ``[..., H]``.
+    weight: the student's LM head ``[H, V]``.
+    topk_indices: the teacher's token ids ``[..., k]`` (``hidden``'s tokens).
+    topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
+    labels: optional token ids ``hidden.shape[:-1]``: adds the cross entropy.
+    alpha: weight of the distillation term with labels, in ``[0, 1]``.
+    ignore_index: the label of tokens to leave out.
+    bias: optional student bias ``[V]``.
+    temperature: positive, finite softmax temperature.
+    divergence: a divergence name or a :class:`Divergence`.
+    tail: ``"renormalize"`` or ``"bucket"`` (:func:`divergence_from_topk`).
+    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
+    where: a token mask of shape ``hidden.shape[:-1]``.
+    normalizer: the denominator instead of the number of valid tokens.
+    chunk_size: tokens per chunk (``None``: per platform, as in
+      :func:`fused_distillation_loss`).
+    axis_name: vocabulary parallelism over the V axis of ``weight`` and
+      ``bias``.
+    softcap: the student's logit soft-cap.
+    teacher_vocab_size: the teacher's vocabulary size when it differs.
+    return_parts: also return the :class:`DistillationParts`.
+
+  Returns:
+    A scalar in the promoted dtype of ``hidden`` and ``weight``; with
+    ``return_parts``, ``(loss, parts)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import divergence_from_topk, fused_topk_distillation_loss
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
+    >>> top_lp, top_ids = jax.lax.top_k(jax.nn.log_softmax(jax.random.normal(k3, (6, 10))), 3)
+    >>> fused = fused_topk_distillation_loss(h, w, top_ids, top_lp, tail="bucket", chunk_size=4)
+    >>> direct = divergence_from_topk(h @ w, top_ids, top_lp, tail="bucket").mean()
+    >>> bool(jnp.allclose(fused, direct))
+    True
+  """
+  name = "fused_topk_distillation_loss"
+  o = distill_options(
+    name, alpha, 0.5, divergence, temperature, scale_by_temperature_squared, ignore_index,
+    softcap, None, return_parts, normalizer,
+  )  # fmt: skip
+  s = _student(name, hidden, weight, bias, where, axis_name)
+  teacher, vocab, bad = _topk_teacher(
+    name, s, topk_indices, topk_log_probs, tail, where, teacher_vocab_size, axis_name
+  )
+  return _fused_loss(name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name)

@@ -1,0 +1,237 @@
+"""Sampled tokens' log-probabilities from hidden states and an LM head, chunked over tokens.
+
+:func:`fused_token_log_probs` runs the token kernel (:func:`kldiv_jax._tokens.token_stats`)
+over chunks of tokens (:mod:`kldiv_jax._fused_chunks`). The forward pass keeps, per token, the
+log-probability, the entropy and two statistics (the row max and the log-normaliser); the
+backward pass *recomputes* each chunk's logits from them and folds the chunk's gradient into
+the gradients wrt ``hidden``, ``weight`` and ``bias`` (:func:`fold_token_grads`, shared with
+the forward pass of the fused policy losses, ``_fused_policy``). Liger Kernel's fused linear
+cross entropy is the same design.
+"""
+
+import functools
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kldiv_jax._checks import check_bool, check_softcap, check_temperature, compute_dtype
+from kldiv_jax._fused_chunks import (
+  check_chunk,
+  check_linear,
+  chunk_logits,
+  chunks,
+  fold_logit_grad,
+  per_platform,
+  token_zero,
+  vary_like_tokens,
+  zero_cotangent,
+  zero_head_grads,
+)
+from kldiv_jax._rows import compiled, times_slope
+from kldiv_jax._tokens import class_derivatives, local_ids, token_layout, token_outputs, token_stats
+from kldiv_jax._vocab_parallel import check_axis_name, global_classes
+
+
+class TokenKernel(NamedTuple):
+  """The static part of :func:`fused_tokens` (hashable): how its chunks run."""
+
+  chunk: int
+  axis_name: str | None
+  cap: float | None  # the soft-cap
+  low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (chunk_logits)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def fused_tokens(kernel: TokenKernel, h, w, b, ids, temperature, mask):
+  """``(log p, H)`` per token ``[n]`` of the logits ``h @ w + b``, a chunk at a time; the
+  backward pass recomputes each chunk's logits. ``ids`` in range, ``mask [n, 1]``."""
+  return _fused_tokens_fwd(kernel, h, w, b, ids, temperature, mask)[0]
+
+
+def _token_chunk(kernel: TokenKernel, hc, w, b, idc, temperature, mc, acc):
+  """A chunk's ``(log p, H, row max, log s)`` per token, ``[size]`` each."""
+  z = chunk_logits(hc, w, b, acc, kernel.low)
+  stats = token_stats(kernel.axis_name, kernel.cap, z, idc, temperature, (mc,))
+  log_p, entropy, (top, log_s, _) = stats
+  return log_p, entropy, top[:, 0], log_s[:, 0]
+
+
+def _fused_tokens_fwd(kernel: TokenKernel, h, w, b, ids, temperature, mask):
+  n, acc = h.shape[0], temperature.dtype
+  zero = token_zero(h, ids, mask).astype(acc)
+  outs = tuple(lax.full_like(mask[:, 0], 0, acc) + zero for _ in range(4))
+
+  def part(start, size, rows, outs):
+    res = _token_chunk(kernel, rows(h), w, b, rows(ids), temperature, rows(mask), acc)
+    return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
+
+  outs = chunks(n, kernel.chunk, part, outs)
+  log_p, entropy, top, log_s = outs
+  return (log_p, entropy), (h, w, b, ids, temperature, mask, top, log_s, entropy)
+
+
+def _fused_tokens_bwd(kernel: TokenKernel, residuals, g):
+  axis_name, low = kernel.axis_name, kernel.low
+  h, w, b, ids, temperature, mask, top, log_s, entropy = residuals
+  g_lp, g_h = g
+  n, acc = h.shape[0], temperature.dtype
+  local = local_ids(ids, axis_name, w.shape[1])
+
+  def part(start, size, rows, carry):
+    hc = rows(h)
+    z = chunk_logits(hc, w, b, acc, low)
+    stats = (rows(top)[:, None], rows(log_s)[:, None], rows(entropy))
+    tokens = (rows(local), rows(mask), stats)
+    return fold_token_grads(
+      axis_name, kernel.cap, start, hc, w, z, tokens, temperature, rows(g_lp), rows(g_h), carry,
+      low,
+    )  # fmt: skip
+
+  grad_h, grad_w, grad_b = chunks(n, kernel.chunk, part, zero_head_grads(h, w, acc))
+  return (
+    grad_h.astype(h.dtype),
+    grad_w.astype(w.dtype),
+    None if b is None else grad_b.astype(b.dtype),
+    zero_cotangent(ids),
+    jnp.zeros_like(temperature),
+    zero_cotangent(mask),
+  )
+
+
+def fold_token_grads(
+  axis_name, cap, start, hc, w, z, tokens, temperature, g_lp, g_h, carry, grad_dtype=None
+):
+  """Folds a chunk's cotangents of ``(log p_y, H)`` per token into ``(grad_h, grad_w, grad_b)``.
+
+  ``z`` are the chunk's logits ``hc @ w + b``, ``tokens = (local ids [size, 1], mask [size,
+  1], (top, log s, H))`` from :func:`token_stats`; ``g_h`` may be ``None`` (no entropy).
+  ``dz = g_lp (hit - p) + g_h dH/du`` through the soft-cap and the temperature
+  (:func:`class_derivatives`), then :func:`kldiv_jax._fused_chunks.fold_logit_grad` (``dz``
+  in ``grad_dtype`` for its matmuls when given). Shared by the backward pass of
+  :func:`fused_token_log_probs` and the forward pass of the fused policy losses
+  (``_fused_policy``).
+  """
+  acc = temperature.dtype
+  local, mask, stats = tokens
+  d_lp, d_h, zc, _, _ = class_derivatives(z, local, temperature, (mask,), cap, stats)
+  dz = d_lp * g_lp.astype(acc)[:, None]
+  if g_h is not None:
+    dz = dz + d_h * g_h.astype(acc)[:, None]
+  dz = times_slope(dz, zc, cap) / temperature
+  return fold_logit_grad(carry, start, hc, w, dz, axis_name, acc, grad_dtype)
+
+
+fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
+fused_tokens = compiled(fused_tokens, static_argnums=0)
+
+
+def fused_token_log_probs(
+  hidden: jax.typing.ArrayLike,
+  weight: jax.typing.ArrayLike,
+  token_ids: jax.typing.ArrayLike,
+  *,
+  bias: jax.typing.ArrayLike | None = None,
+  temperature: float | jax.typing.ArrayLike = 1.0,
+  softcap: float | None = None,
+  where: jax.typing.ArrayLike | None = None,
+  ignore_index: int | None = None,
+  return_entropy: bool = False,
+  chunk_size: int | None = None,
+  axis_name: str | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  r"""Sampled tokens' log-probabilities (and the entropy) from hidden states and an LM head.
+
+  :func:`token_log_probs` of the logits :math:`z = h W + b`, computed
+  ``chunk_size`` tokens at a time: no ``[tokens, vocab]`` array exists,
+  forward or backward. The forward pass keeps two per-token statistics (the
+  row max and the log-normaliser); the backward pass recomputes each chunk's
+  logits from them and folds the chunk's gradient into the gradients wrt
+  ``hidden``, ``weight`` and ``bias`` at once (the weight's on CPU a block of
+  vocabulary columns at a time, as the fused distillation losses do). PPO and
+  GRPO need these for the policy's and the reference model's sampled tokens
+  (see :func:`kl_estimate`); Liger Kernel's fused linear cross entropy is the
+  same design.
+
+  Values and gradients (wrt ``hidden``, ``weight`` and ``bias``, through both
+  outputs) equal the materialised computation; ``temperature`` receives no
+  gradient (zeros). Reverse mode only (``jax.grad``, ``vjp``); use
+  :func:`token_log_probs` on logits for ``jvp`` or Hessians. Matmuls
+  accumulate in float32 (``preferred_element_type``); results come back in
+  the promoted dtype of ``hidden`` and ``weight``.
+
+  Args:
+    hidden: hidden states ``[..., H]``.
+    weight: the LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
+    token_ids: the sampled token ids ``hidden.shape[:-1]``: an id outside
+      ``[0, V)`` raises ``ValueError`` when the ids are known, gives NaN
+      under ``jit``.
+    bias: optional bias ``[V]``.
+    temperature: positive softmax temperature (a traced scalar is allowed;
+      NaN unless positive and finite).
+    softcap: soft-cap the logits before the temperature (``None``: none).
+    where: a per-token mask ``hidden.shape[:-1]``: a masked token gives 0
+      and zero gradients.
+    ignore_index: a token id meaning "no token" (padding such as -100): such
+      tokens give 0 and zero gradients, like masked ones.
+    return_entropy: also return the entropy per token.
+    chunk_size: tokens per chunk; ``None`` picks a power of two per platform,
+      as in :func:`fused_distillation_loss`.
+    axis_name: the mesh axis over which the V axis of ``weight`` and ``bias``
+      is split inside ``jax.shard_map`` (hidden states and ids whole): each
+      device computes its slice of every chunk's logits; the statistics are
+      combined with ``lax.pmax``/``lax.psum``, the token's logit comes from
+      the device that holds it, the gradient wrt ``hidden`` is summed over
+      the axis and those wrt ``weight`` and ``bias`` stay local slices. No
+      all-gather; the result is replicated over ``axis_name``.
+
+  Returns:
+    The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``,
+    ``(log_probs, entropy)``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kldiv_jax import fused_token_log_probs, token_log_probs
+    >>> k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
+    >>> ids = jax.random.randint(k3, (6,), 0, 10)
+    >>> fused = fused_token_log_probs(h, w, ids, temperature=0.7, chunk_size=4)
+    >>> bool(jnp.allclose(fused, token_log_probs(h @ w, ids, temperature=0.7), atol=1e-6))
+    True
+  """
+  name = "fused_token_log_probs"
+  out_dtype = check_linear(name, "student", hidden, weight, bias)
+  temperature, _ = check_temperature(name, temperature)
+  cap = check_softcap(name, "softcap", softcap)
+  return_entropy = check_bool(name, "return_entropy", return_entropy)
+  num_shards = 1 if axis_name is None else check_axis_name(name, axis_name)
+  token_shape = tuple(np.shape(hidden)[:-1])
+  vocab = np.shape(weight)[1]
+  mask, in_range, safe = token_layout(
+    name,
+    token_ids,
+    token_shape,
+    "shape hidden.shape[:-1] =",
+    where,
+    ignore_index,
+    global_classes(vocab, axis_name),
+  )
+  n = safe.shape[0]
+  mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
+  t = jnp.asarray(temperature, compute_dtype(out_dtype))
+  check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
+  if n == 0 or vocab == 0:  # every counted id is out of range (NaN)
+    log_p = entropy = jnp.zeros(n, t.dtype)
+  else:
+    h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+    w_arr, b_arr = vary_like_tokens(weight, bias, h, safe, mask)
+    call = lambda chunk: fused_tokens(  # noqa: E731
+      TokenKernel(chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask
+    )
+    out = per_platform(chunk_size, name, n, vocab * num_shards, call)
+    log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
+  return token_outputs(
+    log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy
+  )
