@@ -70,13 +70,11 @@ def divergence_from_logits(
     axis: the class axis (or axes).
     where: a class mask or a per-example mask.
     axis_name: the mesh axis the classes are split over (vocabulary parallelism).
-    softcap: the student's logit soft-cap (``None``: none).
-    target_softcap: the teacher's logit soft-cap.
+    softcap, target_softcap: the student's and the teacher's logit soft-caps.
     teacher_vocab_size: the teacher's class count when it differs.
 
   Returns:
-    The divergence per example, shape ``[...]`` (the inputs without
-    ``axis``), in the promoted input dtype.
+    The divergence per example, ``[...]`` (the inputs without ``axis``), promoted dtype.
 
   Examples:
     >>> import jax.numpy as jnp

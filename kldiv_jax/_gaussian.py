@@ -37,8 +37,7 @@ def gaussian_kl(
     where: an element mask or a per-example mask (:ref:`shared-arguments`).
 
   Returns:
-    The divergence per example, the broadcast shape without ``axis``, in the
-    promoted input dtype (computed in at least float32).
+    The divergence per example, the broadcast shape without ``axis``, promoted dtype.
 
   Examples:
     >>> import jax.numpy as jnp

@@ -42,26 +42,20 @@ def kl_div_from_logits(
      \text{reverse:}\ \mathrm{KL}(q \,\|\, p).
 
   Forward is Hinton et al.'s distillation loss (mass-covering), reverse the
-  mode-seeking KL of on-policy distillation. Not multiplied by :math:`T^2`
-  (:func:`distillation_loss` is). Zero mass, ``-inf`` logits, masks and NaN:
-  :doc:`/conventions`; the shared arguments and the gradients:
-  :ref:`shared-arguments`, :ref:`derivatives`.
+  mode-seeking KL of on-policy distillation; not multiplied by :math:`T^2`.
+  Zero mass, ``-inf``, masks, NaN: :doc:`/conventions`; the shared
+  arguments, gradients: :ref:`shared-arguments`, :ref:`derivatives`.
 
   Args:
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable to ``logits``.
     temperature: the softmax temperature ``T`` (Python number or traced).
     direction: ``"forward"`` for ``KL(p || q)``, ``"reverse"`` for ``KL(q || p)``.
-    axis: the class axis (or axes).
-    where: a class mask or a per-example mask.
-    axis_name: the mesh axis the classes are split over (vocabulary parallelism).
-    softcap: the student's logit soft-cap (``None``: none).
-    target_softcap: the teacher's logit soft-cap.
-    teacher_vocab_size: the teacher's class count when it differs.
+    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size: as in
+      :func:`divergence_from_logits`.
 
   Returns:
-    The divergence per example, shape ``[...]`` (the inputs without
-    ``axis``), in the promoted input dtype.
+    The divergence per example, ``[...]`` (the inputs without ``axis``), promoted dtype.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -113,20 +107,16 @@ def generalized_jsd(
   and, as TRL and Liger define the endpoints (not a limit: the formula tends
   to 0 there), :math:`\mathrm{KL}(p \,\|\, q)` at :math:`\beta = 0` and
   :math:`\mathrm{KL}(q \,\|\, p)` at :math:`\beta = 1`. Not multiplied by
-  :math:`T^2`, as in TRL. More in :doc:`/distillation`; conventions, the
-  shared arguments and the gradients as in :func:`kl_div_from_logits`.
+  :math:`T^2`, as in TRL. More in :doc:`/distillation`; conventions and
+  gradients as in :func:`kl_div_from_logits`.
 
   Args:
     logits: the student's logits ``[..., num_classes]``.
     target_logits: the teacher's logits, broadcastable to ``logits``.
     beta: the teacher's mixture weight, in ``[0, 1]`` (Python number or traced).
     temperature: the softmax temperature ``T`` (Python number or traced).
-    axis: the class axis (or axes).
-    where: a class mask or a per-example mask.
-    axis_name: the mesh axis the classes are split over (vocabulary parallelism).
-    softcap: the student's logit soft-cap (``None``: none).
-    target_softcap: the teacher's logit soft-cap.
-    teacher_vocab_size: the teacher's class count when it differs.
+    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size: as in
+      :func:`divergence_from_logits`.
 
   Returns:
     The divergence per example, shape ``[...]``, in the promoted input dtype.

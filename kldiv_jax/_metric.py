@@ -71,8 +71,7 @@ class DivergenceMetric:
     total: the sum of the units' values, a scalar (or with a leading axis
       after ``all_gather``).
     count: the number of units.
-    options: a class attribute, the class's ``(divergence, inputs,
-      temperature, reduction, per)`` (a named tuple).
+    options: a class attribute, the class's options (a named tuple).
 
   Examples:
     >>> import jax, jax.numpy as jnp

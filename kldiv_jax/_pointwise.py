@@ -148,8 +148,7 @@ def kl_div_pointwise(
     log_target: whether ``target`` is in log-space.
 
   Returns:
-    The elementwise terms, of the broadcast shape and the promoted floating
-    dtype (computed in at least float32).
+    The elementwise terms, of the broadcast shape and the promoted floating dtype.
 
   Examples:
     >>> import jax.numpy as jnp

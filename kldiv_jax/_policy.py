@@ -211,9 +211,8 @@ def policy_loss(
   GMPO, CISPO, SAPO, GPG, DPPO), :math:`r = \pi/\pi_{\text{old}}`,
   :math:`\rho_t` the rollout correction, :math:`k_t` the
   :func:`kl_estimate` to the reference, :math:`H_t` the entropy and
-  :math:`w_t` the ``aggregation``'s weights, each as verl's
-  ``compute_policy_loss_*`` or TRL's ``GRPOTrainer`` computes it (clamps
-  included). The formulas, papers and options: :doc:`/policy-optimisation`.
+  :math:`w_t` the ``aggregation``'s weights, as verl and TRL compute them.
+  The formulas, papers and options: :doc:`/policy-optimisation`.
 
   Args:
     log_probs: the policy's log-probs of the sampled tokens, ``[..., T]``.
@@ -221,11 +220,9 @@ def policy_loss(
     advantages: broadcastable to the tokens, or one per sequence ``[...]``.
     surrogate: ``"ppo"``, ``"gspo"``, ``"gspo-token"``, ``"gmpo"``, ``"cispo"``,
       ``"cispo-cap"``, ``"sapo"``, ``"gpg"``, ``"dppo-tv"`` or ``"dppo-kl"``.
-    clip_low, clip_high: :math:`\epsilon_l, \epsilon_h` (``clip_high``
-      defaults to ``clip_low``).
-    dual_clip: verl's dual-clip ``c > 1`` (``None``: none).
-    ratio_cap: a cap on :math:`r` (TRL's ``delta``; ``"cispo-cap"``'s :math:`C`).
-    sapo_temperatures: SAPO's :math:`(\tau_+, \tau_-)`.
+    clip_low, clip_high, dual_clip, ratio_cap, sapo_temperatures: the bounds
+      :math:`\epsilon_l, \epsilon_h` (``clip_high`` defaults to ``clip_low``),
+      verl's dual-clip ``c > 1``, a cap on :math:`r`, SAPO's :math:`(\tau_+, \tau_-)`.
     aggregation: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
       ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"bnpo"``
       (``None``: verl's choice for the surrogate).

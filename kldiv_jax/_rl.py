@@ -81,8 +81,7 @@ def kl_estimate(
     where: a token mask: masked tokens give 0 and zero gradients.
 
   Returns:
-    The per-token estimates, of the broadcast shape and the promoted input
-    dtype (computed in at least float32).
+    The per-token estimates, of the broadcast shape and the promoted input dtype.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -95,9 +94,6 @@ def kl_estimate(
     Array([ 0.5, -0.5,  0. ], dtype=float32)
     >>> jax.grad(lambda x: kl_estimate(x, ref, estimator="k3+").sum())(logp)  # k2's: delta
     Array([ 0.6931..., -0.6931...,  0. ], dtype=float32)
-    >>> far = jnp.array([-20.0, 15.0])  # log-ratios beyond verl's clamp of the estimate
-    >>> kl_estimate(far, 0.0, estimator="k3"), kl_estimate(far, 0.0, estimator="low_var_kl")
-    (Array([4.8516515e+08, 1.4000000e+01], dtype=float32), Array([10., 10.], dtype=float32))
     >>> old = jnp.log(jnp.array([0.25, 0.2, 0.9]))
     >>> kl_estimate(logp, ref, old_log_probs=old, importance_clip=20.0)  # k3 * (2, 1, 1)
     Array([0.3862..., 0.3068..., 0. ], dtype=float32)
@@ -256,8 +252,7 @@ def distillation_advantages(
   (Thinking Machines; TRL's ``vllm_importance_sampling_cap`` is :math:`C`).
 
   Args:
-    student_log_probs: the student's log-probabilities of the sampled tokens,
-      ``[batch, seq]``.
+    student_log_probs: the student's log-probs of the sampled tokens, ``[batch, seq]``.
     teacher_log_probs: the teacher's, broadcastable.
     sampling_log_probs: the sampling policy's, broadcastable (``None``: no weight).
     importance_cap: :math:`C > 0` (``None``: the log-ratio clipped at 80 only).

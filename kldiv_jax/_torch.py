@@ -70,8 +70,7 @@ def kl_div(
   Args:
     input: log-probabilities, e.g. ``[batch, num_classes]``.
     target: probabilities (log-probabilities with ``log_target``), broadcastable.
-    size_average: deprecated: overrides ``reduction``, as in torch.
-    reduce: deprecated: overrides ``reduction``, as in torch.
+    size_average, reduce: deprecated: they override ``reduction``, as in torch.
     reduction: ``'none' | 'mean' | 'sum' | 'batchmean'``.
     log_target: whether ``target`` is in log-space.
 
@@ -79,8 +78,7 @@ def kl_div(
     A scalar, or the broadcast shape for ``'none'``; the promoted dtype.
 
   Raises:
-    TypeError: integer, bool or complex inputs, arguments that are not arrays,
-      or a ``log_target`` that is not a bool (as torch).
+    TypeError: integer, bool, complex or non-array inputs, a non-bool ``log_target``.
     ValueError: an unknown ``reduction`` or non-broadcastable shapes.
 
   Examples:
@@ -123,13 +121,8 @@ class KLDivLoss:
   ``reduction`` string at construction. Instances compare and hash by their
   options: static arguments of ``jax.jit``. See :doc:`/migration`.
 
-  .. math::
-
-     L = \operatorname{reduce}\big(t\,(\log t - x)\big)
-
   Args:
-    size_average: deprecated (see ``reduction``).
-    reduce: deprecated (see ``reduction``).
+    size_average, reduce: deprecated (see ``reduction``).
     reduction: ``'none' | 'mean' | 'sum' | 'batchmean'`` (the KL divergence).
     log_target: whether targets are in log-space.
 
