@@ -23,23 +23,18 @@ from kldiv_jax._numerics import Param
 class Divergence:
   """A divergence and its parameters, e.g. ``Divergence("skew_kl", alpha=0.2)``.
 
-  ``name`` is one of :data:`FORMULAS`; parameters are keywords, defaulting to
-  the string shorthand's values (``"jsd"`` is ``Divergence("jsd", beta=0.5)``).
-  A Python or NumPy number is static: checked here (``ValueError`` outside its
-  range), hashed, and a formula specialises to it (``beta=0`` is forward KL
-  at trace time). A JAX array is traced: a pytree leaf, so a jitted function
-  taking the spec as an argument compiles once for every value, and an invalid
-  value gives NaN at run time. Frozen and, when all parameters are static,
-  hashable (usable as a static argument or a dict key).
+  ``name`` is one of :data:`FORMULAS` (the formulas:
+  :func:`~kldiv_jax.divergence_from_logits`); parameters are keywords,
+  defaulting to the string shorthand's (``"jsd"`` is ``Divergence("jsd",
+  beta=0.5)``). A Python number is static: checked here, hashed, fixed at
+  trace time; a JAX array is traced, a pytree leaf (NaN when out of range).
+  Frozen; hashable when all parameters are static. Why one spec, and more:
+  :doc:`/distillation`.
 
-  Why one class and not a keyword per parameter on every loss (``beta=``,
-  ``lam=``, ...): the losses' signatures stay the same whatever divergences
-  are added, a divergence travels with its parameters through ``jit``,
-  ``vmap`` and ``shard_map`` as one pytree, and the static/traced split
-  follows the package's rule for the temperature (a Python number is checked
-  and fixed at trace time, an array is a value). The engine receives
-  :attr:`key` (static, hashable) and :attr:`traced` (differentiable
-  operands) separately.
+  Examples:
+    >>> from kldiv_jax import Divergence
+    >>> Divergence("jsd") == Divergence("jsd", beta=0.5)
+    True
   """
 
   __slots__ = ("name", "params")

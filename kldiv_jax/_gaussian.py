@@ -25,12 +25,8 @@ def gaussian_kl(
        + \frac{\sigma_i^2 + (\mu_i - \mu_{0,i})^2}{\sigma_{0,i}^2} - 1\Big)
 
   summed over ``axis`` (the latent dimensions); the default prior is the
-  standard normal, giving the VAE's
-  :math:`-\tfrac12\sum(1 + \log\sigma^2 - \mu^2 - \sigma^2)`. Computed as
-  :math:`\tfrac12\sum\big(e^{d} - 1 - d + (\mu-\mu_0)^2 e^{-\log\sigma_0^2}\big)`
-  with :math:`d = \log\sigma^2 - \log\sigma_0^2`, without cancellation when the
-  variances are close (the posterior near the prior, as at initialisation).
-  A zero variance (``log_var = -inf``) gives ``+inf``.
+  standard normal (the VAE's KL term). Accurate when the posterior is close
+  to the prior; a zero variance gives ``+inf``. See :doc:`/vae`.
 
   Args:
     mean: the posterior means, e.g. ``[batch, latent]``.
@@ -38,13 +34,10 @@ def gaussian_kl(
     prior_mean: the prior means, broadcastable (default 0).
     prior_log_var: the prior log-variances, broadcastable (default 0).
     axis: the axis or axes summed over (``None``: all).
-    where: an element mask broadcastable to the inputs (masked dimensions
-      are left out of the sum) or a per-example mask of the output's shape
-      (a masked example gives 0 and zero gradients).
+    where: an element mask or a per-example mask (:ref:`shared-arguments`).
 
   Returns:
-    The divergence per example, the broadcast shape without ``axis``, in the
-    promoted input dtype (computed in at least float32).
+    The divergence per example, the broadcast shape without ``axis``, promoted dtype.
 
   Examples:
     >>> import jax.numpy as jnp

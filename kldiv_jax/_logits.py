@@ -41,78 +41,21 @@ def kl_div_from_logits(
      \qquad
      \text{reverse:}\ \mathrm{KL}(q \,\|\, p).
 
-  Forward is Hinton et al.'s distillation loss (mass-covering); reverse is
-  the mode-seeking KL of on-policy distillation. Multiply by :math:`T^2` to
-  keep gradient magnitudes independent of ``T`` (Hinton et al.), or use
-  :func:`distillation_loss`, which does.
-
-  Computed from log-probabilities in at least float32 with a
-  ``stop_gradient`` max, never materialising probabilities twice. Gradients:
-  wrt ``logits``, :math:`(q - p)/T` (forward) or
-  :math:`q(\log q - \log p - \mathrm{KL})/T` (reverse), per example; wrt
-  ``target_logits`` correct too (self-distillation, mutual learning), unless
-  the caller applies ``jax.lax.stop_gradient``. ``jvp``, ``jax.hessian`` and
-  higher derivatives work.
-
-  Conventions: a ``-inf`` logit is a class without mass (a masked
-  vocabulary). A class without mass under the weighting distribution (``p``
-  for forward) contributes 0 with zero gradients, whatever the other side;
-  mass where the other side has none gives ``+inf`` (the true KL), with
-  finite gradients wrt the other side's logits (and zero wrt its own). A
-  side whose every class is ``-inf`` or masked is the zero measure:
-  ``KL(0 || q) = 0``, ``KL(p || 0) = +inf``; an example masked on both sides
-  (an all-masked row, or a per-example ``where``) gives 0 and zero
-  gradients.
-
-  NaN and invalid values: a NaN (or ``+inf``) logit that is not masked makes
-  its example NaN, value and gradients, on either side (a NaN teacher is
-  never read as "no mass"). The value is never below 0: a divergence that
-  rounds below 0 (nearly equal distributions) is clamped at 0, and its
-  gradient is that of the exact formula (about 0 there too).
+  Forward is Hinton et al.'s distillation loss (mass-covering), reverse the
+  mode-seeking KL of on-policy distillation; not multiplied by :math:`T^2`.
+  Zero mass, ``-inf``, masks, NaN: :doc:`/conventions`; the shared
+  arguments, gradients: :ref:`shared-arguments`, :ref:`derivatives`.
 
   Args:
     logits: the student's logits ``[..., num_classes]``.
-    target_logits: the teacher's logits, broadcastable to ``logits``, with
-      the same number of classes (unless ``teacher_vocab_size``).
-    temperature: positive softmax temperature ``T``; a Python number is
-      checked at trace time (``ValueError`` unless positive and finite); a
-      traced scalar (a schedule) may be differentiated, and makes every
-      output NaN, value and gradients, unless positive and finite (NaN
-      fails).
-    direction: ``"forward"`` for ``KL(p || q)``, ``"reverse"`` for
-      ``KL(q || p)``.
-    axis: the class axis (or axes, flattened into one distribution).
-    where: a boolean mask. Broadcastable to the inputs: an element mask over
-      classes; masked classes leave both distributions (as
-      ``jax.nn.log_softmax(where=...)``: a masked vocabulary). Or the
-      output's shape: a per-example mask (tokens); a masked example gives 0
-      and zero gradients. A mask whose shape equals the output's is taken per
-      example.
-    axis_name: for vocabulary parallelism: the name of a mesh axis over which
-      the class axis is split, when called inside ``jax.shard_map``. Each
-      device then passes its slice of the classes of ``logits``,
-      ``target_logits`` and an element ``where`` (a per-example ``where``
-      whole); the row max is combined with ``lax.pmax`` and the sums over
-      classes with ``lax.psum``, so only per-example scalars cross devices.
-      Values and gradients equal the unsharded computation and the result is
-      replicated over ``axis_name``. For example, on a mesh with axes
-      ``("data", "vocab")``, ``jax.shard_map(lambda s, t:
-      kl_div_from_logits(s, t, axis_name="vocab"), mesh=mesh,
-      in_specs=P("data", "vocab"), out_specs=P("data"))`` takes logits
-      ``[batch, vocab]`` split over both axes and gives the ``[batch]``
-      divergences split over ``"data"``. ``None`` (default): no collectives.
-    softcap: soft-cap the student's logits before the temperature,
-      ``softcap * tanh(logits / softcap)``, as in
-      :func:`divergence_from_logits` (``None``: none, at no cost).
-    target_softcap: likewise for the teacher's logits.
-    teacher_vocab_size: the size of ``target_logits``' class axis when it
-      differs from ``logits``' (``None``: they must be equal, else
-      ``ValueError``): both are then cut to the shared first classes, as in
+    target_logits: the teacher's logits, broadcastable to ``logits``.
+    temperature: the softmax temperature ``T`` (Python number or traced).
+    direction: ``"forward"`` for ``KL(p || q)``, ``"reverse"`` for ``KL(q || p)``.
+    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size: as in
       :func:`divergence_from_logits`.
 
   Returns:
-    The divergence per example, shape ``[...]`` (the inputs without
-    ``axis``), in the promoted input dtype.
+    The divergence per example, ``[...]`` (the inputs without ``axis``), promoted dtype.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -161,43 +104,19 @@ def generalized_jsd(
      \mathrm{JSD}_\beta(p, q) = \beta\,\mathrm{KL}(p \,\|\, m)
        + (1 - \beta)\,\mathrm{KL}(q \,\|\, m), \qquad 0 < \beta < 1,
 
-  and, as TRL's ``generalized_jsd_loss`` and Liger's JSD define the
-  endpoints, :math:`\mathrm{KL}(p \,\|\, q)` at :math:`\beta = 0` and
-  :math:`\mathrm{KL}(q \,\|\, p)` at :math:`\beta = 1`. The formula itself
-  tends to 0 as :math:`\beta \to 0` or 1, so the loss is discontinuous at the
-  endpoints: they are a different loss, not a limit. :math:`\beta = 0.5` is
-  the symmetric JSD, bounded by :math:`\log 2`. Not multiplied by
-  :math:`T^2` (as in TRL).
-
-  Finite for every interior :math:`\beta`, ``-inf`` logits included (the
-  mixture has mass wherever either side has). Gradients wrt ``logits``:
-  :math:`(1-\beta)\,q\,(\log q - \log m - \mathrm{KL}(q\|m))/T`; wrt
-  ``target_logits`` and a traced ``beta`` too. Masks, temperature, dtypes
-  and conventions as in :func:`kl_div_from_logits`.
+  and, as TRL and Liger define the endpoints (not a limit: the formula tends
+  to 0 there), :math:`\mathrm{KL}(p \,\|\, q)` at :math:`\beta = 0` and
+  :math:`\mathrm{KL}(q \,\|\, p)` at :math:`\beta = 1`. Not multiplied by
+  :math:`T^2`, as in TRL. More in :doc:`/distillation`; conventions and
+  gradients as in :func:`kl_div_from_logits`.
 
   Args:
     logits: the student's logits ``[..., num_classes]``.
-    target_logits: the teacher's logits, broadcastable, same number of classes.
-    beta: the mixture weight of the teacher, in ``[0, 1]``; checked when a
-      Python number; a traced value outside ``[0, 1]`` (or NaN) makes every
-      output NaN.
-    temperature: positive softmax temperature, as in
-      :func:`kl_div_from_logits` (a traced one is allowed; NaN unless
-      positive and finite).
-    axis: the class axis (or axes).
-    where: an element (class) mask or a per-example mask, as in
-      :func:`kl_div_from_logits`.
-    axis_name: the mesh axis over which the class axis is split inside
-      ``jax.shard_map`` (vocabulary parallelism), as in
-      :func:`kl_div_from_logits`: e.g. ``jax.shard_map(lambda s, t:
-      generalized_jsd(s, t, beta=0.5, axis_name="vocab"), mesh=mesh,
-      in_specs=P(None, "vocab"), out_specs=P())``. Values and gradients equal
-      the unsharded ones; the result is replicated over ``axis_name``.
-    softcap: soft-cap the student's logits before the temperature, as in
+    target_logits: the teacher's logits, broadcastable to ``logits``.
+    beta: the teacher's mixture weight, in ``[0, 1]`` (Python number or traced).
+    temperature: the softmax temperature ``T`` (Python number or traced).
+    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size: as in
       :func:`divergence_from_logits`.
-    target_softcap: likewise for the teacher's logits.
-    teacher_vocab_size: the size of ``target_logits``' class axis when it
-      differs, as in :func:`kl_div_from_logits`.
 
   Returns:
     The divergence per example, shape ``[...]``, in the promoted input dtype.

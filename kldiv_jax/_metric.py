@@ -47,101 +47,41 @@ class _Options(NamedTuple):
 class DivergenceMetric:
   r"""A streaming divergence for evaluation loops (a sum and a count), in ``clu``'s metric protocol.
 
-  Per distribution (a row of ``[..., num_classes]``), with the target
-  :math:`p = \mathrm{softmax}(\text{target\_logits} / T)` and the prediction
-  :math:`q = \mathrm{softmax}(\text{logits} / T)`, the value :math:`d =
-  D(p \,\|\, q)` is any divergence of :func:`~kldiv_jax.divergence_from_logits`
-  (default forward KL, :math:`\sum p \log(p/q)`). The state adds up over
-  batches:
+  Per distribution (a row of ``[..., num_classes]``), :math:`d = D(p \,\|\,
+  q)` with the target :math:`p = \mathrm{softmax}(\text{target\_logits} / T)`,
+  the prediction :math:`q = \mathrm{softmax}(\text{logits} / T)` and any
+  divergence of :func:`~kldiv_jax.divergence_from_logits` (default forward KL):
 
   .. math::
 
      \text{total} = \sum_{u \text{ valid}} d_u, \qquad
      \text{count} = \#\{u \text{ valid}\}, \qquad
-     \text{compute}() = \begin{cases} \text{total} / \text{count} &
-     \text{reduction = 'mean'} \\ \text{total} & \text{reduction = 'sum'}
-     \end{cases}
+     \text{compute}() = \text{total} / \text{count} \ (\text{'mean'})
+     \text{ or total} \ (\text{'sum'}),
 
-  where a unit :math:`u` is a token (``per="token"``: each row) or a sequence
-  (``per="sequence"``: inputs ``[..., seq, num_classes]``, :math:`d_u` the
-  mean of :math:`d` over the sequence's valid tokens, as
-  :func:`~kldiv_jax.sequence_mean`; a sequence without any is not counted).
-  So ``'mean'`` with ``per="token"`` weights every token alike, with
-  ``per="sequence"`` every sequence alike; accumulating batches one by one
-  equals one call on their concatenation.
-
-  The options are static and belong to the class:
-  ``DivergenceMetric.configure(...)`` returns a configured subclass (the same
-  class for the same options, so a jitted step compiles once), whose
-  :meth:`empty` and :meth:`from_model_output` are class methods as in
-  ``clu.metrics.Metric``. ``DivergenceMetric`` itself is configured with the
-  defaults. An instance holds only ``total`` (the default float dtype:
-  float32, float64 under x64) and ``count`` (the default int dtype), a pytree:
-  ``jax.lax.psum`` of it over a mesh axis is the metric of all the devices'
-  batches, and ``jax.lax.all_gather`` (or
-  ``jax.experimental.multihost_utils.process_allgather``) followed by
-  :meth:`reduce` too.
-
-  Protocol (``clu.metrics.Metric``; metrax's metrics are the same):
-  ``empty()``, ``from_model_output(logits, target_logits, *, where=None,
-  mask=None, **_)`` (further keywords, a ``clu`` ``Collection``'s other model
-  outputs, are ignored), ``merge(other)``, ``reduce()``, ``compute()``. As
-  ``clu``'s ``Average`` and torchmetrics, ``'mean'`` of an empty metric is
-  NaN (no data is not a divergence of 0; metrax's ``Average`` gives 0).
-
-  torchmetrics: ``torchmetrics.KLDivergence(log_prob=False,
-  reduction="mean")`` is ``DivergenceMetric.configure(inputs="probs")`` and
-  ``log_prob=True`` is ``inputs="log_probs"``; ``reduction="sum"`` is
-  ``reduction="sum"``. torchmetrics' ``metric.update(p, q)`` (``p`` the data,
-  ``q`` the approximation) is ``Metric.from_model_output(q, p)`` here (the
-  prediction first, as every loss of this package). Differences:
-  ``reduction="none"`` (a growing list of per-sample values) is not a
-  fixed-size state, so it is not offered (use
-  :func:`~kldiv_jax.divergence_from_logits` per batch); inputs may have any
-  number of leading axes and broadcast, not only ``[N, d]``; log-probabilities
-  are normalised (torchmetrics sums ``exp(p) * (p - q)`` as given, equal for
-  normalised inputs), and a ``-inf`` log-probability is a class without mass
-  (torchmetrics gives NaN for one in ``p``). Probabilities are normalised as
-  torchmetrics does (:math:`p / \sum p`), zeros carry no mass (0 where
-  :math:`p = 0`, ``+inf`` where only :math:`q = 0`), and a row of zeros (no
-  distribution) is NaN as torchmetrics' 0/0.
-
-  Conventions: NaN in a counted row's inputs (or a negative probability, or a
-  row of ``+inf``) makes ``total``, hence ``compute()``, NaN; masked rows and
-  sequences are selected away (padding there cannot leak). A row of ``-inf``
-  logits or log-probabilities on both sides (after ``where``) is the engine's
-  "no mass on either side", 0 and counted: mask padding with ``mask``.
-  bf16/f16 inputs are computed in float32, and each row's value is summed
-  in ``total``'s dtype without a rounding to the input dtype between.
+  a unit :math:`u` being a token (``per="token"``) or a sequence
+  (``per="sequence"``, :math:`d_u` the mean over its valid tokens). The
+  options live on the class (:meth:`configure`); an instance is a pytree of
+  ``total`` and ``count`` that adds up over batches (:meth:`merge`), devices
+  (``lax.psum``) and processes (``process_allgather`` and :meth:`reduce`).
+  Protocol, torchmetrics' ``KLDivergence``, dtypes and conventions:
+  :doc:`/evaluation`.
 
   Attributes:
     total: the sum of the units' values, a scalar (or with a leading axis
       after ``all_gather``).
     count: the number of units.
-    options: a class attribute, the class's ``(divergence, inputs,
-      temperature, reduction, per)`` (a named tuple).
+    options: a class attribute, the class's options (a named tuple).
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from kldiv_jax import DivergenceMetric
-    >>> Metric = DivergenceMetric.configure(inputs="probs")  # torchmetrics' KLDivergence()
-    >>> p = jnp.array([[0.36, 0.48, 0.16]])
-    >>> q = jnp.array([[1 / 3, 1 / 3, 1 / 3]])
-    >>> Metric.from_model_output(q, p).compute()  # torchmetrics: tensor(0.0853)
-    Array(0.0852..., dtype=float32)
     >>> step = jax.jit(lambda m, z, y: m.merge(DivergenceMetric.from_model_output(z, y)))
     >>> m = DivergenceMetric.empty()
     >>> for z, y in [(jnp.zeros((2, 3)), jnp.ones((2, 3))), (jnp.eye(3), jnp.zeros((3, 3)))]:
     ...   m = step(m, z, y)
     >>> m.count, m.compute()  # 3 * (log(e + 2) - log(3) - 1/3) / 5
     (Array(5, dtype=int32), Array(0.0716..., dtype=float32))
-
-  References:
-    torchmetrics, ``src/torchmetrics/regression/kl_divergence.py``
-    (``KLDivergence``) and
-    ``src/torchmetrics/functional/regression/kl_divergence.py``
-    (``_kld_update``, ``_kld_compute``). CommonLoopUtils, ``clu/metrics.py``
-    (``Metric``, ``Average``, ``Collection``).
   """
 
   total: jax.Array
@@ -163,20 +103,15 @@ class DivergenceMetric:
   ) -> type["DivergenceMetric"]:
     """A subclass with these options; one left ``None`` keeps ``cls``'s.
 
-    ``DivergenceMetric``'s options are the defaults: ``divergence="forward_kl"``,
-    ``inputs="logits"``, ``temperature=1.0``, ``reduction="mean"``,
-    ``per="token"``. The same options give the same class.
+    The same options give the same class (a jitted step compiles once);
+    ``DivergenceMetric`` itself has the defaults.
 
     Args:
-      divergence: a name of :func:`~kldiv_jax.divergence_from_logits` or a
-        :class:`~kldiv_jax.Divergence` with static (Python number) parameters.
-      inputs: what ``logits`` and ``target_logits`` hold: ``"logits"``,
-        ``"log_probs"`` (torchmetrics' ``log_prob=True``) or ``"probs"``
-        (``log_prob=False``; entered as ``log(p)``, normalised per row).
-      temperature: a static positive softmax temperature ``T``.
-      reduction: ``"mean"`` (total over count) or ``"sum"`` (total).
-      per: ``"token"`` (each row is a unit) or ``"sequence"`` (each sequence,
-        the axis before the classes, is a unit: the mean over its valid tokens).
+      divergence: a name or a static :class:`~kldiv_jax.Divergence` (default ``"forward_kl"``).
+      inputs: ``"logits"`` (default), ``"log_probs"`` or ``"probs"`` (normalised per row).
+      temperature: a static positive softmax temperature (default 1).
+      reduction: ``"mean"`` (default: total over count) or ``"sum"`` (total).
+      per: ``"token"`` (default: each row) or ``"sequence"`` (the axis before the classes).
 
     Returns:
       A subclass of ``cls``'s root class (``DivergenceMetric``, or the user's
@@ -247,22 +182,12 @@ class DivergenceMetric:
     """The metric of one batch.
 
     Args:
-      logits: the prediction ``q`` (the student, torchmetrics' ``q``),
-        ``[..., num_classes]`` (``[..., seq, num_classes]`` for
-        ``per="sequence"``), as the class's ``inputs`` says: logits,
-        log-probabilities or probabilities.
-      target_logits: the target ``p`` (the teacher or the data, torchmetrics'
-        ``p``), in the same space, broadcastable to ``logits``.
-      where: a boolean class mask broadcastable to the inputs: masked classes
-        leave both distributions (as ``divergence_from_logits``' class mask).
-      mask: which rows count, as ``clu``'s: of the inputs' shape without the
-        class axis, or a prefix of it (``[batch]`` for ``[batch, seq,
-        num_classes]`` masks whole sequences); a boolean or, as ``clu`` casts
-        it, a number (nonzero counts). A masked row adds nothing to ``total``
-        nor ``count``.
-      teacher_vocab_size: the size of ``target_logits``' class axis when it
-        differs from ``logits``' (``None``: equal sizes, else ``ValueError``),
-        as in :func:`~kldiv_jax.divergence_from_logits`.
+      logits: the prediction ``q`` ``[..., num_classes]`` (``[..., seq,
+        num_classes]`` for ``per="sequence"``), in the class's ``inputs`` space.
+      target_logits: the target ``p``, in the same space, broadcastable.
+      where: a class mask broadcastable to the inputs.
+      mask: which rows count (clu's): the rows' shape or a prefix of it, bool or numeric.
+      teacher_vocab_size: ``target_logits``' class count when it differs.
       **_: ignored (a ``clu`` ``Collection`` passes every model output).
 
     Returns:

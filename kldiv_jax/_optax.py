@@ -35,18 +35,14 @@ def kl_divergence(
      \mathrm{KL}(p \,\|\, q) = \sum_i p_i (\log p_i - \log q_i)
 
   with ``p = targets`` and ``log q = log_predictions``. Terms with
-  ``p_i = 0`` are 0 and have zero gradients, even where ``log q_i = -inf``
-  (optax returns NaN there).
+  ``p_i = 0`` are 0 with zero gradients, even where ``log q_i = -inf``
+  (optax: NaN). See :doc:`/migration`.
 
   Args:
     log_predictions: log-probabilities ``[..., num_classes]``.
     targets: probabilities ``[..., num_classes]`` (broadcastable).
     axis: the axis or axes summed over (the class axis).
-    where: a boolean mask, either of the elements (broadcastable to the
-      inputs, as in optax: masked elements are left out of the sum) or of the
-      examples (shape of the output, e.g. ``[batch, seq]`` for
-      ``[batch, seq, vocab]`` inputs: a masked example gives 0). A mask whose
-      shape equals the output's is taken per example.
+    where: an element mask (optax's) or a per-example mask (:ref:`shared-arguments`).
 
   Returns:
     The divergence per example, shape ``[...]`` (inputs without ``axis``).
@@ -119,11 +115,10 @@ def generalized_kl_divergence(
 
      D(p \,\|\, q) = \sum_i p_i (\log p_i - \log q_i) - p_i + q_i
 
-  with ``q = exp(log_predictions)``. Equals :func:`kl_divergence` for
-  normalised ``p`` and ``q``. Zero-mass conventions, args and ``where`` as in
-  :func:`kl_divergence`. ``convex_kl_divergence`` is its deprecated alias (it warns, as optax's does).
-  Never below 0 (each term is ``>= 0``): a sum rounded below 0 is clamped,
-  with the gradient of the unclamped sum; NaN propagates.
+  with ``q = exp(log_predictions)``: :func:`kl_divergence` for normalised
+  ``p`` and ``q``, never below 0 (:doc:`/conventions`). Args, ``where`` and
+  zero mass as in :func:`kl_divergence`; ``convex_kl_divergence`` is its
+  deprecated alias (it warns, as optax's does).
 
   Examples:
     >>> import jax.numpy as jnp

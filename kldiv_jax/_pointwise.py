@@ -138,15 +138,9 @@ def kl_div_pointwise(
      \ell(x, t) = t\,(\log t - x) \quad\text{or, with log\_target,}\quad
      \ell(x, t) = e^{t}\,(t - x)
 
-  where ``x`` is the input in log-space (log-probabilities) and ``t`` the
-  target, a probability (or a log-probability with ``log_target=True``).
-
-  Conventions: a target with no mass (``t = 0``, or ``t = -inf`` with
-  ``log_target``) gives 0 and zero gradients, for any input including
-  ``-inf`` (``0 log(0/q) = 0``, the definition of KL). torch gives NaN values
-  or NaN gradients there. A negative target or a NaN anywhere gives NaN: an
-  invalid probability is never turned into a finite number. ``x = -inf`` with
-  ``t > 0`` gives ``+inf``, the true divergence.
+  with ``x = input`` (log-probabilities) and ``t = target``. A target without
+  mass gives 0 and zero gradients for any input, ``-inf`` included (torch:
+  NaN); a negative target or NaN gives NaN. See :doc:`/conventions`.
 
   Args:
     input: log-probabilities, any shape broadcastable with ``target``.
@@ -154,8 +148,7 @@ def kl_div_pointwise(
     log_target: whether ``target`` is in log-space.
 
   Returns:
-    The elementwise terms, of the broadcast shape and the promoted floating
-    dtype (computed in at least float32).
+    The elementwise terms, of the broadcast shape and the promoted floating dtype.
 
   Examples:
     >>> import jax.numpy as jnp

@@ -208,53 +208,34 @@ def policy_loss(
 
   with :math:`\ell_t` the ``surrogate``'s per-token loss (PPO's
   :math:`-\min(r A, \mathrm{clip}(r, 1-\epsilon_l, 1+\epsilon_h) A)`, GSPO,
-  GMPO, CISPO, SAPO, GPG, DPPO: the formulas and their papers on the
-  :doc:`/policy-optimisation` page), :math:`r = \pi/\pi_{\text{old}}`,
+  GMPO, CISPO, SAPO, GPG, DPPO), :math:`r = \pi/\pi_{\text{old}}`,
   :math:`\rho_t` the rollout correction, :math:`k_t` the
   :func:`kl_estimate` to the reference, :math:`H_t` the entropy and
-  :math:`w_t` the ``aggregation``'s weights. Each surrogate is computed as
-  verl's ``compute_policy_loss_*`` or TRL's ``GRPOTrainer`` computes it
-  (clamps included), checked against both in float64.
+  :math:`w_t` the ``aggregation``'s weights, as verl and TRL compute them.
+  The formulas, papers and options: :doc:`/policy-optimisation`.
 
   Args:
-    log_probs: the policy's log-probs of the sampled tokens, ``[..., T]``
-      (bf16/f16 are computed in float32).
-    old_log_probs: the sampling policy's (``None``: on-policy,
-      ``stop_gradient(log_probs)``).
-    advantages: broadcastable to the tokens, or one per sequence
-      (``log_probs.shape[:-1]``).
-    surrogate: ``"ppo"`` (GRPO, DAPO), ``"gspo"`` (sequence ratio),
-      ``"gspo-token"``, ``"gmpo"``, ``"cispo"`` (verl's),
-      ``"cispo-cap"`` (TRL's), ``"sapo"``, ``"gpg"``, ``"dppo-tv"``,
-      ``"dppo-kl"``.
-    clip_low, clip_high: :math:`\epsilon_l, \epsilon_h` (``clip_high``
-      defaults to ``clip_low``); GMPO: log-space bounds; DPPO: divergence
-      thresholds.
-    dual_clip: verl's dual-clip ``c > 1`` (``clip_ratio_c``, 3 in verl's
-      vanilla loss); ``None``: none (TRL).
-    ratio_cap: caps :math:`r`: TRL's ``delta`` for the clipped surrogates,
-      TRL's ``epsilon_high`` for ``"cispo-cap"`` (required), verl's
-      ``clip_ratio_c`` truncation for DPPO (default 20).
-    sapo_temperatures: SAPO's :math:`(\tau_+, \tau_-)`.
+    log_probs: the policy's log-probs of the sampled tokens, ``[..., T]``.
+    old_log_probs: the sampling policy's (``None``: ``stop_gradient(log_probs)``).
+    advantages: broadcastable to the tokens, or one per sequence ``[...]``.
+    surrogate: ``"ppo"``, ``"gspo"``, ``"gspo-token"``, ``"gmpo"``, ``"cispo"``,
+      ``"cispo-cap"``, ``"sapo"``, ``"gpg"``, ``"dppo-tv"`` or ``"dppo-kl"``.
+    clip_low, clip_high, dual_clip, ratio_cap, sapo_temperatures: the bounds
+      :math:`\epsilon_l, \epsilon_h` (``clip_high`` defaults to ``clip_low``),
+      verl's dual-clip ``c > 1``, a cap on :math:`r`, SAPO's :math:`(\tau_+, \tau_-)`.
     aggregation: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
       ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"bnpo"``
-      (``None``: verl's choice for the surrogate, ``"token-mean"`` for most).
+      (``None``: verl's choice for the surrogate).
     where: a boolean token mask, broadcastable to the tokens.
-    segment_ids: ``[..., T]`` integer ids of packed sequences (0: padding):
-      a sequence is a (row, id) pair.
-    normalizer: the aggregation's denominator (``None``: this call's; pass
-      the global one so that micro-batches and devices *add up* to the big
-      batch's loss; see the page).
+    segment_ids: ``[..., T]`` ids of packed sequences (0: padding).
+    normalizer: the aggregation's denominator (``None``: this call's).
     ref_log_probs, beta, kl_estimator, kl_clip: the KL penalty
       ``beta * kl_estimate(log_probs, ref_log_probs, estimator=, clip=)``.
-    kl_importance_weighted: multiply the KL by :math:`r` (TRL's
-      ``use_bias_correction_kl``; gradient through :math:`r`).
-    kl_in_loss: ``False``: leave the KL out of the loss (report it only).
+    kl_importance_weighted: multiply the KL by :math:`r`.
+    kl_in_loss: ``False``: report the KL, leave it out of the loss.
     entropy, entropy_coef: per-token entropy and its coefficient.
-    rollout_log_probs, rollout_correction, rollout_bounds: importance
-      weights :math:`\pi_{\text{old}}/\pi_{\text{rollout}}` for samples from
-      an inference engine (TRL's ``vllm_importance_sampling_mode`` names and
-      ``(clip_min, clip_max)``; verl's TIS is ``"token_truncate"``).
+    rollout_log_probs, rollout_correction, rollout_bounds: the weights
+      :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`.
 
   Returns:
     ``(loss, metrics)``: the scalar loss (the inputs' dtype) and a

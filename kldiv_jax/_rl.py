@@ -61,74 +61,27 @@ def kl_estimate(
   .. math::
 
      k_1 = \delta, \qquad k_2 = \tfrac12 \delta^2, \qquad
-     k_3 = e^{-\delta} - 1 + \delta .
+     k_3 = e^{-\delta} - 1 + \delta ,
 
-  All three have expectation close to :math:`\mathrm{KL}(\pi\|\pi_{\text{ref}})`
-  under :math:`\pi`: ``k1`` is unbiased but noisy and can be negative,
-  ``k2`` is low-variance and biased, ``k3`` (GRPO's penalty; TRL's, unclamped)
-  is unbiased and non-negative. ``k3`` is computed without cancellation near
-  :math:`\delta = 0`.
-
-  verl's names (``kl_penalty``/``kl_loss_type`` in verl 0.9,
-  ``verl/trainer/ppo/core_algos.py``), with verl's values and gradients:
-  ``"kl"`` is ``k1``, ``"mse"`` is ``k2``, ``"abs"`` is :math:`|\delta|`
-  (gradient 0 at :math:`\delta = 0`, as torch's ``abs``), and
-  ``"low_var_kl"`` is ``k3`` clamped as verl does, :math:`\mathrm{clamp}(k_3(
-  \mathrm{clamp}(\delta, -20, 20)), -10, 10)` (the gradient 0 where a clamp
-  binds). verl also accepts ``"k1"``, ``"k2"``, ``"k3"`` as *aliases* of
-  its ``"kl"``, ``"mse"``, ``"low_var_kl"``: here ``"k3"`` is Schulman's
-  unclamped :math:`k_3` (14 at :math:`\delta = 15`, where verl's ``"k3"``
-  gives 10); for verl's numbers use ``"low_var_kl"``.
-
-  Straight-through forms, a name with ``+`` (verl's ``"k3+"``,
-  ``"low_var_kl+"``, ...): the expected *gradient* of ``k1`` and ``k3`` as a
-  loss is not that of the KL, while ``k2``'s is, so the ``+`` form gives the
-  value of its estimator with the gradient of ``k2`` of the *unclipped*
-  log-ratio, :math:`k_2(\delta) - \mathrm{sg}(k_2(\delta)) + \mathrm{sg}(k)`
-  (``sg``: ``stop_gradient``; :math:`k` after ``clip`` and verl's clamps),
-  exactly as verl computes it: NaN where :math:`\delta` is infinite.
-  ``"k2+"`` and ``"mse+"`` equal ``k2`` except with ``clip`` (their gradient
-  then ignores it).
-
-  Importance correction (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``):
-  when the tokens were sampled from an older policy :math:`\pi_{\text{old}}`
-  (``old_log_probs``), the estimate is weighted by the importance ratio,
-
-  .. math::
-
-     w\,k, \qquad w = \exp\big(\mathrm{clip}(\log \pi(a) - \log \pi_{\text{old}}(a))\big),
-
-  which makes its expectation under :math:`\pi_{\text{old}}` the KL under
-  :math:`\pi`. The weight carries gradient (as TRL's ``coef_1``). Both
-  log-ratios are clipped *before* any ``exp`` (``clip`` for :math:`\delta`,
-  ``importance_clip`` for :math:`w`'s), so that with both bounds finite no
-  estimate overflows to ``inf`` for finite inputs (trl#3015, OpenRLHF#1335).
+  and, with ``old_log_probs``, the estimate :math:`k` weighted by
+  :math:`w = \exp(\mathrm{clip}(\log \pi(a) - \log \pi_{\text{old}}(a)))`
+  (DeepSeek-V3.2; TRL's ``use_bias_correction_kl``). verl's names and
+  clamps (``"low_var_kl"`` is verl's ``"k3"``, not this one), the
+  straight-through ``+`` forms and the importance weight: :doc:`/rl`.
 
   Args:
     log_probs: the policy's log-probabilities of the sampled tokens, e.g.
       ``[batch, seq]``.
     ref_log_probs: the reference policy's, broadcastable.
-    estimator: Schulman's ``"k1"``, ``"k2"``, ``"k3"``, verl's ``"kl"``,
-      ``"abs"``, ``"mse"``, ``"low_var_kl"``, or any of them with ``+`` (the
-      straight-through form).
-    clip: bounds the log-ratio :math:`\delta` before the estimator: a number
-      ``c`` for ``[-c, c]`` or a pair ``(low, high)``; the gradient is 0
-      outside the bounds (as ``torch.clamp``'s, it passes at a bound), except
-      in the ``+`` forms. ``low <= high`` (``c >= 0``) is checked when the
-      bounds are Python numbers; traced bounds that break it (or are NaN)
-      make every estimate NaN.
-    old_log_probs: the sampling policy's log-probabilities of the tokens,
-      broadcastable: weights the estimate by :math:`\pi / \pi_{\text{old}}`.
-    importance_clip: bounds :math:`\log \pi - \log \pi_{\text{old}}`
-      before its ``exp``, as ``clip`` does (e.g. ``(-20, 20)`` as verl clamps;
-      a tighter ``(log 0.8, log 1.2)`` is a PPO-style trust region).
-    where: a boolean token mask, broadcastable to the inputs; masked tokens
-      give 0 and zero gradients, whatever their values (``-inf`` padding
-      included).
+    estimator: ``"k1"``, ``"k2"``, ``"k3"``, verl's ``"kl"``, ``"abs"``,
+      ``"mse"``, ``"low_var_kl"``, or any of them with ``+``.
+    clip: bounds on :math:`\delta` before the estimator, ``c`` or ``(low, high)``.
+    old_log_probs: the sampling policy's, broadcastable (importance weight).
+    importance_clip: bounds on :math:`\log w` before its ``exp``, as ``clip``.
+    where: a token mask: masked tokens give 0 and zero gradients.
 
   Returns:
-    The per-token estimates, of the broadcast shape and the promoted input
-    dtype (computed in at least float32).
+    The per-token estimates, of the broadcast shape and the promoted input dtype.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -141,9 +94,6 @@ def kl_estimate(
     Array([ 0.5, -0.5,  0. ], dtype=float32)
     >>> jax.grad(lambda x: kl_estimate(x, ref, estimator="k3+").sum())(logp)  # k2's: delta
     Array([ 0.6931..., -0.6931...,  0. ], dtype=float32)
-    >>> far = jnp.array([-20.0, 15.0])  # log-ratios beyond verl's clamp of the estimate
-    >>> kl_estimate(far, 0.0, estimator="k3"), kl_estimate(far, 0.0, estimator="low_var_kl")
-    (Array([4.8516515e+08, 1.4000000e+01], dtype=float32), Array([10., 10.], dtype=float32))
     >>> old = jnp.log(jnp.array([0.25, 0.2, 0.9]))
     >>> kl_estimate(logp, ref, old_log_probs=old, importance_clip=20.0)  # k3 * (2, 1, 1)
     Array([0.3862..., 0.3068..., 0. ], dtype=float32)
@@ -208,39 +158,19 @@ def token_log_probs(
 
      \log p_y = u_y - \log \sum_v e^{u_v}, \qquad H = -\sum_v p_v \log p_v ,
 
-  the quantities PPO/GRPO need for the policy's and the reference model's
-  sampled tokens (with :func:`kl_estimate`), from one pass over the
-  vocabulary and a derivative rule that recomputes the softmax instead of
-  storing it: no ``log_softmax`` array is written, forward or backward.
-  Without ``return_entropy`` (float32/64 logits, no ``softcap`` nor
-  ``axis_name``) the rule reuses the forward's ``exp(u - max)``, which XLA
-  writes where the gradient goes: as fast as Tunix's ``take_along_axis`` −
-  ``logsumexp`` with autodiff, with no temporary of the vocabulary's size when
-  the gradient wrt the logits is taken (``benchmarks/bench_rl.py``).
-  Values and gradients equal ``jnp.take_along_axis(jax.nn.log_softmax(u),
-  y)`` and the entropy of ``p``; the entropy is never below 0 and exactly 0
-  for a one-hot distribution (one finite logit, or one far above the rest).
+  from one pass over the vocabulary and a derivative rule that recomputes
+  the softmax instead of storing it (:doc:`/rl`). Ids: :doc:`/conventions`;
+  the shared arguments: :ref:`shared-arguments`.
 
   Args:
-    logits: ``[..., vocab]`` (bf16/f16 are computed in float32).
-    token_ids: integer ids ``[...]`` (the logits' shape without the class
-      axis). An id outside ``[0, vocab)`` (never wrapped or clamped) raises
-      ``ValueError`` when the ids are known (an eager call), gives NaN under
-      ``jit``; an id whose logit is ``-inf`` gives ``-inf``.
-    temperature: positive softmax temperature (a traced scalar is allowed and
-      differentiable; NaN unless positive and finite).
-    softcap: soft-cap the logits before the temperature,
-      ``softcap * tanh(z / softcap)`` (``None``: none, at no cost).
-    where: a per-token mask ``[...]``: a masked token gives 0 and zero
-      gradients, whatever its logits and id hold (padding).
-    ignore_index: a token id meaning "no token" (padding such as -100): such
-      tokens give 0 and zero gradients, like masked ones.
+    logits: ``[..., vocab]``.
+    token_ids: integer ids ``[...]`` (the logits' shape without the class axis).
+    temperature: the softmax temperature ``T`` (Python number or traced).
+    softcap: the logit soft-cap (``None``: none).
+    where: a per-token mask ``[...]``: masked tokens give 0 and zero gradients.
+    ignore_index: a token id meaning "no token" (e.g. -100), left out like ``where``.
     return_entropy: also return the entropy per token.
-    axis_name: the mesh axis over which the vocabulary is split inside
-      ``jax.shard_map`` (vocabulary parallelism): each device passes its
-      slice of the logits, ``token_ids`` whole; the token's logit comes from
-      the device that holds it and the statistics are combined with
-      ``lax.pmax``/``lax.psum``. The result is replicated over the axis.
+    axis_name: the mesh axis the vocabulary is split over (vocabulary parallelism).
 
   Returns:
     The log-probabilities ``[...]`` in the logits' dtype; with
@@ -310,33 +240,22 @@ def distillation_advantages(
 ) -> jax.Array:
   r"""Per-token advantages of on-policy distillation: the negative reverse-KL estimate.
 
-  For tokens :math:`a` sampled from the student, the per-token advantage is
+  For tokens :math:`a` sampled from the student, with ``sampling_log_probs``
+  of the policy that sampled them (:math:`w = 1` without):
 
   .. math::
 
-     A = -\big(\log \pi_{\text{student}}(a) - \log \pi_{\text{teacher}}(a)\big),
+     A = -w\,\big(\log \pi_{\text{student}}(a) - \log \pi_{\text{teacher}}(a)\big),
+     \qquad w = \min\big(\pi_{\text{student}}(a) / \pi_{\text{sampling}}(a), C\big),
 
-  the negative of the single-sample (k1) estimate of
-  :math:`\mathrm{KL}(\pi_{\text{student}} \,\|\, \pi_{\text{teacher}})`: a policy
-  gradient with this advantage minimises the reverse KL to the teacher
-  (Thinking Machines' on-policy distillation; TRL's distillation trainer).
-  When the tokens were sampled by another policy (a stale copy, an inference
-  engine's numerics), ``sampling_log_probs`` weights each advantage by the
-  truncated importance ratio :math:`\min(\pi_{\text{student}}(a) /
-  \pi_{\text{sampling}}(a), C)` (TRL's ``vllm_importance_sampling_cap``,
-  ``importance_cap`` = :math:`C`; the log-ratio is clipped at :math:`\log C`
-  before the ``exp``). Advantages carry no gradient (``stop_gradient``), as a
-  policy gradient needs.
+  without gradient (``stop_gradient``). :doc:`/rl` tells the method
+  (Thinking Machines; TRL's ``vllm_importance_sampling_cap`` is :math:`C`).
 
   Args:
-    student_log_probs: the student's log-probabilities of the sampled tokens
-      (e.g. from :func:`token_log_probs`), ``[batch, seq]``.
+    student_log_probs: the student's log-probs of the sampled tokens, ``[batch, seq]``.
     teacher_log_probs: the teacher's, broadcastable.
-    sampling_log_probs: the sampling policy's, broadcastable; ``None``: the
-      student sampled them (no weight).
-    importance_cap: the truncation :math:`C > 0` of the importance ratio
-      (``None``: not truncated; then the log-ratio is only clipped at 80 so
-      the weight stays finite in float32).
+    sampling_log_probs: the sampling policy's, broadcastable (``None``: no weight).
+    importance_cap: :math:`C > 0` (``None``: the log-ratio clipped at 80 only).
     where: a token mask: masked tokens get 0.
 
   Returns:

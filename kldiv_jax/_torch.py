@@ -60,28 +60,17 @@ def kl_div(
      \quad\text{or, with log\_target,}\quad
      L = \operatorname{reduce}\big(e^{t}\,(t - x)\big)
 
-  with ``x = input`` (log-probabilities) and ``t = target``.
-
-  Reductions: ``'none'`` the elementwise terms (broadcast shape); ``'sum'``
-  their sum; ``'mean'`` their mean over *all* elements (batch and classes:
-  not the KL divergence, hence torch's warning); ``'batchmean'`` the sum
-  divided by ``input.shape[0]`` (the KL divergence averaged over the batch;
-  no division for a 0-d input). The deprecated ``size_average``/``reduce``
-  override ``reduction`` as in torch (``None`` counts as ``True``); the
-  ``'batchmean'`` division is still applied afterwards, as torch does.
-
-  Differences from torch, all where torch is not finite: a zero-mass target
-  gives 0 and zero gradients for any input, ``-inf`` included (torch: NaN
-  gradient wrt the target, NaN value at ``input=-inf``). Bad dtypes raise
-  ``TypeError`` (torch: ``RuntimeError``). Half-precision inputs are computed
-  in float32 and returned in their dtype.
+  with ``x = input`` (log-probabilities) and ``t = target``. ``'mean'``
+  averages over *all* elements, batch and classes (torch's warning);
+  ``'batchmean'`` divides the sum by ``input.shape[0]``: the KL divergence
+  averaged over the batch. Differs from torch only where torch is not
+  finite (zero-mass targets: 0 and zero gradients here). Reductions, legacy
+  arguments, errors and differences: :doc:`/migration`, :doc:`/conventions`.
 
   Args:
     input: log-probabilities, e.g. ``[batch, num_classes]``.
-    target: probabilities (or log-probabilities with ``log_target=True``),
-      broadcastable with ``input``.
-    size_average: deprecated (see ``reduction``).
-    reduce: deprecated (see ``reduction``).
+    target: probabilities (log-probabilities with ``log_target``), broadcastable.
+    size_average, reduce: deprecated: they override ``reduction``, as in torch.
     reduction: ``'none' | 'mean' | 'sum' | 'batchmean'``.
     log_target: whether ``target`` is in log-space.
 
@@ -89,8 +78,7 @@ def kl_div(
     A scalar, or the broadcast shape for ``'none'``; the promoted dtype.
 
   Raises:
-    TypeError: integer, bool or complex inputs, arguments that are not arrays,
-      or a ``log_target`` that is not a bool (as torch).
+    TypeError: integer, bool, complex or non-array inputs, a non-bool ``log_target``.
     ValueError: an unknown ``reduction`` or non-broadcastable shapes.
 
   Examples:
@@ -127,24 +115,15 @@ def kl_div(
 
 @dataclasses.dataclass(frozen=True)
 class KLDivLoss:
-  r"""``torch.nn.KLDivLoss`` as a frozen, hashable dataclass.
+  r"""``torch.nn.KLDivLoss`` as a frozen, hashable dataclass: :func:`kl_div` with its options.
 
-  ``KLDivLoss(reduction=..., log_target=...)(input, target)`` equals
-  :func:`kl_div` with those options. As torch's module does, the deprecated
-  ``size_average``/``reduce`` are turned into a ``reduction`` string at
-  construction (so a ``'batchmean'`` given beside them is dropped), after
-  which both are ``None``. Instances compare and hash by their options, so
-  they can be static arguments of ``jax.jit`` and closed over freely.
-
-  .. math::
-
-     L = \operatorname{reduce}\big(t\,(\log t - x)\big)
+  As torch's module, the deprecated ``size_average``/``reduce`` become a
+  ``reduction`` string at construction. Instances compare and hash by their
+  options: static arguments of ``jax.jit``. See :doc:`/migration`.
 
   Args:
-    size_average: deprecated (see ``reduction``).
-    reduce: deprecated (see ``reduction``).
-    reduction: ``'none' | 'mean' | 'sum' | 'batchmean'``; use
-      ``'batchmean'`` for the KL divergence averaged over the batch.
+    size_average, reduce: deprecated (see ``reduction``).
+    reduction: ``'none' | 'mean' | 'sum' | 'batchmean'`` (the KL divergence).
     log_target: whether targets are in log-space.
 
   Examples:
