@@ -239,94 +239,35 @@ def distillation_loss(
          + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
 
   with student logits :math:`s`, teacher logits :math:`t`, labels :math:`y`
-  and :math:`D` any divergence of :func:`divergence_from_logits`:
-  ``"forward_kl"`` (:math:`\mathrm{KL}(p_t\|p_s)`, Hinton et al., the
-  default), ``"reverse_kl"`` (:math:`\mathrm{KL}(p_s\|p_t)`), ``"jsd"``
-  (:func:`generalized_jsd` with ``beta``), ``"symmetric_kl"``, ``"skew_kl"``,
-  ``"skew_reverse_kl"``, ``"tvd"``, or a :class:`Divergence` with its
-  parameters (``Divergence("alpha_beta", alpha=0.5, beta=0.5)``; traced
-  parameters are allowed and never recompile). :math:`T^2` keeps the
-  soft-target gradients on the scale of the hard-target ones (Hinton et al.);
-  drop it with ``scale_by_temperature_squared=False``. The cross entropy uses
-  the student's raw logits (temperature 1).
+  and :math:`D` any divergence of :func:`divergence_from_logits` (Hinton et
+  al.: the forward KL, the default). Valid tokens: ``labels != ignore_index``
+  and ``where``. :math:`N` is their number (at least 1, so an all-ignored
+  batch gives 0, not NaN), or ``normalizer``. Without ``labels`` the loss is
+  :math:`T^2 D` alone, averaged over the tokens ``where`` selects.
 
-  Valid tokens: ``labels != ignore_index`` and ``where``. :math:`N` is their
-  number (at least 1, so an all-ignored batch gives 0, not NaN), or
-  ``normalizer`` when given: pass the global number of valid tokens to make
-  gradient accumulation over micro-batches equal to one big batch. Without
-  ``labels`` the loss is the distillation term alone, :math:`T^2 D`
-  (``alpha`` is not applied), averaged over the tokens ``where`` selects.
-
-  One pass per side for the statistics and one fused pass for the gradient;
-  gradients wrt the teacher's logits are correct too (self-distillation),
-  unless the caller applies ``jax.lax.stop_gradient``. Masks, ``-inf``
-  logits, temperature and dtypes as in :func:`kl_div_from_logits`. A label
-  outside ``[0, num_classes)`` that is not ``ignore_index``: ``ValueError``
-  when the labels are known (an eager call), NaN under ``jit``; a label on a
-  class without mass (``-inf`` or masked) gives ``+inf``. Labels of any
-  integer dtype are compared in that dtype, never cast first: a large
-  ``uint32``/``int64`` label is out of range, not wrapped onto a class or onto
-  ``ignore_index``. NaN in the
-  logits of a valid token makes the loss NaN. A traced option outside its
-  range (``temperature`` not positive and finite, ``alpha`` or ``beta``
-  outside ``[0, 1]``, ``normalizer`` not positive and finite, a
-  :class:`Divergence` parameter outside its range; NaN fails every test) makes the loss NaN, value and gradients, whether or not the
-  option is used; as a Python number it raises ``ValueError``.
+  Which divergence: :doc:`/distillation`; ``-inf``, masks, labels, NaN:
+  :doc:`/conventions`; the shared arguments and the derivatives:
+  :ref:`shared-arguments`, :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
     student_logits: ``[..., num_classes]`` (e.g. ``[batch, seq, vocab]``).
-    teacher_logits: broadcastable to ``student_logits``, same number of
-      classes (unless ``teacher_vocab_size``).
-    labels: optional integer class indices, ``[...]`` (the logits' shape
-      without the class axis).
-    temperature: positive, finite softmax temperature of the divergence (a
-      traced scalar is allowed).
-    alpha: weight of the distillation term, in ``[0, 1]``.
-    divergence: a divergence name (its default parameters) or a
-      :class:`Divergence`, as in :func:`divergence_from_logits`.
-    beta: the mixture weight of ``divergence="jsd"`` given as a string, in
-      ``[0, 1]`` (kept for TRL-style calls; a :class:`Divergence` carries its
-      own parameters, and the other names ignore it).
+    teacher_logits: broadcastable to ``student_logits``.
+    labels: optional integer class indices ``[...]`` (the logits' shape without the class axis).
+    temperature: the softmax temperature ``T`` of the divergence (Python number or traced).
+    alpha: the weight of the distillation term, in ``[0, 1]``.
+    divergence: a name (its default parameters) or a :class:`Divergence`.
+    beta: the mixture weight of ``divergence="jsd"`` given as a string (others ignore it).
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
-    ignore_index: the label (an int) of tokens to leave out.
-    where: a per-token mask ``[...]``, or a class mask broadcastable to the
-      logits (a masked vocabulary; a token with every class masked is left
-      out).
-    normalizer: the denominator instead of the number of valid tokens:
-      positive and finite (0 is invalid, not "no tokens": a zero count with a
-      non-zero total is a bug to surface; use ``jnp.maximum(n, 1)`` for a
-      count that may be 0, as the default does).
-    axis_name: the mesh axis over which the vocabulary (class axis) is split
-      inside ``jax.shard_map`` (vocabulary parallelism), as in
-      :func:`kl_div_from_logits`: each device passes its slice of the classes
-      of both logits (and of a class ``where``), ``labels`` whole; a label
-      picks its logit on the device that holds it. Only per-token scalars
-      cross devices; value and gradients equal the unsharded ones and the
-      result is replicated over ``axis_name``. On a ``("data", "vocab")``
-      mesh, ``jax.shard_map(lambda s, t, y: lax.psum(distillation_loss(s, t,
-      y, normalizer=n, axis_name="vocab"), "data"), mesh=mesh,
-      in_specs=(P("data", "vocab"), P("data", "vocab"), P("data")),
-      out_specs=P())``, with ``n`` the global number of valid tokens, is the
-      loss of the whole batch.
-    softcap: soft-cap the student's logits, ``softcap * tanh(s / softcap)``
-      (Gemma 2), before the temperature and for the cross entropy too;
-      ``None`` (the default) costs nothing. A static positive number.
-    target_softcap: likewise for the teacher's logits.
-    teacher_vocab_size: the size of ``teacher_logits``' class axis when it
-      differs from the student's (``None``: they must be equal, else
-      ``ValueError``). The shared classes are then the first ones and the
-      others are padding without mass on either side (both logits are cut to
-      them, as in :func:`divergence_from_logits`; the cross entropy is then
-      over the shared classes, and a label beyond them is out of range). Not
-      with ``axis_name``: cut before sharding.
-    return_parts: also return a :class:`DistillationParts` ``(soft, hard,
-      num_tokens)``: the sums over the valid tokens of :math:`T^2 D` and of
-      the cross entropy, and their number, for logging that stays right when
-      summed over micro-batches and hosts.
+    ignore_index: the label of tokens to leave out.
+    where: a per-token mask ``[...]``, or a class mask broadcastable to the logits.
+    normalizer: the denominator instead of the number of valid tokens (a global count).
+    axis_name: the mesh axis the classes are split over (vocabulary parallelism).
+    softcap, target_softcap: the student's and the teacher's logit soft-caps.
+    teacher_vocab_size: the teacher's class count when it differs.
+    return_parts: also return the :class:`DistillationParts` (sums, for logging).
 
   Returns:
-    A scalar, in the promoted logits dtype; with ``return_parts``, ``(loss,
-    parts)``.
+    A scalar in the promoted logits dtype; with ``return_parts``, ``(loss, parts)``.
 
   Examples:
     >>> import jax.numpy as jnp
