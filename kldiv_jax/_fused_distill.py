@@ -306,8 +306,11 @@ def fused_distillation_loss(
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
 
-  With student logits :math:`s = h W + b` and teacher logits
-  :math:`t = h_T W_T + b_T`, exactly :func:`distillation_loss`:
+  ``distillation_loss(hidden @ weight + bias, target_hidden @ target_weight +
+  target_bias, labels, ...)`` in value and gradients wrt ``hidden``,
+  ``weight`` and ``bias``, with the ``[tokens, vocab]`` logits only
+  ``chunk_size`` tokens at a time: with :math:`s = h W + b`,
+  :math:`t = h_T W_T + b_T`,
 
   .. math::
 
@@ -315,86 +318,24 @@ def fused_distillation_loss(
          D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
          + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
 
-  with the cross-entropy term only when ``labels`` are given (else
-  :math:`T^2 D` alone), :math:`D` any divergence of
-  :func:`divergence_from_logits` (a name or a :class:`Divergence`;
-  ``"jsd"`` as a string takes ``beta``), :math:`T^2` unless
-  ``scale_by_temperature_squared=False``, and :math:`N` the number of valid
-  tokens (``where`` and ``labels != ignore_index``, at least 1) or
-  ``normalizer``. Equal to ``distillation_loss(hidden @ weight + bias,
-  target_hidden @ target_weight + target_bias, labels, ...)`` in value and
-  gradients wrt ``hidden``, ``weight`` and ``bias``, but the ``[tokens,
-  vocab]`` logits exist only ``chunk_size`` tokens at a time: each chunk's
-  logits give its divergence *and* its cross entropy (no second pass over the
-  head for the hard loss), and the forward pass folds the chunk's gradient
-  into the gradients wrt ``hidden``, ``weight`` and ``bias`` at once (as
-  Liger Kernel's fused-linear distillation losses do); the backward pass
-  scales them.
-
-  The teacher (``target_*``) receives no gradient, nor do ``temperature``,
-  ``alpha``, ``beta`` and traced :class:`Divergence` parameters (zeros).
-  Reverse mode only (``jax.grad``, ``value_and_grad``); use
-  :func:`distillation_loss` on materialised logits for ``jvp`` or Hessians.
-  NaN and invalid traced options as in :func:`distillation_loss`. Matmuls
-  accumulate in float32 (``preferred_element_type``); gradients come back in
-  the inputs' dtypes.
+  (:math:`T^2 D` alone without ``labels``; :math:`D`, :math:`N` and the
+  options as in :func:`distillation_loss`). The chunks and ``chunk_size``:
+  :doc:`/large-vocabularies`; reverse mode only, the teacher and the options
+  get zero gradients: :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
     hidden: the student's hidden states ``[..., H]``.
     weight: the student's LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
     target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
-    target_weight: the teacher's LM head ``[H_T, V_T]``, ``V_T = V`` unless
-      ``teacher_vocab_size`` says otherwise.
-    labels: optional integer token ids ``hidden.shape[:-1]`` (positional or
-      keyword, as in :func:`distillation_loss`): adds the cross entropy,
-      weighted ``1 - alpha``, inside the same chunks. Known labels outside
-      ``[0, V)`` (not ``ignore_index``) raise ``ValueError``; under ``jit``
-      they make the loss NaN.
-    alpha: weight of the distillation term with labels, in ``[0, 1]``.
-    ignore_index: the label of tokens to leave out.
-    bias: optional student bias ``[V]``.
-    target_bias: optional teacher bias ``[V_T]``.
-    temperature: positive, finite softmax temperature (a traced scalar is
-      allowed).
-    divergence: a divergence name (its default parameters) or a
-      :class:`Divergence`, as in :func:`divergence_from_logits`.
-    beta: the mixture weight of ``divergence="jsd"`` given as a string.
-    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
-    where: a token mask of shape ``hidden.shape[:-1]``.
-    normalizer: the denominator instead of the number of valid tokens (a
-      global token count for gradient accumulation), positive and finite.
-    chunk_size: tokens per chunk; ``None`` picks a power of two per platform
-      when the program is lowered: about ``2**22`` logits per chunk and side on
-      CPU, ``2**27`` on TPU and ``2**28`` on GPU (at most 4096 tokens), where
-      each chunk reads both heads and the float32 weight gradient and small
-      chunks are bound by that traffic. The last chunk may be smaller.
-    axis_name: for vocabulary parallelism: the name of a mesh axis over which
-      the V axis of ``weight``, ``bias``, ``target_weight`` and
-      ``target_bias`` is split, when called inside ``jax.shard_map`` (hidden
-      states and labels whole on that axis). Each device computes its slice of
-      every chunk's logits; the softmax statistics are combined with
-      ``lax.pmax`` and ``lax.psum`` (per-token scalars only; a label's logit
-      comes from the device that holds it), the gradient wrt ``hidden`` is
-      summed over the axis, the gradients wrt ``weight`` and ``bias`` stay
-      local slices. Values and gradients equal the unsharded call's, with the
-      same chunks (``chunk_size=None`` uses the global vocabulary); the
-      result is replicated over ``axis_name``. E.g. ``jax.shard_map(lambda h,
-      w, th, tw, y: fused_distillation_loss(h, w, th, tw, labels=y,
-      axis_name="vocab"), mesh=mesh, in_specs=(P(), P(None, "vocab"), P(),
-      P(None, "vocab"), P()), out_specs=P())``; with the tokens also split
-      over ``"data"``, pass the global token count as ``normalizer`` and
-      ``lax.psum`` the result over ``"data"``.
-    softcap: soft-cap the student's logits, ``softcap * tanh(s / softcap)``
-      (Gemma 2), before the temperature and for the cross entropy;
-      ``None`` costs nothing.
-    target_softcap: likewise for the teacher's logits.
-    teacher_vocab_size: ``V_T`` when it differs from ``V`` (``None``: they
-      must be equal, else ``ValueError``): the shared classes are then the
-      first ``min(V, V_T)`` and the others carry no mass on either side (as in
-      :func:`distillation_loss`; not with ``axis_name``).
-    return_parts: also return a :class:`DistillationParts` ``(soft, hard,
-      num_tokens)``: sums over the valid tokens, for logging that stays right
-      when summed over micro-batches and hosts.
+    target_weight: the teacher's LM head ``[H_T, V_T]`` (``V_T = V`` unless ``teacher_vocab_size``).
+    labels: optional integer token ids ``hidden.shape[:-1]``: adds the cross entropy.
+    alpha, ignore_index, temperature, divergence, beta, scale_by_temperature_squared,
+      normalizer, softcap, target_softcap, teacher_vocab_size, return_parts: as in
+      :func:`distillation_loss`.
+    bias, target_bias: optional biases ``[V]`` and ``[V_T]``.
+    where: a token mask ``hidden.shape[:-1]``.
+    chunk_size: tokens per chunk (``None``: a power of two per platform).
+    axis_name: the mesh axis the V axis of the heads is split over.
 
   Returns:
     A scalar in the promoted dtype of ``hidden`` and ``weight``; with
@@ -456,52 +397,29 @@ def fused_topk_distillation_loss(
   r"""Distillation loss from the student's hidden states and LM head and a top-k teacher.
 
   :func:`fused_distillation_loss` with the teacher given as its stored top-k
-  token ids and log-probabilities (offline distillation, an inference
-  server's logprobs): per valid token
+  ids and log-probabilities: per valid token, with :math:`s = h W + b`
+  computed ``chunk_size`` tokens at a time,
 
   .. math::
 
      \alpha\, T^2\, D_k\big(p, \mathrm{softmax}(s/T)\big)
      + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big),
 
-  averaged over the valid tokens (or divided by ``normalizer``), with
-  :math:`s = h W + b` computed ``chunk_size`` tokens at a time and
-  :math:`D_k` the top-k divergence of :func:`divergence_from_topk` (``tail``
-  ``"renormalize"`` or ``"bucket"``, padding with ``-inf`` log-probabilities,
-  repeated ids, ``teacher_vocab_size``). Equal, in value and gradients wrt
-  ``hidden``, ``weight`` and ``bias``, to :func:`divergence_from_topk` on the
-  materialised logits ``hidden @ weight + bias`` mixed with their cross
-  entropy as :func:`distillation_loss` mixes them; no ``[tokens, vocab]``
-  array exists, forward or backward. Without ``labels``: :math:`T^2 D_k`
-  alone.
-
-  Ids with mass outside ``[0, teacher_vocab_size)``: ``ValueError`` when
-  the values are known, NaN loss under ``jit``. Gradients, options and
-  ``axis_name`` as in :func:`fused_distillation_loss` (the top-k arrays and
-  labels whole on the vocabulary axis).
+  averaged as in :func:`distillation_loss`, with :math:`D_k` the divergence
+  of :func:`divergence_from_topk` (its ``tail``, padding and repeated ids).
+  No ``[tokens, vocab]`` array exists, forward or backward. Gradients, chunks
+  and ``axis_name`` as in :func:`fused_distillation_loss`.
 
   Args:
     hidden: the student's hidden states ``[..., H]``.
-    weight: the student's LM head ``[H, V]``.
+    weight: the student's LM head ``[H, V]``; ``bias``: optional ``[V]``.
     topk_indices: the teacher's token ids ``[..., k]`` (``hidden``'s tokens).
     topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
     labels: optional token ids ``hidden.shape[:-1]``: adds the cross entropy.
-    alpha: weight of the distillation term with labels, in ``[0, 1]``.
-    ignore_index: the label of tokens to leave out.
-    bias: optional student bias ``[V]``.
-    temperature: positive, finite softmax temperature.
-    divergence: a divergence name or a :class:`Divergence`.
-    tail: ``"renormalize"`` or ``"bucket"`` (:func:`divergence_from_topk`).
-    scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
-    where: a token mask of shape ``hidden.shape[:-1]``.
-    normalizer: the denominator instead of the number of valid tokens.
-    chunk_size: tokens per chunk (``None``: per platform, as in
-      :func:`fused_distillation_loss`).
-    axis_name: vocabulary parallelism over the V axis of ``weight`` and
-      ``bias``.
-    softcap: the student's logit soft-cap.
-    teacher_vocab_size: the teacher's vocabulary size when it differs.
-    return_parts: also return the :class:`DistillationParts`.
+    tail: ``"renormalize"`` or ``"bucket"``, as in :func:`divergence_from_topk`.
+    alpha, ignore_index, temperature, divergence, scale_by_temperature_squared, where,
+      normalizer, chunk_size, axis_name, softcap, teacher_vocab_size, return_parts: as
+      in :func:`fused_distillation_loss`.
 
   Returns:
     A scalar in the promoted dtype of ``hidden`` and ``weight``; with
