@@ -146,50 +146,22 @@ def fused_token_log_probs(
 
   :func:`token_log_probs` of the logits :math:`z = h W + b`, computed
   ``chunk_size`` tokens at a time: no ``[tokens, vocab]`` array exists,
-  forward or backward. The forward pass keeps two per-token statistics (the
-  row max and the log-normaliser); the backward pass recomputes each chunk's
-  logits from them and folds the chunk's gradient into the gradients wrt
-  ``hidden``, ``weight`` and ``bias`` at once (the weight's on CPU a block of
-  vocabulary columns at a time, as the fused distillation losses do). PPO and
-  GRPO need these for the policy's and the reference model's sampled tokens
-  (see :func:`kl_estimate`); Liger Kernel's fused linear cross entropy is the
-  same design.
-
-  Values and gradients (wrt ``hidden``, ``weight`` and ``bias``, through both
-  outputs) equal the materialised computation; ``temperature`` receives no
-  gradient (zeros). Reverse mode only (``jax.grad``, ``vjp``); use
-  :func:`token_log_probs` on logits for ``jvp`` or Hessians. Matmuls
-  accumulate in float32 (``preferred_element_type``); results come back in
-  the promoted dtype of ``hidden`` and ``weight``.
+  forward or backward. The forward pass keeps two statistics per token; the
+  backward pass recomputes each chunk's logits (:doc:`/rl`). Reverse mode
+  only, ``temperature`` gets zero gradient: :ref:`derivatives`; ids:
+  :doc:`/conventions`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
     hidden: hidden states ``[..., H]``.
-    weight: the LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
-    token_ids: the sampled token ids ``hidden.shape[:-1]``: an id outside
-      ``[0, V)`` raises ``ValueError`` when the ids are known, gives NaN
-      under ``jit``.
-    bias: optional bias ``[V]``.
-    temperature: positive softmax temperature (a traced scalar is allowed;
-      NaN unless positive and finite).
-    softcap: soft-cap the logits before the temperature (``None``: none).
-    where: a per-token mask ``hidden.shape[:-1]``: a masked token gives 0
-      and zero gradients.
-    ignore_index: a token id meaning "no token" (padding such as -100): such
-      tokens give 0 and zero gradients, like masked ones.
-    return_entropy: also return the entropy per token.
-    chunk_size: tokens per chunk; ``None`` picks a power of two per platform,
-      as in :func:`fused_distillation_loss`.
-    axis_name: the mesh axis over which the V axis of ``weight`` and ``bias``
-      is split inside ``jax.shard_map`` (hidden states and ids whole): each
-      device computes its slice of every chunk's logits; the statistics are
-      combined with ``lax.pmax``/``lax.psum``, the token's logit comes from
-      the device that holds it, the gradient wrt ``hidden`` is summed over
-      the axis and those wrt ``weight`` and ``bias`` stay local slices. No
-      all-gather; the result is replicated over ``axis_name``.
+    weight: the LM head ``[H, V]`` (Flax ``Dense`` kernel layout); ``bias``: optional ``[V]``.
+    token_ids: the sampled token ids ``hidden.shape[:-1]``.
+    temperature, softcap, where, ignore_index, return_entropy: as in :func:`token_log_probs`.
+    chunk_size: tokens per chunk (``None``: a power of two per platform).
+    axis_name: the mesh axis the V axis of ``weight`` and ``bias`` is split over.
 
   Returns:
-    The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``,
-    ``(log_probs, entropy)``.
+    The log-probabilities ``hidden.shape[:-1]`` in the promoted dtype of ``hidden`` and
+    ``weight``; with ``return_entropy``, ``(log_probs, entropy)``.
 
   Examples:
     >>> import jax, jax.numpy as jnp
