@@ -366,36 +366,20 @@ def fused_policy_loss(
   advantages, entropy=entropy, ...)`` with ``log_probs, entropy =
   token_log_probs(hidden @ weight + bias, token_ids, temperature=,
   softcap=, return_entropy=True)``, computed ``chunk_size`` tokens at a
-  time. Token-level surrogates take one pass with the gradient computed in
-  the forward (three matmuls per chunk: the logits, the gradients wrt
-  ``hidden`` and ``weight``); the sequence-level ones (``"gspo"``,
-  ``"gspo-token"``, ``"gmpo"``, and an on-policy sequence-level rollout
-  correction) need whole sequences first: two passes, four matmuls per
-  chunk, as :func:`fused_token_log_probs` + :func:`policy_loss`. The
-  metrics come from the same pass; the mean entropy is always reported
-  (the log-normaliser gives it), and it is differentiated only when
-  ``entropy_coef`` is not a static 0.
+  time, the gradient in the forward pass (two passes for the sequence-level
+  surrogates). Passes, memory, bf16 chunks: :doc:`/policy-optimisation`;
+  reverse mode only, the per-token inputs and ``temperature`` get zero
+  gradient: :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
     hidden: hidden states ``[..., T, H]`` (the tokens' shape ``[..., T]``).
     weight: the LM head ``[H, V]``; ``bias``: optional ``[V]``.
     token_ids: the sampled tokens ``[..., T]``.
-    old_log_probs, advantages: as :func:`policy_loss`.
-    temperature, softcap: the sampling temperature and the logits'
-      soft-cap, as :func:`token_log_probs`.
-    ignore_index: a token id meaning "no token" (left out like ``where``).
-    axis_name: the mesh axis over which ``weight``'s and ``bias``' V axis
-      is split inside ``jax.shard_map`` (the rest whole), as
+    temperature, softcap, ignore_index, axis_name, chunk_size: as in
       :func:`fused_token_log_probs`.
-    chunk_size: tokens per chunk (``None``: per platform, as
-      :func:`fused_token_log_probs`; on CPU about ``2**24`` logits).
 
-  The other options are :func:`policy_loss`'s (without ``entropy``: it
-  is computed here). For bf16/f16 ``hidden`` and ``weight`` each chunk's
-  logits and their gradient are held in that dtype between the matmuls
-  and the softmax, as the materialised ``hidden @ weight + bias``'s (the
-  log-probs, entropy and loss in float32). Gradients flow to ``hidden``, ``weight`` and ``bias``
-  (reverse mode only); the per-token inputs and ``temperature`` get zero.
+  The other options are :func:`policy_loss`'s (without ``entropy``: it is
+  computed here).
 
   Returns:
     ``(loss, metrics)`` as :func:`policy_loss`.
