@@ -269,10 +269,9 @@ def divergence_from_topk(
   r"""Per-example divergence between a top-k teacher and the student's full softmax.
 
   The teacher is given by its top-k token ids :math:`i_j` and
-  log-probabilities :math:`l_j` (over its whole vocabulary, as distillation
-  pipelines and inference servers store them); the student by its logits
-  :math:`z` over its whole vocabulary. Both become distributions on
-  :math:`k + 1` classes, the top-k tokens and a *tail* holding the rest:
+  log-probabilities :math:`l_j` (over its whole vocabulary), the student by
+  its logits :math:`z`. Both become distributions on :math:`k + 1` classes,
+  the top-k tokens and a *tail* holding the rest:
 
   .. math::
 
@@ -280,86 +279,36 @@ def divergence_from_topk(
      q_{\text{tail}} = 1 - \sum_j q_j,
 
   and for the teacher, with ``tail="renormalize"`` (the default),
-  :math:`p_j = e^{l_j/T} / \sum_{j'} e^{l_{j'}/T}` (the teacher's softmax at
-  temperature :math:`T`, restricted to its top-k and renormalised: exact,
-  since :math:`l_j = s_j - \log\sum e^{s}`) and :math:`p_{\text{tail}} = 0`;
-  with ``tail="bucket"`` (TRL's ``add_tail_bucket``, verl's
-  ``forward_kl_topk_tail``), :math:`p_j = e^{l_j}` and
-  :math:`p_{\text{tail}} = 1 - \sum_j p_j`, the teacher's own remaining mass.
-  The result is :math:`D(p, q)` over those classes, for any divergence of
-  :func:`divergence_from_logits`.
+  :math:`p_j = e^{l_j/T} / \sum_{j'} e^{l_{j'}/T}` and :math:`p_{\text{tail}} = 0`;
+  with ``tail="bucket"``, :math:`p_j = e^{l_j}` and
+  :math:`p_{\text{tail}} = 1 - \sum_j p_j`. The result is :math:`D(p, q)` over
+  those classes, for any divergence of :func:`divergence_from_logits`.
+  Renormalised, forward KL is :func:`kl_div_from_topk` and reverse KL may be ``+inf``;
+  with the bucket every divergence is finite and :math:`T` scales the student only.
 
-  Which tail: with ``"renormalize"`` forward KL is exactly
-  :math:`\mathrm{KL}(\hat p \,\|\, q)` over the whole vocabulary (the
-  renormalised teacher has no mass elsewhere), as :func:`kl_div_from_topk`
-  has always computed; divergences that charge the student for mass where
-  the teacher has none (``reverse_kl``, ``symmetric_kl``) are ``+inf`` there
-  unless the student puts all its mass on the top-k. ``"bucket"`` keeps the
-  teacher's real tail mass, so every divergence is finite and compares the
-  total mass outside the top-k too; the teacher's mass outside its top-k is
-  unknown at another temperature, so its log-probabilities are taken as
-  they are (store them at the distillation temperature, as a server does
-  when it samples at :math:`T`) and :math:`T` scales the student only. Stored
-  masses that sum above 1 (rounding) are renormalised, with an empty tail.
-
-  Stored top-k lists as they come: a slot whose log-probability is ``-inf``
-  has no mass whatever its id (padding); a repeated id is the same token
-  and only its first slot counts (lists padded by repetition); ``where``
-  masks slots or whole examples. An id with mass outside ``[0,
-  teacher_vocab_size)`` raises ``ValueError`` when the values are known
-  (outside ``jit``), and makes its example NaN under ``jit`` (values cannot
-  be checked there); ids are never wrapped or clamped. A student row of
-  only ``-inf`` logits is the zero measure. The student's full log-sum-exp
-  never materialises a ``[..., vocab]`` temporary beyond the gradient itself,
-  in ``value_and_grad`` too.
-
-  Vocabularies of different sizes (``teacher_vocab_size``): the shared
-  classes are the first ``min(V, teacher_vocab_size)`` ids, as in
-  :func:`divergence_from_logits`; a top-k id only the teacher has carries no
-  mass (its slot leaves the teacher, which is renormalised over the shared
-  classes), and the student's classes the teacher lacks are cut.
-
-  Gradients wrt the logits (the softmax recomputed, not stored), the
-  teacher's log-probabilities, a traced temperature and traced divergence
-  parameters; ``jvp`` and ``jax.hessian`` wrt the logits where the
-  divergence is smooth. Identical distributions give exactly 0; the value is
-  never below 0.
+  Which tail: :doc:`/large-vocabularies`; padding, repeated ids, ids out of
+  range: :doc:`/conventions`; the shared arguments and the derivatives:
+  :ref:`shared-arguments`, :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
-    logits: student logits ``[..., vocab]`` (bf16/f16 are computed in
-      float32).
+    logits: student logits ``[..., vocab]``.
     topk_indices: integer teacher token ids ``[..., k]``, same leading shape.
     topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
-    divergence: a name or a :class:`Divergence`, as in
-      :func:`divergence_from_logits`.
-    temperature: positive softmax temperature ``T`` (a traced scalar is
-      allowed: NaN unless positive and finite). No ``T**2`` factor.
-    tail: ``"renormalize"`` or ``"bucket"``, see above.
-    where: optional boolean per-example ``[...]`` (a masked example gives 0
-      with zero gradients, whatever its inputs hold) or per-slot ``[..., k]``
-      mask (masked slots leave the teacher's support).
-    softcap: soft-cap the student's logits before the temperature,
-      ``softcap * tanh(z / softcap)`` (``None``: none, at no cost). The
-      teacher's log-probabilities are stored after its own.
-    teacher_vocab_size: the teacher's vocabulary size when it differs from
-      the student's (``None``: the same).
-    axis_name: the mesh axis over which the student's vocabulary is split
-      inside ``jax.shard_map`` (vocabulary parallelism): each device passes
-      its slice of ``logits``, the top-k arrays whole; each id's logit comes
-      from the device that holds it and the log-sum-exp is combined with
-      ``lax.pmax``/``lax.psum`` (per-row scalars only). The result is
-      replicated over the axis.
+    divergence: a name or a :class:`Divergence`, as in :func:`divergence_from_logits`.
+    temperature: the softmax temperature ``T`` (Python number or traced); no ``T**2``.
+    tail: ``"renormalize"`` or ``"bucket"``.
+    where: a per-example ``[...]`` or a per-slot ``[..., k]`` mask.
+    softcap: the student's logit soft-cap.
+    teacher_vocab_size: the teacher's vocabulary size when it differs.
+    axis_name: the mesh axis the student's vocabulary is split over.
 
   Returns:
-    The divergence per example, ``logits.shape[:-1]``, in the promoted dtype
-    of ``logits`` and ``topk_log_probs``.
+    The divergence per example ``logits.shape[:-1]``, in the promoted dtype of
+    ``logits`` and ``topk_log_probs``.
 
   Raises:
-    TypeError: non-floating logits or log-probabilities, non-integer ids, a
-      non-boolean ``where``.
-    ValueError: mismatched shapes, an unknown ``tail``, an invalid static
-      temperature, soft-cap or ``where`` shape, an id out of range (values
-      known).
+    TypeError: non-floating logits or log-probabilities, non-integer ids, a non-bool ``where``.
+    ValueError: mismatched shapes, an invalid static option, an id out of range (values known).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -406,9 +355,8 @@ def kl_div_from_topk(
   r"""Per-example forward KL from a top-k teacher to the student's full softmax.
 
   :func:`divergence_from_topk` with ``divergence="forward_kl"``. With the
-  default ``tail="renormalize"``, the teacher is *renormalised over its
-  top-k support* at temperature ``T``; the student is the full-vocabulary
-  softmax:
+  default ``tail="renormalize"`` the teacher is renormalised over its top-k
+  at temperature ``T``, the student is the full-vocabulary softmax:
 
   .. math::
 
@@ -416,55 +364,19 @@ def kl_div_from_topk(
      \log q_i = \frac{z_i}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
      \mathrm{KL} = \sum_{j=1}^{k} p_j \,(\log p_j - \log q_{i_j}).
 
-  Since ``l_j = s_j - log sum_v exp(s_v)`` for the teacher's logits ``s``,
-  ``p`` is exactly ``softmax(s / T)`` restricted to the top-k tokens and
-  renormalised, and the result is the true KL divergence between that
-  truncated teacher and the student: ``>= 0``, and 0 iff the student puts
-  all its mass on the top-k tokens in the teacher's proportions. With
-  ``k = vocab`` it is the full KL ``KL(softmax(s / T) || softmax(z / T))``.
-  With ``tail="bucket"`` the teacher keeps its remaining mass ``1 - sum_j
-  exp(l_j)`` as one more class, against the student's mass outside the top-k
-  (see :func:`divergence_from_topk`).
-
-  Gradient wrt the logits: ``(q - scatter(p)) / T`` per example for the
-  renormalised form (``q`` over the full vocabulary, ``p`` scattered onto the
-  top-k ids); the softmax ``q`` is recomputed in the backward pass rather
-  than stored. Forward mode and second derivatives work (``jax.hessian`` wrt
-  the logits). The teacher's log-probabilities and a traced temperature are
-  differentiable too.
-
-  Masks, padding (``-inf`` log-probabilities, repeated ids: the first slot
-  counts), ids out of range (``ValueError`` outside ``jit``, NaN inside),
-  ``softcap``, ``teacher_vocab_size`` and ``axis_name`` as in
-  :func:`divergence_from_topk`. A top-k id whose student logit is ``-inf``
-  gives ``+inf`` (the true value), as does a student row of only ``-inf``
-  logits. The value is never below 0; NaN in the logits or log-probabilities
-  propagates.
+  With ``k = vocab`` it is the full KL. The rest, and the arguments, as in
+  :func:`divergence_from_topk`; the gradient: :ref:`derivatives`.
 
   Args:
-    logits: student logits ``[..., vocab]`` (bf16/f16 are computed in float32).
+    logits: student logits ``[..., vocab]``.
     topk_indices: integer teacher token ids ``[..., k]``, same leading shape.
     topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
-    temperature: positive softmax temperature ``T``, for the teacher and the
-      student alike; a Python number is checked at trace time, a traced
-      scalar is allowed (schedules) and differentiable (NaN unless positive
-      and finite). No ``T**2`` factor is applied.
-    where: optional boolean per-example ``[...]`` or per-slot ``[..., k]`` mask.
-    tail: ``"renormalize"`` (default) or ``"bucket"``.
-    softcap: the student's logit soft-cap, as in :func:`divergence_from_topk`.
-    teacher_vocab_size: the teacher's vocabulary size when it differs.
-    axis_name: vocabulary parallelism, as in :func:`divergence_from_topk`.
+    temperature, where, tail, softcap, teacher_vocab_size, axis_name: as in
+      :func:`divergence_from_topk`.
 
   Returns:
-    The KL per example, shape ``logits.shape[:-1]``, in the promoted dtype of
+    The KL per example ``logits.shape[:-1]``, in the promoted dtype of
     ``logits`` and ``topk_log_probs``.
-
-  Raises:
-    TypeError: non-floating logits or log-probabilities, non-integer indices,
-      a non-boolean ``where``.
-    ValueError: mismatched shapes, a non-positive or non-scalar static
-      temperature, a ``where`` of an incompatible shape, an id out of range
-      (values known).
 
   Examples:
     >>> import jax.numpy as jnp
