@@ -238,20 +238,16 @@ def distillation_loss(
          D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
          + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
 
-  with student logits :math:`s`, teacher logits :math:`t`, labels :math:`y`
-  and :math:`D` any divergence of :func:`divergence_from_logits` (Hinton et
-  al.: the forward KL, the default). Valid tokens: ``labels != ignore_index``
-  and ``where``. :math:`N` is their number (at least 1, so an all-ignored
-  batch gives 0, not NaN), or ``normalizer``. Without ``labels`` the loss is
-  :math:`T^2 D` alone, averaged over the tokens ``where`` selects.
-
-  Which divergence: :doc:`/distillation`; ``-inf``, masks, labels, NaN:
-  :doc:`/conventions`; the shared arguments and the derivatives:
-  :ref:`shared-arguments`, :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
+  with student logits :math:`s`, teacher logits :math:`t`, labels :math:`y`,
+  :math:`D` any divergence of :func:`divergence_from_logits` and :math:`N` the
+  number of valid tokens (``labels != ignore_index`` and ``where``; at least 1,
+  so an all-ignored batch gives 0) or ``normalizer``. Without ``labels``:
+  :math:`T^2 D` alone. Which divergence: :doc:`/distillation`; ``-inf``, masks,
+  labels, NaN: :doc:`/conventions`; the shared arguments, the derivatives and
+  ``axis_name``: :ref:`shared-arguments`, :ref:`derivatives`, :ref:`vocab-parallel`.
 
   Args:
-    student_logits: ``[..., num_classes]`` (e.g. ``[batch, seq, vocab]``).
-    teacher_logits: broadcastable to ``student_logits``.
+    student_logits, teacher_logits: ``[..., num_classes]``; the teacher's broadcastable.
     labels: optional integer class indices ``[...]`` (the logits' shape without the class axis).
     temperature: the softmax temperature ``T`` of the divergence (Python number or traced).
     alpha: the weight of the distillation term, in ``[0, 1]``.
@@ -262,8 +258,7 @@ def distillation_loss(
     where: a per-token mask ``[...]``, or a class mask broadcastable to the logits.
     normalizer: the denominator instead of the number of valid tokens (a global count).
     axis_name: the mesh axis the classes are split over (vocabulary parallelism).
-    softcap, target_softcap: the student's and the teacher's logit soft-caps.
-    teacher_vocab_size: the teacher's class count when it differs.
+    softcap, target_softcap, teacher_vocab_size: both logit soft-caps; the teacher's class count.
     return_parts: also return the :class:`DistillationParts` (sums, for logging).
 
   Returns:

@@ -307,10 +307,8 @@ def fused_distillation_loss(
   r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
 
   ``distillation_loss(hidden @ weight + bias, target_hidden @ target_weight +
-  target_bias, labels, ...)`` in value and gradients wrt ``hidden``,
-  ``weight`` and ``bias``, with the ``[tokens, vocab]`` logits only
-  ``chunk_size`` tokens at a time: with :math:`s = h W + b`,
-  :math:`t = h_T W_T + b_T`,
+  target_bias, labels, ...)`` in value and gradients, computed ``chunk_size``
+  tokens at a time: with :math:`s = h W + b` and :math:`t = h_T W_T + b_T`,
 
   .. math::
 
@@ -318,47 +316,37 @@ def fused_distillation_loss(
          D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
          + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
 
-  (:math:`T^2 D` alone without ``labels``; :math:`D`, :math:`N` and the
-  options as in :func:`distillation_loss`). The chunks and ``chunk_size``:
-  :doc:`/large-vocabularies`; reverse mode only, the teacher and the options
-  get zero gradients: :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
+  (:math:`T^2 D` alone without ``labels``). The chunks: :doc:`/large-vocabularies`;
+  reverse mode only, zero gradients for the teacher and the options:
+  :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
-    hidden: the student's hidden states ``[..., H]``.
-    weight: the student's LM head ``[H, V]`` (Flax ``Dense`` kernel layout).
-    target_hidden: the teacher's hidden states ``[..., H_T]``, same tokens.
-    target_weight: the teacher's LM head ``[H_T, V_T]`` (``V_T = V`` unless ``teacher_vocab_size``).
+    hidden, weight: the student's hidden states ``[..., H]`` and LM head ``[H, V]``.
+    target_hidden, target_weight: the teacher's, ``[..., H_T]`` and ``[H_T, V_T]``.
     labels: optional integer token ids ``hidden.shape[:-1]``: adds the cross entropy.
-    alpha, ignore_index, temperature, divergence, beta, scale_by_temperature_squared,
-      normalizer, softcap, target_softcap, teacher_vocab_size, return_parts: as in
-      :func:`distillation_loss`.
     bias, target_bias: optional biases ``[V]`` and ``[V_T]``.
     where: a token mask ``hidden.shape[:-1]``.
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of the heads is split over.
+    alpha, ignore_index, temperature, divergence, beta, scale_by_temperature_squared,
+      normalizer, softcap, target_softcap, teacher_vocab_size, return_parts: as in
+      :func:`distillation_loss`.
 
   Returns:
-    A scalar in the promoted dtype of ``hidden`` and ``weight``; with
-    ``return_parts``, ``(loss, parts)``.
+    A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from kldiv_jax import distillation_loss, fused_distillation_loss
-    >>> k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
-    >>> h, w = jax.random.normal(k1, (6, 4)), jax.random.normal(k2, (4, 10))
-    >>> th, tw = jax.random.normal(k3, (6, 5)), jax.random.normal(k4, (5, 10))
+    >>> h, th = jax.random.normal(jax.random.key(0), (2, 6, 4))
+    >>> w, tw = jax.random.normal(jax.random.key(1), (2, 4, 10))
     >>> y = jnp.array([1, 2, 3, -100, 4, 5])
     >>> fused, parts = fused_distillation_loss(
     ...   h, w, th, tw, y, temperature=2.0, chunk_size=4, return_parts=True
     ... )
-    >>> bool(jnp.allclose(fused, distillation_loss(h @ w, th @ tw, y, temperature=2.0)))
-    True
-    >>> int(parts.num_tokens)
-    5
-
-  References:
-    Hsu et al., *Liger Kernel: Efficient Triton Kernels for LLM Training*
-    (2024), arXiv:2410.10989.
+    >>> want = distillation_loss(h @ w, th @ tw, y, temperature=2.0)
+    >>> bool(jnp.allclose(fused, want)), int(parts.num_tokens)
+    (True, 5)
   """
   name = "fused_distillation_loss"
   o = distill_options(
@@ -396,25 +384,19 @@ def fused_topk_distillation_loss(
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Distillation loss from the student's hidden states and LM head and a top-k teacher.
 
-  :func:`fused_distillation_loss` with the teacher given as its stored top-k
-  ids and log-probabilities: per valid token, with :math:`s = h W + b`
-  computed ``chunk_size`` tokens at a time,
+  :func:`fused_distillation_loss` (gradients, chunks and ``axis_name`` alike) with
+  the teacher stored as its top-k ids and log-probabilities: per valid token,
+  averaged as in :func:`distillation_loss`, with :math:`s = h W + b` and
+  :math:`D_k` the divergence of :func:`divergence_from_topk`,
 
   .. math::
 
      \alpha\, T^2\, D_k\big(p, \mathrm{softmax}(s/T)\big)
-     + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big),
-
-  averaged as in :func:`distillation_loss`, with :math:`D_k` the divergence
-  of :func:`divergence_from_topk` (its ``tail``, padding and repeated ids).
-  No ``[tokens, vocab]`` array exists, forward or backward. Gradients, chunks
-  and ``axis_name`` as in :func:`fused_distillation_loss`.
+     + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big).
 
   Args:
-    hidden: the student's hidden states ``[..., H]``.
-    weight: the student's LM head ``[H, V]``; ``bias``: optional ``[V]``.
-    topk_indices: the teacher's token ids ``[..., k]`` (``hidden``'s tokens).
-    topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
+    hidden, weight: the student's hidden states ``[..., H]`` and LM head ``[H, V]``; ``bias``: ``[V]``.
+    topk_indices, topk_log_probs: the teacher's token ids and log-probabilities ``[..., k]``.
     labels: optional token ids ``hidden.shape[:-1]``: adds the cross entropy.
     tail: ``"renormalize"`` or ``"bucket"``, as in :func:`divergence_from_topk`.
     alpha, ignore_index, temperature, divergence, scale_by_temperature_squared, where,
@@ -422,8 +404,7 @@ def fused_topk_distillation_loss(
       in :func:`fused_distillation_loss`.
 
   Returns:
-    A scalar in the promoted dtype of ``hidden`` and ``weight``; with
-    ``return_parts``, ``(loss, parts)``.
+    A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
 
   Examples:
     >>> import jax, jax.numpy as jnp

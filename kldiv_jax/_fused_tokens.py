@@ -152,16 +152,14 @@ def fused_token_log_probs(
   :doc:`/conventions`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
-    hidden: hidden states ``[..., H]``.
-    weight: the LM head ``[H, V]`` (Flax ``Dense`` kernel layout); ``bias``: optional ``[V]``.
+    hidden, weight: hidden states ``[..., H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
     token_ids: the sampled token ids ``hidden.shape[:-1]``.
     temperature, softcap, where, ignore_index, return_entropy: as in :func:`token_log_probs`.
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of ``weight`` and ``bias`` is split over.
 
   Returns:
-    The log-probabilities ``hidden.shape[:-1]`` in the promoted dtype of ``hidden`` and
-    ``weight``; with ``return_entropy``, ``(log_probs, entropy)``.
+    The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``, ``(lp, entropy)``.
 
   Examples:
     >>> import jax, jax.numpy as jnp

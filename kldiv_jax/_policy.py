@@ -364,22 +364,16 @@ def fused_policy_loss(
 
   The loss and metrics of ``policy_loss(log_probs, old_log_probs,
   advantages, entropy=entropy, ...)`` with ``log_probs, entropy =
-  token_log_probs(hidden @ weight + bias, token_ids, temperature=,
-  softcap=, return_entropy=True)``, computed ``chunk_size`` tokens at a
-  time, the gradient in the forward pass (two passes for the sequence-level
-  surrogates). Passes, memory, bf16 chunks: :doc:`/policy-optimisation`;
-  reverse mode only, the per-token inputs and ``temperature`` get zero
-  gradient: :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
+  token_log_probs(hidden @ weight + bias, token_ids, return_entropy=True, ...)``,
+  ``chunk_size`` tokens at a time. Passes, memory, bf16: :doc:`/policy-optimisation`;
+  reverse mode only, zero gradients for ``temperature`` and the per-token
+  inputs: :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
-    hidden: hidden states ``[..., T, H]`` (the tokens' shape ``[..., T]``).
-    weight: the LM head ``[H, V]``; ``bias``: optional ``[V]``.
+    hidden, weight: hidden states ``[..., T, H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
     token_ids: the sampled tokens ``[..., T]``.
     temperature, softcap, ignore_index, axis_name, chunk_size: as in
-      :func:`fused_token_log_probs`.
-
-  The other options are :func:`policy_loss`'s (without ``entropy``: it is
-  computed here).
+      :func:`fused_token_log_probs`; the other options as in :func:`policy_loss`.
 
   Returns:
     ``(loss, metrics)`` as :func:`policy_loss`.

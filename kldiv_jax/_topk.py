@@ -268,10 +268,9 @@ def divergence_from_topk(
 ) -> jax.Array:
   r"""Per-example divergence between a top-k teacher and the student's full softmax.
 
-  The teacher is given by its top-k token ids :math:`i_j` and
-  log-probabilities :math:`l_j` (over its whole vocabulary), the student by
-  its logits :math:`z`. Both become distributions on :math:`k + 1` classes,
-  the top-k tokens and a *tail* holding the rest:
+  The teacher is given by its top-k ids :math:`i_j` and log-probabilities
+  :math:`l_j`, the student by its logits :math:`z`; both become distributions
+  on :math:`k + 1` classes, the top-k tokens and a *tail* holding the rest:
 
   .. math::
 
@@ -285,26 +284,22 @@ def divergence_from_topk(
   those classes, for any divergence of :func:`divergence_from_logits`.
   Renormalised, forward KL is :func:`kl_div_from_topk` and reverse KL may be ``+inf``;
   with the bucket every divergence is finite and :math:`T` scales the student only.
-
   Which tail: :doc:`/large-vocabularies`; padding, repeated ids, ids out of
   range: :doc:`/conventions`; the shared arguments and the derivatives:
   :ref:`shared-arguments`, :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
   Args:
     logits: student logits ``[..., vocab]``.
-    topk_indices: integer teacher token ids ``[..., k]``, same leading shape.
-    topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
+    topk_indices, topk_log_probs: the teacher's integer ids and log-probabilities ``[..., k]``.
     divergence: a name or a :class:`Divergence`, as in :func:`divergence_from_logits`.
     temperature: the softmax temperature ``T`` (Python number or traced); no ``T**2``.
     tail: ``"renormalize"`` or ``"bucket"``.
     where: a per-example ``[...]`` or a per-slot ``[..., k]`` mask.
-    softcap: the student's logit soft-cap.
-    teacher_vocab_size: the teacher's vocabulary size when it differs.
+    softcap, teacher_vocab_size: the student's logit soft-cap; the teacher's vocabulary size.
     axis_name: the mesh axis the student's vocabulary is split over.
 
   Returns:
-    The divergence per example ``logits.shape[:-1]``, in the promoted dtype of
-    ``logits`` and ``topk_log_probs``.
+    The divergence per example ``logits.shape[:-1]``, in the promoted dtype.
 
   Raises:
     TypeError: non-floating logits or log-probabilities, non-integer ids, a non-bool ``where``.
@@ -313,14 +308,11 @@ def divergence_from_topk(
   Examples:
     >>> import jax.numpy as jnp
     >>> from kldiv_jax import divergence_from_topk
-    >>> logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
-    >>> ids = jnp.array([[0, 2]])
+    >>> logits, ids = jnp.array([[2.0, 1.0, 0.0, -1.0]]), jnp.array([[0, 2]])
     >>> lp = jnp.log(jnp.array([[0.6, 0.2]]))
     >>> divergence_from_topk(logits, ids, lp)  # renormalised: [0.75, 0.25]
     Array([0.3778...], dtype=float32)
-    >>> divergence_from_topk(logits, ids, lp, tail="bucket")  # [0.6, 0.2] and a tail of 0.2
-    Array([0.0645...], dtype=float32)
-    >>> divergence_from_topk(logits, ids, lp, divergence="jsd", tail="bucket")
+    >>> divergence_from_topk(logits, ids, lp, divergence="jsd", tail="bucket")  # tail 0.2
     Array([0.0143...], dtype=float32)
   """
   name = "divergence_from_topk"
@@ -354,9 +346,9 @@ def kl_div_from_topk(
 ) -> jax.Array:
   r"""Per-example forward KL from a top-k teacher to the student's full softmax.
 
-  :func:`divergence_from_topk` with ``divergence="forward_kl"``. With the
-  default ``tail="renormalize"`` the teacher is renormalised over its top-k
-  at temperature ``T``, the student is the full-vocabulary softmax:
+  :func:`divergence_from_topk` with ``divergence="forward_kl"`` (the rest alike);
+  with the default ``tail="renormalize"``, the teacher renormalised over its
+  top-k against the student's full softmax, both at temperature ``T``:
 
   .. math::
 
@@ -364,28 +356,22 @@ def kl_div_from_topk(
      \log q_i = \frac{z_i}{T} - \log \sum_{v=1}^{V} e^{z_v / T}, \qquad
      \mathrm{KL} = \sum_{j=1}^{k} p_j \,(\log p_j - \log q_{i_j}).
 
-  With ``k = vocab`` it is the full KL. The rest, and the arguments, as in
-  :func:`divergence_from_topk`; the gradient: :ref:`derivatives`.
+  With ``k = vocab`` it is the full KL. The gradient: :ref:`derivatives`.
 
   Args:
     logits: student logits ``[..., vocab]``.
-    topk_indices: integer teacher token ids ``[..., k]``, same leading shape.
-    topk_log_probs: the teacher's log-probabilities at those ids ``[..., k]``.
+    topk_indices, topk_log_probs: the teacher's integer ids and log-probabilities ``[..., k]``.
     temperature, where, tail, softcap, teacher_vocab_size, axis_name: as in
       :func:`divergence_from_topk`.
 
   Returns:
-    The KL per example ``logits.shape[:-1]``, in the promoted dtype of
-    ``logits`` and ``topk_log_probs``.
+    The KL per example ``logits.shape[:-1]``, in the promoted dtype.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> from kldiv_jax import kl_div_from_topk
-    >>> logits = jnp.array([[2.0, 1.0, 0.0, -1.0]])
-    >>> ids = jnp.array([[0, 2]])
+    >>> logits, ids = jnp.array([[2.0, 1.0, 0.0, -1.0]]), jnp.array([[0, 2]])
     >>> lp = jnp.log(jnp.array([[0.6, 0.2]]))  # renormalised: [0.75, 0.25]
-    >>> kl_div_from_topk(logits, ids, lp)
-    Array([0.3778...], dtype=float32)
     >>> kl_div_from_topk(logits, ids, lp, temperature=2.0)
     Array([0.4965...], dtype=float32)
   """
