@@ -328,9 +328,9 @@ def fused_distillation_loss(
     where: a token mask ``hidden.shape[:-1]``.
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of the heads is split over.
-    alpha, ignore_index, temperature, divergence, beta, scale_by_temperature_squared,
-      normalizer, softcap, target_softcap, teacher_vocab_size, return_parts: as in
-      :func:`distillation_loss`.
+    alpha, ignore_index, temperature, divergence, beta, normalizer: as in :func:`distillation_loss`.
+    scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts: as
+      in :func:`distillation_loss`.
 
   Returns:
     A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
@@ -395,13 +395,14 @@ def fused_topk_distillation_loss(
      + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big).
 
   Args:
-    hidden, weight: the student's hidden states ``[..., H]`` and LM head ``[H, V]``; ``bias``: ``[V]``.
+    hidden, weight: the student's hidden states ``[..., H]`` and head ``[H, V]``; ``bias``: ``[V]``.
     topk_indices, topk_log_probs: the teacher's token ids and log-probabilities ``[..., k]``.
     labels: optional token ids ``hidden.shape[:-1]``: adds the cross entropy.
     tail: ``"renormalize"`` or ``"bucket"``, as in :func:`divergence_from_topk`.
-    alpha, ignore_index, temperature, divergence, scale_by_temperature_squared, where,
-      normalizer, chunk_size, axis_name, softcap, teacher_vocab_size, return_parts: as
+    alpha, ignore_index, temperature, divergence, where, normalizer, chunk_size, axis_name: as
       in :func:`fused_distillation_loss`.
+    scale_by_temperature_squared, softcap, teacher_vocab_size, return_parts: as in
+      :func:`fused_distillation_loss`.
 
   Returns:
     A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
