@@ -228,16 +228,24 @@ def round_robin(
 
 
 def time_contenders(
-  contenders: Mapping[str, tuple[Callable[..., Any], Sequence[Any]]], repeats: int
+  contenders: Mapping[str, tuple[Callable[..., Any], Sequence[Any]]],
+  repeats: int,
+  keep: tuple[str, Callable[[Any], Any]] | None = None,
 ) -> dict[str, dict[str, Any]]:
   """Compiles each ``name: (fn, args)``, warms it up and times them round-robin.
 
-  Returns per name the median and every time (ms) and XLA's memory of the program.
+  Returns per name the median and every time (ms) and XLA's memory of the program;
+  ``keep=(key, f)`` adds ``f`` of the warm-up call's result under ``key``.
   """
   thunks, info = {}, {}
   for name, (fn, args) in contenders.items():
     thunks[name], info[name] = compile_jax(fn, *args)
-  times = round_robin(thunks, repeats)
+  for name, thunk in thunks.items():  # the warm-up
+    out = thunk()
+    if keep is not None:
+      info[name][keep[0]] = keep[1](out)
+  del out
+  times = round_robin(thunks, repeats, warmup=0)
   return {
     name: {"median_ms": median_ms(times[name]), "times_ms": [1e3 * t for t in times[name]]}
     | info[name]
