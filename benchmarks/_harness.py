@@ -1,4 +1,9 @@
-"""Timing, memory and machine-description helpers shared by the benchmark sections.
+"""What the benchmark sections share: the protocol, timing, memory, reports and the machine.
+
+A section is ``benchmarks/bench_<name>.py`` with ``main(argv=None) -> int``: it parses
+``argv`` with :func:`parser` (``--quick``, ``--repeats``, ``--out``, ``--seed`` and its
+own options), prints its table and its targets (:func:`print_targets`), writes
+``<out>/<name>.json`` (:func:`save`) and returns its exit status.
 
 Every section times its contenders the same way:
 
@@ -17,6 +22,9 @@ Every section times its contenders the same way:
   the ratio by 0.15-0.2 against kldiv_jax. ``BENCH_SETTLE=0`` in the environment
   times without the untimed call, to compare;
 * the reported figure is the median over repeats.
+
+The float64 references come from ``tests/_references.py`` (this module puts ``tests/`` on
+``sys.path``), the same ones the test suite compares against.
 """
 
 import argparse
@@ -27,12 +35,25 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+if str(REPO) not in sys.path:  # this checkout's kldiv_jax, whatever the environment installed
+  sys.path.insert(0, str(REPO))
+if str(REPO / "tests") not in sys.path:  # `import _references`
+  sys.path.append(str(REPO / "tests"))
+
+import jax  # noqa: E402
+
+RESULTS = HERE / "results"
+
+
+# ----------------------------------------------------------------------------- the machine
 
 
 def core_count() -> int:
@@ -89,26 +110,75 @@ def describe_machine(info: dict[str, Any]) -> str:
   )
 
 
+def start(section: str) -> dict[str, Any]:
+  """The machine's description, printed under the section's name."""
+  machine = machine_info()
+  print(f"{section}: {describe_machine(machine)}")
+  return machine
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+
+def parser(doc: str, quick: str = "small shapes (smoke test)", repeats: str = "timed calls"):
+  """The options every section takes (``run.py`` passes ``--quick``, ``--repeats``, ``--out``)."""
+  p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+  p.add_argument("--quick", action="store_true", help=quick)
+  p.add_argument("--repeats", type=int, default=None, help=repeats)
+  p.add_argument("--out", type=Path, default=RESULTS, help="output directory")
+  p.add_argument("--seed", type=int, default=0)
+  return p
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+  tmp.replace(path)
+
+
+def save(result: dict[str, Any], out: Path, note: str = "") -> Path:
+  """Writes ``<out>/<section>.json`` and says so."""
+  path = Path(out) / f"{result['section']}.json"
+  write_json(path, result)
+  print(f"{result['section']}: wrote {path}{note}")
+  return path
+
+
+# ----------------------------------------------------------------------------- memory
+
+
 def memory_stats(compiled: Any) -> dict[str, int | None]:
-  """XLA's compiled memory analysis: temp and output bytes (``None`` where unknown)."""
+  """XLA's compiled memory analysis: temp, output and argument bytes (``None`` where unknown)."""
   try:
     stats = compiled.memory_analysis()
   except Exception:
     stats = None
+  keys = ("temp", "output", "argument")
   if stats is None:
-    return {"temp_bytes": None, "output_bytes": None}
-  return {
-    "temp_bytes": int(stats.temp_size_in_bytes),
-    "output_bytes": int(stats.output_size_in_bytes),
-  }
+    return {f"{k}_bytes": None for k in keys}
+  return {f"{k}_bytes": int(getattr(stats, f"{k}_size_in_bytes")) for k in keys}
+
+
+def grad_memory(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int] = 0):
+  """:func:`memory_stats` of ``jit(value_and_grad(fn))`` compiled (not run) for ``args``
+  (``jax.ShapeDtypeStruct`` s will do)."""
+  return memory_stats(jax.jit(jax.value_and_grad(fn, argnums)).lower(*args).compile())
+
+
+def f32(*shape: int) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, jax.numpy.float32)
+
+
+# ----------------------------------------------------------------------------- timing
 
 
 def compile_jax(fn: Callable[..., Any], *args: Any) -> tuple[Callable[[], Any], dict[str, Any]]:
   """Compiles ``fn`` for ``args``; returns a blocking thunk and its memory stats."""
-  start = time.perf_counter()
+  begin = time.perf_counter()
   compiled = jax.jit(fn).lower(*args).compile()
-  info = memory_stats(compiled)
-  info["compile_s"] = time.perf_counter() - start
+  info: dict[str, Any] = memory_stats(compiled)
+  info["compile_s"] = time.perf_counter() - begin
 
   def call() -> Any:
     return jax.block_until_ready(compiled(*args))
@@ -122,21 +192,17 @@ def settling() -> bool:
 
 
 def round_robin(
-  thunks: dict[str, Callable[[], Any]],
-  repeats: int,
-  warmup: int = 1,
-  settle: bool | None = None,
+  thunks: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1, settle: bool | None = None
 ) -> dict[str, list[float]]:
   """Times each thunk ``repeats`` times, interleaved; returns seconds per call per thunk.
 
   Each thunk must block until its work is done (``compile_jax``'s thunks do).
   With ``settle`` (default :func:`settling`), every timed call follows an
   untimed call of the same thunk, so that each is charged for its own deferred
-  deallocations and for no other thunk's (see the module docstring). Python's garbage collector is off while timing, as in
-  ``timeit``.
+  deallocations and for no other thunk's (see the module docstring). Python's
+  garbage collector is off while timing, as in ``timeit``.
   """
-  if settle is None:
-    settle = settling()
+  settle = settling() if settle is None else settle
   names = list(thunks)
   for _ in range(warmup):
     for name in names:
@@ -152,13 +218,39 @@ def round_robin(
         fn = thunks[name]
         if settle:
           fn()
-        start = time.perf_counter()
+        begin = time.perf_counter()
         fn()
-        times[name].append(time.perf_counter() - start)
+        times[name].append(time.perf_counter() - begin)
   finally:
     if was_enabled:
       gc.enable()
   return times
+
+
+def time_contenders(
+  contenders: Mapping[str, tuple[Callable[..., Any], Sequence[Any]]],
+  repeats: int,
+  keep: tuple[str, Callable[[Any], Any]] | None = None,
+) -> dict[str, dict[str, Any]]:
+  """Compiles each ``name: (fn, args)``, warms it up and times them round-robin.
+
+  Returns per name the median and every time (ms) and XLA's memory of the program;
+  ``keep=(key, f)`` adds ``f`` of the warm-up call's result under ``key``.
+  """
+  thunks, info = {}, {}
+  for name, (fn, args) in contenders.items():
+    thunks[name], info[name] = compile_jax(fn, *args)
+  for name, thunk in thunks.items():  # the warm-up
+    out = thunk()
+    if keep is not None:
+      info[name][keep[0]] = keep[1](out)
+  del out
+  times = round_robin(thunks, repeats, warmup=0)
+  return {
+    name: {"median_ms": median_ms(times[name]), "times_ms": [1e3 * t for t in times[name]]}
+    | info[name]
+    for name in contenders
+  }
 
 
 def median_ms(seconds: Sequence[float]) -> float:
@@ -172,6 +264,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
   return a / b
 
 
+# ----------------------------------------------------------------------------- reports
+
+
 def fmt_ms(ms: float | None) -> str:
   if ms is None:
     return "-"
@@ -182,7 +277,7 @@ def fmt_ratio(r: float | None) -> str:
   return "-" if r is None else f"{r:.2f}"
 
 
-def fmt_bytes(n: int | None) -> str:
+def fmt_bytes(n: float | None) -> str:
   if n is None:
     return "-"
   for unit in ("B", "K", "M", "G"):
@@ -192,121 +287,114 @@ def fmt_bytes(n: int | None) -> str:
   return str(n)  # pragma: no cover
 
 
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(path.suffix + ".tmp")
-  tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
-  tmp.replace(path)
-
-
-def target_row(target: str, limit: float, value: float | None) -> dict[str, Any]:
+def target_row(target: str, limit: float, value: float | None, **extra: Any) -> dict[str, Any]:
   """One row of a section's targets: ``value <= limit`` (``None`` when not measured)."""
   return {
     "target": target,
     "limit": limit,
     "value": value,
-    "pass": None if value is None else value <= limit,
+    "pass": None if value is None else bool(value <= limit),
+    **extra,
   }
 
 
-def print_ratio_report(result: dict[str, Any], key: str) -> None:
-  """The report of a value_and_grad section whose records are grouped by ``key``.
+def print_targets(rows: Sequence[dict[str, Any]], indicative: bool, why: str = "--quick sizes"):
+  """The targets, PASS/FAIL; ``indicative``: not at the targets' sizes (``why``)."""
+  print(f"\nTargets{f' (indicative only: {why})' if indicative else ''}:")
+  width = max((len(row["target"]) for row in rows), default=0)
+  for row in rows:
+    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
+    print(f"  {verdict:4}  {row['target']:{width}} {fmt_ratio(row['value']):>6} <= {row['limit']}")
 
-  One line per record (median ms and temp bytes, each with its ratio to the
-  group's baseline), then the targets; used by the logits and divergences sections.
+
+def print_times(title: str, times: Mapping[str, dict[str, Any]], width: int = 28) -> None:
+  """Median ms and temp bytes per contender."""
+  print(title)
+  for name, t in times.items():
+    print(
+      f"  {name:{width}} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}"
+    )
+
+
+def print_memory(title: str, memory: Mapping[str, Any], names: Sequence[str] | None = None):
+  """Temp bytes per contender (``names``: those of ``memory`` to print, default all)."""
+  print(title)
+  for name in names or list(memory):
+    print(f"  {name:28} {fmt_bytes(memory[name]['temp_bytes']):>10}")
+
+
+# ----------------------------------------------------------------------------- logits sections
+
+FULL_SHAPE, QUICK_SHAPE = (4096, 8192), (256, 1024)
+
+
+def logits_data(shape: tuple[int, int], seed: int, ignore_index: int = -100):
+  """Student and teacher logits ``N(0, 4)`` float32 and labels, 10% of them ``ignore_index``."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  student = jnp.asarray(rng.normal(size=shape) * 2.0, jnp.float32)
+  teacher = jnp.asarray(rng.normal(size=shape) * 2.0, jnp.float32)
+  labels = rng.integers(0, shape[1], size=shape[0])
+  labels[rng.uniform(size=shape[0]) < 0.1] = ignore_index
+  return student, teacher, jnp.asarray(labels, jnp.int32)
+
+
+def logits_section(section: str, doc: str, key: str, groups, evaluate, argv, add=None) -> int:
+  """The sections timing ``value_and_grad`` wrt the student's logits (``logits``, ``divergences``).
+
+  ``groups(args, shape)`` gives per group ``(contenders, inputs, check, fields)``: scalar
+  losses of ``inputs``, the baseline first; ``check(out_baseline, out_ours)`` compares their
+  values and gradients before anything is timed; ``fields`` go into the group's records.
+  ``evaluate(records)`` gives the target rows.
   """
-  print(describe_machine(result["machine"]))
-  s = result["settings"]
+  p = parser(doc, quick=f"shape {QUICK_SHAPE}, 3 repeats", repeats="repeats (default 7, quick 3)")
+  p.add_argument("--rows", type=int, default=None, help="rows (with --classes)")
+  p.add_argument("--classes", type=int, default=FULL_SHAPE[1])
+  p.add_argument("--temperature", type=float, default=2.0)
+  if add is not None:
+    add(p)
+  args = p.parse_args(argv)
+  shape = (args.rows, args.classes) if args.rows else QUICK_SHAPE if args.quick else FULL_SHAPE
+  repeats = args.repeats or (3 if args.quick else 7)
+  machine = start(section)
+  records = []
+  for group, (fns, inputs, check, fields) in groups(args, shape).items():
+    thunks, infos = {}, {}
+    for name, fn in fns.items():
+      thunks[name], infos[name] = compile_jax(jax.value_and_grad(fn), *inputs)
+    check(*(thunks[name]() for name in fns))
+    times = round_robin(thunks, repeats)
+    base = next(iter(fns))
+    base_ms, base_temp = median_ms(times[base]), infos[base]["temp_bytes"]
+    for name, seconds in times.items():
+      ms = median_ms(seconds)
+      records.append(
+        {key: group, **fields, "shape": list(shape), "dtype": "float32"}
+        | {"temperature": args.temperature, "contender": name, "median_ms": ms}
+        | {"times_ms": [1e3 * t for t in seconds], "repeats": len(seconds)}
+        | {k: infos[name][k] for k in ("temp_bytes", "output_bytes", "compile_s")}
+        | {"baseline": base, "time_ratio": ratio(ms, base_ms)}
+        | {"temp_ratio": ratio(infos[name]["temp_bytes"], base_temp)}
+      )
+  full_size = tuple(shape) == FULL_SHAPE
+  settings = dict(shape=list(shape), temperature=args.temperature, repeats=repeats, seed=args.seed)
+  result = {"section": section, "machine": machine, "settings": settings | {"full_size": full_size}}
+  result |= {"records": records, "targets": {"full_size": full_size, "rows": evaluate(records)}}
   print(
-    f"value_and_grad wrt the student's logits, shape {tuple(s['shape'])} float32, "
-    f"T = {s['temperature']}, median of {s['repeats']}"
+    f"value_and_grad wrt the student's logits, shape {shape} float32, "
+    f"T = {args.temperature}, median of {repeats}"
   )
-  width = max([len(key), *(len(str(r[key])) for r in result["records"])])
+  width = max([len(key), *(len(str(r[key])) for r in records)])
   header = f"{key:{width}} {'contender':16} {'ms':>9} {'ratio':>6} {'temp':>9} {'ratio':>6}"
-  print(header)
-  print("-" * len(header))
-  for r in result["records"]:
+  print(f"{header}\n{'-' * len(header)}")
+  for r in records:
     print(
       f"{r[key]:{width}} {r['contender']:16} {fmt_ms(r['median_ms']):>9} "
       f"{fmt_ratio(r['time_ratio']):>6} {fmt_bytes(r['temp_bytes']):>9} "
       f"{fmt_ratio(r['temp_ratio']):>6}"
     )
-  targets = result["targets"]
-  note = "" if targets["full_size"] else " (indicative only: not the (4096, 8192) size)"
-  print(f"Targets{note}:")
-  target_width = max((len(row["target"]) for row in targets["rows"]), default=0)
-  for row in targets["rows"]:
-    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
-    print(
-      f"  {verdict:4}  {row['target']:{target_width}} {fmt_ratio(row['value']):>6} <= {row['limit']}"
-    )
-
-
-def logits_parser(
-  doc: str, quick_shape: tuple[int, int], full_shape: tuple[int, int], out: Path
-) -> argparse.ArgumentParser:
-  """The options shared by the sections timed on ``[rows, classes]`` logits."""
-  p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help=f"shape {quick_shape}, 3 repeats")
-  p.add_argument("--rows", type=int, default=None, help="rows (with --classes)")
-  p.add_argument("--classes", type=int, default=full_shape[1])
-  p.add_argument("--temperature", type=float, default=2.0)
-  p.add_argument("--repeats", type=int, default=None, help="repeats (default 7, quick 3)")
-  p.add_argument("--out", type=Path, default=out)
-  p.add_argument("--seed", type=int, default=0)
-  return p
-
-
-def timing_records(
-  times: dict[str, list[float]], infos: dict[str, dict[str, Any]], baseline: str, **fields: Any
-) -> list[dict[str, Any]]:
-  """One record per contender: median and every time, XLA memory, ratios to ``baseline``.
-
-  ``fields`` (the case: shape, dtype, temperature, ...) are copied into each record.
-  """
-  base_ms, base_temp = median_ms(times[baseline]), infos[baseline]["temp_bytes"]
-  records = []
-  for contender, seconds in times.items():
-    ms = median_ms(seconds)
-    records.append(
-      {
-        **fields,
-        "contender": contender,
-        "median_ms": ms,
-        "times_ms": [1e3 * t for t in seconds],
-        "repeats": len(seconds),
-        "temp_bytes": infos[contender]["temp_bytes"],
-        "output_bytes": infos[contender]["output_bytes"],
-        "compile_s": infos[contender]["compile_s"],
-        "baseline": baseline,
-        "time_ratio": ratio(ms, base_ms),
-        "temp_ratio": ratio(infos[contender]["temp_bytes"], base_temp),
-      }
-    )
-  return records
-
-
-def logits_result(
-  section: str,
-  args: Any,
-  shape: tuple[int, int],
-  repeats: int,
-  full_shape: tuple[int, int],
-  records: list[dict[str, Any]],
-  evaluate: Callable[[list[dict[str, Any]], bool], dict[str, Any]],
-) -> dict[str, Any]:
-  """The JSON payload of a logits-style section: machine, settings, records, targets."""
-  full_size = tuple(shape) == tuple(full_shape)
-  return {
-    "section": section,
-    "machine": machine_info(),
-    "settings": {
-      "shape": list(shape),
-      "temperature": args.temperature,
-      "repeats": repeats,
-      "seed": args.seed,
-      "full_size": full_size,
-    },
-    "records": records,
-    "targets": evaluate(records, full_size),
-  }
+  print_targets(result["targets"]["rows"], not full_size, f"not the {FULL_SHAPE} size")
+  save(result, args.out)
+  return 0

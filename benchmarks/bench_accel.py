@@ -45,11 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-for _p in (str(REPO), str(HERE)):
-  if _p not in sys.path:
-    sys.path.insert(0, _p)
+from _harness import HERE, REPO, fmt_bytes, fmt_ratio, target_row
 
 TARGETS: dict[str, dict[str, Any]] = {
   # peak: dense bf16 matmul flop/s; vector: float32 elementwise flop/s (the row kernels);
@@ -591,20 +587,6 @@ def _worker_env(target: str) -> dict[str, str]:
   return env
 
 
-def _fmt_ratio(x: float | None) -> str:
-  return "-" if x is None else f"{x:.2f}"
-
-
-def _fmt_bytes(n: float | None) -> str:
-  if n is None:
-    return "-"
-  for unit in ("B", "K", "M", "G"):
-    if abs(n) < 1024 or unit == "G":
-      return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
-    n /= 1024
-  return str(n)
-
-
 def _line(row: dict[str, Any]) -> str:
   shape = "x".join(str(s) for s in row["shape"])
   what = f"{row['case']:24} {shape:>18} {row['dtype'][:4]:4}"
@@ -613,17 +595,17 @@ def _line(row: dict[str, Any]) -> str:
     if "time_ratio" not in row:
       return f"{what} error: {row.get('kldiv_jax', {}).get('error') or row.get('naive', {}).get('error')}"
     return (
-      f"{what} time {_fmt_ratio(row['time_ratio']):>5}x naive  HBM {_fmt_ratio(row['hbm_ratio']):>5}x"
-      f" floor (naive {_fmt_ratio(row['naive_hbm_ratio']):>5}x)  temp {_fmt_bytes(ours['temp_bytes']):>7}"
-      f" (naive {_fmt_bytes(row['naive']['temp_bytes']):>7})  {ours['seconds'] * 1e3:8.3f} ms"
+      f"{what} time {fmt_ratio(row['time_ratio']):>5}x naive  HBM {fmt_ratio(row['hbm_ratio']):>5}x"
+      f" floor (naive {fmt_ratio(row['naive_hbm_ratio']):>5}x)  temp {fmt_bytes(ours['temp_bytes']):>7}"
+      f" (naive {fmt_bytes(row['naive']['temp_bytes']):>7})  {ours['seconds'] * 1e3:8.3f} ms"
     )
   fused = row.get("fused", {})
   if "time_ratio" not in row:
     return f"{what} chunk {row['chunk']}: error: {fused.get('error') or row['materialised'].get('error')}"
   return (
-    f"{what} chunk {row['chunk']:>5}  time {_fmt_ratio(row['time_ratio']):>5}x materialised  "
-    f"temp {_fmt_bytes(fused['temp_bytes']):>7} (materialised "
-    f"{_fmt_bytes(row['materialised']['temp_bytes'])})  intensity {fused['chunk_intensity']:.0f}"
+    f"{what} chunk {row['chunk']:>5}  time {fmt_ratio(row['time_ratio']):>5}x materialised  "
+    f"temp {fmt_bytes(fused['temp_bytes']):>7} (materialised "
+    f"{fmt_bytes(row['materialised']['temp_bytes'])})  intensity {fused['chunk_intensity']:.0f}"
     f" (weights {fused.get('weight_intensity', 0):.0f})"
     f"  {fused['seconds'] * 1e3:8.2f} ms"
   )
@@ -639,24 +621,24 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
     if r["kind"] == "row" and "time_ratio" in r:
       heavy = r["naive_hbm_ratio"] > HEAVY_NAIVE
       limit = ROW_TIME_TARGET_HEAVY if heavy else ROW_TIME_TARGET
-      out.append(_target(f"{name}: time / naive", limit, r["time_ratio"]))
-      out.append(_target(f"{name}: HBM / floor", ROW_HBM_TARGET, r["hbm_ratio"]))
-      out.append(_target(f"{name}: temp / [N, V] f32", ROW_TEMP_TARGET, r["temp_ratio"]))
+      out.append(target_row(f"{name}: time / naive", limit, r["time_ratio"]))
+      out.append(target_row(f"{name}: HBM / floor", ROW_HBM_TARGET, r["hbm_ratio"]))
+      out.append(target_row(f"{name}: temp / [N, V] f32", ROW_TEMP_TARGET, r["temp_ratio"]))
     elif r["kind"] == "fused" and "time_ratio" in r:
       if r["case"] == "fused_policy":
-        out.append(_target(f"{name}: time / materialised", POLICY_TIME_TARGET, r["time_ratio"]))
+        out.append(target_row(f"{name}: time / materialised", POLICY_TIME_TARGET, r["time_ratio"]))
       else:
-        out.append(_target(f"{name}: time / materialised", FUSED_TIME_TARGET, r["time_ratio"]))
+        out.append(target_row(f"{name}: time / materialised", FUSED_TIME_TARGET, r["time_ratio"]))
       if target in FUSED_TEMP_TARGET:
         limit = FUSED_TEMP_TARGET[target] / 2**30
-        out.append(_target(f"{name}: temp GiB", limit, r["fused"]["temp_bytes"] / 2**30))
+        out.append(target_row(f"{name}: temp GiB", limit, r["fused"]["temp_bytes"] / 2**30))
       # The guard: a default chunk is weight-bandwidth-bound when its flops (XLA's count)
       # per byte of the weight traffic it must move (the heads' reads, the float32 weight
       # gradient's read and write) are below the chip's flops / bandwidth. The chunk's
       # intensity over all its bytes (the logits' passes too) is reported beside it.
       balance = TARGETS[target]["peak"] / TARGETS[target]["bw"]
       out.append(
-        _target(
+        target_row(
           f"{name}: chip balance / chunk weight intensity",
           1.0,
           balance / r["fused"]["weight_intensity"],
@@ -667,10 +649,6 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
   for row in out:
     row["indicative"] = not full_size
   return out
-
-
-def _target(name: str, limit: float, value: float) -> dict[str, Any]:
-  return {"target": name, "limit": limit, "value": value, "pass": value <= limit}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -40,15 +40,15 @@ import optax
 from _harness import (
   compile_jax,
   core_count,
-  describe_machine,
   fmt_bytes,
   fmt_ms,
   fmt_ratio,
-  machine_info,
   median_ms,
+  parser,
   ratio,
   round_robin,
-  write_json,
+  save,
+  start,
 )
 
 import kldiv_jax
@@ -495,26 +495,6 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
 # ----------------------------------------------------------------------------- main
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help="a few small sizes, few repeats")
-  p.add_argument(
-    "--sizes",
-    type=parse_sizes,
-    default=None,
-    help="comma-separated log2 sizes or element counts (default 16,19,22,25)",
-  )
-  p.add_argument("--repeats", type=int, default=None, help="repeats for every size")
-  p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-  p.add_argument("--dtypes", default=",".join(DTYPES))
-  p.add_argument("--reductions", default=",".join(REDUCTIONS))
-  p.add_argument("--log-target", choices=("both", "true", "false"), default="both")
-  p.add_argument("--ops", default=",".join(OPS))
-  p.add_argument("--no-torch", action="store_true", help="leave torch out")
-  p.add_argument("--seed", type=int, default=0)
-  return p
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
   sizes = args.sizes or [2**k for k in (QUICK_LOG2_SIZES if args.quick else DEFAULT_LOG2_SIZES)]
   dtypes = [d.strip() for d in args.dtypes.split(",")]
@@ -530,8 +510,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
       raise SystemExit(f"bench_core: unknown {what} {bad}; expected some of {list(allowed)}")
   torch = None if args.no_torch else torch_module()
-  machine = machine_info()
-  print(f"core: {describe_machine(machine)}")
+  machine = start("core")
   if torch is None:
     print("core: torch not used (not importable or --no-torch)")
   print(TABLE_HEADER)
@@ -575,17 +554,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = parser().parse_args(argv)
+  p = parser(__doc__, quick="a few small sizes, few repeats", repeats="repeats for every size")
+  p.add_argument(
+    "--sizes",
+    type=parse_sizes,
+    default=None,
+    help="comma-separated log2 sizes or element counts (default 16,19,22,25)",
+  )
+  p.add_argument("--dtypes", default=",".join(DTYPES))
+  p.add_argument("--reductions", default=",".join(REDUCTIONS))
+  p.add_argument("--log-target", choices=("both", "true", "false"), default="both")
+  p.add_argument("--ops", default=",".join(OPS))
+  p.add_argument("--no-torch", action="store_true", help="leave torch out")
+  args = p.parse_args(argv)
   result = run(args)
-  out = Path(args.out)
-  write_json(out / "core.json", result)
   m = result["machine"]
   title = (
     f"kldiv_jax core benchmark: {m['cpu_model']} ({m['cpu_cores']} cores), "
     f"{m['backend']} [{m['device_kind']}], jax {m['versions']['jax']}"
   )
-  charted = plot(result["records"], out / "core.png", title)
-  print(f"core: wrote {out / 'core.json'}" + (f" and {out / 'core.png'}" if charted else ""))
+  charted = plot(result["records"], args.out / "core.png", title)
+  save(result, args.out, f" and {args.out / 'core.png'}" if charted else "")
   return 0
 
 

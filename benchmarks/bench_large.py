@@ -18,46 +18,37 @@ Measured:
 * ``time``: jitted, warmed up, timed round-robin (median of 3) at N=2048,
   H=1024, V=32768. Target: fused at most 1.1x the materialised time.
 
-``--quick`` uses small shapes (a smoke test: the targets are not meaningful
-there). Run through ``benchmarks/run.py`` (section ``large``) or directly:
+``--quick`` uses small shapes (a smoke test: the targets are not meaningful there).
 
   python benchmarks/bench_large.py            # full size; the timing takes minutes on 2 cores
   python benchmarks/bench_large.py --quick
 """
 
-import argparse
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from _harness import (
-  compile_jax,
-  describe_machine,
+  f32,
   fmt_bytes,
   fmt_ms,
-  fmt_ratio,
-  machine_info,
-  median_ms,
-  memory_stats,
+  grad_memory,
+  parser,
+  print_targets,
   ratio,
-  round_robin,
-  write_json,
+  save,
+  start,
+  target_row,
+  time_contenders,
 )
 
 import kldiv_jax
 
-HERE = Path(__file__).resolve().parent
 TEMPERATURE = 2.0
 # (tokens, hidden, vocab)
-MEMORY_SHAPE = (8192, 1024, 65536)
-TIME_SHAPE = (2048, 1024, 32768)
-QUICK_MEMORY_SHAPE = (1024, 64, 8192)
-QUICK_TIME_SHAPE = (256, 64, 2048)
-MEMORY_TARGET = 0.05
-TIME_TARGET = 1.1
+MEMORY_SHAPE, QUICK_MEMORY_SHAPE = (8192, 1024, 65536), (1024, 64, 8192)
+TIME_SHAPE, QUICK_TIME_SHAPE = (2048, 1024, 32768), (256, 64, 2048)
+MEMORY_TARGET, TIME_TARGET = 0.05, 1.1
 
 
 def fused(hidden, weight, target_hidden, target_weight):
@@ -75,16 +66,6 @@ def materialised(hidden, weight, target_hidden, target_weight):
 CONTENDERS = {"fused": fused, "materialised": materialised}
 
 
-def value_and_grad(fn):
-  return jax.value_and_grad(fn, argnums=(0, 1))
-
-
-def abstract_args(tokens: int, hidden: int, vocab: int) -> tuple[jax.ShapeDtypeStruct, ...]:
-  h = jax.ShapeDtypeStruct((tokens, hidden), jnp.float32)
-  w = jax.ShapeDtypeStruct((hidden, vocab), jnp.float32)
-  return h, w, h, w
-
-
 def random_args(tokens: int, hidden: int, vocab: int, seed: int) -> tuple[jax.Array, ...]:
   """Hidden states ~ N(0, 1), heads ~ N(0, 1/H): logits of unit scale."""
   k = jax.random.split(jax.random.key(seed), 4)
@@ -99,63 +80,27 @@ def random_args(tokens: int, hidden: int, vocab: int, seed: int) -> tuple[jax.Ar
 
 def measure_memory(shape: tuple[int, int, int]) -> dict[str, Any]:
   tokens, hidden, vocab = shape
-  args = abstract_args(*shape)
-  out: dict[str, Any] = {
-    "tokens": tokens,
-    "hidden": hidden,
-    "vocab": vocab,
-    "logits_bytes": tokens * vocab * 4,
-  }
+  args = (f32(tokens, hidden), f32(hidden, vocab)) * 2
+  out: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "vocab": vocab}
+  out["logits_bytes"] = tokens * vocab * 4
   for name, fn in CONTENDERS.items():
-    compiled = jax.jit(value_and_grad(fn)).lower(*args).compile()
-    out[name] = memory_stats(compiled)
+    out[name] = grad_memory(fn, *args, argnums=(0, 1))
   out["temp_ratio"] = ratio(out["fused"]["temp_bytes"], out["materialised"]["temp_bytes"])
   return out
 
 
 def measure_time(shape: tuple[int, int, int], repeats: int, seed: int) -> dict[str, Any]:
-  tokens, hidden, vocab = shape
   args = random_args(*shape, seed)
-  thunks, info = {}, {}
-  for name, fn in CONTENDERS.items():
-    thunks[name], info[name] = compile_jax(value_and_grad(fn), *args)
-  values = {name: float(thunk()[0]) for name, thunk in thunks.items()}  # also the warm-up
-  times = round_robin(thunks, repeats, warmup=0)
-  out: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "vocab": vocab, "repeats": repeats}
-  for name in CONTENDERS:
-    out[name] = {
-      "median_ms": median_ms(times[name]),
-      "times_ms": [1e3 * t for t in times[name]],
-      "loss": values[name],
-      **info[name],
-    }
+  vg = {name: (jax.value_and_grad(fn, argnums=(0, 1)), args) for name, fn in CONTENDERS.items()}
+  out: dict[str, Any] = dict(zip(("tokens", "hidden", "vocab"), shape)) | {"repeats": repeats}
+  out |= time_contenders(vg, repeats, keep=("loss", lambda value_grads: float(value_grads[0])))
   out["time_ratio"] = ratio(out["fused"]["median_ms"], out["materialised"]["median_ms"])
-  out["loss_relative_difference"] = abs(values["fused"] - values["materialised"]) / abs(
-    values["materialised"]
-  )
+  loss = out["materialised"]["loss"]
+  out["loss_relative_difference"] = abs(out["fused"]["loss"] - loss) / abs(loss)
   return out
 
 
-def targets(memory: dict[str, Any], time: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
-  rows = [
-    ("fused temp memory / materialised", memory["temp_ratio"], MEMORY_TARGET, memory),
-    ("fused time / materialised", time["time_ratio"], TIME_TARGET, time),
-  ]
-  return [
-    {
-      "target": what,
-      "shape": f"N={m['tokens']} H={m['hidden']} V={m['vocab']}",
-      "value": value,
-      "limit": limit,
-      "met": None if value is None else bool(value <= limit),
-      "quick": quick,
-    }
-    for what, value, limit, m in rows
-  ]
-
-
-def print_report(result: dict[str, Any]) -> None:
-  memory, time = result["memory"], result["time"]
+def print_report(memory: dict[str, Any], time: dict[str, Any]) -> None:
   print(
     f"\nXLA compiled memory of value_and_grad, N={memory['tokens']} H={memory['hidden']} "
     f"V={memory['vocab']} float32 (one side's logits: {fmt_bytes(memory['logits_bytes'])})"
@@ -174,67 +119,36 @@ def print_report(result: dict[str, Any]) -> None:
     times = ", ".join(fmt_ms(x) for x in t["times_ms"])
     print(f"  {name:14} {fmt_ms(t['median_ms']):>10} {fmt_bytes(t['temp_bytes']):>10}  {times}")
   print(f"  loss relative difference fused vs materialised: {time['loss_relative_difference']:.1e}")
-  print(
-    "\ntargets"
-    + (" (--quick: small shapes, not the full-size ones)" if result["settings"]["quick"] else "")
-  )
-  for t in result["targets"]:
-    met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-    print(f"  {t['target']:34} {t['shape']:24} {fmt_ratio(t['value']):>6} <= {t['limit']:<5} {met}")
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-  p.add_argument("--repeats", type=int, default=None, help="timed calls per contender (default 3)")
-  p.add_argument(
-    "--out",
-    type=Path,
-    default=None,
-    help="directory for large.json (default: benchmarks/results when run as a script)",
-  )
-  p.add_argument("--seed", type=int, default=0)
-  return p
-
-
-def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) -> dict[str, Any]:
-  """Runs the section; returns its results (JSON-serialisable) and writes ``large.json``
-  to ``--out`` (or ``default_out``) when one is given."""
-  args = parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parser(__doc__, repeats="timed calls per contender (default 3)").parse_args(argv)
   memory_shape = QUICK_MEMORY_SHAPE if args.quick else MEMORY_SHAPE
   time_shape = QUICK_TIME_SHAPE if args.quick else TIME_SHAPE
   repeats = args.repeats or 3
-  machine = machine_info()
-  print(f"large: {describe_machine(machine)}")
+  machine = start("large")
   memory = measure_memory(memory_shape)
   time = measure_time(time_shape, repeats, args.seed)
-  result = {
-    "section": "large",
-    "machine": machine,
-    "settings": {
-      "quick": args.quick,
-      "repeats": repeats,
-      "seed": args.seed,
-      "temperature": TEMPERATURE,
-      "dtype": "float32",
-      "memory_shape": list(memory_shape),
-      "time_shape": list(time_shape),
-      "contenders": {
-        "fused": "fused_distillation_loss(h, w, th, tw, temperature=2.0)",
-        "materialised": "distillation_loss(h @ w, stop_gradient(th @ tw), temperature=2.0)",
-      },
-    },
-    "memory": memory,
-    "time": time,
+  settings = {"quick": args.quick, "repeats": repeats, "seed": args.seed}
+  settings |= {"temperature": TEMPERATURE, "dtype": "float32"}
+  settings |= {"memory_shape": list(memory_shape), "time_shape": list(time_shape)}
+  settings["contenders"] = {
+    "fused": "fused_distillation_loss(h, w, th, tw, temperature=2.0)",
+    "materialised": "distillation_loss(h @ w, stop_gradient(th @ tw), temperature=2.0)",
   }
-  result["targets"] = targets(memory, time, args.quick)
-  print_report(result)
-  out = args.out or default_out
-  if out is not None:
-    write_json(Path(out) / "large.json", result)
-    print(f"large: wrote {Path(out) / 'large.json'}")
-  return result
+  targets = [
+    target_row(what, limit, m[key], shape=f"N={m['tokens']} H={m['hidden']} V={m['vocab']}")
+    for what, m, key, limit in (
+      ("fused temp memory / materialised", memory, "temp_ratio", MEMORY_TARGET),
+      ("fused time / materialised", time, "time_ratio", TIME_TARGET),
+    )
+  ]
+  print_report(memory, time)
+  print_targets(targets, args.quick)
+  result = {"section": "large", "machine": machine, "settings": settings}
+  save(result | {"memory": memory, "time": time, "targets": targets}, args.out)
+  return 0
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:], default_out=HERE / "results")
+  raise SystemExit(main())

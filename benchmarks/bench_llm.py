@@ -20,38 +20,33 @@ Every figure is a ratio of two contenders measured side by side in one process:
   at the top-k, tail appended), at N=4096, V=131072, k=64. Target: at most
   0.02x.
 
-``--quick`` uses small shapes (a smoke test: the targets are not meaningful
-there). Run through ``benchmarks/run.py`` (section ``llm``) or directly:
+``--quick`` uses small shapes (a smoke test: the targets are not meaningful there).
 
   python benchmarks/bench_llm.py
   python benchmarks/bench_llm.py --quick
 """
 
-import argparse
-import sys
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from _harness import (
-  compile_jax,
-  describe_machine,
-  fmt_bytes,
-  fmt_ms,
-  fmt_ratio,
-  machine_info,
-  median_ms,
-  memory_stats,
+  f32,
+  grad_memory,
+  parser,
+  print_memory,
+  print_targets,
+  print_times,
   ratio,
-  round_robin,
-  write_json,
+  save,
+  start,
+  target_row,
+  time_contenders,
 )
 
 import kldiv_jax
 
-HERE = Path(__file__).resolve().parent
 T = 2.0
 CAP = 30.0
 PAD = 128
@@ -121,22 +116,8 @@ OVERHEADS = (
 )
 
 
-def measure_time(contenders: dict[str, tuple[Callable, tuple]], repeats: int) -> dict[str, Any]:
-  thunks, info = {}, {}
-  for name, (fn, args) in contenders.items():
-    thunks[name], info[name] = compile_jax(fn, *args)
-    thunks[name]()  # warm-up
-  times = round_robin(thunks, repeats, warmup=0)
-  return {
-    name: {"median_ms": median_ms(times[name]), "times_ms": [1e3 * x for x in times[name]]}
-    | info[name]
-    for name in contenders
-  }
-
-
 def measure_fused_memory(shape) -> dict[str, Any]:
   n, h, v = shape
-  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
   args = (f32(n, h), f32(h, v), f32(n, h), f32(h, v), jax.ShapeDtypeStruct((n,), jnp.int32))
   kw = dict(temperature=T, alpha=0.5, softcap=CAP, target_softcap=CAP)
 
@@ -147,9 +128,8 @@ def measure_fused_memory(shape) -> dict[str, Any]:
     return kldiv_jax.distillation_loss(hs @ w, jax.lax.stop_gradient(th @ tw), y, **kw)
 
   out: dict[str, Any] = {"tokens": n, "hidden": h, "vocab": v}
-  for name, fn in (("fused", fused), ("materialised", materialised)):
-    compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile()
-    out[name] = memory_stats(compiled)
+  out["fused"] = grad_memory(fused, *args, argnums=(0, 1))
+  out["materialised"] = grad_memory(materialised, *args, argnums=(0, 1))
   out["temp_ratio"] = ratio(out["fused"]["temp_bytes"], out["materialised"]["temp_bytes"])
   return out
 
@@ -167,89 +147,69 @@ def _materialised_topk(z, ids, lp):
 
 def measure_topk_memory(shape) -> dict[str, Any]:
   n, v, k = shape
-  args = (
-    jax.ShapeDtypeStruct((n, v), jnp.float32),
-    jax.ShapeDtypeStruct((n, k), jnp.int32),
-    jax.ShapeDtypeStruct((n, k), jnp.float32),
-  )
+  args = (f32(n, v), jax.ShapeDtypeStruct((n, k), jnp.int32), f32(n, k))
 
   def topk(z, ids, lp):
     return kldiv_jax.divergence_from_topk(z, ids, lp, temperature=T, tail="bucket").sum()
 
   out: dict[str, Any] = {"tokens": n, "vocab": v, "k": k, "logits_bytes": n * v * 4}
-  for name, fn in (("topk", topk), ("materialised", _materialised_topk)):
-    compiled = jax.jit(jax.value_and_grad(fn)).lower(*args).compile()
-    out[name] = memory_stats(compiled)
+  out["topk"], out["materialised"] = (
+    grad_memory(topk, *args),
+    grad_memory(_materialised_topk, *args),
+  )
   out["temp_ratio"] = ratio(out["topk"]["temp_bytes"], out["materialised"]["temp_bytes"])
   return out
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-  p.add_argument("--repeats", type=int, default=None, help="timed calls per contender (default 5)")
-  p.add_argument("--out", type=Path, default=None, help="directory for llm.json")
-  return p
-
-
-def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) -> dict[str, Any]:
-  """Runs the section; returns its results and writes ``llm.json`` to ``--out``."""
-  args = parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parser(__doc__, repeats="timed calls per contender (default 5)").parse_args(argv)
   q = args.quick
   repeats = args.repeats or 5
-  machine = machine_info()
-  print(f"llm: {describe_machine(machine)}")
+  machine = start("llm")
   logits_shape = QUICK_LOGITS_SHAPE if q else LOGITS_SHAPE
   fused_shape = QUICK_FUSED_SHAPE if q else FUSED_SHAPE
-  times = measure_time(logits_contenders(logits_shape), repeats)
-  times |= measure_time(fused_contenders(fused_shape), repeats)
+  times = time_contenders(logits_contenders(logits_shape), repeats)
+  times |= time_contenders(fused_contenders(fused_shape), repeats)
   fused_memory = measure_fused_memory(QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE)
   topk_memory = measure_topk_memory(QUICK_TOPK_SHAPE if q else TOPK_SHAPE)
-  rows = [
-    (what, ratio(times[a]["median_ms"], times[b]["median_ms"]), TIME_TARGET)
+  targets = [
+    target_row(what, TIME_TARGET, ratio(times[a]["median_ms"], times[b]["median_ms"]))
     for what, a, b in OVERHEADS
   ]
-  rows += [
-    ("fused temp / materialised (labels, caps)", fused_memory["temp_ratio"], FUSED_MEMORY_TARGET),
-    ("top-k tail bucket temp / log_softmax", topk_memory["temp_ratio"], TOPK_MEMORY_TARGET),
+  targets += [
+    target_row(
+      "fused temp / materialised (labels, caps)", FUSED_MEMORY_TARGET, fused_memory["temp_ratio"]
+    ),
+    target_row(
+      "top-k tail bucket temp / log_softmax", TOPK_MEMORY_TARGET, topk_memory["temp_ratio"]
+    ),
   ]
-  targets = [
-    {"target": w, "value": v, "limit": lim, "met": None if v is None else bool(v <= lim)}
-    for w, v, lim in rows
-  ]
-  print(
+  print_times(
     f"\nvalue_and_grad time, median of {repeats} (round-robin): logits {logits_shape}, "
-    f"fused (N, H, V) = {fused_shape}"
+    f"fused (N, H, V) = {fused_shape}",
+    times,
   )
-  for name, t in times.items():
-    print(f"  {name:28} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
   m = fused_memory
-  print(f"\ncompiled temp, fused head N={m['tokens']} H={m['hidden']} V={m['vocab']}:")
-  for name in ("fused", "materialised"):
-    print(f"  {name:14} {fmt_bytes(m[name]['temp_bytes']):>10}")
+  print_memory(
+    f"\ncompiled temp, fused head N={m['tokens']} H={m['hidden']} V={m['vocab']}:",
+    m,
+    ("fused", "materialised"),
+  )
   m = topk_memory
-  print(f"\ncompiled temp, top-k N={m['tokens']} V={m['vocab']} k={m['k']}:")
-  for name in ("topk", "materialised"):
-    print(f"  {name:14} {fmt_bytes(m[name]['temp_bytes']):>10}")
-  print("\ntargets" + (" (--quick: small shapes, not the full-size ones)" if q else ""))
-  for t in targets:
-    met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-    print(f"  {t['target']:42} {fmt_ratio(t['value']):>6} <= {t['limit']:<5} {met}")
-  result = {
-    "section": "llm",
-    "machine": machine,
-    "settings": {"quick": q, "repeats": repeats, "temperature": T, "softcap": CAP, "pad": PAD},
-    "times": times,
-    "fused_memory": fused_memory,
-    "topk_memory": topk_memory,
-    "targets": targets,
-  }
-  out = args.out or default_out
-  if out is not None:
-    write_json(Path(out) / "llm.json", result)
-    print(f"llm: wrote {Path(out) / 'llm.json'}")
-  return result
+  print_memory(
+    f"\ncompiled temp, top-k N={m['tokens']} V={m['vocab']} k={m['k']}:",
+    m,
+    ("topk", "materialised"),
+  )
+  print_targets(targets, q)
+  settings = {"quick": q, "repeats": repeats, "temperature": T, "softcap": CAP, "pad": PAD}
+  result = {"section": "llm", "machine": machine, "settings": settings, "times": times}
+  save(
+    result | {"fused_memory": fused_memory, "topk_memory": topk_memory, "targets": targets},
+    args.out,
+  )
+  return 0
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:], default_out=HERE / "results")
+  raise SystemExit(main())

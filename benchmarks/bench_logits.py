@@ -13,9 +13,7 @@ scalar loss (the mean over rows), side by side in one process, round-robin:
   of the labels ``ignore_index``) against ``log_softmax`` + ``T^2`` KL +
   cross-entropy, averaged over the valid tokens, with autodiff.
 
-Every contender is compiled ahead of time (XLA's memory analysis gives the temp
-bytes) and warmed up; the figures are medians. The targets are printed
-PASS/FAIL: ``kl`` at most 0.5x the time and 0.5x the temp bytes of the
+The targets: ``kl`` at most 0.5x the time and 0.5x the temp bytes of the
 straightforward version, ``jsd`` at most 0.6x TRL's port, ``distill`` at most
 0.6x the straightforward version.
 
@@ -23,35 +21,15 @@ straightforward version, ``jsd`` at most 0.6x TRL's port, ``distill`` at most
   python benchmarks/bench_logits.py --quick    # (256, 1024), a smoke test
 """
 
-import argparse
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _harness import logits_data, logits_section, target_row
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-  sys.path.insert(0, str(HERE))
+import kldiv_jax
 
-from _harness import (  # noqa: E402
-  compile_jax,
-  logits_parser,
-  logits_result,
-  print_ratio_report,
-  round_robin,
-  target_row,
-  timing_records,
-  write_json,
-)
-
-import kldiv_jax  # noqa: E402
-
-FULL_SHAPE = (4096, 8192)
-QUICK_SHAPE = (256, 1024)
 IGNORE_INDEX = -100
 # (group, time target, temp-bytes target), each as a ratio to the baseline.
 TARGETS = {"kl": (0.5, 0.5), "jsd": (0.6, None), "distill": (0.6, None)}
@@ -123,44 +101,22 @@ def contenders(temperature: float) -> dict[str, dict[str, Callable[..., jax.Arra
   }
 
 
-def make_data(shape: tuple[int, int], seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  rng = np.random.default_rng(seed)
-  student = jnp.asarray(rng.normal(size=shape) * 2.0, jnp.float32)
-  teacher = jnp.asarray(rng.normal(size=shape) * 2.0, jnp.float32)
-  labels = rng.integers(0, shape[1], size=shape[0])
-  labels[rng.uniform(size=shape[0]) < 0.1] = IGNORE_INDEX
-  return student, teacher, jnp.asarray(labels, jnp.int32)
+def check(baseline, ours) -> None:
+  """Same values and gradients before timing anything."""
+  (v0, g0), (v1, g1) = baseline, ours
+  np.testing.assert_allclose(v1, v0, rtol=1e-4)
+  np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=1e-6 * float(jnp.max(jnp.abs(g0))))
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-  shape = (args.rows, args.classes) if args.rows else QUICK_SHAPE if args.quick else FULL_SHAPE
-  repeats = args.repeats or (3 if args.quick else 7)
-  student, teacher, labels = make_data(shape, args.seed)
-  records = []
-  for group, fns in contenders(args.temperature).items():
-    extra = (labels,) if group == "distill" else ()
-    thunks, infos = {}, {}
-    for name, fn in fns.items():
-      vg = jax.value_and_grad(fn)  # wrt the student's logits
-      thunks[name], infos[name] = compile_jax(vg, student, teacher, *extra)
-    # Same values and gradients before timing anything.
-    (v0, g0), (v1, g1) = (thunks[name]() for name in fns)
-    np.testing.assert_allclose(v1, v0, rtol=1e-4)
-    np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=1e-6 * float(jnp.max(jnp.abs(g0))))
-    times = round_robin(thunks, repeats)
-    records += timing_records(
-      times,
-      infos,
-      next(iter(fns)),
-      group=group,
-      shape=list(shape),
-      dtype="float32",
-      temperature=args.temperature,
-    )
-  return logits_result("logits", args, shape, repeats, FULL_SHAPE, records, evaluate_targets)
+def groups(args, shape):
+  student, teacher, labels = logits_data(shape, args.seed, IGNORE_INDEX)
+  return {
+    group: (fns, (student, teacher, *((labels,) if group == "distill" else ())), check, {})
+    for group, fns in contenders(args.temperature).items()
+  }
 
 
-def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str, Any]:
+def evaluate_targets(records):
   rows = []
   for group, (time_target, temp_target) in TARGETS.items():
     ours = next(r for r in records if r["group"] == group and r["contender"] == "kldiv_jax")
@@ -170,20 +126,11 @@ def evaluate_targets(records: list[dict[str, Any]], full_size: bool) -> dict[str
     ):
       if target is not None:
         rows.append(target_row(f"{group} {what} / {ours['baseline']}", target, value))
-  return {"full_size": full_size, "rows": rows}
-
-
-def parser() -> argparse.ArgumentParser:
-  return logits_parser(__doc__, QUICK_SHAPE, FULL_SHAPE, HERE / "results")
+  return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = parser().parse_args(argv)
-  result = run(args)
-  print_ratio_report(result, "group")
-  write_json(Path(args.out) / "logits.json", result)
-  print(f"logits: wrote {Path(args.out) / 'logits.json'}")
-  return 0
+  return logits_section("logits", __doc__, "group", groups, evaluate_targets, argv)
 
 
 if __name__ == "__main__":

@@ -48,24 +48,17 @@ straightforward forward KL written in bf16 (``log_softmax`` + sum, jitted).
 
 import argparse
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _harness import describe_machine, machine_info, parser, save
+from _references import np_divergence_value_and_grads, np_log_softmax
 
-HERE = Path(__file__).resolve().parent
-for _p in (str(HERE.parent), str(HERE)):
-  if _p not in sys.path:
-    sys.path.insert(0, _p)
-
-from _harness import describe_machine, machine_info, write_json  # noqa: E402
-
-import kldiv_jax as kd  # noqa: E402
+import kldiv_jax as kd
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
 U_BF16 = 2.0**-8  # bf16's unit roundoff: round-to-nearest error bound, relative
@@ -83,70 +76,7 @@ SPECS = {
 }
 
 
-# ------------------------------------------------------------------ float64 references
-
-
-def log_softmax64(x: np.ndarray) -> np.ndarray:
-  x = np.asarray(x, np.float64)
-  m = np.max(x, axis=-1, keepdims=True)
-  return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
-
-
-def terms64(name: str, params: dict[str, float], lp: np.ndarray, lq: np.ndarray):
-  """``(f, a, b)`` per class in float64: the term, ``p df/dp`` and ``q df/dq``.
-
-  ``p`` is the teacher's distribution, ``q`` the student's; finite logits, so
-  every probability is positive.
-  """
-  p, q = np.exp(lp), np.exp(lq)
-  if name == "forward_kl":
-    f = p * (lp - lq)
-    return f, f + p, -p
-  if name == "reverse_kl":
-    f = q * (lq - lp)
-    return f, -q, f + q
-  if name == "symmetric_kl":
-    lam = params["lam"]
-    fwd, rev = terms64("forward_kl", {}, lp, lq), terms64("reverse_kl", {}, lp, lq)
-    return tuple((1 - lam) * x + lam * y for x, y in zip(fwd, rev))
-  if name == "jsd":  # m = beta p + (1 - beta) q; df/dp = beta log(p/m), df/dq = (1-beta) log(q/m)
-    beta = params["beta"]
-    lm = np.logaddexp(lp + np.log(beta), lq + np.log1p(-beta))
-    a, b = beta * p * (lp - lm), (1 - beta) * q * (lq - lm)
-    return a + b, a, b
-  if name == "skew_kl":  # f = p log(p/m), m = alpha p + (1 - alpha) q
-    alpha = params["alpha"]
-    lm = np.logaddexp(lp + np.log(alpha), lq + np.log1p(-alpha))
-    f = p * (lp - lm)
-    pq_m = (1 - alpha) * p * np.exp(lq - lm)  # (1 - alpha) p q / m
-    return f, f + pq_m, -pq_m
-  if name == "skew_reverse_kl":  # f = q log(q/m), m = (1 - alpha) p + alpha q
-    alpha = params["alpha"]
-    lm = np.logaddexp(lp + np.log1p(-alpha), lq + np.log(alpha))
-    f = q * (lq - lm)
-    pq_m = (1 - alpha) * q * np.exp(lp - lm)
-    return f, -pq_m, f + pq_m
-  if name == "tvd":  # the subgradient sign(0) = 0 where p = q
-    sign = np.sign(p - q)
-    return 0.5 * np.abs(p - q), 0.5 * p * sign, -0.5 * q * sign
-  if name == "alpha_beta":  # -(p^a q^b - a/(a+b) p^(a+b) - b/(a+b) q^(a+b)) / (a b)
-    al, be = params["alpha"], params["beta"]
-    pq = np.exp(al * lp + be * lq)
-    pp, qq = np.exp((al + be) * lp), np.exp((al + be) * lq)
-    f = -(pq - al / (al + be) * pp - be / (al + be) * qq) / (al * be)
-    return f, -(pq - pp) / be, -(pq - qq) / al
-  raise ValueError(name)
-
-
-def reference(name: str, params: dict[str, float], z, y, temperature: float):
-  """Float64 ``(value [rows], grad wrt z, grad wrt y, H(p) [rows], H(q) [rows])``."""
-  lq = log_softmax64(np.asarray(z, np.float64) / temperature)
-  lp = log_softmax64(np.asarray(y, np.float64) / temperature)
-  p, q = np.exp(lp), np.exp(lq)
-  f, a, b = terms64(name, params, lp, lq)
-  gz = (b - q * np.sum(b, -1, keepdims=True)) / temperature
-  gy = (a - p * np.sum(a, -1, keepdims=True)) / temperature
-  return np.sum(f, -1), gz, gy, -np.sum(p * lp, -1), -np.sum(q * lq, -1)
+# ------------------------------------------------------------------ float64 errors
 
 
 def gradient_condition(z, y, temperature: float, grad) -> float:
@@ -158,8 +88,8 @@ def gradient_condition(z, y, temperature: float, grad) -> float:
   terms over ``T``, is then accurate to about ``eps`` times this ratio, relatively.
   It grows without bound as ``q -> p`` (and the gradient -> 0).
   """
-  lq = log_softmax64(np.asarray(z, np.float64) / temperature)
-  lp = log_softmax64(np.asarray(y, np.float64) / temperature)
+  lq = np_log_softmax(np.asarray(z, np.float64) / temperature)
+  lp = np_log_softmax(np.asarray(y, np.float64) / temperature)
   size = np.linalg.norm(np.exp(lp) * lp) + np.linalg.norm(np.exp(lq) * lq)
   return float(size / (temperature * np.linalg.norm(grad)))
 
@@ -276,7 +206,9 @@ def divergence_records(base, noise, deltas, temperatures, log) -> list[dict[str,
       )
       for delta in (0.0, *deltas, STEP):
         s, t = pair(base, noise, delta)
-        v, gz, gy, hp, hq = reference(name, dict(spec.params), as64(s), as64(t), temperature)
+        v, gz, gy, hp, hq = np_divergence_value_and_grads(
+          name, dict(spec.params), as64(s), as64(t), temperature
+        )
         record = {
           "function": "divergence_from_logits",
           "divergence": name,
@@ -309,7 +241,9 @@ def distillation_records(base, noise, deltas, temperatures) -> list[dict[str, An
     )
     for delta in (0.0, *deltas, STEP):
       s, t = pair(base, noise, delta)
-      v, gz, gy, hp, hq = reference("forward_kl", {}, as64(s), as64(t), temperature)
+      v, gz, gy, hp, hq = np_divergence_value_and_grads(
+        "forward_kl", {}, as64(s), as64(t), temperature
+      )
       ref_grads = (gz * t2 / rows, gy * t2 / rows)
       records.append(
         {
@@ -352,7 +286,9 @@ def fused_records(rows, vocab, hidden, std, deltas, temperatures, seed) -> list[
     for delta in (0.0, *deltas):
       hs, ht = pair(h, noise, delta)
       hs64 = as64(hs)
-      v, gz, _, hp, hq = reference("forward_kl", {}, hs64 @ w64, as64(ht) @ w64, temperature)
+      v, gz, _, hp, hq = np_divergence_value_and_grads(
+        "forward_kl", {}, hs64 @ w64, as64(ht) @ w64, temperature
+      )
       dz = gz * t2 / rows
       ref_grads = (dz @ w64.T, hs64.T @ dz, None)
       records.append(
@@ -446,7 +382,9 @@ def straightforward_records(base, noise, deltas, temperatures) -> list[dict[str,
     vg = value_and_grads(lambda s, t, temperature=temperature: naive_forward_kl(s, t, temperature))
     for delta in (0.0, *deltas, STEP):
       s, t = pair(base, noise, delta)
-      v_ref, gz_ref, *_ = reference("forward_kl", {}, as64(s), as64(t), temperature)
+      v_ref, gz_ref, *_ = np_divergence_value_and_grads(
+        "forward_kl", {}, as64(s), as64(t), temperature
+      )
       value, (gz, _) = vg(s, t)
       out.append(
         {
@@ -655,29 +593,18 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
   }
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help=f"V = {QUICK_VOCAB}, 4 rows")
+def main(argv: Sequence[str] | None = None) -> int:
+  p = parser(__doc__, quick=f"V = {QUICK_VOCAB}, 4 rows", repeats="ignored (nothing is timed)")
   p.add_argument("--vocab", type=int, default=None, help=f"classes (default {VOCAB})")
   p.add_argument("--rows", type=int, default=None, help="rows (default 8)")
   p.add_argument("--std", type=float, default=4.0, help="standard deviation of the logits")
   p.add_argument("--deltas", default="1e-3,1e-2,1e-1", help="student perturbations")
   p.add_argument("--temperatures", default="1,2")
   p.add_argument("--hidden", type=int, default=256, help="H of the fused head")
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--repeats", type=int, default=None, help="ignored (nothing is timed)")
-  p.add_argument("--out", type=Path, default=HERE / "results")
-  return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-  args = parser().parse_args(argv)
+  args = p.parse_args(argv)
   result = run(args)
   print_report(result)
-  write_json(Path(args.out) / "precision.json", result)
-  print(
-    f"precision: wrote {Path(args.out) / 'precision.json'} ({result['settings']['seconds']:.0f} s)"
-  )
+  save(result, args.out, f" ({result['settings']['seconds']:.0f} s)")
   return 0 if all(result["checks"].values()) else 1
 
 

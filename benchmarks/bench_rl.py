@@ -35,31 +35,26 @@ Each figure is a ratio of two contenders measured side by side in one process,
   python benchmarks/bench_rl.py --quick
 """
 
-import argparse
-import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from _harness import (
-  compile_jax,
-  describe_machine,
-  fmt_bytes,
-  fmt_ms,
-  fmt_ratio,
-  machine_info,
-  median_ms,
-  memory_stats,
+  f32,
+  grad_memory,
+  parser,
+  print_memory,
+  print_targets,
+  print_times,
   ratio,
-  round_robin,
-  write_json,
+  save,
+  start,
+  target_row,
+  time_contenders,
 )
 
 import kldiv_jax
 
-HERE = Path(__file__).resolve().parent
 LOGITS_SHAPE, QUICK_LOGITS_SHAPE = (4096, 8192), (256, 1024)
 FUSED_MEMORY_SHAPE, QUICK_FUSED_MEMORY_SHAPE = (8192, 1024, 65536), (512, 64, 4096)
 FUSED_TIME_SHAPE, QUICK_FUSED_TIME_SHAPE = (2048, 1024, 32768), (128, 32, 1024)
@@ -146,20 +141,19 @@ POLICY = {
 }
 
 
-def _time(contenders, args, repeats):
-  thunks, info = {}, {}
-  for name, fn in contenders.items():
-    thunks[name], info[name] = compile_jax(fn, *args)
-    thunks[name]()
-  times = round_robin(thunks, repeats, warmup=0)
-  return {n: {"median_ms": median_ms(times[n]), **info[n]} for n in contenders}
+def vg(fn):
+  return jax.value_and_grad(fn, argnums=(0, 1))
 
 
-def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) -> dict[str, Any]:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true")
-  p.add_argument("--repeats", type=int, default=None)
-  p.add_argument("--out", type=Path, default=None)
+def head(k, shape):
+  """Hidden states ``N(0, 1)``, a head ``N(0, 4 / H)`` and token ids."""
+  n, hd, v = shape
+  h = jax.random.normal(k[0], (n, hd))
+  return h, jax.random.normal(k[1], (hd, v)) / hd**0.5 * 2, jax.random.randint(k[2], (n,), 0, v)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  p = parser(__doc__, repeats="timed calls per contender (default 5)")
   p.add_argument(
     "--policy-full-time",
     action="store_true",
@@ -167,18 +161,16 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
   )
   args = p.parse_args(argv)
   q, repeats = args.quick, args.repeats or 5
-  machine = machine_info()
-  print(f"rl: {describe_machine(machine)}")
+  machine = start("rl")
   k = jax.random.split(jax.random.key(0), 3)
   n, v = QUICK_LOGITS_SHAPE if q else LOGITS_SHAPE
   logits = 3 * jax.random.normal(k[0], (n, v))
   ids = jax.random.randint(k[1], (n,), 0, v)
-  logits_times = _time(
+  logits_times = time_contenders(
     {
-      "token_log_probs": jax.value_and_grad(ours),
-      "log_softmax": jax.value_and_grad(straightforward),
+      "token_log_probs": (jax.value_and_grad(ours), (logits, ids)),
+      "log_softmax": (jax.value_and_grad(straightforward), (logits, ids)),
     },
-    (logits, ids),
     repeats,
   )
   n, v = QUICK_TUNIX_SHAPE if q else TUNIX_SHAPE
@@ -186,126 +178,93 @@ def main(argv: Sequence[str] | None = None, *, default_out: Path | None = None) 
   ids = jax.random.randint(k[1], (n,), 0, v)
   # The reference policy's log-probabilities: those of nearby logits (a fixed input).
   ref_lp = tunix_selective_log_softmax(logits + 0.3 * jax.random.normal(k[2], (n, v)), ids)
-  tunix_times = _time(
+  inputs = (logits, ids, ref_lp)
+  tunix_times = time_contenders(
     {
-      "token_log_probs + k3": jax.value_and_grad(ours_k3),
-      "Tunix": jax.value_and_grad(tunix),
+      "token_log_probs + k3": (jax.value_and_grad(ours_k3), inputs),
+      "Tunix": (jax.value_and_grad(tunix), inputs),
     },
-    (logits, ids, ref_lp),
     2 * repeats,
   )
-  del logits, ref_lp
-  n, hd, v = QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE
-  h = jax.random.normal(k[0], (n, hd))
-  w = jax.random.normal(k[1], (hd, v)) / hd**0.5 * 2
-  ids = jax.random.randint(k[2], (n,), 0, v)
-  vg = lambda fn: jax.value_and_grad(fn, argnums=(0, 1))  # noqa: E731
-  fused_times = _time(
-    {"fused": vg(fused), "materialised": vg(materialised)}, (h, w, ids), max(3, repeats // 2)
+  del logits, ref_lp, inputs
+  inputs = head(k, QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE)
+  fused_times = time_contenders(
+    {"fused": (vg(fused), inputs), "materialised": (vg(materialised), inputs)}, max(3, repeats // 2)
   )
   n, hd, v = memory_shape = QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE
-  abstract = (
-    jax.ShapeDtypeStruct((n, hd), jnp.float32),
-    jax.ShapeDtypeStruct((hd, v), jnp.float32),
-    jax.ShapeDtypeStruct((n,), jnp.int32),
-  )
+  abstract = (f32(n, hd), f32(hd, v), jax.ShapeDtypeStruct((n,), jnp.int32))
   memory = {
-    name: memory_stats(jax.jit(vg(fn)).lower(*abstract).compile())
-    for name, fn in (("fused", fused), ("log_softmax + gather", materialised_plain))
+    "fused": grad_memory(fused, *abstract, argnums=(0, 1)),
+    "log_softmax + gather": grad_memory(materialised_plain, *abstract, argnums=(0, 1)),
   }
-  token_floats = (jax.ShapeDtypeStruct((n,), jnp.float32),) * 2
-  memory.update(
-    {
-      name: memory_stats(jax.jit(vg(fn)).lower(*abstract, *token_floats).compile())
-      for name, fn in POLICY.items()
-    }
-  )
-  n, hd, v = (
+  for name, fn in POLICY.items():
+    memory[name] = grad_memory(fn, *abstract, f32(n), f32(n), argnums=(0, 1))
+  policy_shape = (
     (QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE)
     if not args.policy_full_time
-    else (QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE)
+    else memory_shape
   )
-  h = jax.random.normal(k[0], (n, hd))
-  w = jax.random.normal(k[1], (hd, v)) / hd**0.5 * 2
-  ids = jax.random.randint(k[2], (n,), 0, v)
+  h, w, ids = head(k, policy_shape)
   lp = kldiv_jax.token_log_probs(h @ w, ids)  # old log-probs near the policy's: ratios near 1
-  old = lp + 0.1 * jax.random.normal(k[0], (n,))
-  adv = jax.random.normal(k[1], (n,))
+  old = lp + 0.1 * jax.random.normal(k[0], (policy_shape[0],))
+  adv = jax.random.normal(k[1], (policy_shape[0],))
   del lp
-  policy_times = _time(
-    {name: vg(fn) for name, fn in POLICY.items()}, (h, w, ids, old, adv), max(3, repeats // 2)
+  inputs = (h, w, ids, old, adv)
+  policy_times = time_contenders(
+    {name: (vg(fn), inputs) for name, fn in POLICY.items()}, max(3, repeats // 2)
   )
-  policy_shape = (n, hd, v)
-  rows = [
-    (
-      "token_log_probs time / log_softmax (logits)",
-      ratio(logits_times["token_log_probs"]["median_ms"], logits_times["log_softmax"]["median_ms"]),
-      LOGITS_TARGET,
-    ),
-    (
-      "token_log_probs + k3 time / Tunix (no entropy)",
-      ratio(tunix_times["token_log_probs + k3"]["median_ms"], tunix_times["Tunix"]["median_ms"]),
-      TUNIX_TARGET,
-    ),
-    (
-      "fused temp / log_softmax + gather",
-      ratio(memory["fused"]["temp_bytes"], memory["log_softmax + gather"]["temp_bytes"]),
-      MEMORY_TARGET,
-    ),
-    (
-      "fused time / materialised",
-      ratio(fused_times["fused"]["median_ms"], fused_times["materialised"]["median_ms"]),
-      TIME_TARGET,
-    ),
-    (
-      "fused policy temp / materialised policy",
-      ratio(memory["fused policy"]["temp_bytes"], memory["materialised policy"]["temp_bytes"]),
-      POLICY_MEMORY_TARGET,
-    ),
-    (
-      "fused policy time / materialised policy",
-      ratio(
-        policy_times["fused policy"]["median_ms"],
-        policy_times["materialised policy"]["median_ms"],
-      ),
-      POLICY_TIME_TARGET,
-    ),
-  ]
+
+  def time_ratio(times, a, b):
+    return ratio(times[a]["median_ms"], times[b]["median_ms"])
+
+  def temp_ratio(a, b):
+    return ratio(memory[a]["temp_bytes"], memory[b]["temp_bytes"])
+
   targets = [
-    {"target": t, "value": val, "limit": lim, "met": None if val is None else bool(val <= lim)}
-    for t, val, lim in rows
+    target_row(
+      "token_log_probs time / log_softmax (logits)",
+      LOGITS_TARGET,
+      time_ratio(logits_times, "token_log_probs", "log_softmax"),
+    ),
+    target_row(
+      "token_log_probs + k3 time / Tunix (no entropy)",
+      TUNIX_TARGET,
+      time_ratio(tunix_times, "token_log_probs + k3", "Tunix"),
+    ),
+    target_row(
+      "fused temp / log_softmax + gather",
+      MEMORY_TARGET,
+      temp_ratio("fused", "log_softmax + gather"),
+    ),
+    target_row(
+      "fused time / materialised", TIME_TARGET, time_ratio(fused_times, "fused", "materialised")
+    ),
+    target_row(
+      "fused policy temp / materialised policy",
+      POLICY_MEMORY_TARGET,
+      temp_ratio("fused policy", "materialised policy"),
+    ),
+    target_row(
+      "fused policy time / materialised policy",
+      POLICY_TIME_TARGET,
+      time_ratio(policy_times, "fused policy", "materialised policy"),
+    ),
   ]
-  print(f"\nvalue_and_grad time, median of {repeats} (round-robin)")
-  for name, t in {**logits_times, **tunix_times, **fused_times}.items():
-    print(f"  {name:28} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
-  print(f"policy losses, N={policy_shape[0]} H={policy_shape[1]} V={policy_shape[2]}:")
-  for name, t in policy_times.items():
-    print(f"  {name:28} {fmt_ms(t['median_ms']):>10} ms  temp {fmt_bytes(t['temp_bytes']):>10}")
-  print(f"\ncompiled temp, N={memory_shape[0]} H={memory_shape[1]} V={memory_shape[2]}:")
-  for name, m in memory.items():
-    print(f"  {name:28} {fmt_bytes(m['temp_bytes']):>10}")
-  print("\ntargets" + (" (--quick: small shapes, not the full-size ones)" if q else ""))
-  for t in targets:
-    met = {True: "met", False: "MISSED", None: "-"}[t["met"]]
-    print(f"  {t['target']:48} {fmt_ratio(t['value']):>6} <= {t['limit']:<5} {met}")
-  result = {
-    "section": "rl",
-    "machine": machine,
-    "settings": {"quick": q, "repeats": repeats},
-    "logits_times": logits_times,
-    "tunix_times": tunix_times,
-    "fused_times": fused_times,
-    "policy_times": policy_times,
-    "policy_time_shape": list(policy_shape),
-    "memory_shape": list(memory_shape),
-    "memory": memory,
-    "targets": targets,
-  }
-  out = args.out or default_out
-  if out is not None:
-    write_json(Path(out) / "rl.json", result)
-  return result
+  print_times(
+    f"\nvalue_and_grad time, median of {repeats} (round-robin)",
+    logits_times | tunix_times | fused_times,
+  )
+  print_times("policy losses, N={} H={} V={}:".format(*policy_shape), policy_times)
+  print_memory("\ncompiled temp, N={} H={} V={}:".format(*memory_shape), memory)
+  print_targets(targets, q)
+  result = {"section": "rl", "machine": machine, "settings": {"quick": q, "repeats": repeats}}
+  result |= {"logits_times": logits_times, "tunix_times": tunix_times, "fused_times": fused_times}
+  result |= {"policy_times": policy_times, "policy_time_shape": list(policy_shape)}
+  save(
+    result | {"memory_shape": list(memory_shape), "memory": memory, "targets": targets}, args.out
+  )
+  return 0
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:], default_out=HERE / "results")
+  raise SystemExit(main())

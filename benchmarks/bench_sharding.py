@@ -24,12 +24,11 @@ JAX; ``main`` re-runs itself in a subprocess when JAX was imported before
   python benchmarks/bench_sharding.py --quick    # kl [512, 8192]; fused N=512 H=128 V=8192
 """
 
-import argparse
-import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +41,14 @@ if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os
 ):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
 
-HERE = Path(__file__).resolve().parent
-if str(HERE.parent) not in sys.path:
-  sys.path.insert(0, str(HERE.parent))
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from _harness import memory_stats, parser, save, start  # noqa: E402
+from bench_divergences import SPECS  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import kldiv_jax as kd  # noqa: E402
 
 SHAPES = {
   False: {"kl": (4096, 32768), "fused": (2048, 512, 32768)},
@@ -55,15 +59,6 @@ _COLLECTIVE = re.compile(
   r"=\s*(\(?[a-z0-9]+\[[^=]*?)\s+(all-gather|all-reduce|all-to-all|collective-permute|"
   r"reduce-scatter|all-gather-start|all-reduce-start)\("
 )
-
-
-def _memory(compiled: Any) -> dict[str, int]:
-  stats = compiled.memory_analysis()
-  return {
-    "temp_bytes": int(stats.temp_size_in_bytes),
-    "argument_bytes": int(stats.argument_size_in_bytes),
-    "output_bytes": int(stats.output_size_in_bytes),
-  }
 
 
 def _collectives(hlo: str) -> list[list[str]]:
@@ -81,6 +76,10 @@ def _elements(shape_text: str) -> int:
   return max((int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes), default=0)
 
 
+def _total(m: dict[str, Any]) -> int:
+  return m["temp_bytes"] + m["argument_bytes"] + m["output_bytes"]
+
+
 def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
   """Compiled per-device memory of the vocabulary-parallel losses vs one device.
 
@@ -90,13 +89,6 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
   ``single``/``sharded`` dicts (``temp_bytes``, ``argument_bytes``,
   ``output_bytes``). ``total_ratio`` compares argument + output + temp.
   """
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import Mesh, NamedSharding
-  from jax.sharding import PartitionSpec as P
-
-  import kldiv_jax as kd
-
   if jax.device_count() < NUM_DEVICES:
     raise RuntimeError(
       f"vocab_parallel_memory needs {NUM_DEVICES} devices; JAX sees {jax.device_count()} "
@@ -114,26 +106,31 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
   # partitioner, see kldiv_jax._rows).
   one = Mesh(np.array(jax.devices()[:1]), ("one",))
 
-  def on_one_device(fn):
-    return jax.shard_map(fn, mesh=one, in_specs=P(), out_specs=P(), check_vma=False)
-
-  def row(program, shape, single_fn, single_args, sharded_fn, sharded_args, vocab):
-    single_args = [
-      jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(one, P())) for a in single_args
-    ]
-    single = jax.jit(on_one_device(single_fn)).lower(*single_args).compile()
-    sharded = jax.jit(sharded_fn).lower(*sharded_args).compile()
-    ms, mp = _memory(single), _memory(sharded)
+  def row(program, shape, loss, arg_shapes, in_specs, argnums, vocab):
+    """``value_and_grad`` of ``loss(axis_name)`` on one device and sharded over the mesh."""
+    single_fn = jax.shard_map(  # value_and_grad on the one device, as before the mesh
+      jax.value_and_grad(loss(None), argnums),
+      mesh=one,
+      in_specs=P(),
+      out_specs=P(),
+      check_vma=False,
+    )
+    on_one = NamedSharding(one, P())
+    single_args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=on_one) for s in arg_shapes]
+    sharded_fn = jax.shard_map(loss("vocab"), mesh=mesh, in_specs=in_specs, out_specs=P())
+    sharded_args = [spec(s, p) for s, p in zip(arg_shapes, in_specs)]
+    single = jax.jit(single_fn).lower(*single_args).compile()
+    sharded = jax.jit(jax.value_and_grad(sharded_fn, argnums)).lower(*sharded_args).compile()
+    ms, mp = memory_stats(single), memory_stats(sharded)
     collectives = _collectives(sharded.as_text())
     local_vocab = vocab // NUM_DEVICES
-    total = lambda m: m["temp_bytes"] + m["argument_bytes"] + m["output_bytes"]  # noqa: E731
     return {
       "program": program,
       "shape": shape,
       "single": ms,
       "sharded": mp,
       "temp_ratio": mp["temp_bytes"] / max(ms["temp_bytes"], 1),
-      "total_ratio": total(mp) / max(total(ms), 1),
+      "total_ratio": _total(mp) / max(_total(ms), 1),
       # memory_analysis describes one device's program: its arguments are the shards.
       "per_device": mp["argument_bytes"]
       == sum(
@@ -146,77 +143,39 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
       "vocab_sized_collective": any(_last_dims(c[1]) & {vocab, local_vocab} for c in collectives),
     }
 
-  shapes = SHAPES[quick]
-  rows = []
-
-  n, v = shapes["kl"]
-
-  def kl(axis_name):
-    return lambda a, b: jnp.sum(kd.kl_div_from_logits(a, b, temperature=2.0, axis_name=axis_name))
-
-  sharded_kl = jax.shard_map(kl("vocab"), mesh=mesh, in_specs=P(None, "vocab"), out_specs=P())
-  rows.append(
-    row(
-      "kl_div_from_logits value_and_grad",
-      f"[{n}, {v}]",
-      jax.value_and_grad(kl(None)),
-      (spec((n, v)), spec((n, v))),
-      jax.value_and_grad(sharded_kl),
-      (spec((n, v), P(None, "vocab")),) * 2,
-      v,
+  n, v = SHAPES[quick]["kl"]
+  losses = {
+    "kl_div_from_logits": lambda axis_name: (
+      lambda a, b: jnp.sum(kd.kl_div_from_logits(a, b, temperature=2.0, axis_name=axis_name))
     )
-  )
-
-  # Every other divergence of the engine, per example (the same shapes).
-  others = {
-    "reverse_kl": kd.Divergence("reverse_kl"),
-    "jsd": kd.Divergence("jsd"),
-    "symmetric_kl": kd.Divergence("symmetric_kl"),
-    "skew_kl": kd.Divergence("skew_kl"),
-    "skew_reverse_kl": kd.Divergence("skew_reverse_kl"),
-    "tvd": kd.Divergence("tvd"),
-    "alpha_beta": kd.Divergence("alpha_beta", alpha=0.5, beta=0.3),
   }
-  for name, div in others.items():
-
-    def per_example(axis_name, div=div):
-      return lambda a, b: jnp.sum(
-        kd.divergence_from_logits(a, b, divergence=div, temperature=2.0, axis_name=axis_name)
+  # Every other divergence of the engine, per example (the same shapes).
+  for name, div in SPECS.items():
+    if name != "forward_kl":
+      losses[f"divergence_from_logits {name}"] = lambda axis_name, div=div: (
+        lambda a, b: jnp.sum(
+          kd.divergence_from_logits(a, b, divergence=div, temperature=2.0, axis_name=axis_name)
+        )
       )
-
-    sharded_div = jax.shard_map(
-      per_example("vocab"), mesh=mesh, in_specs=P(None, "vocab"), out_specs=P()
-    )
-    rows.append(
-      row(
-        f"divergence_from_logits {name} value_and_grad",
-        f"[{n}, {v}]",
-        jax.value_and_grad(per_example(None)),
-        (spec((n, v)), spec((n, v))),
-        jax.value_and_grad(sharded_div),
-        (spec((n, v), P(None, "vocab")),) * 2,
-        v,
-      )
-    )
-
-  n, h, v = shapes["fused"]
+  rows = [
+    row(f"{name} value_and_grad", f"[{n}, {v}]", loss, [(n, v)] * 2, (P(None, "vocab"),) * 2, 0, v)
+    for name, loss in losses.items()
+  ]
+  n, h, v = SHAPES[quick]["fused"]
 
   def fused(axis_name):
     return lambda a, w, ta, tw: kd.fused_distillation_loss(
       a, w, ta, tw, temperature=2.0, axis_name=axis_name
     )
 
-  in_specs = (P(), P(None, "vocab"), P(), P(None, "vocab"))
-  sharded_fused = jax.shard_map(fused("vocab"), mesh=mesh, in_specs=in_specs, out_specs=P())
-  arg_shapes = [(n, h), (h, v), (n, h), (h, v)]
   rows.append(
     row(
       "fused_distillation_loss value_and_grad (hidden, weight)",
       f"N={n} H={h} V={v}",
-      jax.value_and_grad(fused(None), argnums=(0, 1)),
-      [spec(s) for s in arg_shapes],
-      jax.value_and_grad(sharded_fused, argnums=(0, 1)),
-      [spec(s, p) for s, p in zip(arg_shapes, in_specs)],
+      fused,
+      [(n, h), (h, v), (n, h), (h, v)],
+      (P(), P(None, "vocab"), P(), P(None, "vocab")),
+      (0, 1),
       v,
     )
   )
@@ -225,6 +184,10 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
 
 def _mib(n: int) -> str:
   return f"{n / 2**20:8.2f}"
+
+
+def _passes(r: dict[str, Any]) -> bool:
+  return r["temp_ratio"] <= TARGET and not r["all_gathers"] and not r["vocab_sized_collective"]
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -236,58 +199,37 @@ def print_table(result: dict[str, Any]) -> None:
     f"{'program':60} {'shape':22} {'temp 1':>8} {'temp 8':>8} {'ratio':>6} "
     f"{'arg+out+temp 1':>15} {'... 8':>8} {'ratio':>6} {'per-dev':>7} {'gather':>6}"
   )
-  print(head)
-  print("-" * len(head))
+  print(f"{head}\n{'-' * len(head)}")
   for r in result["rows"]:
     s, p = r["single"], r["sharded"]
-    tot = lambda m: m["temp_bytes"] + m["argument_bytes"] + m["output_bytes"]  # noqa: E731
     print(
       f"{r['program']:60} {r['shape']:22} {_mib(s['temp_bytes'])} {_mib(p['temp_bytes'])} "
-      f"{r['temp_ratio']:6.3f} {_mib(tot(s)):>15} {_mib(tot(p))} {r['total_ratio']:6.3f} "
+      f"{r['temp_ratio']:6.3f} {_mib(_total(s)):>15} {_mib(_total(p))} {r['total_ratio']:6.3f} "
       f"{'yes' if r['per_device'] else 'NO':>7} {len(r['all_gathers']):6d}"
     )
   for r in result["rows"]:
-    ok = (
-      r["temp_ratio"] <= result["target_temp_ratio"]
-      and not r["all_gathers"]
-      and not r["vocab_sized_collective"]
-    )
     print(
-      f"  {'PASS' if ok else 'FAIL'} {r['program']}: temp {r['temp_ratio']:.3f}x "
+      f"  {'PASS' if _passes(r) else 'FAIL'} {r['program']}: temp {r['temp_ratio']:.3f}x "
       f"(target <= {result['target_temp_ratio']}x), {len(r['all_gathers'])} all-gathers, "
       f"largest collective {r['largest_collective']}"
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help="smaller shapes")
-  p.add_argument("--out", type=Path, default=None, help="directory for sharding.json")
-  p.add_argument("--repeats", type=int, default=None, help="ignored (nothing is timed)")
-  args = p.parse_args(sys.argv[1:] if argv is None else argv)
-  import jax
-
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parser(__doc__, quick="smaller shapes", repeats="ignored (nothing is timed)").parse_args(
+    argv
+  )
   if jax.device_count() < NUM_DEVICES:  # JAX started before this module set XLA_FLAGS
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FLAG}".strip()
-    cmd = [
-      sys.executable,
-      str(Path(__file__).resolve()),
-      *(argv if argv is not None else sys.argv[1:]),
-    ]
+    rest = list(sys.argv[1:] if argv is None else argv)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *rest]
     return subprocess.run(cmd, env=env, check=False).returncode
+  machine = start("sharding")
   result = vocab_parallel_memory(quick=args.quick)
   print_table(result)
-  if args.out is not None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "sharding.json"
-    path.write_text(json.dumps({"vocab_parallel_memory": result}, indent=2))
-    print(f"sharding: wrote {path}")
-  ok = all(
-    r["temp_ratio"] <= TARGET and not r["all_gathers"] and not r["vocab_sized_collective"]
-    for r in result["rows"]
-  )
-  return 0 if ok else 1
+  save({"section": "sharding", "machine": machine, "vocab_parallel_memory": result}, args.out)
+  return 0 if all(_passes(r) for r in result["rows"]) else 1
 
 
 if __name__ == "__main__":

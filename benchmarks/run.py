@@ -1,10 +1,22 @@
 """Runs the benchmark sections of kldiv_jax (``make bench``).
 
-Each section is a module ``benchmarks/bench_<name>.py`` with a ``main`` entry
-point (``core``, ``logits``, ``large``, ``sharding``). Sections run in one
-process, one after the other; each writes ``<out>/<name>.json`` (and a chart)
-and prints its table. Options this runner does not know are passed to the
-``core`` section (see ``python benchmarks/bench_core.py --help``).
+Each section is a module ``benchmarks/bench_<name>.py`` whose ``main(argv) -> int`` parses
+its options (``--quick``, ``--repeats``, ``--out`` and its own), prints its table and its
+targets and writes ``<out>/<name>.json`` (``_harness.py`` holds what they share):
+
+* ``core``: ``kl_div`` against the double-``where`` formula, optax and torch;
+* ``logits``: ``kl_div_from_logits``, ``generalized_jsd``, ``distillation_loss``;
+* ``divergences``: every divergence of the engine against its authors' formula;
+* ``large``: ``fused_distillation_loss`` against materialised logits;
+* ``sharding``: per-device memory of the vocabulary-parallel losses;
+* ``llm``: soft-caps, padded teacher vocabularies, labels in the fused head, top-k tails;
+* ``rl``: ``token_log_probs``, ``fused_token_log_probs``, the fused policy loss;
+* ``precision``: every divergence on bf16 logits against float64;
+* ``accel`` (only when named): every loss compiled for TPU and an H100, XLA's estimates.
+
+Sections run in one process, one after the other. ``--quick``, ``--repeats`` and
+``--out`` go to every section; ``--sizes`` and the options this runner does not know go to
+``core`` (see ``python benchmarks/bench_core.py --help``).
 
   python benchmarks/run.py                      # every section, full size grid
   python benchmarks/run.py --quick              # small sizes, few repeats (smoke test)
@@ -13,16 +25,14 @@ and prints its table. Options this runner does not know are passed to the
 
 import argparse
 import importlib
-import inspect
 import sys
 import time
 import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-for _p in (str(HERE.parent), str(HERE)):  # `import _harness` and `import benchmarks._harness`
-  if _p not in sys.path:
-    sys.path.insert(0, _p)
+if str(HERE) not in sys.path:  # `import bench_<name>`, `import _harness`
+  sys.path.insert(0, str(HERE))
 
 ORDER = ("core", "logits")
 # Sections run only when named (`--sections accel`): they need their own environments.
@@ -35,50 +45,20 @@ def available_sections() -> list[str]:
 
 
 def section_argv(name: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
-  argv = ["--out", str(args.out)]
-  if args.quick:
-    argv.append("--quick")
+  argv = ["--out", str(args.out)] + (["--quick"] if args.quick else [])
   if args.repeats is not None:
     argv += ["--repeats", str(args.repeats)]
   if name == "core":
-    if args.sizes is not None:
-      argv += ["--sizes", args.sizes]
-    argv += extra
+    argv += (["--sizes", args.sizes] if args.sizes is not None else []) + extra
   return argv
 
 
-def call_main(module, argv: list[str]) -> int:
-  """Calls ``module.main`` with ``argv`` (as an argument if it takes one, and as ``sys.argv``)."""
-  entry = getattr(module, "main", None)
-  if not callable(entry):
-    raise TypeError(f"{module.__name__} has no callable main()")
-  saved = sys.argv
-  sys.argv = [str(getattr(module, "__file__", module.__name__)), *argv]
-  try:
-    takes_argv = bool(inspect.signature(entry).parameters)
-    result = entry(argv) if takes_argv else entry()
-  except SystemExit as exit_:
-    code = exit_.code
-    return code if isinstance(code, int) else (0 if code is None else 1)
-  finally:
-    sys.argv = saved
-  return result if isinstance(result, int) else 0
-
-
-def run_section(name: str, args: argparse.Namespace, extra: list[str]) -> tuple[bool, str]:
+def run_section(name: str, argv: list[str]) -> tuple[bool, str]:
   """Runs one section defensively; returns (ok, how it went)."""
   try:
-    module = importlib.import_module(f"bench_{name}")
-  except Exception:
-    traceback.print_exc()
-    return False, "import failed"
-  argv = section_argv(name, args, extra)
-  try:
-    code = call_main(module, argv)
-    if code == 2 and name != "core":  # argparse rejected an option: retry with the bare minimum
-      minimal = ["--quick"] if args.quick else []
-      print(f"run: section {name} rejected {argv}; retrying with {minimal}", file=sys.stderr)
-      code = call_main(module, minimal)
+    code = importlib.import_module(f"bench_{name}").main(argv)
+  except SystemExit as exit_:  # argparse
+    code = exit_.code if isinstance(exit_.code, int) else 1
   except Exception:
     traceback.print_exc()
     return False, "raised"
@@ -113,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
   summary = []
   for name in sections:
     print(f"\n=== section {name} ===", flush=True)
-    start = time.perf_counter()
-    ok, how = run_section(name, args, extra)
-    summary.append((name, ok, how, time.perf_counter() - start))
+    begin = time.perf_counter()
+    ok, how = run_section(name, section_argv(name, args, extra))
+    summary.append((name, ok, how, time.perf_counter() - begin))
   print("\n=== summary ===")
   for name, ok, how, seconds in summary:
     print(f"  {name:10} {'ok' if ok else 'FAILED':7} {how:14} {seconds:7.1f} s")

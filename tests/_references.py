@@ -700,6 +700,69 @@ REFERENCES = {
 }
 
 
+def np_divergence_terms(name: str, params: dict[str, float], lp: np.ndarray, lq: np.ndarray):
+  """``(f, a, b)`` per class in float64: the term, ``p df/dp`` and ``q df/dq``.
+
+  ``p`` is the teacher's distribution, ``q`` the student's; finite logits, so
+  every probability is positive.
+  """
+  p, q = np.exp(lp), np.exp(lq)
+  if name == "forward_kl":
+    f = p * (lp - lq)
+    return f, f + p, -p
+  if name == "reverse_kl":
+    f = q * (lq - lp)
+    return f, -q, f + q
+  if name == "symmetric_kl":
+    lam = params["lam"]
+    fwd, rev = (
+      np_divergence_terms("forward_kl", {}, lp, lq),
+      np_divergence_terms("reverse_kl", {}, lp, lq),
+    )
+    return tuple((1 - lam) * x + lam * y for x, y in zip(fwd, rev))
+  if name == "jsd":  # m = beta p + (1 - beta) q; df/dp = beta log(p/m), df/dq = (1-beta) log(q/m)
+    beta = params["beta"]
+    lm = np.logaddexp(lp + np.log(beta), lq + np.log1p(-beta))
+    a, b = beta * p * (lp - lm), (1 - beta) * q * (lq - lm)
+    return a + b, a, b
+  if name == "skew_kl":  # f = p log(p/m), m = alpha p + (1 - alpha) q
+    alpha = params["alpha"]
+    lm = np.logaddexp(lp + np.log(alpha), lq + np.log1p(-alpha))
+    f = p * (lp - lm)
+    pq_m = (1 - alpha) * p * np.exp(lq - lm)  # (1 - alpha) p q / m
+    return f, f + pq_m, -pq_m
+  if name == "skew_reverse_kl":  # f = q log(q/m), m = (1 - alpha) p + alpha q
+    alpha = params["alpha"]
+    lm = np.logaddexp(lp + np.log1p(-alpha), lq + np.log(alpha))
+    f = q * (lq - lm)
+    pq_m = (1 - alpha) * q * np.exp(lp - lm)
+    return f, -pq_m, f + pq_m
+  if name == "tvd":  # the subgradient sign(0) = 0 where p = q
+    sign = np.sign(p - q)
+    return 0.5 * np.abs(p - q), 0.5 * p * sign, -0.5 * q * sign
+  if name == "alpha_beta":  # -(p^a q^b - a/(a+b) p^(a+b) - b/(a+b) q^(a+b)) / (a b)
+    al, be = params["alpha"], params["beta"]
+    pq = np.exp(al * lp + be * lq)
+    pp, qq = np.exp((al + be) * lp), np.exp((al + be) * lq)
+    f = -(pq - al / (al + be) * pp - be / (al + be) * qq) / (al * be)
+    return f, -(pq - pp) / be, -(pq - qq) / al
+  raise ValueError(name)
+
+
+def np_divergence_value_and_grads(name: str, params: dict[str, float], z, y, temperature: float):
+  """Float64 ``(value [rows], grad wrt z, grad wrt y, H(p) [rows], H(q) [rows])`` of the
+  divergence ``name`` (:func:`np_divergence_terms`), gradients in closed form: ``dD/dz = (b -
+  q sum b) / T`` with ``b = q df/dq`` per class, ``dD/dy`` likewise with ``a = p df/dp``
+  (``benchmarks/bench_precision.py`` measures against it)."""
+  lq = np_log_softmax(np.asarray(z, np.float64) / temperature)
+  lp = np_log_softmax(np.asarray(y, np.float64) / temperature)
+  p, q = np.exp(lp), np.exp(lq)
+  f, a, b = np_divergence_terms(name, params, lp, lq)
+  gz = (b - q * np.sum(b, -1, keepdims=True)) / temperature
+  gy = (a - p * np.sum(a, -1, keepdims=True)) / temperature
+  return np.sum(f, -1), gz, gy, -np.sum(p * lp, -1), -np.sum(q * lq, -1)
+
+
 def np_topk_log_probs(z, ids, lp, temperature=1.0, tail="renormalize"):
   """float64 ``(log_q, log_p)`` ``[rows, k + 1]`` of a top-k teacher (distinct ids ``[rows,
   k]``, log-probabilities ``lp``, all with mass) and a student's logits ``z``: the ``k``

@@ -1,9 +1,11 @@
 """Smoke tests of the benchmark suite (``benchmarks/run.py``) on tiny sizes."""
 
+import argparse
+import importlib
+import inspect
 import json
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -153,16 +155,18 @@ def test_targets_pass_and_fail_at_the_flagship():
   assert bench_core.shape_for(2**25) == (4096, 8192)
 
 
-def test_runner_calls_entry_points_of_either_signature(monkeypatch):
+def test_every_section_follows_the_protocol(monkeypatch):
+  """Each section is ``main(argv) -> int``, and run.py's docstring names it."""
   monkeypatch.syspath_prepend(str(BENCH))
   import run
 
-  seen = []
-  with_argv = types.SimpleNamespace(__name__="a", main=lambda argv: seen.append(argv) or 0)
-  no_argv = types.SimpleNamespace(__name__="b", main=lambda: seen.append(sys.argv[1:]) or 3)
-  assert run.call_main(with_argv, ["--quick"]) == 0
-  assert run.call_main(no_argv, ["--out", "x"]) == 3
-  assert seen == [["--quick"], ["--out", "x"]]
+  for name in run.available_sections():
+    main = importlib.import_module(f"bench_{name}").main
+    assert list(inspect.signature(main).parameters) == ["argv"], name
+    assert f"``{name}``" in run.__doc__, name
+  assert run.section_argv(
+    "llm", argparse.Namespace(out="x", quick=True, repeats=2, sizes="10"), ["--no-torch"]
+  ) == ["--out", "x", "--quick", "--repeats", "2"]
 
 
 def test_llm_section_runs_and_reports_its_targets(tmp_path):
@@ -172,11 +176,11 @@ def test_llm_section_runs_and_reports_its_targets(tmp_path):
     import bench_llm
   finally:
     sys.path.remove(str(BENCH))
-  result = bench_llm.main(["--quick", "--repeats", "1", "--out", str(tmp_path)])
+  assert bench_llm.main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "llm.json").read_text())
   assert len(result["targets"]) == 7
   assert all(t["value"] is not None and t["value"] > 0 for t in result["targets"])
-  saved = json.loads((tmp_path / "llm.json").read_text())
-  assert saved["settings"]["quick"] is True
+  assert result["settings"]["quick"] is True
 
 
 def test_accel_section_parses_and_is_opt_in(monkeypatch):
