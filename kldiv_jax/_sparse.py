@@ -45,7 +45,8 @@ from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
 from kldiv_jax._engine import formula_params, identical_rows
 from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
-from kldiv_jax._rows import compiled, is_zero, map_rows, normalizer, row_stats, times_slope
+from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._rows import is_zero, normalizer, row_stats, times_slope
 from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 # ---------------------------------------------------------------- student
