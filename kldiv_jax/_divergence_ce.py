@@ -91,8 +91,6 @@ def _kernel_ce_jvp(key, caps, primals, tangents):
 
 
 _kernel_ce.defjvp(_kernel_ce_jvp, symbolic_zeros=True)
-
-
 _kernel_ce = compiled(_kernel_ce, static_argnums=(0, 1))
 
 
@@ -101,7 +99,7 @@ def divergence_ce_rows(
   y: jax.Array,
   temperature: jax.Array,
   masks: tuple[jax.Array, ...],
-  divergence: "Divergence",
+  divergence: Divergence,
   labels: jax.Array,
   caps: tuple[float | None, float | None] = (None, None),
 ) -> tuple[jax.Array, jax.Array]:

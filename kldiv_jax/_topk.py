@@ -314,19 +314,9 @@ def divergence_from_topk(
   """
   name = "divergence_from_topk"
   spec = as_divergence(name, divergence)
-  return topk_per_example(
-    name,
-    spec,
-    logits,
-    topk_indices,
-    topk_log_probs,
-    temperature,
-    where,
-    tail,
-    softcap,
-    teacher_vocab_size,
-    axis_name,
-  )
+  teacher = (topk_indices, topk_log_probs)
+  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name)
+  return topk_per_example(name, spec, logits, *teacher, *options)
 
 
 def kl_div_from_topk(
@@ -373,16 +363,7 @@ def kl_div_from_topk(
     Array([0.4965...], dtype=float32)
   """
   name = "kl_div_from_topk"
-  return topk_per_example(
-    name,
-    Divergence("forward_kl"),
-    logits,
-    topk_indices,
-    topk_log_probs,
-    temperature,
-    where,
-    tail,
-    softcap,
-    teacher_vocab_size,
-    axis_name,
-  )
+  spec = Divergence("forward_kl")
+  teacher = (topk_indices, topk_log_probs)
+  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name)
+  return topk_per_example(name, spec, logits, *teacher, *options)
