@@ -50,7 +50,7 @@ def online_kl_sums(u: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
 
 
 def _online_kl_parts(u, v):
-  """:func:`online_kl_sums`' reduction for :func:`kldiv_jax._rows.joint_reduce`."""
+  """:func:`online_kl_sums`' reduction for :func:`kldiv_jax._online_softmax.joint_reduce`."""
   has_u, has_v = u != -jnp.inf, v != -jnp.inf
   # Each class a partial state of its own: its logits are the maxes; a class with mass
   # on one side only gives +inf to that side's log-ratio sum (as _kl_pass_terms does).
@@ -71,7 +71,7 @@ def _online_kl_parts(u, v):
 
 @jax.custom_jvp
 def online_kl_ce_sums(u, v, w, picked):
-  """:func:`online_kl_sums` of ``u``, ``v`` and :func:`kldiv_jax._rows.online_softmax`
+  """:func:`online_kl_sums` of ``u``, ``v`` and :func:`kldiv_jax._online_softmax.online_softmax`
   ``(m, s, picked)`` of ``w`` (a cross entropy's logits) in the same single pass."""
   return joint_reduce(_online_kl_parts(u, v), online_softmax_parts(False, w, None, picked))
 

@@ -109,7 +109,7 @@ def _tail_stats(cap, axis_name, z, scale, shift, ids, keep):
   """``(tail_lse, m, log_s)``: the tail's softmax is ``exp((x - m) - log_s)`` on the tail
   classes (:func:`_scaled_tail`; ``x - m`` is exact for large logits).
 
-  Per block of rows on CPU (:func:`kldiv_jax._rows.map_rows`): XLA:CPU writes the masked
+  Per block of rows on CPU (:func:`kldiv_jax._platform.map_rows`): XLA:CPU writes the masked
   logits as a ``[rows, vocab]`` temporary before a reduction, a block's at a time there.
   """
 
