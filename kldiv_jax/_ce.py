@@ -17,18 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._checks import compute_dtype
-from kldiv_jax._rows import (
-  ce_grad,
-  compiled,
-  is_zero,
-  label_hit,
-  map_rows,
-  normalizer,
-  online_softmax,
-  row_stats,
-  row_sum,
-  scaled,
-)
+from kldiv_jax._online_softmax import online_softmax
+from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._rows import ce_grad, is_zero, label_hit, normalizer, row_stats, row_sum, scaled
 from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 

@@ -9,18 +9,16 @@ from jax import lax
 from kldiv_jax._ce import ce_rows
 from kldiv_jax._checks import (
   check_bool,
-  check_ids,
   check_int,
   check_normalizer,
   check_temperature,
   check_unit_interval,
-  ids_differ,
-  ids_in_range,
-  index_array,
 )
 from kldiv_jax._divergence_api import check_softcaps
+from kldiv_jax._divergence_ce import divergence_ce_rows
 from kldiv_jax._divergence_spec import Divergence, as_divergence
-from kldiv_jax._engine import divergence_ce_rows, divergence_rows
+from kldiv_jax._engine import divergence_rows
+from kldiv_jax._id_checks import check_ids, ids_differ, ids_in_range, index_array
 from kldiv_jax._numerics import in_unit_interval, is_static, nan_unless, positive_finite
 from kldiv_jax._rows import prepare
 from kldiv_jax._vocab_parallel import any_class, check_axis_name, global_classes
@@ -109,7 +107,7 @@ def check_labels(name, labels, token_shape, shape_text, ignore_index, num_classe
   """``labels`` as an integer array of ``token_shape`` (``shape_text`` names it), and which
   are not ``ignore_index`` (both ``[rows, 1]``). Known labels that count (``counted``, a
   token mask ``[rows, 1]`` or ``None``) must be in ``[0, num_classes)``
-  (:func:`kldiv_jax._checks.check_ids`)."""
+  (:func:`kldiv_jax._id_checks.check_ids`)."""
   labels = index_array(name, "labels", labels, "class indices")
   if labels.shape != token_shape:
     raise ValueError(f"{name}: labels must have {shape_text} {token_shape}; got {labels.shape}.")

@@ -101,7 +101,7 @@ class OnePass(NamedTuple):
   ``kl_sums`` names each term as one of the two KL sums, ``"v"`` for ``sum ev (v0 -
   u0)`` (:func:`_kl_pass_terms`) and ``"u"`` for ``sum eu (u0 - v0)``: off CPU the engine
   then accumulates them with running maxes in the pass that finds the maxes
-  (:func:`kldiv_jax._engine.online_kl_sums`). Empty: no such form.
+  (:func:`kldiv_jax._online_kl.online_kl_sums`). Empty: no such form.
   """
 
   terms: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]]

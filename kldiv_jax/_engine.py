@@ -12,7 +12,8 @@ with or without a class axis split over a mesh axis (``axis_name``). For rows
    for the derivative rule, of ``a``, ``b`` and ``df/dtheta`` (``psum``-ed).
    A formula with a one-pass form (:class:`kldiv_jax._divergences.OnePass`:
    the KL family) gets these sums in the first pass, from unnormalised terms;
-   off CPU that pass finds the maxes too (running maxes: :func:`online_kl_sums`).
+   off CPU that pass finds the maxes too (running maxes:
+   :func:`kldiv_jax._online_kl.online_kl_sums`).
 
 The rule then computes the derivatives per class, elementwise, from those
 per-row statistics (no residual of the vocabulary's size):
@@ -28,7 +29,7 @@ the temperature's (``du/dT = -u/T``, :func:`kldiv_jax._rows.logit_tangents`).
 Symbolic-zero tangents skip their sums: a teacher under ``stop_gradient`` and
 a constant temperature cost nothing. The rule is plain JAX, so ``jvp``,
 ``jax.hessian`` and higher derivatives work. On CPU the passes run over blocks
-of rows (:func:`kldiv_jax._rows.map_rows`); on one device both passes share a
+of rows (:func:`kldiv_jax._platform.map_rows`); on one device both passes share a
 block, and the per-row coefficients of the rule (:class:`Outcomes`) are computed
 there too, so that the rule's elementwise pass only reads them.
 
@@ -49,7 +50,9 @@ one side is the zero measure, the value is the formula's at 0 (``KL(0 || q) =
 0``) and its derivatives are those of that function (0 wrt ``q`` there).
 
 Reusing the per-class math elsewhere: the chunked fused LM-head loss calls
-:func:`divergence_rows` per chunk of logits; a path that has log-probabilities
+:func:`divergence_rows` per chunk of logits; the distillation loss, with the
+cross entropy of the same rows, :func:`kldiv_jax._divergence_ce.divergence_ce_rows`
+(these statistics and this rule, one kernel); a path that has log-probabilities
 already (top-k) calls the formula itself, ``FORMULAS[name].terms(
 classes(log_p, log_q), params)``, and reduces as it needs.
 """
@@ -61,27 +64,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._ce import ce_finish, ce_stats
-from kldiv_jax._checks import compute_dtype
 from kldiv_jax._divergence_spec import Divergence
-from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS, Classes, Formula, Norms
-from kldiv_jax._numerics import max_shift, nonnegative
+from kldiv_jax._divergences import FORMULAS, Classes, Formula, Norms
+from kldiv_jax._numerics import nonnegative
+from kldiv_jax._online_kl import online_kl_sums
+from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts
+from kldiv_jax._platform import compiled, gpu_or_other, map_rows
 from kldiv_jax._rows import (
-  ce_grad,
-  compiled,
-  gpu_or_other,
   is_zero,
-  joint_reduce,
-  label_hit,
   logit_tangents,
-  map_rows,
   normalizer,
-  online_softmax_parts,
-  per_platform,
   row_stats,
-  row_sum,
   scaled,
-  two_pass_softmax,
 )
 from kldiv_jax._vocab_parallel import combine, global_classes
 
@@ -95,8 +89,7 @@ def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
   boolean ``all`` or a select inside the reduction costs 3 to 6 times more).
   A NaN makes the row not identical (it is NaN anyway).
   """
-  lowest = jnp.finfo(u.dtype).min
-  return jnp.sum(jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest)), -1, keepdims=True) == 0
+  return jnp.sum(_identical_gap(u, v), -1, keepdims=True) == 0
 
 
 def _identical_gap(u, v):
@@ -107,7 +100,7 @@ def _identical_gap(u, v):
 
 
 def _plain_sums(*arrays):
-  """Row sums of ``arrays`` as a part of :func:`kldiv_jax._rows.joint_reduce`."""
+  """Row sums of ``arrays`` as a part of :func:`kldiv_jax._online_softmax.joint_reduce`."""
   init = tuple(jnp.zeros((), a.dtype) for a in arrays)
   return arrays, init, lambda a, b: tuple(x + y for x, y in zip(a, b)), tuple
 
@@ -212,7 +205,7 @@ def _summands(formula: Formula, params, needs: Needs, c: Classes, barrier):
 class Outcomes(NamedTuple):
   """Per-row outcomes ``[rows, 1]``: the value and everything the derivative rule needs.
 
-  Computed per block of rows with the statistics (:func:`_statistics`), so
+  Computed per block of rows with the statistics (:func:`statistics`), so
   that the elementwise pass of the rule reads them and XLA does not fuse
   their per-row arithmetic into it (once per class instead of once per row).
   """
@@ -280,99 +273,6 @@ def _per_block(fn, arrays, num_rows, num_classes=None, accel=None):
   return jax.tree.unflatten(tree[0], leaves)
 
 
-def _rescaled(m, total):
-  """``(exp(m - total), m - total)`` for a partial max ``m`` of a row whose max is
-  ``total``: ``(1, 0)`` where they are equal (``-inf`` ones too); NaN propagates."""
-  same = m == total
-  return jnp.where(same, 1.0, jnp.exp(m - total)), jnp.where(same, 0.0, m - total)
-
-
-def _combine_online(a, b):
-  """Two partial :func:`online_kl_sums` states of the same rows, as one."""
-  mu, mv = jnp.maximum(a[0], b[0]), jnp.maximum(a[2], b[2])
-  out = [mu, jnp.zeros_like(mu), mv, jnp.zeros_like(mv), jnp.zeros_like(mu), jnp.zeros_like(mu)]
-  for mu_i, su_i, mv_i, sv_i, gv_i, gu_i in (a, b):
-    fu, du = _rescaled(mu_i, mu)
-    fv, dv = _rescaled(mv_i, mv)
-    out[1] = out[1] + su_i * fu
-    out[3] = out[3] + sv_i * fv
-    # The log-ratios shift by the change of the maxes; a side without mass (or whose
-    # mass underflows at the new max, as ``ev > 0`` in _kl_pass_terms) adds nothing.
-    out[4] = out[4] + jnp.where(sv_i * fv > 0, fv * (gv_i + sv_i * (dv - du)), 0.0)
-    out[5] = out[5] + jnp.where(su_i * fu > 0, fu * (gu_i + su_i * (du - dv)), 0.0)
-  return tuple(out)
-
-
-@jax.custom_jvp
-def online_kl_sums(u: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
-  """``(mu, su, mv, sv, gv, gu)`` per row ``[rows, 1]`` in one pass over ``u`` and ``v``.
-
-  The row maxes (:func:`~kldiv_jax._numerics.max_shift`-ed) and sums of exponentials of
-  :func:`kldiv_jax._rows.row_stats`, and the KL sums of the one-pass formulas, ``gv =
-  sum ev (v0 - u0)`` (:func:`kldiv_jax._divergences._kl_pass_terms`) and ``gu = sum eu
-  (u0 - v0)``, from one variadic reduction whose combiner carries running maxes and
-  rescales the sums when a max grows (online softmax, Milakov & Gimelshein 2018). XLA
-  then reads the logits once for all of them, where the max and the sums are two passes.
-  Off CPU only: XLA:CPU runs the combiner's exponentials per element.
-  """
-  return joint_reduce(_online_kl_parts(u, v))[0]
-
-
-def _online_kl_parts(u, v):
-  """:func:`online_kl_sums`' reduction for :func:`kldiv_jax._rows.joint_reduce`."""
-  has_u, has_v = u != -jnp.inf, v != -jnp.inf
-  # Each class a partial state of its own: its logits are the maxes; a class with mass
-  # on one side only gives +inf to that side's log-ratio sum (as _kl_pass_terms does).
-  su = jnp.where(has_u, jnp.exp(u - u), 0.0)  # 1, or NaN at a NaN or +inf logit
-  sv = jnp.where(has_v, jnp.exp(v - v), 0.0)
-  inf = jnp.asarray(jnp.inf, u.dtype)
-  gv = jnp.where(has_v & ~has_u, inf, 0.0)
-  gu = jnp.where(has_u & ~has_v, inf, 0.0)
-  zero = jnp.zeros((), u.dtype)
-  init = (-inf, zero, -inf, zero, zero, zero)
-
-  def finish(res):
-    mu, su, mv, sv, gv, gu = res
-    return max_shift(mu), su, max_shift(mv), sv, gv, gu
-
-  return (u, su, v, sv, gv, gu), init, _combine_online, finish
-
-
-@jax.custom_jvp
-def online_kl_ce_sums(u, v, w, picked):
-  """:func:`online_kl_sums` of ``u``, ``v`` and :func:`kldiv_jax._rows.online_softmax`
-  ``(m, s, picked)`` of ``w`` (a cross entropy's logits) in the same single pass."""
-  return joint_reduce(_online_kl_parts(u, v), online_softmax_parts(False, w, None, picked))
-
-
-@online_kl_ce_sums.defjvp
-def _online_kl_ce_sums_jvp(primals, tangents):
-  u, v, w, picked = primals
-  du, dv, dw, dpicked = tangents
-  _, kl = jax.jvp(_two_pass_kl_sums, (u, v), (du, dv))
-  _, ce = jax.jvp(lambda w, p: two_pass_softmax(False, w, None, p), (w, picked), (dw, dpicked))
-  return online_kl_ce_sums(*primals), (kl, ce)
-
-
-def _two_pass_kl_sums(u, v):
-  """:func:`online_kl_sums` the CPU's way (a max pass, then the sums): differentiable."""
-  mu, eu, su = row_stats(u)
-  mv, ev, sv = row_stats(v)
-  u0, v0 = u - mu, v - mv
-  (gv,) = FORWARD_PASS.terms(u0, v0, eu, ev)
-  (gu,) = REVERSE_PASS.terms(u0, v0, eu, ev)
-  total = lambda x: jnp.sum(x, axis=-1, keepdims=True)  # noqa: E731
-  return mu, su, mv, sv, total(gv), total(gu)
-
-
-@online_kl_sums.defjvp
-def _online_kl_sums_jvp(primals, tangents):
-  # Second and higher derivatives only (the first come from the rule of _kernel): the
-  # tangents of the same sums written with differentiable reductions.
-  _, out_tangents = jax.jvp(_two_pass_kl_sums, primals, tangents)
-  return online_kl_sums(*primals), out_tangents
-
-
 def _same_one_pass(mu, su, mv, sv, sums):
   """Equal rows, as the one-pass sums see them (no extra pass over the classes): equal
   maxes, sums of exponentials equal to rounding, and no weighted log-ratio left."""
@@ -382,7 +282,7 @@ def _same_one_pass(mu, su, mv, sv, sums):
   return same
 
 
-def _one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
+def one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
   """The :class:`Outcomes` of a one-pass formula from its row statistics and sums."""
   same = _same_one_pass(mu, su, mv, sv, sums)
   norms = _norms(su, sv)
@@ -392,7 +292,7 @@ def _one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
   return _outcomes(needs, mu, su, mv, sv, norms, same, class_sums)
 
 
-def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps) -> Outcomes:
+def statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps) -> Outcomes:
   cap_z, cap_y = caps
 
   def local(z, y, *masks):
@@ -404,7 +304,7 @@ def _statistics(formula, params, needs, z, y, temperature, masks, axis_name, cap
 
   one_pass = None if formula.one_pass is None else formula.one_pass(params)
   if axis_name is None and one_pass is not None:
-    outcomes = functools.partial(_one_pass_outcomes, one_pass, needs)
+    outcomes = functools.partial(one_pass_outcomes, one_pass, needs)
 
     # One pass per block: the sums of exponentials and the formula's unnormalised sums.
     def fn(z, y, *masks):
@@ -484,7 +384,9 @@ def _softmax_grad(w, prob, zero_total, nan):
   return jnp.where(zero, 0.0, w - prob * total) + nan
 
 
-def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes, axis_name, caps):
+def tangent_rows(
+  formula, params, z, y, temperature, masks, tangents, rows: Outcomes, axis_name, caps
+):
   dz, dy, dtemp, dparams = tangents
   out = jnp.zeros_like(rows.value)
   if rows.a or rows.b:
@@ -508,11 +410,11 @@ def _tangent(formula, params, z, y, temperature, masks, tangents, rows: Outcomes
 def _kernel(key, axis_name, caps, z, y, temperature, traced, masks):
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
-  rows = _statistics(formula, params, Needs(), z, y, temperature, masks, axis_name, caps)
+  rows = statistics(formula, params, Needs(), z, y, temperature, masks, axis_name, caps)
   return rows.value[:, 0]
 
 
-def _tangent_needs(key, dz, dy, dtemp, dtraced):
+def tangent_needs(key, dz, dy, dtemp, dtraced):
   """The tangents per parameter (static ones, never differentiated, as ``None``) and which
   statistics the tangent needs, from the kernels' tangents."""
   dtraced = iter(dtraced)
@@ -530,9 +432,9 @@ def _kernel_jvp(key, axis_name, caps, primals, tangents):
   dz, dy, dtemp, dtraced, _ = tangents
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
-  dparams, needs = _tangent_needs(key, dz, dy, dtemp, dtraced)
-  rows = _statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps)
-  tangent = _tangent(
+  dparams, needs = tangent_needs(key, dz, dy, dtemp, dtraced)
+  rows = statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps)
+  tangent = tangent_rows(
     formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, axis_name, caps
   )
   return rows.value[:, 0], tangent[:, 0]
@@ -560,7 +462,7 @@ def divergence_rows(
   ``divergence`` a :class:`kldiv_jax._divergence_spec.Divergence`. With
   ``axis_name``, inside ``jax.shard_map``, the arrays hold this device's
   slice of the classes and the result is replicated over the axis. Compiled
-  once per shapes and static arguments when called eagerly (``_rows.compiled``).
+  once per shapes and static arguments when called eagerly (``_platform.compiled``).
   ``caps``: the student's and the teacher's logit soft-caps (static floats, or
   ``None``), applied before the temperature. Not tested here: the temperature's
   and traced parameters' ranges (the caller applies ``nan_unless`` with
@@ -568,83 +470,3 @@ def divergence_rows(
   """
   key = divergence.key
   return _kernel(key, axis_name, tuple(caps), z, y, temperature, divergence.traced, tuple(masks))
-
-
-def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels):
-  """``(Outcomes, (ce, m, inv_s))``: :func:`_statistics` and the cross entropy's
-  (:func:`kldiv_jax._ce.ce_stats`, at temperature 1) of the same rows, one device. Off
-  CPU, for a formula whose sums are KL sums, from one pass over both logits
-  (:func:`online_kl_ce_sums`); elsewhere as the two kernels compute them."""
-  cap_z, cap_y = caps
-
-  def apart(z, y, labels, *masks):
-    rows = _statistics(formula, params, needs, z, y, temperature, masks, None, caps)
-    ce, (m, inv_s, _) = ce_stats(None, cap_z, z, labels, masks)
-    return rows, (ce, m, inv_s)
-
-  one_pass = None if formula.one_pass is None else formula.one_pass(params)
-  if one_pass is None or not one_pass.kl_sums:
-    return apart(z, y, labels, *masks)
-
-  def together(z, y, labels, *masks):
-    u, _ = scaled(z, temperature, masks, cap_z)
-    v, _ = scaled(y, temperature, masks, cap_y)
-    w, _ = scaled(z, jnp.ones((), compute_dtype(z.dtype)), masks, cap_z)
-    hit = label_hit(labels, w.shape)
-    kl, (m, s, picked) = online_kl_ce_sums(u, v, w, jnp.where(hit, w, 0.0))
-    mu, su, mv, sv, gv, gu = kl
-    sums = tuple({"v": gv, "u": gu}[k] for k in one_pass.kl_sums)
-    rows = _one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums)
-    ce, (m, inv_s) = ce_finish(m, s, picked)
-    return rows, (ce, m, inv_s)
-
-  return per_platform(apart, together, z, y, labels, *masks)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _kernel_ce(key, caps, z, y, temperature, traced, masks, labels):
-  formula = FORMULAS[key[0]]
-  params = formula_params(key, traced, temperature.dtype)
-  rows, (ce, _, _) = _statistics_ce(
-    formula, params, Needs(), z, y, temperature, masks, caps, labels
-  )
-  return rows.value[:, 0], ce[:, 0]
-
-
-def _kernel_ce_jvp(key, caps, primals, tangents):
-  z, y, temperature, traced, masks, labels = primals
-  dz, dy, dtemp, dtraced, _, _ = tangents
-  formula = FORMULAS[key[0]]
-  params = formula_params(key, traced, temperature.dtype)
-  dparams, needs = _tangent_needs(key, dz, dy, dtemp, dtraced)
-  rows, (ce, m, inv_s) = _statistics_ce(
-    formula, params, needs, z, y, temperature, masks, caps, labels
-  )
-  tangent = _tangent(
-    formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, None, caps
-  )
-  d_ce = jnp.zeros_like(ce)
-  if not is_zero(dz):
-    d_ce = row_sum(ce_grad(z, labels, masks, m, inv_s, caps[0]), dz)
-  return (rows.value[:, 0], ce[:, 0]), (tangent[:, 0], d_ce[:, 0])
-
-
-_kernel_ce.defjvp(_kernel_ce_jvp, symbolic_zeros=True)
-_kernel_ce = compiled(_kernel_ce, static_argnums=(0, 1))
-
-
-def divergence_ce_rows(
-  z: jax.Array,
-  y: jax.Array,
-  temperature: jax.Array,
-  masks: tuple[jax.Array, ...],
-  divergence: "Divergence",
-  labels: jax.Array,
-  caps: tuple[float | None, float | None] = (None, None),
-) -> tuple[jax.Array, jax.Array]:
-  """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,
-  masks, cap=caps[0]))`` (values and derivatives) from one kernel, without ``axis_name``:
-  off CPU the KL family's statistics and the cross entropy's come from one pass over the
-  logits (:func:`_statistics_ce`). ``labels`` ``[rows, 1]`` int32 in range."""
-  key = divergence.key
-  return _kernel_ce(key, tuple(caps), z, y, temperature, divergence.traced, tuple(masks), labels)

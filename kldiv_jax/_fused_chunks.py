@@ -107,7 +107,7 @@ def per_platform(chunk_size, name, n, vocab_size, call, elements=CHUNK_ELEMENTS)
   """``call(chunk)`` with ``chunk_size``, or by default the chunk of the platform the program
   is lowered for (:func:`platform_chunk_size`; on CPU, ``elements`` logits per chunk).
 
-  As the row path's blocks (:func:`kldiv_jax._rows.map_rows`), the chunkings are staged
+  As the row path's blocks (:func:`kldiv_jax._platform.map_rows`), the chunkings are staged
   out with ``lax.platform_dependent`` and lowering keeps the platform's own: a program
   exported with ``jax.export`` for several platforms holds each one's. Each runs in the
   name scope :data:`FUSED_CHUNK_SCOPE` followed by its chunk.

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kldiv_jax._checks import check_float, compute_dtype, teacher_classes
+from kldiv_jax._checks import check_float, compute_dtype
 from kldiv_jax._distill import (
   DistillationParts,
   DistillOptions,
@@ -42,7 +42,9 @@ from kldiv_jax._fused_chunks import (
   vary_like_tokens,
   zero_head_grads,
 )
-from kldiv_jax._rows import compiled, shared_classes
+from kldiv_jax._id_checks import teacher_classes
+from kldiv_jax._platform import compiled
+from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import topk_rows
 from kldiv_jax._tokens import token_mask
 from kldiv_jax._topk import check_topk_teacher, topk_teacher

@@ -58,7 +58,7 @@ from kldiv_jax._fused_chunks import (
 )
 from kldiv_jax._fused_tokens import TokenKernel, fold_token_grads, fused_tokens
 from kldiv_jax._numerics import nan_unless, positive_finite
-from kldiv_jax._rows import compiled
+from kldiv_jax._platform import compiled
 from kldiv_jax._tokens import token_layout, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 

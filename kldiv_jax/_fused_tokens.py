@@ -30,7 +30,8 @@ from kldiv_jax._fused_chunks import (
   zero_cotangent,
   zero_head_grads,
 )
-from kldiv_jax._rows import compiled, times_slope
+from kldiv_jax._platform import compiled
+from kldiv_jax._rows import times_slope
 from kldiv_jax._tokens import class_derivatives, local_ids, token_layout, token_outputs, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 

@@ -16,10 +16,14 @@ from kldiv_jax._numerics import nonnegative
 from kldiv_jax._pointwise import kl_log_kernel, kl_prob_kernel
 
 
-def _per_example(name, what, kernel, zero_mass, log_predictions, targets, axis, where):
+def _per_example(
+  name, what, terms, zero_mass, log_predictions, targets, axis, where, finish=lambda out: out
+):
+  """The body the per-example losses share: promote and broadcast, the masked sum of
+  ``terms`` (masked entries filled with 0 and ``zero_mass``), ``finish``, the inputs' dtype."""
   (x, t), out_dtype = promote_and_broadcast(name, what, log_predictions, targets)
-  out = masked_sum(name, kernel, axis, where, inputs=((x, 0.0), (t, zero_mass)))
-  return out.astype(out_dtype)
+  out = masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, zero_mass)))
+  return finish(out).astype(out_dtype)
 
 
 def kl_divergence(
@@ -55,15 +59,9 @@ def kl_divergence(
     Array([0.6931472, 0.       ], dtype=float32)
   """
   return _per_example(
-    "kl_divergence",
-    ("log_predictions", "targets"),
-    kl_prob_kernel,
-    0.0,
-    log_predictions,
-    targets,
-    axis,
-    where,
-  )
+    "kl_divergence", ("log_predictions", "targets"), kl_prob_kernel, 0.0,
+    log_predictions, targets, axis, where,
+  )  # fmt: skip
 
 
 def kl_divergence_with_log_targets(
@@ -90,15 +88,9 @@ def kl_divergence_with_log_targets(
     Array(0.6931472, dtype=float32)
   """
   return _per_example(
-    "kl_divergence_with_log_targets",
-    ("log_predictions", "log_targets"),
-    kl_log_kernel,
-    -jnp.inf,
-    log_predictions,
-    log_targets,
-    axis,
-    where,
-  )
+    "kl_divergence_with_log_targets", ("log_predictions", "log_targets"), kl_log_kernel,
+    -jnp.inf, log_predictions, log_targets, axis, where,
+  )  # fmt: skip
 
 
 def generalized_kl_divergence(
@@ -126,13 +118,11 @@ def generalized_kl_divergence(
     >>> generalized_kl_divergence(jnp.log(jnp.array([2.0, 1.0])), jnp.array([1.0, 1.0]))
     Array(0.30685282, dtype=float32)
   """
-  name = "generalized_kl_divergence"
-  (x, t), out_dtype = promote_and_broadcast(
-    name, ("log_predictions", "targets"), log_predictions, targets
-  )
   terms = lambda x, t: kl_prob_kernel(x, t) + (jnp.exp(x) - t)  # noqa: E731
-  out = masked_sum(name, terms, axis, where, inputs=((x, 0.0), (t, 0.0)))
-  return nonnegative(out).astype(out_dtype)
+  return _per_example(
+    "generalized_kl_divergence", ("log_predictions", "targets"), terms, 0.0,
+    log_predictions, targets, axis, where, nonnegative,
+  )  # fmt: skip
 
 
 def convex_kl_divergence(

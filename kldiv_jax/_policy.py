@@ -11,12 +11,10 @@ from kldiv_jax._checks import (
   as_array,
   check_bool,
   check_choice,
-  check_ids,
   check_int,
   check_normalizer,
   clip_bounds,
   compute_dtype,
-  index_array,
   mask_array,
   promote_and_broadcast,
   real_scalar,
@@ -24,6 +22,7 @@ from kldiv_jax._checks import (
 )
 from kldiv_jax._fused_chunks import check_linear
 from kldiv_jax._fused_policy import fused_token_loss
+from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rl import ESTIMATORS
 from kldiv_jax._surrogates import (

@@ -45,7 +45,8 @@ from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
 from kldiv_jax._engine import formula_params, identical_rows
 from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
-from kldiv_jax._rows import compiled, is_zero, map_rows, normalizer, row_stats, times_slope
+from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._rows import is_zero, normalizer, row_stats, times_slope
 from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 # ---------------------------------------------------------------- student
@@ -108,7 +109,7 @@ def _tail_stats(cap, axis_name, z, scale, shift, ids, keep):
   """``(tail_lse, m, log_s)``: the tail's softmax is ``exp((x - m) - log_s)`` on the tail
   classes (:func:`_scaled_tail`; ``x - m`` is exact for large logits).
 
-  Per block of rows on CPU (:func:`kldiv_jax._rows.map_rows`): XLA:CPU writes the masked
+  Per block of rows on CPU (:func:`kldiv_jax._platform.map_rows`): XLA:CPU writes the masked
   logits as a ``[rows, vocab]`` temporary before a reduction, a block's at a time there.
   """
 

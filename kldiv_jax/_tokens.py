@@ -25,15 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kldiv_jax._checks import (
-  check_ids,
-  check_int,
-  compute_dtype,
-  ids_differ,
-  ids_in_range,
-  index_array,
-  mask_array,
-)
+from kldiv_jax._checks import check_int, compute_dtype, mask_array
+from kldiv_jax._id_checks import check_ids, ids_differ, ids_in_range, index_array
 from kldiv_jax._numerics import (
   divide_logits,
   max_shift,
@@ -42,16 +35,9 @@ from kldiv_jax._numerics import (
   positive_finite,
   soft_cap,
 )
-from kldiv_jax._rows import (
-  compiled,
-  is_zero,
-  label_hit,
-  map_rows,
-  normalizer,
-  online_softmax,
-  per_platform,
-  times_slope,
-)
+from kldiv_jax._online_softmax import online_softmax
+from kldiv_jax._platform import compiled, map_rows, per_platform
+from kldiv_jax._rows import is_zero, label_hit, normalizer, times_slope
 from kldiv_jax._vocab_parallel import class_offset, global_classes
 
 

@@ -20,16 +20,13 @@ import jax.numpy as jnp
 from kldiv_jax._checks import (
   check_choice,
   check_float,
-  check_ids,
   check_softcap,
   check_temperature,
   compute_dtype,
-  ids_in_range,
-  index_array,
   mask_array,
-  teacher_classes,
 )
 from kldiv_jax._divergence_spec import Divergence, as_divergence
+from kldiv_jax._id_checks import check_ids, ids_in_range, index_array, teacher_classes
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import first_occurrences, topk_rows
@@ -86,9 +83,9 @@ def check_topk_teacher(
   ``indices`` an integer array ``token_shape + (k,)`` (``shape_text`` names that shape) with
   ``k >= 1``, ``log_probs`` the same shape (its float dtype is the caller's to check, with the
   student's); ``tail`` one of :data:`TAILS`; ``teacher_vocab_size`` by the vocabulary rule
-  (:func:`kldiv_jax._checks.teacher_classes`, ``vocab`` the student's global size); ``where``
+  (:func:`kldiv_jax._id_checks.teacher_classes`, ``vocab`` the student's global size); ``where``
   a mask of the tokens or of the slots; known ids with mass that ``where`` counts in range
-  (:func:`kldiv_jax._checks.check_ids`).
+  (:func:`kldiv_jax._id_checks.check_ids`).
   """
   idx = index_array(name, "topk_indices", indices, "token ids")
   lp = jnp.asarray(log_probs)
@@ -317,19 +314,9 @@ def divergence_from_topk(
   """
   name = "divergence_from_topk"
   spec = as_divergence(name, divergence)
-  return topk_per_example(
-    name,
-    spec,
-    logits,
-    topk_indices,
-    topk_log_probs,
-    temperature,
-    where,
-    tail,
-    softcap,
-    teacher_vocab_size,
-    axis_name,
-  )
+  teacher = (topk_indices, topk_log_probs)
+  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name)
+  return topk_per_example(name, spec, logits, *teacher, *options)
 
 
 def kl_div_from_topk(
@@ -376,16 +363,7 @@ def kl_div_from_topk(
     Array([0.4965...], dtype=float32)
   """
   name = "kl_div_from_topk"
-  return topk_per_example(
-    name,
-    Divergence("forward_kl"),
-    logits,
-    topk_indices,
-    topk_log_probs,
-    temperature,
-    where,
-    tail,
-    softcap,
-    teacher_vocab_size,
-    axis_name,
-  )
+  spec = Divergence("forward_kl")
+  teacher = (topk_indices, topk_log_probs)
+  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name)
+  return topk_per_example(name, spec, logits, *teacher, *options)

@@ -543,7 +543,7 @@ def test_new_parameter_values_do_not_recompile(rng, caplog):
 
 
 def test_eager_calls_compile_once(rng):
-  """Eager value and gradient calls reuse the compiled kernel (``_rows.compiled``)."""
+  """Eager value and gradient calls reuse the compiled kernel (``_platform.compiled``)."""
   z, y = (a.astype(np.float32) for a in _pair(rng, (3, 6)))
   spec = Divergence("alpha_beta", alpha=0.5, beta=0.3)
 

@@ -1,7 +1,7 @@
 """``jax.export``: every public loss lowers for CPU, CUDA and TPU, each with its own code path.
 
 The per-row statistics of the logit kernels run over blocks of rows on CPU and
-in one piece elsewhere (``kldiv_jax._rows.map_rows``). The choice is staged
+in one piece elsewhere (``kldiv_jax._platform.map_rows``). The choice is staged
 out with ``lax.platform_dependent`` and made when the program is lowered, so
 a module exported (or compiled ahead of time) on a CPU machine for a GPU or a
 TPU holds the GPU/TPU path, and one exported for several platforms holds both.
@@ -10,7 +10,7 @@ For each public loss, ``jax.jit`` of the loss and of its ``value_and_grad``,
 unsharded and with ``axis_name`` (inside ``jax.shard_map``; the ``multidevice``
 test, on 4 of 8 simulated devices), this file exports a module for each of
 ``cpu``, ``cuda`` and ``tpu`` and checks that the CPU module holds the row
-loop (its name scope :data:`kldiv_jax._rows.ROW_BLOCKS_SCOPE` and a
+loop (its name scope :data:`kldiv_jax._platform.ROW_BLOCKS_SCOPE` and a
 ``stablehlo.while``) exactly for the losses built on the row kernels, and
 that the CUDA and TPU modules never do. A module exported for all three is
 serialized, deserialized and run on CPU (the ``value_and_grad`` program, whose
@@ -35,9 +35,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
-from kldiv_jax import _rows as _rows_mod
+from kldiv_jax import _platform
 from kldiv_jax._fused_chunks import FUSED_CHUNK_SCOPE, FUSED_GRAD_W_SCOPE, platform_chunk_size
-from kldiv_jax._rows import ROW_BLOCKS_SCOPE
+from kldiv_jax._platform import ROW_BLOCKS_SCOPE
 
 PLATFORMS = ("cpu", "cuda", "tpu")
 # 512 rows of 1024 classes: four CPU blocks (128 rows each); two chunks of 256
@@ -259,7 +259,7 @@ def test_fused_default_chunk_is_chosen_per_platform(name):
 # Row counts: one row, a few, many, and one more than a CPU block of VOCAB classes (the CPU
 # path loops over two blocks, the last one shifted back). The fused losses' chunk (CHUNK rows)
 # holds all of them, so they go through the same paths.
-X64_ROWS = (1, 7, 123, _rows_mod._BLOCK_ELEMENTS // VOCAB + 1)
+X64_ROWS = (1, 7, 123, _platform._BLOCK_ELEMENTS // VOCAB + 1)
 X64_DATA = {rows: _data(rows) for rows in X64_ROWS}
 # The fused losses are ``custom_vjp`` functions: reverse mode only.
 REVERSE_ONLY = {name for name, call in CALLS.items() if call.reverse_only}
