@@ -1,13 +1,15 @@
 """References that several test modules compare against (test modules never import each other).
 
-Everything here is independent of kldiv_jax: float64 NumPy, closed forms, TRL's
-``generalized_jsd_loss`` ported to NumPy, and the same textbook formulas in
-torch. The ``torch_*`` functions import torch when called; a test that calls
-them carries the ``torch`` marker and skips without torch (``conftest.py``),
-and each has a float64 twin here that runs everywhere.
+Everything here is independent of kldiv_jax: the authors' code ported to float64 NumPy
+(DistiLLM, TRL, ABKD, verl; each formula once: one ``ref_<name>`` per divergence, the
+other references built on them), closed forms, and the same formulas in torch. The
+``torch_*`` functions import torch when called; a test that calls them carries the
+``torch`` marker and skips without torch (``conftest.py``), and each has a float64 twin
+here that runs everywhere. ``benchmarks/bench_precision.py`` imports its references from
+here too.
 
-Logits references take ``z`` (student) and ``y`` (teacher) of shape
-``[..., classes]``, finite, with ``q = softmax(z / T)`` and ``p = softmax(y / T)``.
+Logits references take ``z`` (student) and ``y`` (teacher) of shape ``[..., classes]``,
+with ``q = softmax(z / T)`` and ``p = softmax(y / T)``.
 """
 
 import contextlib
@@ -105,16 +107,307 @@ def docs_snippet(page: str, heading: str) -> str:
   return re.search(r"```python\n(.*?)```", text.split(heading, 1)[1], re.S).group(1)
 
 
-# ------------------------------------------------------------------ float64 NumPy
+# ------------------------------------------------------ float64 NumPy: the divergences
+#
+# One reference per divergence, ported from its authors' code, and each formula written
+# once: ``ref_<name>(student, teacher, temperature, ..., xp=np)`` gives the per-token
+# divergence (summed over the last axis) of ``softmax(teacher / T)`` (``p``) from
+# ``softmax(student / T)`` (``q``), written as the authors write the per-token part of
+# their loss (before their masked mean over tokens). ``xp`` is ``numpy`` (float64 values)
+# or ``jax.numpy`` (autodiff, under ``jax.enable_x64``). The closed-form gradients
+# (:func:`np_divergence_value_and_grads`) and the top-k, distillation and TRL references
+# below are built on them.
+#
+# * DistiLLM, ``jongwooko/distillm``, ``distillm/losses.py`` (commit 17c0f98):
+#   ``forward_kl``, ``reverse_kl``, ``symmetric_kl``, ``skewed_forward_kl``,
+#   ``skewed_reverse_kl``, ``tv_distance``. Its ``forward_kl`` and
+#   ``skewed_forward_kl`` are cross-entropies, ``-sum p log q`` and ``-sum p log
+#   m``: they differ from the KL divergences by the teacher's entropy, a constant
+#   for the student. The references add it back (``+ sum p log p``) to give
+#   ``KL(p || q)`` and ``KL(p || m)``. (torchtune's ``ForwardKLLoss`` is the same
+#   port of DistiLLM.)
+# * TRL, ``huggingface/trl``, ``trl/trainer/gkd_trainer.py``,
+#   ``GKDTrainer.generalized_jsd_loss`` (``beta`` 0 and 1 are forward and reverse
+#   KL).
+# * Liger Kernel, ``linkedin/Liger-Kernel``, ``src/liger_kernel/ops/tvd.py``:
+#   ``0.5 * |p - q|`` (as DistiLLM's ``tv_distance``).
+# * ABKD, ``ghwang-s/abkd``, ``distillation_llm/distillm/losses.py``, ``ab_div``:
+#   the general branch. Its limit branches (``alpha`` or ``beta`` = 0, ``alpha +
+#   beta = 0``) are scaled by ``1/alpha`` where Cichocki et al. (2011, Eq. 4-5)
+#   have ``1/alpha**2``, so they are not the limits of its general branch;
+#   :func:`ref_alpha_beta` uses the paper's closed forms, and
+#   :func:`ab_decimal` evaluates the general branch in 80-digit decimal
+#   arithmetic next to a limit, as an independent check of them.
+#
+# DistiLLM, TRL and ABKD drop every class where either logit is infinite
+# (``inf_mask``). The forward and reverse KL and TRL's JSD here instead add 0 for a class
+# without mass on the side that weights it (``0 log 0 = 0``), so they also take ``-inf``
+# logits, with the library's conventions (``+inf`` where that side has mass the other
+# lacks); the other divergences are meant for finite logits (the tests express "no mass"
+# as a very negative finite logit when comparing).
 
 
-def np_log_softmax(x, axis=-1):
-  """float64 log-softmax; a row of -inf stays -inf."""
-  x = np.asarray(x, np.float64)
-  m = np.max(np.where(np.isfinite(x), x, -INF), axis=axis, keepdims=True)
-  m = np.where(np.isfinite(m), m, 0.0)
+def np_log_softmax(x, axis=-1, xp=np):
+  """float64 log-softmax (``xp=jax.numpy``: in the input's dtype, for autodiff); a row of
+  -inf stays -inf."""
+  x = np.asarray(x, np.float64) if xp is np else xp.asarray(x)
+  m = xp.max(xp.where(xp.isfinite(x), x, -INF), axis=axis, keepdims=True)
+  m = xp.where(xp.isfinite(m), m, 0.0)
   with np.errstate(divide="ignore"):
-    return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
+    return x - m - xp.log(xp.sum(xp.exp(x - m), axis=axis, keepdims=True))
+
+
+def _weighted(prob, x, xp):
+  """``prob * x`` per class, 0 where ``prob`` has no mass."""
+  with np.errstate(invalid="ignore"):
+    return xp.where(prob > 0, prob * x, 0.0)
+
+
+def _logs(student, teacher, temperature, xp):
+  lq = np_log_softmax(xp.asarray(student) / temperature, xp=xp)
+  lp = np_log_softmax(xp.asarray(teacher) / temperature, xp=xp)
+  return lq, lp, xp.exp(lq), xp.exp(lp)
+
+
+def ref_forward_kl(student, teacher, temperature=1.0, xp=np):
+  # DistiLLM forward_kl: -sum(teacher_probs * student_logprobs), plus the teacher's entropy term.
+  lq, lp, _, p = _logs(student, teacher, temperature, xp)
+  return -xp.sum(_weighted(p, lq, xp), axis=-1) + xp.sum(_weighted(p, lp, xp), axis=-1)
+
+
+def ref_reverse_kl(student, teacher, temperature=1.0, xp=np):
+  # DistiLLM reverse_kl: -(sum(student_probs * teacher_logprobs) - sum(student_probs * student_logprobs)).
+  lq, lp, q, _ = _logs(student, teacher, temperature, xp)
+  return -(xp.sum(_weighted(q, lp, xp), axis=-1) - xp.sum(_weighted(q, lq, xp), axis=-1))
+
+
+def ref_symmetric_kl(student, teacher, temperature=1.0, lam=0.5, xp=np):
+  # DistiLLM symmetric_kl: (1 - lam) * forward_kl + lam * reverse_kl.
+  fwd = ref_forward_kl(student, teacher, temperature, xp)
+  rev = ref_reverse_kl(student, teacher, temperature, xp)
+  return (1 - lam) * fwd + lam * rev
+
+
+def ref_skew_kl(student, teacher, temperature=1.0, alpha=0.1, xp=np):
+  # DistiLLM skewed_forward_kl (lam = alpha): mixed = lam p + (1 - lam) q; -sum(p log mixed),
+  # plus the teacher's entropy term.
+  _, lp, q, p = _logs(student, teacher, temperature, xp)
+  mixed = alpha * p + (1 - alpha) * q
+  return -xp.sum(p * xp.log(mixed), axis=-1) + xp.sum(p * lp, axis=-1)
+
+
+def ref_skew_reverse_kl(student, teacher, temperature=1.0, alpha=0.1, xp=np):
+  # DistiLLM skewed_reverse_kl: mixed = (1 - lam) p + lam q; -(sum(q log mixed) - sum(q log q)).
+  lq, _, q, p = _logs(student, teacher, temperature, xp)
+  mixed = (1 - alpha) * p + alpha * q
+  return -(xp.sum(q * xp.log(mixed), axis=-1) - xp.sum(q * lq, axis=-1))
+
+
+def ref_tvd(student, teacher, temperature=1.0, xp=np):
+  # DistiLLM tv_distance / Liger's _tv_distance_kernel: 0.5 * sum |p - q|.
+  _, _, q, p = _logs(student, teacher, temperature, xp)
+  return 0.5 * xp.sum(xp.abs(p - q), axis=-1)
+
+
+def _trl_jsd_terms(s, t, beta, xp):
+  """TRL's ``generalized_jsd_loss`` per class, before its reduction, from the student's and
+  the teacher's log-probabilities ``s``, ``t``."""
+  with np.errstate(invalid="ignore"):
+    if beta == 0:  # F.kl_div(student_log_probs, teacher_log_probs, log_target=True)
+      return _weighted(xp.exp(t), t - s, xp)
+    if beta == 1:  # F.kl_div(teacher_log_probs, student_log_probs, log_target=True)
+      return _weighted(xp.exp(s), s - t, xp)
+    # mixture_log_probs = logsumexp(stack([s + log1p(-beta), t + log(beta)]))
+    mixture = xp.logaddexp(s + xp.log1p(-beta), t + xp.log(beta))
+    kl_teacher = _weighted(xp.exp(t), t - mixture, xp)
+    kl_student = _weighted(xp.exp(s), s - mixture, xp)
+    return beta * kl_teacher + (1 - beta) * kl_student
+
+
+def ref_jsd(student, teacher, temperature=1.0, beta=0.5, xp=np):
+  """TRL's generalized_jsd_loss (reduction='none', summed over the vocabulary)."""
+  s, t, _, _ = _logs(student, teacher, temperature, xp)
+  return xp.sum(_trl_jsd_terms(s, t, beta, xp), axis=-1)
+
+
+def ref_alpha_beta(student, teacher, temperature=1.0, alpha=0.5, beta=0.5, xp=np):
+  """ABKD's ab_div, general branch; Cichocki et al.'s closed forms at the limits."""
+  _, _, q, p = _logs(student, teacher, temperature, xp)
+  a, b = alpha, beta
+  if a == 0 and b == 0:
+    terms = 0.5 * (xp.log(p) - xp.log(q)) ** 2
+  elif a == 0:
+    terms = (q**b * xp.log(q**b / p**b) - q**b + p**b) / b**2
+  elif b == 0:
+    terms = (p**a * xp.log(p**a / q**a) - p**a + q**a) / a**2
+  elif a + b == 0:
+    terms = (xp.log(q**a / p**a) + (q**a / p**a) ** -1 - 1) / a**2
+  else:
+    terms = -(p**a * q**b - a / (a + b) * p ** (a + b) - b / (a + b) * q ** (a + b)) / (a * b)
+  return xp.sum(terms, axis=-1)
+
+
+REFERENCES = {
+  "forward_kl": ref_forward_kl,
+  "reverse_kl": ref_reverse_kl,
+  "jsd": ref_jsd,
+  "symmetric_kl": ref_symmetric_kl,
+  "skew_kl": ref_skew_kl,
+  "skew_reverse_kl": ref_skew_reverse_kl,
+  "tvd": ref_tvd,
+  "alpha_beta": ref_alpha_beta,
+}
+
+
+def np_divergence_terms(name: str, params: dict[str, float], lp: np.ndarray, lq: np.ndarray):
+  """``(f, a, b)`` per class in float64: the term, ``p df/dp`` and ``q df/dq``.
+
+  ``p`` is the teacher's distribution, ``q`` the student's; finite logits, so
+  every probability is positive.
+  """
+  p, q = np.exp(lp), np.exp(lq)
+  if name == "forward_kl":
+    f = p * (lp - lq)
+    return f, f + p, -p
+  if name == "reverse_kl":
+    f = q * (lq - lp)
+    return f, -q, f + q
+  if name == "symmetric_kl":
+    lam = params["lam"]
+    fwd, rev = (
+      np_divergence_terms("forward_kl", {}, lp, lq),
+      np_divergence_terms("reverse_kl", {}, lp, lq),
+    )
+    return tuple((1 - lam) * x + lam * y for x, y in zip(fwd, rev))
+  if name == "jsd":  # m = beta p + (1 - beta) q; df/dp = beta log(p/m), df/dq = (1-beta) log(q/m)
+    beta = params["beta"]
+    lm = np.logaddexp(lp + np.log(beta), lq + np.log1p(-beta))
+    a, b = beta * p * (lp - lm), (1 - beta) * q * (lq - lm)
+    return a + b, a, b
+  if name == "skew_kl":  # f = p log(p/m), m = alpha p + (1 - alpha) q
+    alpha = params["alpha"]
+    lm = np.logaddexp(lp + np.log(alpha), lq + np.log1p(-alpha))
+    f = p * (lp - lm)
+    pq_m = (1 - alpha) * p * np.exp(lq - lm)  # (1 - alpha) p q / m
+    return f, f + pq_m, -pq_m
+  if name == "skew_reverse_kl":  # f = q log(q/m), m = (1 - alpha) p + alpha q
+    alpha = params["alpha"]
+    lm = np.logaddexp(lp + np.log1p(-alpha), lq + np.log(alpha))
+    f = q * (lq - lm)
+    pq_m = (1 - alpha) * q * np.exp(lp - lm)
+    return f, -pq_m, f + pq_m
+  if name == "tvd":  # the subgradient sign(0) = 0 where p = q
+    sign = np.sign(p - q)
+    return 0.5 * np.abs(p - q), 0.5 * p * sign, -0.5 * q * sign
+  if name == "alpha_beta":  # -(p^a q^b - a/(a+b) p^(a+b) - b/(a+b) q^(a+b)) / (a b)
+    al, be = params["alpha"], params["beta"]
+    pq = np.exp(al * lp + be * lq)
+    pp, qq = np.exp((al + be) * lp), np.exp((al + be) * lq)
+    f = -(pq - al / (al + be) * pp - be / (al + be) * qq) / (al * be)
+    return f, -(pq - pp) / be, -(pq - qq) / al
+  raise ValueError(name)
+
+
+def np_divergence_value_and_grads(name: str, params: dict[str, float], z, y, temperature: float):
+  """Float64 ``(value [rows], grad wrt z, grad wrt y, H(p) [rows], H(q) [rows])`` of the
+  divergence ``name`` (:func:`np_divergence_terms`), gradients in closed form: ``dD/dz = (b -
+  q sum b) / T`` with ``b = q df/dq`` per class, ``dD/dy`` likewise with ``a = p df/dp``
+  (``benchmarks/bench_precision.py`` measures against it)."""
+  lq = np_log_softmax(np.asarray(z, np.float64) / temperature)
+  lp = np_log_softmax(np.asarray(y, np.float64) / temperature)
+  p, q = np.exp(lp), np.exp(lq)
+  f, a, b = np_divergence_terms(name, params, lp, lq)
+  gz = (b - q * np.sum(b, -1, keepdims=True)) / temperature
+  gy = (a - p * np.sum(a, -1, keepdims=True)) / temperature
+  return np.sum(f, -1), gz, gy, -np.sum(p * lp, -1), -np.sum(q * lq, -1)
+
+
+def _trl_divergence(direction, beta):
+  """``(name, params)`` of a KL ``direction`` or, with ``beta``, of TRL's generalized JSD
+  (``beta`` 0 and 1 are TRL's endpoints, forward and reverse KL)."""
+  if beta is None or beta in (0, 1):
+    forward = direction == "forward" if beta is None else beta == 0
+    return ("forward_kl" if forward else "reverse_kl"), {}
+  return "jsd", {"beta": beta}
+
+
+def np_logits_value_and_grads(z, y, weights, temperature=1.0, *, direction="forward", beta=None):
+  """``(divergence, grad_z, grad_y)`` of ``sum(weights * divergence)``: the forward or reverse
+  KL (``direction``) or, with ``beta``, TRL's generalized JSD; the value from the authors'
+  formula (:data:`REFERENCES`), the gradients in closed form
+  (:func:`np_divergence_value_and_grads`). ``weights`` has the rows' shape."""
+  name, params = _trl_divergence(direction, beta)
+  _, gz, gy, _, _ = np_divergence_value_and_grads(name, params, z, y, temperature)
+  w = np.asarray(weights, np.float64)[..., None]
+  return REFERENCES[name](z, y, temperature, **params), w * gz, w * gy
+
+
+def np_topk_log_probs(z, ids, lp, temperature=1.0, tail="renormalize"):
+  """float64 ``(log_q, log_p)`` ``[rows, k + 1]`` of a top-k teacher (distinct ids ``[rows,
+  k]``, log-probabilities ``lp``, all with mass) and a student's logits ``z``: the ``k``
+  classes and the tail, both tails from log-sum-exps (the student's over the logits outside
+  the top-k, the teacher's as ``log1p(-sum p)``), never from ``1 - sum q`` in the working
+  precision; ``-inf`` for an empty tail. ``tail="bucket"``: the teacher as stored and the
+  temperature on the student only; ``"renormalize"``: the teacher's softmax of ``lp / T``
+  over the top-k and no tail."""
+  z = np.asarray(z, np.float64) / temperature
+  ids, lp = np.asarray(ids), np.asarray(lp, np.float64)
+  lse = np.logaddexp.reduce(z, axis=-1, keepdims=True)
+  outside = np.ones(z.shape, bool)
+  np.put_along_axis(outside, ids, False, axis=-1)
+  with np.errstate(divide="ignore"):
+    tail_lse = np.logaddexp.reduce(np.where(outside, z, -np.inf), axis=-1, keepdims=True)
+    log_q = np.concatenate([np.take_along_axis(z, ids, -1), tail_lse], -1) - lse
+    if tail == "bucket":
+      p_tail = -np.expm1(np.logaddexp.reduce(lp, axis=-1, keepdims=True))
+      log_p = np.concatenate([lp, np.log(p_tail)], -1)
+    else:
+      log_p = np.concatenate(
+        [np_log_softmax(lp / temperature), np.full_like(tail_lse, -np.inf)], -1
+      )
+  return log_q, log_p
+
+
+def np_topk_divergence(name, params, z, ids, lp, temperature=1.0, tail="renormalize"):
+  """float64 per-row divergence of :func:`np_topk_log_probs`' classes from the authors'
+  formula (:data:`REFERENCES`); ``+inf`` where the student has mass the teacher lacks and the
+  divergence charges it (a class without mass enters as a log-probability of ``-1e300``)."""
+  log_q, log_p = np_topk_log_probs(z, ids, lp, temperature, tail)
+  out = REFERENCES[name](np.maximum(log_q, -1e300), np.maximum(log_p, -1e300), 1.0, **params)
+  return np.where(np.abs(out) > 1e200, np.inf, out)
+
+
+def ab_decimal(student, teacher, temperature, alpha, beta, digits=80):
+  """ABKD's general ``ab_div`` branch in ``digits``-digit decimal arithmetic, per row.
+
+  ``alpha``, ``beta`` may be ``decimal.Decimal`` (e.g. ``1e-20`` off a limit,
+  where float64 would cancel to nothing). Slow: for a few short rows.
+  """
+  with decimal.localcontext() as ctx:
+    ctx.prec = digits
+    a, b = decimal.Decimal(alpha), decimal.Decimal(beta)
+    out = []
+    for z, y in zip(np.atleast_2d(student), np.atleast_2d(teacher)):
+      lq = _decimal_log_softmax(z, temperature)
+      lp = _decimal_log_softmax(y, temperature)
+      total = decimal.Decimal(0)
+      for u, v in zip(lq, lp):
+        term = (a * v + b * u).exp() - a / (a + b) * ((a + b) * v).exp()
+        term -= b / (a + b) * ((a + b) * u).exp()
+        total += -term / (a * b)
+      out.append(total)
+    return out
+
+
+def _decimal_log_softmax(x, temperature):
+  t = decimal.Decimal(temperature)
+  xs = [decimal.Decimal(float(v)) / t for v in x]
+  m = max(xs)
+  log_sum = sum((v - m).exp() for v in xs).ln()
+  return [v - m - log_sum for v in xs]
+
+
+# ------------------------------------------------------------------ float64 NumPy: other losses
 
 
 def np_pointwise(x, t, log_target=False):
@@ -124,78 +417,6 @@ def np_pointwise(x, t, log_target=False):
     if log_target:
       return np.where((t == -INF) & (x < INF), 0.0, np.exp(t) * (t - x))
     return np.where((t == 0) & (x < INF), 0.0, t * (np.log(t) - x))
-
-
-def np_kl(lp, lq, axis=-1):
-  """``sum p (log p - log q)`` over ``axis`` from log-probabilities, 0 where p = 0."""
-  with np.errstate(invalid="ignore"):
-    terms = np.where(np.exp(lp) > 0, np.exp(lp) * (lp - lq), 0.0)
-  return np.sum(terms, axis=axis)
-
-
-def np_kl_from_logits(z, y, temperature=1.0, direction="forward"):
-  """``KL(p || q)`` (forward) or ``KL(q || p)`` (reverse) per row."""
-  lq = np_log_softmax(np.asarray(z, np.float64) / temperature)
-  lp = np_log_softmax(np.asarray(y, np.float64) / temperature)
-  return np_kl(lp, lq) if direction == "forward" else np_kl(lq, lp)
-
-
-def np_trl_gjsd(student, teacher, beta, temperature=1.0):
-  """TRL's ``GKDTrainer.generalized_jsd_loss`` (reduction='none', summed over classes).
-
-  ``beta = 0`` is forward KL and ``beta = 1`` reverse KL, TRL's endpoints;
-  otherwise ``beta KL(p || m) + (1 - beta) KL(q || m)``, ``m = beta p + (1 - beta) q``.
-  """
-  s = np_log_softmax(np.asarray(student, np.float64) / temperature)
-  t = np_log_softmax(np.asarray(teacher, np.float64) / temperature)
-  if beta == 0:
-    return np_kl(t, s)  # F.kl_div(s, t, log_target=True)
-  if beta == 1:
-    return np_kl(s, t)  # F.kl_div(t, s, log_target=True)
-  mixture = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
-  return beta * np_kl(t, mixture) + (1 - beta) * np_kl(s, mixture)
-
-
-def _softmax_pullback(prob, g, temperature):
-  """The gradient wrt the logits of ``sum_j g_j prob_j``-linearised: ``prob (g - <prob, g>) / T``."""
-  return prob * (g - np.sum(prob * g, -1, keepdims=True)) / temperature
-
-
-def np_logits_grads(z, y, weights, temperature=1.0, *, direction="forward", beta=None):
-  """Closed-form gradients of ``sum(weights * divergence)`` wrt ``z`` and ``y``.
-
-  ``divergence`` is the forward or reverse KL (``direction``) or, with
-  ``beta``, TRL's generalized JSD (:func:`np_trl_gjsd`). ``weights`` has the
-  rows' shape. With ``m = beta p + (1 - beta) q``, the JSD's partials are
-  ``beta (log p - log m)`` wrt ``p`` and ``(1 - beta)(log q - log m)`` wrt
-  ``q``; the forward KL's are ``log p - log q + 1`` and ``-p / q``; each goes
-  through the softmax Jacobian ``diag(prob) - prob prob^T`` over ``T``.
-  """
-  lq = np_log_softmax(np.asarray(z, np.float64) / temperature)
-  lp = np_log_softmax(np.asarray(y, np.float64) / temperature)
-  q, p = np.exp(lq), np.exp(lp)
-  w = np.asarray(weights, np.float64)[..., None]
-  if beta is not None and beta not in (0, 1):
-    lm = np.logaddexp(lp + np.log(beta), lq + np.log1p(-beta))
-    gz = _softmax_pullback(q, (1 - beta) * (lq - lm), temperature)
-    gy = _softmax_pullback(p, beta * (lp - lm), temperature)
-    return w * gz, w * gy
-  if beta is not None:
-    direction = "forward" if beta == 0 else "reverse"
-  if direction == "forward":  # KL(p || q)
-    return w * (q - p) / temperature, w * _softmax_pullback(p, lp - lq, temperature)
-  return w * _softmax_pullback(q, lq - lp, temperature), w * (p - q) / temperature
-
-
-def np_logits_value_and_grads(z, y, weights, temperature=1.0, *, direction="forward", beta=None):
-  """``(divergence, grad_z, grad_y)``: :func:`np_kl_from_logits` or :func:`np_trl_gjsd`, and
-  :func:`np_logits_grads`."""
-  if beta is None:
-    value = np_kl_from_logits(z, y, temperature, direction)
-  else:
-    value = np_trl_gjsd(z, y, beta, temperature)
-  grads = np_logits_grads(z, y, weights, temperature, direction=direction, beta=beta)
-  return (value, *grads)
 
 
 def np_distillation(
@@ -209,30 +430,30 @@ def np_distillation(
   ``alpha div + (1 - alpha) ce``, averaged over the valid tokens.
   """
   s, t = np.asarray(s, np.float64), np.asarray(t, np.float64)
-  beta_ = {"forward_kl": None, "reverse_kl": None, "jsd": beta}[divergence]
-  direction = "reverse" if divergence == "reverse_kl" else "forward"
-  if beta_ is None:
-    div = np_kl_from_logits(s, t, temperature, direction)
-  else:
-    div = np_trl_gjsd(s, t, beta_, temperature)
   t2 = temperature**2 if scale else 1.0
-  valid = np.ones(div.shape, bool) if valid is None else np.asarray(valid, bool)
-  if labels is None:
-    per_token, div_weight = div * t2, t2
-  else:
+  rows = np.broadcast_shapes(s.shape, t.shape)[:-1]
+  valid = np.ones(rows, bool) if valid is None else np.asarray(valid, bool)
+  if labels is not None:
     labels = np.asarray(labels)
     valid = valid & (labels != -100)
+  count = max(int(valid.sum()), 1)
+  w = valid / count
+  div_weight = t2 if labels is None else alpha * t2
+  div, gs, gt = np_logits_value_and_grads(
+    s, t, w * div_weight, temperature,
+    direction="reverse" if divergence == "reverse_kl" else "forward",
+    beta=beta if divergence == "jsd" else None,
+  )  # fmt: skip
+  if labels is None:
+    per_token = div * t2
+  else:
     safe = np.where(valid, labels, 0)
     log_q1 = np_log_softmax(s)
     ce = -np.take_along_axis(log_q1, safe[..., None], -1)[..., 0]
-    per_token, div_weight = alpha * div * t2 + (1 - alpha) * ce, alpha * t2
-  count = max(int(valid.sum()), 1)
-  value = np.sum(np.where(valid, per_token, 0.0)) / count
-  w = valid / count
-  gs, gt = np_logits_grads(s, t, w * div_weight, temperature, direction=direction, beta=beta_)
-  if labels is not None:
+    per_token = alpha * div * t2 + (1 - alpha) * ce
     one_hot = np.eye(s.shape[-1])[safe]
     gs = gs + (w * (1 - alpha))[..., None] * (np.exp(log_q1) - one_hot)
+  value = np.sum(np.where(valid, per_token, 0.0)) / count
   return value, gs, gt
 
 
@@ -268,14 +489,7 @@ def np_trl_generalized_jsd_loss(
   """
   s = np_log_softmax(np.asarray(student_logits, np.float64) / temperature)
   t = np_log_softmax(np.asarray(teacher_logits, np.float64) / temperature)
-  with np.errstate(all="ignore"):
-    if beta == 0:
-      jsd = np.exp(t) * (t - s)  # F.kl_div(s, t, reduction="none", log_target=True)
-    elif beta == 1:
-      jsd = np.exp(s) * (s - t)
-    else:
-      mixture = np.logaddexp(s + np.log1p(-beta), t + np.log(beta))
-      jsd = beta * np.exp(t) * (t - mixture) + (1 - beta) * np.exp(s) * (s - mixture)
+  jsd = _trl_jsd_terms(s, t, beta, np)
   if labels is not None:
     mask = np.asarray(labels) != -100
     jsd = jsd[mask]
@@ -294,7 +508,7 @@ def np_trl_generalized_jsd_loss(
 def np_torch_batchmean_distillation(student_logits, teacher_logits, temperature):
   """torch's distillation recipe in float64: ``F.kl_div(F.log_softmax(s / T, -1),
   F.softmax(t / T, -1), reduction="batchmean") * T**2``, the sum over every token / ``shape[0]``."""
-  kl = np_kl_from_logits(student_logits, teacher_logits, temperature)
+  kl = ref_forward_kl(student_logits, teacher_logits, temperature)
   return kl.sum() / np.shape(student_logits)[0] * temperature**2
 
 
@@ -377,7 +591,7 @@ def torch_trl_gjsd(student, teacher, beta, temperature):
 
 
 def torch_logits_value_and_grads(z, y, weights, temperature=1.0, *, direction="forward", beta=None):
-  """:func:`np_logits_grads`'s quantities by torch autograd: ``(value, grad_z, grad_y)``."""
+  """:func:`np_logits_value_and_grads` by torch autograd: ``(value, grad_z, grad_y)``."""
   import torch
 
   zt = torch.tensor(z, dtype=torch.float64, requires_grad=True)
@@ -567,267 +781,6 @@ def fresh_compilations():
     compilation_cache.reset_cache()
 
 
-# ----------------------------------------------------------------- divergences (test_engine)
-#
-# Float64 references for the divergences, ported from their authors' code.
-#
-# Each ``ref_<name>(student, teacher, temperature, ..., xp=np)`` gives the
-# per-token divergence (summed over the last axis) of ``softmax(teacher / T)``
-# (``p``) from ``softmax(student / T)`` (``q``), written as the authors write the
-# per-token part of their loss (before their masked mean over tokens). ``xp`` is
-# ``numpy`` (values) or ``jax.numpy`` (autodiff, under ``jax.enable_x64``).
-#
-# * DistiLLM, ``jongwooko/distillm``, ``distillm/losses.py`` (commit 17c0f98):
-#   ``forward_kl``, ``reverse_kl``, ``symmetric_kl``, ``skewed_forward_kl``,
-#   ``skewed_reverse_kl``, ``tv_distance``. Its ``forward_kl`` and
-#   ``skewed_forward_kl`` are cross-entropies, ``-sum p log q`` and ``-sum p log
-#   m``: they differ from the KL divergences by the teacher's entropy, a constant
-#   for the student. The references add it back (``+ sum p log p``) to give
-#   ``KL(p || q)`` and ``KL(p || m)``. (torchtune's ``ForwardKLLoss`` is the same
-#   port of DistiLLM.)
-# * TRL, ``huggingface/trl``, ``trl/trainer/gkd_trainer.py``,
-#   ``GKDTrainer.generalized_jsd_loss`` (``beta`` 0 and 1 are forward and reverse
-#   KL).
-# * Liger Kernel, ``linkedin/Liger-Kernel``, ``src/liger_kernel/ops/tvd.py``:
-#   ``0.5 * |p - q|`` (as DistiLLM's ``tv_distance``).
-# * ABKD, ``ghwang-s/abkd``, ``distillation_llm/distillm/losses.py``, ``ab_div``:
-#   the general branch. Its limit branches (``alpha`` or ``beta`` = 0, ``alpha +
-#   beta = 0``) are scaled by ``1/alpha`` where Cichocki et al. (2011, Eq. 4-5)
-#   have ``1/alpha**2``, so they are not the limits of its general branch;
-#   :func:`ref_alpha_beta` uses the paper's closed forms, and
-#   :func:`ab_decimal` evaluates the general branch in 80-digit decimal
-#   arithmetic next to a limit, as an independent check of them.
-#
-# DistiLLM, TRL and ABKD drop every class where either logit is infinite
-# (``inf_mask``); these references are meant for finite logits (the tests
-# express "no mass" as a very negative finite logit when comparing).
-
-
-def log_softmax(x, xp=np):
-  x = xp.asarray(x)
-  m = xp.max(x, axis=-1, keepdims=True)
-  return x - m - xp.log(xp.sum(xp.exp(x - m), axis=-1, keepdims=True))
-
-
-def _logs(student, teacher, temperature, xp):
-  lq = log_softmax(xp.asarray(student) / temperature, xp)
-  lp = log_softmax(xp.asarray(teacher) / temperature, xp)
-  return lq, lp, xp.exp(lq), xp.exp(lp)
-
-
-def ref_forward_kl(student, teacher, temperature=1.0, xp=np):
-  # DistiLLM forward_kl: -sum(teacher_probs * student_logprobs), plus the teacher's entropy term.
-  lq, lp, _, p = _logs(student, teacher, temperature, xp)
-  return -xp.sum(p * lq, axis=-1) + xp.sum(p * lp, axis=-1)
-
-
-def ref_reverse_kl(student, teacher, temperature=1.0, xp=np):
-  # DistiLLM reverse_kl: -(sum(student_probs * teacher_logprobs) - sum(student_probs * student_logprobs)).
-  lq, lp, q, _ = _logs(student, teacher, temperature, xp)
-  return -(xp.sum(q * lp, axis=-1) - xp.sum(q * lq, axis=-1))
-
-
-def ref_symmetric_kl(student, teacher, temperature=1.0, lam=0.5, xp=np):
-  # DistiLLM symmetric_kl: (1 - lam) * forward_kl + lam * reverse_kl.
-  fwd = ref_forward_kl(student, teacher, temperature, xp)
-  rev = ref_reverse_kl(student, teacher, temperature, xp)
-  return (1 - lam) * fwd + lam * rev
-
-
-def ref_skew_kl(student, teacher, temperature=1.0, alpha=0.1, xp=np):
-  # DistiLLM skewed_forward_kl (lam = alpha): mixed = lam p + (1 - lam) q; -sum(p log mixed),
-  # plus the teacher's entropy term.
-  _, lp, q, p = _logs(student, teacher, temperature, xp)
-  mixed = alpha * p + (1 - alpha) * q
-  return -xp.sum(p * xp.log(mixed), axis=-1) + xp.sum(p * lp, axis=-1)
-
-
-def ref_skew_reverse_kl(student, teacher, temperature=1.0, alpha=0.1, xp=np):
-  # DistiLLM skewed_reverse_kl: mixed = (1 - lam) p + lam q; -(sum(q log mixed) - sum(q log q)).
-  lq, _, q, p = _logs(student, teacher, temperature, xp)
-  mixed = (1 - alpha) * p + alpha * q
-  return -(xp.sum(q * xp.log(mixed), axis=-1) - xp.sum(q * lq, axis=-1))
-
-
-def ref_tvd(student, teacher, temperature=1.0, xp=np):
-  # DistiLLM tv_distance / Liger's _tv_distance_kernel: 0.5 * sum |p - q|.
-  _, _, q, p = _logs(student, teacher, temperature, xp)
-  return 0.5 * xp.sum(xp.abs(p - q), axis=-1)
-
-
-def ref_jsd(student, teacher, temperature=1.0, beta=0.5, xp=np):
-  """TRL's generalized_jsd_loss (reduction='none', summed over the vocabulary)."""
-  s, t, _, _ = _logs(student, teacher, temperature, xp)
-  if beta == 0:
-    jsd = xp.exp(t) * (t - s)  # F.kl_div(student_log_probs, teacher_log_probs, log_target=True)
-  elif beta == 1:
-    jsd = xp.exp(s) * (s - t)  # F.kl_div(teacher_log_probs, student_log_probs, log_target=True)
-  else:
-    # mixture_log_probs = logsumexp(stack([s + log(1 - beta), t + log(beta)]))
-    mixture = xp.logaddexp(s + xp.log(1 - beta), t + xp.log(beta))
-    kl_teacher = xp.exp(t) * (t - mixture)
-    kl_student = xp.exp(s) * (s - mixture)
-    jsd = beta * kl_teacher + (1 - beta) * kl_student
-  return xp.sum(jsd, axis=-1)
-
-
-def ref_alpha_beta(student, teacher, temperature=1.0, alpha=0.5, beta=0.5, xp=np):
-  """ABKD's ab_div, general branch; Cichocki et al.'s closed forms at the limits."""
-  _, _, q, p = _logs(student, teacher, temperature, xp)
-  a, b = alpha, beta
-  if a == 0 and b == 0:
-    terms = 0.5 * (xp.log(p) - xp.log(q)) ** 2
-  elif a == 0:
-    terms = (q**b * xp.log(q**b / p**b) - q**b + p**b) / b**2
-  elif b == 0:
-    terms = (p**a * xp.log(p**a / q**a) - p**a + q**a) / a**2
-  elif a + b == 0:
-    terms = (xp.log(q**a / p**a) + (q**a / p**a) ** -1 - 1) / a**2
-  else:
-    terms = -(p**a * q**b - a / (a + b) * p ** (a + b) - b / (a + b) * q ** (a + b)) / (a * b)
-  return xp.sum(terms, axis=-1)
-
-
-REFERENCES = {
-  "forward_kl": ref_forward_kl,
-  "reverse_kl": ref_reverse_kl,
-  "jsd": ref_jsd,
-  "symmetric_kl": ref_symmetric_kl,
-  "skew_kl": ref_skew_kl,
-  "skew_reverse_kl": ref_skew_reverse_kl,
-  "tvd": ref_tvd,
-  "alpha_beta": ref_alpha_beta,
-}
-
-
-def np_divergence_terms(name: str, params: dict[str, float], lp: np.ndarray, lq: np.ndarray):
-  """``(f, a, b)`` per class in float64: the term, ``p df/dp`` and ``q df/dq``.
-
-  ``p`` is the teacher's distribution, ``q`` the student's; finite logits, so
-  every probability is positive.
-  """
-  p, q = np.exp(lp), np.exp(lq)
-  if name == "forward_kl":
-    f = p * (lp - lq)
-    return f, f + p, -p
-  if name == "reverse_kl":
-    f = q * (lq - lp)
-    return f, -q, f + q
-  if name == "symmetric_kl":
-    lam = params["lam"]
-    fwd, rev = (
-      np_divergence_terms("forward_kl", {}, lp, lq),
-      np_divergence_terms("reverse_kl", {}, lp, lq),
-    )
-    return tuple((1 - lam) * x + lam * y for x, y in zip(fwd, rev))
-  if name == "jsd":  # m = beta p + (1 - beta) q; df/dp = beta log(p/m), df/dq = (1-beta) log(q/m)
-    beta = params["beta"]
-    lm = np.logaddexp(lp + np.log(beta), lq + np.log1p(-beta))
-    a, b = beta * p * (lp - lm), (1 - beta) * q * (lq - lm)
-    return a + b, a, b
-  if name == "skew_kl":  # f = p log(p/m), m = alpha p + (1 - alpha) q
-    alpha = params["alpha"]
-    lm = np.logaddexp(lp + np.log(alpha), lq + np.log1p(-alpha))
-    f = p * (lp - lm)
-    pq_m = (1 - alpha) * p * np.exp(lq - lm)  # (1 - alpha) p q / m
-    return f, f + pq_m, -pq_m
-  if name == "skew_reverse_kl":  # f = q log(q/m), m = (1 - alpha) p + alpha q
-    alpha = params["alpha"]
-    lm = np.logaddexp(lp + np.log1p(-alpha), lq + np.log(alpha))
-    f = q * (lq - lm)
-    pq_m = (1 - alpha) * q * np.exp(lp - lm)
-    return f, -pq_m, f + pq_m
-  if name == "tvd":  # the subgradient sign(0) = 0 where p = q
-    sign = np.sign(p - q)
-    return 0.5 * np.abs(p - q), 0.5 * p * sign, -0.5 * q * sign
-  if name == "alpha_beta":  # -(p^a q^b - a/(a+b) p^(a+b) - b/(a+b) q^(a+b)) / (a b)
-    al, be = params["alpha"], params["beta"]
-    pq = np.exp(al * lp + be * lq)
-    pp, qq = np.exp((al + be) * lp), np.exp((al + be) * lq)
-    f = -(pq - al / (al + be) * pp - be / (al + be) * qq) / (al * be)
-    return f, -(pq - pp) / be, -(pq - qq) / al
-  raise ValueError(name)
-
-
-def np_divergence_value_and_grads(name: str, params: dict[str, float], z, y, temperature: float):
-  """Float64 ``(value [rows], grad wrt z, grad wrt y, H(p) [rows], H(q) [rows])`` of the
-  divergence ``name`` (:func:`np_divergence_terms`), gradients in closed form: ``dD/dz = (b -
-  q sum b) / T`` with ``b = q df/dq`` per class, ``dD/dy`` likewise with ``a = p df/dp``
-  (``benchmarks/bench_precision.py`` measures against it)."""
-  lq = np_log_softmax(np.asarray(z, np.float64) / temperature)
-  lp = np_log_softmax(np.asarray(y, np.float64) / temperature)
-  p, q = np.exp(lp), np.exp(lq)
-  f, a, b = np_divergence_terms(name, params, lp, lq)
-  gz = (b - q * np.sum(b, -1, keepdims=True)) / temperature
-  gy = (a - p * np.sum(a, -1, keepdims=True)) / temperature
-  return np.sum(f, -1), gz, gy, -np.sum(p * lp, -1), -np.sum(q * lq, -1)
-
-
-def np_topk_log_probs(z, ids, lp, temperature=1.0, tail="renormalize"):
-  """float64 ``(log_q, log_p)`` ``[rows, k + 1]`` of a top-k teacher (distinct ids ``[rows,
-  k]``, log-probabilities ``lp``, all with mass) and a student's logits ``z``: the ``k``
-  classes and the tail, both tails from log-sum-exps (the student's over the logits outside
-  the top-k, the teacher's as ``log1p(-sum p)``), never from ``1 - sum q`` in the working
-  precision; ``-inf`` for an empty tail. ``tail="bucket"``: the teacher as stored and the
-  temperature on the student only; ``"renormalize"``: the teacher's softmax of ``lp / T``
-  over the top-k and no tail."""
-  z = np.asarray(z, np.float64) / temperature
-  ids, lp = np.asarray(ids), np.asarray(lp, np.float64)
-  lse = np.logaddexp.reduce(z, axis=-1, keepdims=True)
-  outside = np.ones(z.shape, bool)
-  np.put_along_axis(outside, ids, False, axis=-1)
-  with np.errstate(divide="ignore"):
-    tail_lse = np.logaddexp.reduce(np.where(outside, z, -np.inf), axis=-1, keepdims=True)
-    log_q = np.concatenate([np.take_along_axis(z, ids, -1), tail_lse], -1) - lse
-    if tail == "bucket":
-      p_tail = -np.expm1(np.logaddexp.reduce(lp, axis=-1, keepdims=True))
-      log_p = np.concatenate([lp, np.log(p_tail)], -1)
-    else:
-      log_p = np.concatenate(
-        [np_log_softmax(lp / temperature), np.full_like(tail_lse, -np.inf)], -1
-      )
-  return log_q, log_p
-
-
-def np_topk_divergence(name, params, z, ids, lp, temperature=1.0, tail="renormalize"):
-  """float64 per-row divergence of :func:`np_topk_log_probs`' classes from the authors'
-  formula (:data:`REFERENCES`); ``+inf`` where the student has mass the teacher lacks and the
-  divergence charges it (a class without mass enters as a log-probability of ``-1e300``)."""
-  log_q, log_p = np_topk_log_probs(z, ids, lp, temperature, tail)
-  out = REFERENCES[name](np.maximum(log_q, -1e300), np.maximum(log_p, -1e300), 1.0, **params)
-  return np.where(np.abs(out) > 1e200, np.inf, out)
-
-
-def ab_decimal(student, teacher, temperature, alpha, beta, digits=80):
-  """ABKD's general ``ab_div`` branch in ``digits``-digit decimal arithmetic, per row.
-
-  ``alpha``, ``beta`` may be ``decimal.Decimal`` (e.g. ``1e-20`` off a limit,
-  where float64 would cancel to nothing). Slow: for a few short rows.
-  """
-  with decimal.localcontext() as ctx:
-    ctx.prec = digits
-    a, b = decimal.Decimal(alpha), decimal.Decimal(beta)
-    out = []
-    for z, y in zip(np.atleast_2d(student), np.atleast_2d(teacher)):
-      lq = _decimal_log_softmax(z, temperature)
-      lp = _decimal_log_softmax(y, temperature)
-      total = decimal.Decimal(0)
-      for u, v in zip(lq, lp):
-        term = (a * v + b * u).exp() - a / (a + b) * ((a + b) * v).exp()
-        term -= b / (a + b) * ((a + b) * u).exp()
-        total += -term / (a * b)
-      out.append(total)
-    return out
-
-
-def _decimal_log_softmax(x, temperature):
-  t = decimal.Decimal(temperature)
-  xs = [decimal.Decimal(float(v)) / t for v in x]
-  m = max(xs)
-  log_sum = sum((v - m).exp() for v in xs).ln()
-  return [v - m - log_sum for v in xs]
-
-
 # ----------------------------------------------------------------- sharded vs unsharded
 
 COLLECTIVE_RE = re.compile(
@@ -877,8 +830,9 @@ def lm_inputs(rows, vocab, hidden, k, *, seed, scale):
 # Policy losses: verl's and TRL's code ported line by line to float64 NumPy.
 # verl: volcengine/verl @ b178a3cd56f5 (0.8.0.dev, 2026-01-29),
 #   verl/trainer/ppo/core_algos.py (agg_loss, compute_policy_loss_vanilla, _gspo,
-#   _sapo, _gpg, _geo_mean, _cispo, kl_penalty_forward) and rollout_corr_helper.py
-#   (compute_rollout_correction_weights); compute_policy_loss_dppo_tv/_kl from the
+#   _sapo, _gpg, _geo_mean, _cispo; kl_penalty_forward is np_verl_kl_penalty, above)
+#   and rollout_corr_helper.py (compute_rollout_correction_weights);
+#   compute_policy_loss_dppo_tv/_kl from the
 #   registry of later verl (0.9 line), as indexed. Checked against verl-project/verl
 #   release/v0.9.0 @ 88512193628b (0.9.0, 2026-08-20; no 0.9.1 was stored): the
 #   surrogates above, kl_penalty_forward and the TIS weights are unchanged there;
@@ -995,16 +949,6 @@ def verl_policy_loss(
     losses = losses * rollout_w
   ppo_kl = _masked_mean(-np.clip(nakl, -20.0, 20.0) if name not in ("gspo", "dro") else -nakl, mask)
   return verl_agg_loss(losses, mask, mode), frac, ppo_kl, frac_lower
-
-
-def verl_kl_penalty(logp, ref, kind):
-  """verl's ``kl_penalty_forward`` (k1, k2/mse, k3/low_var_kl with its +-20 and +-10 clamps)."""
-  if kind in ("kl", "k1"):
-    return logp - ref
-  if kind in ("mse", "k2"):
-    return 0.5 * (logp - ref) ** 2
-  kl = np.clip(ref - logp, -20, 20)
-  return np.clip(np.exp(kl) - kl - 1, -10, 10)
 
 
 def verl_rollout_is_weights(old, rollout, mask, level, threshold):

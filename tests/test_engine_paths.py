@@ -45,7 +45,7 @@ def _reference_loss(name, params, s, t, labels, temperature, alpha, xp=np):
   """``alpha T^2 D + (1 - alpha) CE`` over the labelled tokens, from the authors' formula."""
   div = refs.REFERENCES[name](s, t, temperature, xp=xp, **params) * temperature**2
   valid = labels != -100
-  log_q1 = refs.log_softmax(s, xp)
+  log_q1 = refs.np_log_softmax(s, xp=xp)
   safe = xp.where(valid, labels, 0)
   ce = -xp.take_along_axis(log_q1, safe[..., None], axis=-1)[..., 0]
   per_token = alpha * div + (1 - alpha) * ce

@@ -3,7 +3,9 @@
 The reference materialises ``hidden @ weight + bias``, takes
 ``token_log_probs(..., return_entropy=True)`` and calls :func:`policy_loss`
 (itself checked against verl and TRL in float64 in test_policy.py), both
-differentiated wrt hidden, weight and bias.
+differentiated wrt hidden, weight and bias; also bf16 heads, the matmuls per chunk, the
+default chunk per platform, errors and vocabulary parallelism. The engine underneath
+(``fused_token_loss``) is tested in test_fused_token_loss.py.
 """
 
 import re

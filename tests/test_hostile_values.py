@@ -13,7 +13,8 @@ The contract pinned here, through the public API only:
   exact one.
 * With ``jax.debug_nans(True)`` a finite result raises nothing.
 
-Expected values come from float64 NumPy written here (softmax, KL, JSD).
+Expected values come from the float64 references (``_references.py``: softmax, KL, JSD)
+and a top-k KL written here.
 """
 
 import dataclasses
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 from _public_calls import PUBLIC_CALLS
 from _public_calls import inputs as public_inputs
+from _references import np_log_softmax, ref_forward_kl, ref_jsd
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,14 +38,6 @@ INVALID_TEMPERATURES = (-2.0, -INF, 0.0, INF, NAN)
 # --- float64 references -------------------------------------------------------
 
 
-def _log_softmax(x):
-  x = np.asarray(x, np.float64)
-  m = np.max(x, axis=-1, keepdims=True)
-  m = np.where(np.isfinite(m), m, 0.0)
-  with np.errstate(divide="ignore"):
-    return x - m - np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
-
-
 def _kl(log_p, log_q):
   """sum p (log p - log q) per row; p = 0 terms are 0 (float64)."""
   p = np.exp(log_p)
@@ -52,27 +46,13 @@ def _kl(log_p, log_q):
   return terms.sum(axis=-1)
 
 
-def ref_kl(student, teacher, temperature=1.0):
-  """KL(softmax(teacher / T) || softmax(student / T)) per row."""
-  log_p = _log_softmax(np.asarray(teacher, np.float64) / temperature)
-  return _kl(log_p, _log_softmax(np.asarray(student, np.float64) / temperature))
-
-
-def ref_jsd(student, teacher, beta, temperature=1.0):
-  log_q = _log_softmax(np.asarray(student, np.float64) / temperature)
-  log_p = _log_softmax(np.asarray(teacher, np.float64) / temperature)
-  with np.errstate(divide="ignore"):
-    log_m = np.log(beta * np.exp(log_p) + (1 - beta) * np.exp(log_q))
-  return beta * _kl(log_p, log_m) + (1 - beta) * _kl(log_q, log_m)
-
-
 def ref_topk(logits, ids, log_probs, temperature):
   """KL(top-k teacher renormalised over its slots with mass || student) per row."""
-  log_q = _log_softmax(np.asarray(logits, np.float64) / temperature)
+  log_q = np_log_softmax(np.asarray(logits, np.float64) / temperature)
   out = []
   for row_q, row_ids, row_lp in zip(log_q, np.asarray(ids), np.asarray(log_probs, np.float64)):
     keep = np.isfinite(row_lp)
-    log_p = _log_softmax(row_lp[keep] / temperature)
+    log_p = np_log_softmax(row_lp[keep] / temperature)
     out.append(_kl(log_p, row_q[row_ids[keep]]))
   return np.array(out)
 
@@ -135,7 +115,7 @@ def test_nan_row_poisons_only_its_example_and_masked_nan_stays_out():
   for direction, (s, t) in {"forward": (student, teacher), "reverse": (teacher, student)}.items():
     keep = np.array([True, True, False])
     out = np.asarray(kd.kl_div_from_logits(s, t, direction=direction, where=keep))
-    expected = ref_kl(student[1:2], teacher[1:2])[0]
+    expected = ref_forward_kl(student[1:2], teacher[1:2])[0]
     assert np.isnan(out[0]), direction
     np.testing.assert_allclose(out[1], expected, rtol=1e-5)
     assert out[2] == 0.0, direction  # a masked example: its NaN is selected away
@@ -217,7 +197,7 @@ def test_nan_teacher_vocab_parallel_is_nan():
     out = np.asarray(jax.jit(_vocab_parallel(loss))(student, teacher))
     assert np.isnan(out[0]), (name, out)
   kl = np.asarray(jax.jit(_vocab_parallel(losses["kl"]))(student, teacher))
-  np.testing.assert_allclose(kl[1], ref_kl(student[1:], teacher[1:])[0], rtol=1e-5)
+  np.testing.assert_allclose(kl[1], ref_forward_kl(student[1:], teacher[1:])[0], rtol=1e-5)
 
 
 # --- 2. invalid traced options give NaN -----------------------------------------
@@ -283,7 +263,7 @@ def test_invalid_traced_temperature_reaches_masked_examples():
   out = jax.jit(lambda t: kd.kl_div_from_logits(student, student[::-1], temperature=t, where=keep))
   assert np.isnan(out(jnp.float32(-1.0))).all()
   np.testing.assert_allclose(
-    out(jnp.float32(2.0)), [ref_kl(student[:1], student[1:], 2.0)[0], 0.0], rtol=1e-5
+    out(jnp.float32(2.0)), [ref_forward_kl(student[:1], student[1:], 2.0)[0], 0.0], rtol=1e-5
   )
 
 
@@ -439,7 +419,7 @@ def test_debug_nans_silent_on_kl_value_and_hessian():
   with jax.debug_nans(True):
     kl = kd.kl_div_from_logits(_MASKED_S, _MASKED_T, temperature=2.0)
     hessian = jax.hessian(lambda s: jnp.sum(kd.kl_div_from_logits(s, _MASKED_T)))(_MASKED_S)
-  np.testing.assert_allclose(kl, ref_kl(_MASKED_S, _MASKED_T, 2.0), rtol=1e-5)
+  np.testing.assert_allclose(kl, ref_forward_kl(_MASKED_S, _MASKED_T, 2.0), rtol=1e-5)
   assert np.isfinite(hessian).all()
 
 
@@ -469,7 +449,7 @@ def test_debug_nans_silent_on_topk_padding():
 
 def test_generalized_jsd_nearly_equal_is_nonnegative():
   a, b = _nearly_equal()
-  truth = ref_jsd(a, b, 0.5, 10.0)
+  truth = ref_jsd(a, b, 10.0, beta=0.5)
   assert truth.min() > 0
   out = np.asarray(kd.generalized_jsd(a, b, temperature=10.0))
   assert out.min() >= 0.0, (out < 0).sum()
@@ -483,11 +463,11 @@ def test_kl_nearly_equal_is_nonnegative_with_exact_gradient():
   out, vjp = jax.vjp(lambda s: kd.kl_div_from_logits(s, b, temperature=temperature), a)
   out = np.asarray(out)
   assert out.min() >= 0.0, (out < 0).sum()
-  np.testing.assert_allclose(out, ref_kl(a, b, temperature), atol=1e-6)
+  np.testing.assert_allclose(out, ref_forward_kl(a, b, temperature), atol=1e-6)
   # The gradient is the exact (q - p) / T, clamped rows included.
   (grad,) = vjp(jnp.ones_like(out))
-  q = np.exp(_log_softmax(a / temperature))
-  p = np.exp(_log_softmax(np.asarray(b, np.float64) / temperature))
+  q = np.exp(np_log_softmax(a / temperature))
+  p = np.exp(np_log_softmax(np.asarray(b, np.float64) / temperature))
   np.testing.assert_allclose(grad, (q - p) / temperature, atol=1e-8)
 
 
@@ -505,7 +485,7 @@ def test_distillation_per_token_nearly_equal_is_nonnegative():
   per_token = jax.jit(
     jax.vmap(lambda s, t: kd.distillation_loss(s[None], t[None], temperature=10.0))
   )(a, b)
-  truth = 100.0 * ref_kl(a, b, 10.0)
+  truth = 100.0 * ref_forward_kl(a, b, 10.0)
   assert np.asarray(per_token).min() >= 0.0
   np.testing.assert_allclose(per_token, truth, atol=1e-4)
   fused = jax.jit(
@@ -519,19 +499,19 @@ def test_distillation_per_token_nearly_equal_is_nonnegative():
 def test_topk_full_vocabulary_nearly_equal_is_nonnegative():
   a, b = _nearly_equal(shape=(256, 1000), seed=3)
   ids = np.tile(np.arange(1000, dtype=np.int32), (256, 1))
-  log_probs = _log_softmax(b).astype(np.float32)
+  log_probs = np_log_softmax(b).astype(np.float32)
   out = np.asarray(kd.kl_div_from_topk(a, ids, log_probs, temperature=10.0))
   assert out.min() >= 0.0, (out < 0).sum()
   # The top-k path sums p * (log p - log q) over float32 log-probabilities of magnitude
   # about log V, each rounded to about eps * log V: a few of those is the error to expect
   # (jax 0.7 and 0.10 round differently, up to 1.0e-6 measured at this seed).
   atol = 4 * np.finfo(np.float32).eps * np.log(1000)
-  np.testing.assert_allclose(out, ref_kl(a, b, 10.0), atol=atol)
+  np.testing.assert_allclose(out, ref_forward_kl(a, b, 10.0), atol=atol)
 
 
 def test_generalized_kl_divergence_nearly_equal_is_nonnegative():
   rng = np.random.default_rng(4)
-  log_q = _log_softmax(rng.normal(size=(512, 1000))).astype(np.float32)
+  log_q = np_log_softmax(rng.normal(size=(512, 1000))).astype(np.float32)
   p = (np.exp(log_q) * (1 + 1e-6 * rng.normal(size=log_q.shape))).astype(np.float32)
   out = np.asarray(kd.generalized_kl_divergence(log_q, p))
   assert out.min() >= 0.0, (out < 0).sum()

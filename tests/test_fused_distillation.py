@@ -1,9 +1,11 @@
-"""Tests for ``fused_distillation_loss``: chunked == materialised, in value and gradients.
+"""fused_distillation_loss (dense teacher, no labels): chunked == materialised, in value and
+gradients; options, masks, shapes, dtypes, errors and compiled memory.
 
-The reference materialises the logits and calls ``distillation_loss`` (no
-labels) on ``hidden @ weight + bias`` and the stopped teacher logits; a float64
-NumPy port of the divergences and finite differences (``check_grads``) check
-the fused function independently of the library's kernels.
+The reference materialises the logits and calls ``distillation_loss`` (no labels) on
+``hidden @ weight + bias`` and the stopped teacher logits; the float64 references of
+``_references.py`` (the authors' formulas) and finite differences (``check_grads``) check
+the fused function independently of the library's kernels. Labels, top-k teachers and every
+divergence of the fused losses are in test_llm_distillation.py and test_engine_paths.py.
 """
 
 import functools
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import np_log_softmax
+from _references import ref_forward_kl, ref_jsd, ref_reverse_kl
 from jax.test_util import check_grads
 
 from kldiv_jax import distillation_loss, fused_distillation_loss
@@ -131,16 +133,12 @@ def numpy_reference(
   y = f64(teacher["th"]) @ f64(teacher["tw"])
   z = z if student["b"] is None else z + f64(student["b"])
   y = y if teacher["tb"] is None else y + f64(teacher["tb"])
-  log_q, log_p = np_log_softmax(z / temperature), np_log_softmax(y / temperature)
-  p, q = np.exp(log_p), np.exp(log_q)
-  kl = lambda a, log_a, log_b: np.sum(a * (log_a - log_b), axis=-1)  # noqa: E731
-  if divergence == "forward_kl" or (divergence == "jsd" and beta == 0):
-    per_token = kl(p, log_p, log_q)
-  elif divergence == "reverse_kl" or beta == 1:
-    per_token = kl(q, log_q, log_p)
+  if divergence == "jsd":  # TRL's: beta 0 and 1 are the forward and reverse KL
+    per_token = ref_jsd(z, y, temperature, beta=beta)
   else:
-    log_m = np.log(beta * p + (1 - beta) * q)
-    per_token = beta * kl(p, log_p, log_m) + (1 - beta) * kl(q, log_q, log_m)
+    per_token = (ref_forward_kl if divergence == "forward_kl" else ref_reverse_kl)(
+      z, y, temperature
+    )
   if scale_by_temperature_squared:
     per_token = per_token * temperature**2
   where = np.ones(per_token.shape, bool) if where is None else where

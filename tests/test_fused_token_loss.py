@@ -1,4 +1,7 @@
-"""The fused per-token loss engine (``_fused_policy.fused_token_loss``): chunked == materialised.
+"""The private fused per-token loss engine under ``fused_policy_loss``
+(``_fused_policy.fused_token_loss``, any per-token function of the log-probabilities and
+entropies): chunked == materialised. The public ``fused_policy_loss`` is tested in
+test_fused_policy_loss.py.
 
 The references materialise the logits ``hidden @ weight + bias``, take
 ``token_log_probs(..., return_entropy=True)`` and apply the same per-token
