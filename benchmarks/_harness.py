@@ -287,24 +287,30 @@ def fmt_bytes(n: float | None) -> str:
   return str(n)  # pragma: no cover
 
 
-def target_row(target: str, limit: float, value: float | None, **extra: Any) -> dict[str, Any]:
-  """One row of a section's targets: ``value <= limit`` (``None`` when not measured)."""
-  return {
-    "target": target,
-    "limit": limit,
-    "value": value,
-    "pass": None if value is None else bool(value <= limit),
-    **extra,
-  }
+def target_row(
+  target: str, limit: float, value: float | None, sense: str = "<=", **extra: Any
+) -> dict[str, Any]:
+  """One row of a section's targets: ``value <= limit`` (``sense=">="``: at least ``limit``;
+  ``pass`` is ``None`` when not measured)."""
+  ok = None if value is None else bool(value <= limit if sense == "<=" else value >= limit)
+  return (
+    {"target": target, "limit": limit, "value": value, "pass": ok}
+    | ({} if sense == "<=" else {"sense": sense})
+    | extra
+  )
 
 
-def print_targets(rows: Sequence[dict[str, Any]], indicative: bool, why: str = "--quick sizes"):
+def print_targets(
+  rows: Sequence[dict[str, Any]], indicative: bool, why: str = "--quick sizes", title="Targets"
+):
   """The targets, PASS/FAIL; ``indicative``: not at the targets' sizes (``why``)."""
-  print(f"\nTargets{f' (indicative only: {why})' if indicative else ''}:")
+  print(f"\n{title}{f' (indicative only: {why})' if indicative else ''}:")
   width = max((len(row["target"]) for row in rows), default=0)
   for row in rows:
     verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
-    print(f"  {verdict:4}  {row['target']:{width}} {fmt_ratio(row['value']):>6} <= {row['limit']}")
+    bound = f"{row.get('sense', '<=')} {row['limit']}"
+    detail = f"  ({row['detail']})" if row.get("detail") else ""
+    print(f"  {verdict:4}  {row['target']:{width}} {fmt_ratio(row['value']):>6} {bound}{detail}")
 
 
 def print_times(title: str, times: Mapping[str, dict[str, Any]], width: int = 28) -> None:

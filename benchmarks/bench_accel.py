@@ -1,32 +1,13 @@
 """Accelerator estimates: every loss compiled for TPU v5e/v6e and an H100, without the device.
 
-XLA compiles for a chip that is not there (a compile-only, "deviceless" client)
-and reports what it compiled: HBM bytes accessed, flops, temporaries
-(``memory_analysis()``) and, on TPU, its own time estimate. The figures are
-**XLA's estimates, not measurements**. Each case is ``value_and_grad`` wrt the
-student, against the straightforward code ("naive": ``jax.nn.log_softmax`` and
-the formula with autodiff, in float32) or, for the fused LM-head losses, against
-the same loss on materialised ``hidden @ weight`` logits.
-
-* TPU: ``pip install 'jax[tpu]==<jax version>'`` brings libtpu;
-  ``jax.experimental.topologies.get_topology_desc("v5e:2x2", platform="tpu")``
-  gives compile-only devices (``TPU_ACCELERATOR_TYPE=v5litepod-4
-  TPU_WORKER_HOSTNAMES=localhost``). Time: ``cost_analysis()["optimal_seconds"]``,
-  or the roofline ``max(flops / peak, bytes / bandwidth)`` where it is not positive.
-* H100: ``pip install 'jax[cuda12]==<jax version>'``, ``JAX_PLATFORMS=cpu``, and
-  ``get_topology_desc(platform="cuda", target_config=<h100_sxm.txtpb>, topology="1x1x1")``.
-  ``cost_analysis()`` is None there; the flops and bytes come from XLA's HLO cost
-  analysis of the optimised GPU module (``jax._src`` tooling, benchmarks only),
-  and the time is the roofline.
-* XLA counts a ``while`` loop's body once. The fused losses loop over chunks of
-  tokens (and, on CPU, over column blocks of the weight gradient): their costs are
-  compiled with every ``fori_loop`` unrolled at one and at two chunks of tokens,
-  and extrapolated linearly to N tokens (``c(1) + (N/C - 1) (c(2) - c(1))``).
-  Their temp comes from the real (looped) program at N tokens.
-
-Each platform runs in its own virtual environment, created on first use next to
-the repository (``.venv-accel-tpu``, ``.venv-accel-cuda``; a few GB; never a
-runtime dependency): this script re-runs itself there as a worker per target.
+XLA compiles for a chip that is not there (a compile-only, "deviceless" client) and
+reports HBM bytes, flops, temporaries and, on TPU, its own time estimate: **XLA's
+estimates, not measurements**, of ``value_and_grad`` wrt the student against the
+straightforward code ("naive") or, for the fused losses, the materialised logits. How
+(topologies, the roofline, fused loops unrolled at one and two chunks and extrapolated):
+*Accelerators* in ``benchmarks/README.md``. Each platform runs in its own virtual
+environment next to the repository (``.venv-accel-tpu``, ``.venv-accel-cuda``, created on
+first use): this script re-runs itself there as a worker per target.
 
   python benchmarks/bench_accel.py                    # v5e, v6e, h100; full sizes
   python benchmarks/bench_accel.py --quick            # small sizes, a smoke test
@@ -45,7 +26,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from _harness import HERE, REPO, fmt_bytes, fmt_ratio, target_row
+import _harness
+from _harness import HERE, REPO, fmt_bytes, fmt_ratio, print_targets, target_row
 
 TARGETS: dict[str, dict[str, Any]] = {
   # peak: dense bf16 matmul flop/s; vector: float32 elementwise flop/s (the row kernels);
@@ -130,177 +112,131 @@ HEAD_READS = {
 # ----------------------------------------------------------------------------- the cases
 
 
-def _row_contenders(case: str, dtype) -> tuple[dict[str, Callable], list, int]:
-  """``({"naive": f, "kldiv_jax": g}, argument specs, floor-array count)`` of a row case.
-
-  Each function is a scalar loss of its arguments, differentiated wrt the first.
-  """
+def _row_contenders(case: str) -> tuple[dict[str, Callable], list[str], int]:
+  """``({"naive": f, "kldiv_jax": g}, argument kinds, floor-array count)`` of a row case:
+  scalar losses of their arguments, differentiated wrt the first."""
   import jax
   import jax.numpy as jnp
   from bench_divergences import SPECS, straightforward
   from bench_logits import naive_distill
 
-  import kldiv_jax
+  import kldiv_jax as k
 
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   T = TEMPERATURE
-  pair = ["x", "x"]
+
+  def vs_naive(formula, ours):  # the straightforward formula on float32 logits
+    return {"naive": lambda s, t: formula(f32(s), f32(t), T), "kldiv_jax": ours}
+
   if case in SPECS:
     spec = SPECS[case]
-    naive = straightforward(case, dict(spec.params))
-    return (
-      {
-        "naive": lambda s, t: naive(f32(s), f32(t), T),
-        "kldiv_jax": lambda s, t: jnp.mean(
-          kldiv_jax.divergence_from_logits(s, t, divergence=spec, temperature=T)
-        ),
-      },
-      pair,
+    ours = lambda s, t: jnp.mean(k.divergence_from_logits(s, t, divergence=spec, temperature=T))  # noqa: E731
+    return vs_naive(straightforward(case, dict(spec.params)), ours), ["x", "x"], 3
+
+  def naive_tokens(s, y):
+    lp = jax.nn.log_softmax(f32(s))
+    out = jnp.sum(jnp.take_along_axis(lp, y[:, None], axis=-1))
+    return out + 0.01 * jnp.sum(-jnp.sum(jnp.exp(lp) * lp, -1)) if entropy else out
+
+  def tokens(s, y):
+    if not entropy:
+      return jnp.sum(k.token_log_probs(s, y))
+    lp, h = k.token_log_probs(s, y, return_entropy=True)
+    return jnp.sum(lp) + 0.01 * jnp.sum(h)
+
+  def naive_topk(s, ids, lp):  # forward KL, renormalised top-k teacher
+    lq = jnp.take_along_axis(jax.nn.log_softmax(f32(s)), ids, axis=-1)
+    lp = jax.nn.log_softmax(lp)
+    return jnp.mean(jnp.sum(jnp.exp(lp) * (lp - lq), -1))
+
+  def where_formula(x, t):  # the double-where formula (bench_core's where_guarded)
+    x, t = f32(x), f32(t)
+    return jnp.sum(jnp.where(t > 0, t * (jnp.log(jnp.where(t > 0, t, 1.0)) - x), 0.0)) / x.shape[0]
+
+  entropy = case.endswith("entropy")
+  distill = naive_distill(T, 0.5)
+  cases = {
+    "kl_div_from_logits": (
+      vs_naive(
+        straightforward("forward_kl", {}),
+        lambda s, t: jnp.mean(k.kl_div_from_logits(s, t, temperature=T)),
+      ),
+      ["x", "x"],
       3,
-    )
-  if case == "kl_div_from_logits":
-    naive = straightforward("forward_kl", {})
-    return (
+    ),
+    "distillation_loss": (
       {
-        "naive": lambda s, t: naive(f32(s), f32(t), T),
-        "kldiv_jax": lambda s, t: jnp.mean(kldiv_jax.kl_div_from_logits(s, t, temperature=T)),
-      },
-      pair,
-      3,
-    )
-  if case == "distillation_loss":
-    naive = naive_distill(T, 0.5)
-    return (
-      {
-        "naive": lambda s, t, y: naive(f32(s), f32(t), y),
-        "kldiv_jax": lambda s, t, y: kldiv_jax.distillation_loss(s, t, y, temperature=T, alpha=0.5),
+        "naive": lambda s, t, y: distill(f32(s), f32(t), y),
+        "kldiv_jax": lambda s, t, y: k.distillation_loss(s, t, y, temperature=T, alpha=0.5),
       },
       ["x", "x", "labels"],
       3,
-    )
-  if case.startswith("token_log_probs"):
-    entropy = case.endswith("entropy")
-
-    def naive_tokens(s, y):
-      lp = jax.nn.log_softmax(f32(s))
-      out = jnp.sum(jnp.take_along_axis(lp, y[:, None], axis=-1))
-      return out + 0.01 * jnp.sum(-jnp.sum(jnp.exp(lp) * lp, -1)) if entropy else out
-
-    def ours(s, y):
-      if not entropy:
-        return jnp.sum(kldiv_jax.token_log_probs(s, y))
-      lp, h = kldiv_jax.token_log_probs(s, y, return_entropy=True)
-      return jnp.sum(lp) + 0.01 * jnp.sum(h)
-
-    return {"naive": naive_tokens, "kldiv_jax": ours}, ["x", "ids"], 2
-  if case == "divergence_from_topk":
-
-    def naive_topk(s, ids, lp):  # forward KL, renormalised top-k teacher
-      lq = jnp.take_along_axis(jax.nn.log_softmax(f32(s)), ids, axis=-1)
-      lp = jax.nn.log_softmax(lp)
-      return jnp.mean(jnp.sum(jnp.exp(lp) * (lp - lq), -1))
-
-    return (
+    ),
+    "token_log_probs": ({"naive": naive_tokens, "kldiv_jax": tokens}, ["x", "ids"], 2),
+    "token_log_probs_entropy": ({"naive": naive_tokens, "kldiv_jax": tokens}, ["x", "ids"], 2),
+    "divergence_from_topk": (
       {
         "naive": naive_topk,
-        "kldiv_jax": lambda s, ids, lp: jnp.mean(kldiv_jax.kl_div_from_topk(s, ids, lp)),
+        "kldiv_jax": lambda s, ids, lp: jnp.mean(k.kl_div_from_topk(s, ids, lp)),
       },
       ["x", "topk_ids", "topk_lp"],
       2,
-    )
-  if case == "kl_div":
-
-    def where_formula(x, t):
-      x, t = f32(x), f32(t)
-      return (
-        jnp.sum(jnp.where(t > 0, t * (jnp.log(jnp.where(t > 0, t, 1.0)) - x), 0.0)) / (x.shape[0])
-      )
-
-    return (
-      {
-        "naive": where_formula,
-        "kldiv_jax": lambda x, t: kldiv_jax.kl_div(x, t, reduction="batchmean"),
-      },
-      pair,
+    ),
+    "kl_div": (
+      {"naive": where_formula, "kldiv_jax": lambda x, t: k.kl_div(x, t, reduction="batchmean")},
+      ["x", "x"],
       3,
-    )
-  raise ValueError(f"unknown row case {case!r}")
+    ),
+  }
+  return cases[case]
 
 
-def _fused_contenders(case: str) -> tuple[dict[str, Callable], list, dict[str, Callable]]:
-  """``(materialised losses, argument kinds, fused losses taking chunk_size)``."""
+def _fused_contenders(case: str) -> tuple[Callable, list[str], Callable[[int | None], Callable]]:
+  """``(materialised loss, argument kinds, chunk_size -> fused loss)`` of a fused case."""
   import jax.numpy as jnp
 
-  import kldiv_jax
+  import kldiv_jax as k
 
-  mm = lambda h, w: jnp.matmul(h, w)  # noqa: E731
-  if case == "fused_distillation":
-    return (
-      {
-        "materialised": lambda h, w, th, tw, y: kldiv_jax.distillation_loss(mm(h, w), mm(th, tw), y)
-      },
+  mm = jnp.matmul
+
+  def total(out):  # log-probabilities with an entropy bonus
+    lp, h = out
+    return jnp.sum(lp) + 0.01 * jnp.sum(h)
+
+  def materialised_policy(h, w, y, old, adv):  # clip-higher PPO/GRPO, entropy bonus, token-mean
+    lp, entropy = k.token_log_probs(mm(h, w), y, return_entropy=True)
+    return k.policy_loss(lp, old, adv, entropy=entropy, **POLICY_OPTIONS)[0]
+
+  return {
+    "fused_distillation": (
+      lambda h, w, th, tw, y: k.distillation_loss(mm(h, w), mm(th, tw), y),
       ["h", "w", "h", "w", "labels"],
-      {
-        "fused": lambda c: (
-          lambda h, w, th, tw, y: kldiv_jax.fused_distillation_loss(
-            h, w, th, tw, labels=y, chunk_size=c
-          )
-        )
-      },
-    )
-  if case == "fused_topk":
-    return (
-      {
-        "materialised": lambda h, w, ids, lp: jnp.mean(
-          kldiv_jax.kl_div_from_topk(mm(h, w), ids, lp)
-        )
-      },
+      lambda c: (
+        lambda h, w, th, tw, y: k.fused_distillation_loss(h, w, th, tw, labels=y, chunk_size=c)
+      ),
+    ),
+    "fused_topk": (
+      lambda h, w, ids, lp: jnp.mean(k.kl_div_from_topk(mm(h, w), ids, lp)),
       ["h", "w", "topk_ids", "topk_lp"],
-      {
-        "fused": lambda c: (
-          lambda h, w, ids, lp: kldiv_jax.fused_topk_distillation_loss(h, w, ids, lp, chunk_size=c)
-        )
-      },
-    )
-  if case == "fused_token_log_probs":
-
-    def total(out):
-      lp, h = out
-      return jnp.sum(lp) + 0.01 * jnp.sum(h)
-
-    return (
-      {
-        "materialised": lambda h, w, y: total(
-          kldiv_jax.token_log_probs(mm(h, w), y, return_entropy=True)
-        )
-      },
+      lambda c: lambda h, w, ids, lp: k.fused_topk_distillation_loss(h, w, ids, lp, chunk_size=c),
+    ),
+    "fused_token_log_probs": (
+      lambda h, w, y: total(k.token_log_probs(mm(h, w), y, return_entropy=True)),
       ["h", "w", "ids"],
-      {
-        "fused": lambda c: (
-          lambda h, w, y: total(
-            kldiv_jax.fused_token_log_probs(h, w, y, return_entropy=True, chunk_size=c)
-          )
-        )
-      },
-    )
-  if case == "fused_policy":  # clip-higher PPO/GRPO with an entropy bonus, token-mean
-
-    def materialised_policy(h, w, y, old, adv):
-      lp, entropy = kldiv_jax.token_log_probs(mm(h, w), y, return_entropy=True)
-      return kldiv_jax.policy_loss(lp, old, adv, entropy=entropy, **POLICY_OPTIONS)[0]
-
-    return (
-      {"materialised": materialised_policy},
+      lambda c: (
+        lambda h, w, y: total(k.fused_token_log_probs(h, w, y, return_entropy=True, chunk_size=c))
+      ),
+    ),
+    "fused_policy": (
+      materialised_policy,
       ["h", "w", "ids", "per_token", "per_token"],
-      {
-        "fused": lambda c: (
-          lambda h, w, y, old, adv: kldiv_jax.fused_policy_loss(
-            h, w, y, old, adv, chunk_size=c, **POLICY_OPTIONS
-          )[0]
-        )
-      },
-    )
-  raise ValueError(f"unknown fused case {case!r}")
+      lambda c: (
+        lambda h, w, y, old, adv: k.fused_policy_loss(
+          h, w, y, old, adv, chunk_size=c, **POLICY_OPTIONS
+        )[0]
+      ),
+    ),
+  }[case]
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -395,16 +331,23 @@ def _unrolled_loops():
 def _measure(fn, argnums, structs, target: str, matmul: bool) -> dict[str, Any]:
   start = time.perf_counter()
   compiled = _compile(fn, argnums, structs)
-  mem = compiled.memory_analysis()
   cost = _cost(compiled, target)
   seconds, source = _seconds(cost, target, matmul)
-  return {
-    **cost,
-    "seconds": seconds,
-    "time_source": source,
-    "temp_bytes": int(mem.temp_size_in_bytes),
-    "compile_s": time.perf_counter() - start,
-  }
+  return (
+    cost
+    | {"seconds": seconds, "time_source": source}
+    | {
+      "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+      "compile_s": time.perf_counter() - start,
+    }
+  )
+
+
+def _or_error(compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+  try:
+    return compute()
+  except Exception as err:  # what XLA cannot compile: reported, not fatal
+    return {"error": f"{type(err).__name__}: {str(err)[:300]}"}
 
 
 def _row_records(target: str, dev, shapes, cases) -> list[dict[str, Any]]:
@@ -414,105 +357,80 @@ def _row_records(target: str, dev, shapes, cases) -> list[dict[str, Any]]:
   for (n, v), dtype in shapes:
     dt = jnp.dtype(dtype)
     for case in [c for c in cases if c in ROW_CASES]:
-      fns, kinds, floor_arrays = _row_contenders(case, dt)
+      fns, kinds, floor_arrays = _row_contenders(case)
       structs = _structs(kinds, {"n": n, "v": v, "dtype": dt}, dev)
       floor = floor_arrays * n * v * dt.itemsize
       row = {"case": case, "kind": "row", "shape": [n, v], "dtype": dtype, "floor_bytes": floor}
       for name, fn in fns.items():
-        try:
-          row[name] = _measure(fn, 0, structs, target, matmul=False)
-        except Exception as err:  # a contender XLA cannot compile: reported, not fatal
-          row[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-      records.append(_row_ratios(row, n * v * 4))
+        row[name] = _or_error(
+          lambda fn=fn, structs=structs: _measure(fn, 0, structs, target, matmul=False)
+        )
+      naive, ours = row["naive"], row["kldiv_jax"]
+      if "seconds" in naive and "seconds" in ours:
+        row["time_ratio"] = ours["seconds"] / naive["seconds"]
+        row["naive_hbm_ratio"] = naive["bytes"] / floor
+        row["hbm_ratio"] = ours["bytes"] / floor
+        row["temp_ratio"] = ours["temp_bytes"] / (n * v * 4)
+      records.append(row)
       _progress(target, row)
   return records
 
 
-def _row_ratios(row: dict[str, Any], full_f32: int) -> dict[str, Any]:
-  naive, ours = row.get("naive", {}), row.get("kldiv_jax", {})
-  if "seconds" in naive and "seconds" in ours:
-    row["time_ratio"] = ours["seconds"] / naive["seconds"]
-    row["naive_hbm_ratio"] = naive["bytes"] / row["floor_bytes"]
-    row["hbm_ratio"] = ours["bytes"] / row["floor_bytes"]
-    row["temp_ratio"] = ours["temp_bytes"] / full_f32
-  return row
-
-
 def _fused_records(target: str, dev, shape, cases, chunk: int | None) -> list[dict[str, Any]]:
-  import jax.numpy as jnp
+  from kldiv_jax._fused_chunks import platform_chunk_size
 
-  try:
-    from kldiv_jax import _fused_chunks as chunking
-  except ImportError:  # before the fused losses' split: one _fused module
-    from kldiv_jax import _fused as chunking  # type: ignore[no-redef]
-
-  n, h, v = shape
-  dt = jnp.dtype("bfloat16")
+  n, _, v = shape
   platform = "tpu" if TARGETS[target]["kind"] == "tpu" else "cuda"
-  if hasattr(chunking, "platform_chunk_size"):
-    default_chunk = chunking.platform_chunk_size(n, v, platform)
-  else:  # before the per-platform choice: one default everywhere
-    default_chunk = chunking.default_chunk_size(n, v)
-  c = chunk or default_chunk
+  c = chunk or platform_chunk_size(n, v, platform)
   records = []
   for case in [x for x in cases if x in FUSED_CASES]:
-    mat, kinds, fused = _fused_contenders(case)
-    row: dict[str, Any] = {
-      "case": case,
-      "kind": "fused",
-      "shape": [n, h, v],
-      "dtype": "bfloat16",
-      "chunk": c,
-      "chunk_source": "given" if chunk else f"default for {platform}",
-    }
-    dims = lambda tokens: {"n": tokens, "v": v, "h": h, "dtype": dt}  # noqa: E731
-    try:
-      row["materialised"] = _measure(
-        mat["materialised"], (0, 1), _structs(kinds, dims(n), dev), target, matmul=True
-      )
-    except Exception as err:
-      row["materialised"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-    try:
-      fn = fused["fused"](c)
-      with _unrolled_loops():
-        one = _measure(fn, (0, 1), _structs(kinds, dims(c), dev), target, matmul=True)
-        two = _measure(fn, (0, 1), _structs(kinds, dims(2 * c), dev), target, matmul=True)
-      if one["time_source"] != two["time_source"]:  # one source for both (XLA:TPU's
-        # optimal_seconds is sometimes not positive): the roofline of each one's counts
-        for x in (one, two):
-          x["seconds"], x["time_source"] = _seconds({**x, "optimal_seconds": None}, target, True)
-      chunks = n / c
-      est = {k: one[k] + (chunks - 1) * (two[k] - one[k]) for k in ("flops", "bytes", "seconds")}
-      per_chunk_intensity = (two["flops"] - one["flops"]) / max(two["bytes"] - one["bytes"], 1)
-      weight_bytes = h * v * (HEAD_READS[case] * dt.itemsize + 2 * 4)
-      # The real program at N tokens, its chunk chosen by the library: its temp.
-      default = None if chunk else fused["fused"](None)
-      full = _measure(default or fn, (0, 1), _structs(kinds, dims(n), dev), target, matmul=True)
-      row["fused"] = {
-        **est,
-        "time_source": one["time_source"],
-        "temp_bytes": full["temp_bytes"],
-        "chunk_intensity": per_chunk_intensity,
-        "weight_intensity": (two["flops"] - one["flops"]) / weight_bytes,
-        "one_chunk": one,
-        "two_chunks": two,
-      }
-    except Exception as err:
-      row["fused"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-    mat_row = row["materialised"]
-    if "seconds" in row["fused"] and mat_row.get("time_source") not in (
-      None,
-      row["fused"]["time_source"],
-    ):  # the materialised loss's time from the same source as the fused one's
-      mat_row["seconds"], mat_row["time_source"] = _seconds(
-        {**mat_row, "optimal_seconds": None}, target, True
-      )
-    if "seconds" in row["fused"] and "seconds" in row["materialised"]:
-      row["time_ratio"] = row["fused"]["seconds"] / row["materialised"]["seconds"]
-      row["temp_ratio"] = row["fused"]["temp_bytes"] / max(row["materialised"]["temp_bytes"], 1)
-    records.append(row)
+    row = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16", "chunk": c}
+    row["chunk_source"] = "given" if chunk else f"default for {platform}"
+    records.append(_fused_row(row, target, dev, chunk))
     _progress(target, row)
   return records
+
+
+def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict[str, Any]:
+  import jax.numpy as jnp
+
+  (n, h, v), c, dt = row["shape"], row["chunk"], jnp.dtype("bfloat16")
+  materialised, kinds, fused = _fused_contenders(row["case"])
+
+  def measure(fn, tokens):
+    structs = _structs(kinds, {"n": tokens, "v": v, "h": h, "dtype": dt}, dev)
+    return _measure(fn, (0, 1), structs, target, matmul=True)
+
+  def estimate():
+    fn = fused(c)
+    with _unrolled_loops():
+      one, two = measure(fn, c), measure(fn, 2 * c)
+    if one["time_source"] != two["time_source"]:  # one source for both (XLA:TPU's
+      # optimal_seconds is sometimes not positive): the roofline of each one's counts
+      for x in (one, two):
+        x["seconds"], x["time_source"] = _seconds({**x, "optimal_seconds": None}, target, True)
+    est = {k: one[k] + (n / c - 1) * (two[k] - one[k]) for k in ("flops", "bytes", "seconds")}
+    weight_bytes = h * v * (HEAD_READS[row["case"]] * dt.itemsize + 2 * 4)
+    # The real program at N tokens, its chunk chosen by the library: its temp.
+    full = measure(fn if chunk else fused(None), n)
+    return est | {
+      "time_source": one["time_source"],
+      "temp_bytes": full["temp_bytes"],
+      "chunk_intensity": (two["flops"] - one["flops"]) / max(two["bytes"] - one["bytes"], 1),
+      "weight_intensity": (two["flops"] - one["flops"]) / weight_bytes,
+      "one_chunk": one,
+      "two_chunks": two,
+    }
+
+  mat = row["materialised"] = _or_error(lambda: measure(materialised, n))
+  ours = row["fused"] = _or_error(estimate)
+  if "seconds" in ours and mat.get("time_source") not in (None, ours["time_source"]):
+    # the materialised loss's time from the same source as the fused one's
+    mat["seconds"], mat["time_source"] = _seconds({**mat, "optimal_seconds": None}, target, True)
+  if "seconds" in ours and "seconds" in mat:
+    row["time_ratio"] = ours["seconds"] / mat["seconds"]
+    row["temp_ratio"] = ours["temp_bytes"] / max(mat["temp_bytes"], 1)
+  return row
 
 
 def _progress(target: str, row: dict[str, Any]) -> None:
@@ -652,15 +570,12 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
+  p = _harness.parser(__doc__, quick="small sizes: a smoke test")
   p.add_argument(
     "--targets", default="v5e,v6e,h100", help=f"comma-separated (available: {','.join(TARGETS)})"
   )
   p.add_argument("--cases", default=None, help="comma-separated cases (default: all)")
   p.add_argument("--chunk", type=int, default=None, help="fused chunk (default: the library's)")
-  p.add_argument("--out", type=Path, default=HERE / "results", help="output directory")
-  p.add_argument("--repeats", type=int, default=None, help=argparse.SUPPRESS)  # run.py passes it
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
   return p
@@ -717,12 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for row in payload["records"]:
       print("  " + _line(row))
     if target in CHECKED_TARGETS:
-      note = "" if not args.quick else " (indicative only: --quick sizes)"
-      print(f"Targets{note}:")
-      for row in payload["checks"]:
-        verdict = {True: "PASS", False: "FAIL"}[bool(row["pass"])]
-        value = "-" if row["value"] is None else f"{row['value']:.2f}"
-        print(f"  {verdict:4}  {row['target']:64} {value:>6} <= {row['limit']}")
+      print_targets(payload["checks"], args.quick)
   name = "accel-quick.json" if args.quick else "accel.json"
   (args.out / name).write_text(json.dumps(results, indent=1) + "\n")
   print(f"\nresults in {args.out / name}")

@@ -1,30 +1,9 @@
-"""Core benchmark: ``kldiv_jax.kl_div`` against what users would otherwise run.
+"""Core benchmark: ``kldiv_jax.kl_div`` against the double-``where`` formula, optax and torch.
 
-For each case (size, dtype, ``log_target``, reduction) and each operation
-
-* ``fwd``: the loss;
-* ``vg_x``: the loss and its gradient wrt the input (``jax.value_and_grad``; for
-  ``reduction='none'`` the loss array and its VJP with a fixed random cotangent);
-* ``vg_xt``: the same wrt both arguments;
-
-the contenders are timed side by side, in one process, round-robin:
-
-* ``kldiv_jax``: ``kldiv_jax.kl_div(x, t, reduction=..., log_target=...)``;
-* ``kldiv_jax_optax_api``: ``kldiv_jax.kl_divergence`` / ``..._with_log_targets``
-  summed and divided by the batch (``batchmean`` only);
-* ``where_guarded``: the double-``where`` ``jnp`` formula a careful user writes;
-* ``optax``: ``optax.losses.kl_divergence`` / ``kl_divergence_with_log_targets``
-  summed and divided by the batch; for ``reduction='none'`` (optax has no
-  elementwise function) optax's per-element formula, copied from its source;
-* ``torch_cpu``: ``torch.nn.functional.kl_div`` on CPU (``no_grad`` forward; forward
-  plus ``torch.autograd.grad``), when torch is importable.
-
-With the forward pass, three limits are timed in the same round-robin: a kernel
-that only reads both arrays (``sum(x * t)``), one that reads two and writes one
-(``x * t``), and the transcendental floor (``sum(log t)``; ``sum(exp t)`` for log
-targets). All jitted contenders get XLA's compiled memory analysis.
-
-Run it through ``benchmarks/run.py`` (``make bench``); ``--help`` lists the options.
+Per case (size, dtype, ``log_target``, reduction) and operation (``fwd``, ``vg_x``,
+``vg_xt``) the contenders and, with ``fwd``, three bandwidth/transcendental limits are
+timed round-robin; ``NOTES`` (also in the JSON) and ``benchmarks/README.md`` say what each
+is. ``--help`` lists the options.
 """
 
 import argparse
@@ -45,10 +24,12 @@ from _harness import (
   fmt_ratio,
   median_ms,
   parser,
+  print_targets,
   ratio,
   round_robin,
   save,
   start,
+  target_row,
 )
 
 import kldiv_jax
@@ -363,71 +344,40 @@ def evaluate_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"shape": None, "flagship": False, "rows": []}
   flagship = [r for r in cands if tuple(r["shape"]) == FLAGSHIP_SHAPE]
   pick = flagship or [r for r in cands if r["elements"] == max(c["elements"] for c in cands)]
-  shape = pick[0]["shape"]
   by = {(r["log_target"], r["op"], r["contender"]): r for r in pick}
+
+  def get(lt, op, name, key="median_ms"):
+    return by[lt, op, name][key] if (lt, op, name) in by else None
+
   rows = []
-
-  def add(lt, name, value, threshold, sense, detail=""):
-    ok = None if value is None else (value <= threshold if sense == "<=" else value >= threshold)
-    rows.append(
-      {
-        "log_target": lt,
-        "target": name,
-        "value": value,
-        "threshold": threshold,
-        "sense": sense,
-        "pass": ok,
-        "detail": detail,
-      }
-    )
-
-  def med(lt, op, name):
-    r = by.get((lt, op, name))
-    return None if r is None else r["median_ms"]
-
   for lt in sorted({r["log_target"] for r in pick}):
-    k_f, k_vg = med(lt, "fwd", KLDIV), med(lt, "vg_x", KLDIV)
-    add(lt, "fwd / where_guarded", ratio(k_f, med(lt, "fwd", WHERE)), 0.4, "<=")
-    add(lt, "fwd / optax", ratio(k_f, med(lt, "fwd", OPTAX)), 1.1, "<=")
-    add(lt, "vg_x / where_guarded", ratio(k_vg, med(lt, "vg_x", WHERE)), 0.75, "<=")
-    add(lt, "vg_x / optax", ratio(k_vg, med(lt, "vg_x", OPTAX)), 1.1, "<=")
-    add(lt, "torch fwd+bwd / vg_x (speed-up)", ratio(med(lt, "vg_x", TORCH), k_vg), 4.0, ">=")
+    k_f, k_vg = get(lt, "fwd", KLDIV), get(lt, "vg_x", KLDIV)
+    for name, limit, value, *sense in (
+      ("fwd / where_guarded", 0.4, ratio(k_f, get(lt, "fwd", WHERE))),
+      ("fwd / optax", 1.1, ratio(k_f, get(lt, "fwd", OPTAX))),
+      ("vg_x / where_guarded", 0.75, ratio(k_vg, get(lt, "vg_x", WHERE))),
+      ("vg_x / optax", 1.1, ratio(k_vg, get(lt, "vg_x", OPTAX))),
+      ("torch fwd+bwd / vg_x (speed-up)", 4.0, ratio(get(lt, "vg_x", TORCH), k_vg), ">="),
+    ):
+      rows.append(target_row(name, limit, value, *sense, log_target=lt, detail=""))
     for op in OPS:
-      k, w = by.get((lt, op, KLDIV)), by.get((lt, op, WHERE))
-      kb = None if k is None else k["temp_bytes"]
-      wb = None if w is None else w["temp_bytes"]
-      value = (
-        ratio(kb, wb)
-        if wb
-        else (None if kb is None or wb is None else (0.0 if kb == 0 else float("inf")))
-      )
-      add(
-        lt,
-        f"XLA temp bytes {op} / where_guarded",
-        value,
-        1.0,
-        "<=",
-        f"{fmt_bytes(kb)} vs {fmt_bytes(wb)}",
-      )
-  return {"shape": shape, "flagship": bool(flagship), "rows": rows}
+      kb, wb = get(lt, op, KLDIV, "temp_bytes"), get(lt, op, WHERE, "temp_bytes")
+      value = ratio(kb, wb) if wb or kb is None or wb is None else 0.0 if kb == 0 else float("inf")
+      detail = f"{fmt_bytes(kb)} vs {fmt_bytes(wb)}"
+      name = f"XLA temp bytes {op} / where_guarded"
+      rows.append(target_row(name, 1.0, value, log_target=lt, detail=detail))
+  return {"shape": pick[0]["shape"], "flagship": bool(flagship), "rows": rows}
 
 
-def print_targets(targets: dict[str, Any]) -> None:
+def show_targets(targets: dict[str, Any]) -> None:
   if targets["shape"] is None:
     print("targets: no float32 batchmean case measured")
     return
-  shape = "x".join(map(str, targets["shape"]))
-  note = "" if targets["flagship"] else "  (NOT the flagship (4096, 8192): indicative only)"
-  print(f"\nTargets at float32 {shape} batchmean{note}")
-  print(f"  {'log_target':10} {'target':42} {'value':>8} {'need':>8}  result")
-  for row in targets["rows"]:
-    verdict = {True: "PASS", False: "FAIL", None: "n/a"}[row["pass"]]
-    need = f"{row['sense']} {row['threshold']:g}"
-    detail = f"  ({row['detail']})" if row["detail"] else ""
-    print(
-      f"  {row['log_target']!s:10} {row['target']:42} {fmt_ratio(row['value']):>8} "
-      f"{need:>8}  {verdict}{detail}"
-    )
+  rows = [
+    r | {"target": f"log_target={r['log_target']!s:5} {r['target']}"} for r in targets["rows"]
+  ]
+  title = f"Targets at float32 {'x'.join(map(str, targets['shape']))} batchmean"
+  print_targets(rows, not targets["flagship"], f"not the flagship {FLAGSHIP_SHAPE}", title)
 
 
 # ---------------------------------------------------------------------------- chart
@@ -530,7 +480,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(table_row(rs), flush=True)
         del data, tdata
   targets = evaluate_targets(records)
-  print_targets(targets)
+  show_targets(targets)
   return {
     "section": "core",
     "machine": machine,

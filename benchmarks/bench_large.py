@@ -1,27 +1,9 @@
 """Large-vocabulary benchmark: ``fused_distillation_loss`` against materialised logits.
 
-Two contenders, both ``jax.value_and_grad`` wrt the student's hidden states
-and LM head (float32, forward KL at temperature 2, the teacher stopped):
-
-* ``fused``: ``kldiv_jax.fused_distillation_loss(hidden, weight, target_hidden,
-  target_weight, temperature=2.0)`` (logits made a chunk of tokens at a time,
-  ``chunk_size=None``);
-* ``materialised``: ``kldiv_jax.distillation_loss(hidden @ weight,
-  stop_gradient(target_hidden @ target_weight), temperature=2.0)``, the full
-  ``[N, V]`` logits of both sides.
-
-Measured:
-
-* ``memory``: XLA's compiled temp bytes of both, compiled without running
-  (``jax.ShapeDtypeStruct`` arguments) at N=8192 tokens, H=1024, V=65536.
-  Target: fused at most 0.05x the materialised temp.
-* ``time``: jitted, warmed up, timed round-robin (median of 3) at N=2048,
-  H=1024, V=32768. Target: fused at most 1.1x the materialised time.
-
-``--quick`` uses small shapes (a smoke test: the targets are not meaningful there).
-
-  python benchmarks/bench_large.py            # full size; the timing takes minutes on 2 cores
-  python benchmarks/bench_large.py --quick
+``value_and_grad`` wrt the student's hidden states and head (float32, forward KL, T = 2,
+the teacher stopped) of ``fused_distillation_loss`` against ``distillation_loss`` on
+``hidden @ weight``: compiled temp at N=8192, H=1024, V=65536 (target: at most 0.05x) and
+time at N=2048, H=1024, V=32768 (target: at most 1.1x). ``--quick``: small shapes.
 """
 
 from collections.abc import Sequence

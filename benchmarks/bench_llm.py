@@ -1,29 +1,12 @@
 """LLM-distillation options: what soft-capping, vocabulary padding, the hard loss in the fused
 head and a top-k tail bucket cost.
 
-Every figure is a ratio of two contenders measured side by side in one process:
-
-* ``overheads``: ``jax.value_and_grad`` time (jitted, warmed up, round-robin,
-  median) of a call with the option against the same call without it:
-  soft-capping both sides (``softcap=30, target_softcap=30``), a teacher
-  vocabulary padded by 128 classes, on ``distillation_loss`` (logits
-  ``[N, V]``) and on ``fused_distillation_loss`` (hidden states and heads); and
-  the cross-entropy term inside the fused head (``labels=``, ``alpha=0.5``)
-  against the fused call without labels. Target: each at most 1.1x.
-* ``fused memory``: XLA's compiled temp bytes of ``value_and_grad`` of
-  ``fused_distillation_loss`` with labels and soft-caps against
-  ``distillation_loss`` on the materialised logits with the same options, at
-  N=8192, H=1024, V=65536 (compiled, not run). Target: at most 0.05x.
-* ``top-k memory``: compiled temp bytes of ``value_and_grad`` wrt the logits of
-  ``divergence_from_topk(..., tail="bucket")`` against the same divergence
-  written on the materialised ``jax.nn.log_softmax`` of the student (gathered
-  at the top-k, tail appended), at N=4096, V=131072, k=64. Target: at most
-  0.02x.
-
-``--quick`` uses small shapes (a smoke test: the targets are not meaningful there).
-
-  python benchmarks/bench_llm.py
-  python benchmarks/bench_llm.py --quick
+Each figure is a ratio of two contenders measured side by side (``benchmarks/README.md``
+lists them): ``overheads`` (``value_and_grad`` time with the option against without it;
+target: each at most 1.1x), ``fused memory`` (compiled temp of the fused head with labels
+and soft-caps against the materialised loss, N=8192, H=1024, V=65536; at most 0.05x) and
+``top-k memory`` (the ``tail="bucket"`` top-k divergence against the materialised
+``log_softmax``, N=4096, V=131072, k=64; at most 0.02x). ``--quick``: small shapes.
 """
 
 from collections.abc import Sequence

@@ -1,46 +1,12 @@
 """Precision benchmark: values and gradients of every divergence on bf16 logits against float64.
 
-The contract measured (``docs/precision.md``): for identical logits every
-divergence is exactly 0 with zero gradients; for nearly equal bf16 logits at a
-large vocabulary (default ``V = 131072``) the value is never negative and its
-error against a float64 reference is float32 rounding, and the gradient's
-relative error stays under a stated bound.
-
-Data: ``rows`` rows of LLM-like logits ``base ~ N(0, std^2)`` (default 8 rows,
-``std = 4``); the teacher is ``bf16(base)``, the student ``bf16(base + delta *
-noise)`` with ``noise ~ N(0, 1)`` and ``delta`` in ``--deltas`` (default 1e-3,
-1e-2, 1e-1; in bf16 a perturbation of 1e-3 moves about 12% of the logits by one
-bf16 step and leaves the rest equal), plus the identical case (student =
-teacher) and ``step`` (one class per row one bf16 step apart: a true value of
-~1e-13, below float32 rounding), at temperatures 1 and 2. Every library call
-is jitted, values and gradients from one program (``jax.vjp``), as in a
-training step.
-
-The references are float64 NumPy from the *same bf16 values* cast to float64,
-so only the library's arithmetic is measured, not the rounding of the inputs
-to bf16: values from the formulas, gradients in closed form, ``dD/dz = (b - q
-sum b) / T`` with ``b = q df/dq`` per class (``dD/dy`` likewise with ``a = p
-df/dp``), e.g. ``(q - p) / T`` for the forward KL. Gradient errors are
-norm-wise, ``||g - g_ref|| / ||g_ref||`` over all rows, and elementwise, ``max
-|g - g_ref| / max |g_ref|``.
-
-Each case is measured twice: on the bf16 inputs (what a user gets: values and
-gradients come back in bf16, so they carry bf16's storage rounding, at most
-``2**-8`` relative per element) and on the same values cast to float32 (the
-library computes bf16 in float32, so this is the arithmetic itself; the bench
-checks that the bf16 value is the float32 one rounded). The value's error is
-compared with ``eps_f32 * S``, ``S = H(p) + H(q) + log2(V)`` (the entropies
-bound the log-probabilities that cancel in the divergence, ``log2(V)`` the
-relative error of a pairwise float32 sum of ``V`` terms in units of ``eps``);
-the float32 gradient's error with ``eps * kappa``, ``kappa = (||p log p|| + ||q
-log q||) / (T ||g_ref||)`` (:func:`gradient_condition`; the contract bounds it
-by ``2 eps kappa``). ``step`` is reported apart: its ``kappa`` is ~1e10.
-
-Also: identical logits at ``V = 248320`` (EasyDeL's case), ``distillation_loss``
-and ``fused_distillation_loss`` (forward KL, bf16 hidden states ``[rows, H]`` and
-head ``[H, V]``, the student's hidden states perturbed), ``kl_div_from_logits``,
-``generalized_jsd``, ``kl_div_from_topk`` at ``k = V``, and, for contrast, the
-straightforward forward KL written in bf16 (``log_softmax`` + sum, jitted).
+The contract measured and its derivation (data, the bounds ``eps_f32 * S`` on the value and
+``eps * kappa`` on the gradient, the ``step`` case) are on the Precision docs page
+(``docs/precision.md``). The references are float64 NumPy from the same bf16 values
+(``tests/_references.py``); each case is measured on the bf16 inputs and on the same values
+cast to float32, values and gradients from one jitted ``jax.vjp``. Also: identical logits at
+``V = 248320``, ``distillation_loss``, ``fused_distillation_loss``, ``kl_div_from_logits``,
+``generalized_jsd``, ``kl_div_from_topk`` at ``k = V`` and the straightforward bf16 forward KL.
 
   python benchmarks/bench_precision.py            # V = 131072 (about 3 minutes on 2 cores)
   python benchmarks/bench_precision.py --quick    # V = 16384, 4 rows: a smoke test

@@ -1,38 +1,15 @@
 """Sampled tokens' log-probabilities and entropy for RL: from logits and from the LM head.
 
-Each figure is a ratio of two contenders measured side by side in one process,
-``jax.value_and_grad`` of ``sum(log_probs) + 0.01 * sum(entropy)``:
-
-* ``logits``: ``token_log_probs(logits, ids, return_entropy=True)`` against
-  ``jax.nn.log_softmax`` + gather + the entropy ``-sum(p log p)`` with autodiff,
-  wrt the logits, float32 ``(4096, 8192)``: time (jitted, round-robin median).
-  Target: at most 0.6x.
-* ``tunix``: the log-probabilities alone with a k3 penalty, as GRPO computes
-  them: ``kl_estimate(token_log_probs(logits, ids), ref_lp, estimator="k3")``
-  against Tunix's own code (``selective_log_softmax`` and
-  ``compute_kl_divergence(method="low_var_kl")`` of ``tunix/rl/common.py``,
-  github.com/google/tunix, ported verbatim), summed, wrt the logits, float32
-  ``(2048, 32768)``: time (jitted, round-robin median of twice the repeats)
-  and compiled temp. Target: at most 1.0x (no slower than what JAX users write).
-* ``fused``: ``fused_token_log_probs(hidden, weight, ids, return_entropy=True)``
-  against ``token_log_probs`` of the materialised ``hidden @ weight`` wrt
-  hidden and weight: XLA's compiled temp memory at N=8192, H=1024, V=65536
-  (target: at most 0.05x of ``log_softmax`` + gather on the materialised
-  logits) and time at N=2048, H=1024, V=32768 (target: at most 1.1x).
-* ``policy``: GRPO/DAPO's token-level PPO clipped surrogate (clip-higher) with
-  an entropy bonus, token-mean, from the LM head: ``fused_policy_loss`` (the
-  gradient computed in the forward pass, three matmuls per chunk) against
-  ``policy_loss`` of the materialised logits (``hidden @ weight`` ->
-  ``token_log_probs`` -> ``policy_loss``, ``value_and_grad``) and against
-  ``fused_token_log_probs`` + ``policy_loss`` (four matmuls): compiled
-  temp at N=8192, H=1024, V=65536 (target: at most 0.05x of the materialised
-  loss's) and time at N=2048, H=1024, V=32768, or at the memory shape with
-  ``--policy-full-time`` (target: at most 1.05x).
-
-``--quick`` uses small shapes (a smoke test: the targets are not meaningful there).
-
-  python benchmarks/bench_rl.py
-  python benchmarks/bench_rl.py --quick
+Each figure is a ratio of two contenders measured side by side in one process
+(``benchmarks/README.md`` lists them): ``logits`` (``token_log_probs`` against
+``log_softmax`` + gather + entropy), ``tunix`` (with a k3 penalty, against Tunix's
+``selective_log_softmax`` and ``compute_kl_divergence(method="low_var_kl")`` of
+``tunix/rl/common.py``, github.com/google/tunix, ported verbatim), ``fused``
+(``fused_token_log_probs`` against the materialised logits) and ``policy``
+(``fused_policy_loss``, clip-higher PPO with an entropy bonus, against ``policy_loss`` of the
+materialised logits and against ``fused_token_log_probs`` + ``policy_loss``; time at the
+memory shape with ``--policy-full-time``). The targets are the ``*_TARGET`` constants.
+``--quick``: small shapes, a smoke test.
 """
 
 from collections.abc import Sequence
@@ -214,42 +191,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     {name: (vg(fn), inputs) for name, fn in POLICY.items()}, max(3, repeats // 2)
   )
 
-  def time_ratio(times, a, b):
-    return ratio(times[a]["median_ms"], times[b]["median_ms"])
-
-  def temp_ratio(a, b):
-    return ratio(memory[a]["temp_bytes"], memory[b]["temp_bytes"])
-
-  targets = [
-    target_row(
+  times = logits_times | tunix_times | fused_times | policy_times
+  targets, policies = [], ("fused policy", "materialised policy")
+  for what, limit, a, b in (
+    (
       "token_log_probs time / log_softmax (logits)",
       LOGITS_TARGET,
-      time_ratio(logits_times, "token_log_probs", "log_softmax"),
+      "token_log_probs",
+      "log_softmax",
     ),
-    target_row(
+    (
       "token_log_probs + k3 time / Tunix (no entropy)",
       TUNIX_TARGET,
-      time_ratio(tunix_times, "token_log_probs + k3", "Tunix"),
+      "token_log_probs + k3",
+      "Tunix",
     ),
-    target_row(
-      "fused temp / log_softmax + gather",
-      MEMORY_TARGET,
-      temp_ratio("fused", "log_softmax + gather"),
-    ),
-    target_row(
-      "fused time / materialised", TIME_TARGET, time_ratio(fused_times, "fused", "materialised")
-    ),
-    target_row(
-      "fused policy temp / materialised policy",
-      POLICY_MEMORY_TARGET,
-      temp_ratio("fused policy", "materialised policy"),
-    ),
-    target_row(
-      "fused policy time / materialised policy",
-      POLICY_TIME_TARGET,
-      time_ratio(policy_times, "fused policy", "materialised policy"),
-    ),
-  ]
+    ("fused temp / log_softmax + gather", MEMORY_TARGET, "fused", "log_softmax + gather"),
+    ("fused time / materialised", TIME_TARGET, "fused", "materialised"),
+    ("fused policy temp / materialised policy", POLICY_MEMORY_TARGET, *policies),
+    ("fused policy time / materialised policy", POLICY_TIME_TARGET, *policies),
+  ):
+    table, key = (memory, "temp_bytes") if " temp " in what else (times, "median_ms")
+    targets.append(target_row(what, limit, ratio(table[a][key], table[b][key])))
   print_times(
     f"\nvalue_and_grad time, median of {repeats} (round-robin)",
     logits_times | tunix_times | fused_times,
