@@ -9,24 +9,24 @@ the way Tunix's learner and trainer call them, on Tunix's own data structures.
 import re
 from pathlib import Path
 
-import numpy as np
-import pytest
-
-pytest.importorskip("tunix")
-pytest.importorskip("flax")  # Tunix's own dependency, imported below
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from flax import nnx
-from tunix.distillation import distillation_trainer
-from tunix.distillation.strategies import logit
-from tunix.rl import algo_core, common, function_registry
-from tunix.rl import trainer as rl_trainer
-from tunix.rl.grpo.grpo_learner import GRPOConfig
-from tunix.sft import peft_trainer
+import pytest
 
 import kldiv_jax
+
+# Tunix and its own dependency flax: skipped where the integration environment is not.
+nnx = pytest.importorskip("flax.nnx")
+distillation_trainer = pytest.importorskip("tunix.distillation.distillation_trainer")
+logit = pytest.importorskip("tunix.distillation.strategies.logit")
+algo_core = pytest.importorskip("tunix.rl.algo_core")
+common = pytest.importorskip("tunix.rl.common")
+function_registry = pytest.importorskip("tunix.rl.function_registry")
+rl_trainer = pytest.importorskip("tunix.rl.trainer")
+GRPOConfig = pytest.importorskip("tunix.rl.grpo.grpo_learner").GRPOConfig
+peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "tunix.md"
 PAD, EOS, VOCAB = 0, 1, 11
