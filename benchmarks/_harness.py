@@ -1,30 +1,11 @@
 """What the benchmark sections share: the protocol, timing, memory, reports and the machine.
 
 A section is ``benchmarks/bench_<name>.py`` with ``main(argv=None) -> int``: it parses
-``argv`` with :func:`parser` (``--quick``, ``--repeats``, ``--out``, ``--seed`` and its
-own options), prints its table and its targets (:func:`print_targets`), writes
-``<out>/<name>.json`` (:func:`save`) and returns its exit status.
-
-Every section times its contenders the same way:
-
-* jitted functions are compiled ahead of time (``jax.jit(f).lower(*args).compile()``),
-  which also gives XLA's compiled memory analysis, then run once to warm up;
-* contenders of one group are timed round-robin (one call of each per repeat, the
-  starting contender rotating) so that noise from a shared machine hits all of them
-  alike; each call is timed with ``time.perf_counter`` around the call and
-  ``jax.block_until_ready`` of its result;
-* each timed call is preceded by one untimed call of the same contender (steady
-  state, as in a training loop). XLA:CPU releases an execution's large temporary
-  buffers after ``block_until_ready`` returns, so without this the unmapping of
-  one contender's temporaries (hundreds of MiB for the straightforward versions)
-  runs during the next contender's timed call: the first is under-charged and the
-  second over-charged. Measured on the logits section's ``kl`` group, this shifted
-  the ratio by 0.15-0.2 against kldiv_jax. ``BENCH_SETTLE=0`` in the environment
-  times without the untimed call, to compare;
-* the reported figure is the median over repeats.
-
-The float64 references come from ``tests/_references.py`` (this module puts ``tests/`` on
-``sys.path``), the same ones the test suite compares against.
+``argv`` with :func:`parser`, prints its table and its targets (:func:`print_targets`),
+writes ``<out>/<name>.json`` (:func:`save`) and returns its exit status. How contenders are
+timed (ahead-of-time compiled, round-robin, each timed call after an untimed one, medians)
+is ``benchmarks/README.md``'s *Method*; :func:`round_robin` does it. The float64 references
+come from ``tests/_references.py``, the test suite's own.
 """
 
 import argparse
@@ -34,10 +15,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +181,7 @@ def round_robin(
   Each thunk must block until its work is done (``compile_jax``'s thunks do).
   With ``settle`` (default :func:`settling`), every timed call follows an
   untimed call of the same thunk, so that each is charged for its own deferred
-  deallocations and for no other thunk's (see the module docstring). Python's
+  deallocations and for no other thunk's (README, *Method*). Python's
   garbage collector is off while timing, as in ``timeit``.
   """
   settle = settling() if settle is None else settle
@@ -311,6 +293,22 @@ def print_targets(
     bound = f"{row.get('sense', '<=')} {row['limit']}"
     detail = f"  ({row['detail']})" if row.get("detail") else ""
     print(f"  {verdict:4}  {row['target']:{width}} {fmt_ratio(row['value']):>6} {bound}{detail}")
+
+
+def print_table(columns: Sequence[tuple[str, str]], rows: Iterable[Sequence[Any]]) -> None:
+  """A header, a rule and one line per row. ``columns``: ``(header, spec)``, ``spec`` a format
+  spec ``[<>]width[rest]`` for the values (strings and ``None``, printed ``-``, take only the
+  alignment and width); a row may stop early."""
+  specs = [re.fullmatch(r"([<>]?)(\d+)(.*)", spec).groups() for _, spec in columns]
+
+  def cell(value: Any, align: str, width: str, rest: str) -> str:
+    value, rest = ("-", "") if value is None else (value, "" if isinstance(value, str) else rest)
+    return f"{value:{align or '<'}{width}{rest}}"
+
+  header = " ".join(cell(h, *spec) for (h, _), spec in zip(columns, specs))
+  print(f"{header}\n{'-' * len(header)}")
+  for row in rows:
+    print(" ".join(cell(v, *spec) for v, spec in zip(row, specs)))
 
 
 def print_times(title: str, times: Mapping[str, dict[str, Any]], width: int = 28) -> None:

@@ -2,11 +2,12 @@
 
 Per case (size, dtype, ``log_target``, reduction) and operation (``fwd``, ``vg_x``,
 ``vg_xt``) the contenders and, with ``fwd``, three bandwidth/transcendental limits are
-timed round-robin; ``NOTES`` (also in the JSON) and ``benchmarks/README.md`` say what each
-is. ``--help`` lists the options.
+timed round-robin; ``benchmarks/README.md`` (*Method*) says what each is. ``--help`` lists
+the options.
 """
 
 import argparse
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,22 +60,6 @@ SHORT = {
   "limit_read2_write1": "rd2wr1",
   "limit_transcendental": "transc",
 }
-
-NOTES = [
-  "Times are medians over repeats of jitted, warm calls, timed round-robin with "
-  "block_until_ready; torch is timed with perf_counter around the call.",
-  "vg_x / vg_xt: value_and_grad wrt the input / both arguments; for reduction='none' "
-  "the loss array and its VJP with a fixed random cotangent.",
-  "optax has no elementwise KL: for reduction='none' its per-element formula "
-  "(copied from optax.losses) is timed under the name 'optax'.",
-  "Limits (timed with the forward pass): limit_read2 = sum(x*t), limit_read2_write1 = "
-  "x*t, limit_transcendental = sum(log t) (sum(exp t) for log targets).",
-  "temp/output bytes: XLA compiled memory analysis of each jitted contender.",
-  "Data: inputs log_softmax of N(0,1) logits; targets softmax of N(0,1) logits with "
-  f"{ZERO_FRACTION:.0%} entries set to exactly 0 and renormalised (log targets: log of "
-  "those, -inf at the zeros). Seeded.",
-]
-
 
 # ----------------------------------------------------------------------------- data
 
@@ -384,7 +369,8 @@ def show_targets(targets: dict[str, Any]) -> None:
 
 
 def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
-  """Time per element vs size, one panel per (dtype, log_target, reduction)."""
+  """Time per element vs size, one panel per (dtype, log_target, reduction): each contender's
+  ``fwd`` (solid) and ``vg_x`` (dashed), the limits in grey."""
   try:
     import matplotlib
 
@@ -393,45 +379,35 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
   except ImportError:
     print("matplotlib not importable: no chart", file=sys.stderr)
     return False
-  modes = sorted(
-    {(r["dtype"], r["log_target"], r["reduction"]) for r in records},
-    key=lambda m: (DTYPES.index(m[0]) if m[0] in DTYPES else 9, m[1], REDUCTIONS.index(m[2])),
-  )
+  mode = operator.itemgetter("dtype", "log_target", "reduction")
+  modes = list(dict.fromkeys(map(mode, records)))  # the order they were run in
   ncols = min(4, len(modes))
   nrows = -(-len(modes) // ncols)
-  fig, axes = plt.subplots(
-    nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False, sharex=True
-  )
+  fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.6 * nrows), squeeze=False)
   colors = {KLDIV: "C0", KLDIV_OPTAX_API: "C4", WHERE: "C1", OPTAX: "C2", TORCH: "C3"}
-  limit_style = {LIMITS[0]: ":", LIMITS[1]: "-.", LIMITS[2]: (0, (1, 3))}
-  for ax, mode in zip(axes.flat, modes):
-    rs = [r for r in records if (r["dtype"], r["log_target"], r["reduction"]) == mode]
-    for name, color in colors.items():
-      for op, style in (("fwd", "-"), ("vg_x", "--")):
-        pts = sorted(
-          (r["elements"], r["ns_per_element"])
-          for r in rs
-          if r["contender"] == name and r["op"] == op
-        )
-        if pts:
-          ax.plot(*zip(*pts), style, color=color, marker="o", ms=3, label=f"{SHORT[name]} {op}")
-    for name, style in limit_style.items():
-      pts = sorted((r["elements"], r["ns_per_element"]) for r in rs if r["contender"] == name)
+  lines = [
+    (name, op, {"ls": ls, "color": c, "marker": "o"}, f"{SHORT[name]} {op}")
+    for name, c in colors.items()
+    for op, ls in (("fwd", "-"), ("vg_x", "--"))
+  ] + [
+    (name, "fwd", {"ls": ls, "color": "0.35", "marker": "x"}, f"limit {SHORT[name]}")
+    for name, ls in zip(LIMITS, (":", "-.", (0, (1, 3))))
+  ]
+  for ax, m in zip(axes.flat, modes):
+    for name, op, style, label in lines:
+      pts = sorted(
+        (r["elements"], r["ns_per_element"])
+        for r in records
+        if mode(r) == m and r["contender"] == name and r["op"] == op
+      )
       if pts:
-        ax.plot(
-          *zip(*pts), linestyle=style, color="0.35", marker="x", ms=3, label=f"limit {SHORT[name]}"
-        )
-    dtype, lt, red = mode
-    ax.set_title(f"{dtype}, log_target={lt}, {red}", fontsize=9)
+        ax.plot(*zip(*pts), ms=3, label=label, **style)
+    ax.set_title("{}, log_target={}, {}".format(*m), fontsize=9)
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    ax.set(yscale="log", xlabel="elements", ylabel="ns / element (median)")
     ax.grid(True, which="both", alpha=0.3)
   for ax in axes.flat[len(modes) :]:
     ax.set_visible(False)
-  for ax in axes[-1]:
-    ax.set_xlabel("elements")
-  for ax in axes[:, 0]:
-    ax.set_ylabel("ns / element (median)")
   handles, labels = axes.flat[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc="lower center", ncol=min(7, len(labels)), fontsize=8)
   fig.suptitle(title, fontsize=10)
@@ -497,7 +473,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
       "torch": torch is not None,
       "zero_fraction": ZERO_FRACTION,
     },
-    "notes": NOTES,
+    "notes": "what each contender, operation and limit is: benchmarks/README.md, Method",
     "records": records,
     "targets": targets,
   }

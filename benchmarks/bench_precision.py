@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _harness import describe_machine, machine_info, parser, save
+from _harness import describe_machine, machine_info, parser, print_table, save
 from _references import np_divergence_value_and_grads, np_log_softmax
 
 import kldiv_jax as kd
@@ -418,58 +418,38 @@ def print_report(result: dict[str, Any]) -> None:
     "from the same bf16 values"
   )
   print("\nPer case (value errors: float32 arithmetic; gradient: ||g - g_ref|| / ||g_ref||):")
-  header = (
-    f"{'divergence':16} {'T':>3} {'delta':>6} {'differ':>6} {'D_ref':>9} {'min D':>9} "
-    f"{'abs err':>8} {'err/eps S':>9} {'dz bf16':>8} {'dz f32':>8} {'dy bf16':>8} {'dy f32':>8} "
-    f"{'cond':>8} {'dz/eps c':>8}"
-  )
-  print(header)
-  print("-" * len(header))
-  for r in result["records"]:
-    if r["function"] != "divergence_from_logits":
-      continue
+  e8 = [(h, ">8.1e") for h in ("dz bf16", "dz f32", "dy bf16", "dy f32", "cond")]
+  columns = [("divergence", "16"), ("T", ">3g"), ("delta", ">6"), ("differ", ">6.1%")]
+  columns += [("D_ref", ">9.2e"), ("min D", ">9.2e"), ("abs err", ">8.1e"), ("err/eps S", ">9.2f")]
+  rows = []
+  for r in (r for r in result["records"] if r["function"] == "divergence_from_logits"):
     if r["identical"]:
       verdict = "exact 0" if r["exact_zero"] and r["zero_gradients"] else "NOT 0"
-      print(f"{r['divergence']:16} {r['temperature']:3g} {'0':>6} {'0':>6} identical: {verdict}")
+      rows.append([r["divergence"], r["temperature"], "0", "0", f"identical: {verdict}"])
       continue
-    g = [
-      r[k]["rel_norm"]
-      for k in ("grad_student_bf16", "grad_student_f32", "grad_teacher_bf16", "grad_teacher_f32")
-    ]
-    print(
-      f"{r['divergence']:16} {r['temperature']:3g} {fmt_delta(r['delta']):>6} "
-      f"{r['classes_differing']:6.1%} {r['ref_min']:9.2e} {r['min_value_f32']:9.2e} "
-      f"{r['value_abs_err']:8.1e} {r['value_err_over_eps_s']:9.2f} "
-      + " ".join(f"{x:8.1e}" for x in g)
-      + f" {r['grad_student_condition']:8.1e} {r['grad_student_f32_over_eps_cond']:8.3f}"
-    )
+    g = [r[f"grad_{k}_{p}"]["rel_norm"] for k in ("student", "teacher") for p in ("bf16", "f32")]
+    head = [r["divergence"], r["temperature"], fmt_delta(r["delta"]), r["classes_differing"]]
+    keys = ("ref_min", "min_value_f32", "value_abs_err", "value_err_over_eps_s")
+    cond = [r["grad_student_condition"], r["grad_student_f32_over_eps_cond"]]
+    rows.append([*head, *(r[k] for k in keys), *g, *cond])
+  print_table([*columns, *e8, ("dz/eps c", ">8.3f")], rows)
   print("\nWorst case per divergence (over the deltas and temperatures; 'step' apart):")
-  header = (
-    f"{'function / divergence':30} {'ident.':>6} {'min D':>8} {'abs err':>8} {'err/eps S':>9} "
-    f"{'rel err':>8} {'dz bf16':>8} {'max el':>8} {'dz f32':>8} {'dy bf16':>8} {'dy f32':>8} "
-    f"{'g/eps k':>8} {'step dz':>8}"
-  )
-  print(header)
-  print("-" * len(header))
+  columns = [("function / divergence", "30"), ("ident.", ">6"), ("min D", ">8.1e")]
+  columns += [("abs err", ">8.1e"), ("err/eps S", ">9.2f"), ("rel err", ">8.1e")]
+  e8 = [(h, ">8.1e") for h in ("dz bf16", "max el", "dz f32", "dy bf16", "dy f32")]
+  rows = []
   for row in result["summary"]:
-    label = row["function"] + (
-      "" if row["function"] == "fused_distillation_loss" else f" / {row['divergence']}"
-    )
+    fused = row["function"] == "fused_distillation_loss"
+    label = row["function"] + ("" if fused else f" / {row['divergence']}")
+    side = ("hidden", "weight") if fused else ("student", "teacher")
+    grads = [f"grad_{x}_{p}" for x in side for p in ("bf16", "f32")]
+    keys = ("min_value", "value_abs_err", "value_err_over_eps_s", "value_rel_err")
+    ident = "yes" if row["identical_exact_zero"] else "NO"
+    gs = [row[grads[0]], row[grads[0] + "_max"], *(row[k] for k in grads[1:])]
+    tail = [row.get("grad_f32_over_eps_cond"), row.get(grads[1] + "_step")]
     label = label.replace("divergence_from_logits / ", "")
-    if row["function"] == "fused_distillation_loss":
-      grads = ("grad_hidden_bf16", "grad_hidden_f32", "grad_weight_bf16", "grad_weight_f32")
-    else:
-      grads = ("grad_student_bf16", "grad_student_f32", "grad_teacher_bf16", "grad_teacher_f32")
-    step = row.get(grads[1] + "_step")
-    ratio = row.get("grad_f32_over_eps_cond")
-    print(
-      f"{label:30} {'yes' if row['identical_exact_zero'] else 'NO':>6} {row['min_value']:8.1e} "
-      f"{row['value_abs_err']:8.1e} {row['value_err_over_eps_s']:9.2f} "
-      f"{row['value_rel_err']:8.1e} {row[grads[0]]:8.1e} {row[grads[0] + '_max']:8.1e} "
-      f"{row[grads[1]]:8.1e} {row[grads[2]]:8.1e} {row[grads[3]]:8.1e} "
-      + (f"{'-':>8}" if ratio is None else f"{ratio:8.2f}")
-      + (f" {'-':>8}" if step is None else f" {step:8.1e}")
-    )
+    rows.append([label, ident, *(row[k] for k in keys), *gs, *tail])
+  print_table([*columns, *e8, ("g/eps k", ">8.2f"), ("step dz", ">8.1e")], rows)
   print(
     "  (fused_distillation_loss: dz = gradient wrt the hidden states, dy = wrt the head; g/eps k: "
     "the float32 gradient error over eps * kappa; step dz: the float32 error at 'step')"

@@ -43,7 +43,7 @@ if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _harness import memory_stats, parser, save, start  # noqa: E402
+from _harness import memory_stats, parser, print_table, save, start  # noqa: E402
 from bench_divergences import SPECS  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -182,31 +182,26 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
   return {"devices": NUM_DEVICES, "target_temp_ratio": TARGET, "rows": rows}
 
 
-def _mib(n: int) -> str:
-  return f"{n / 2**20:8.2f}"
-
-
 def _passes(r: dict[str, Any]) -> bool:
   return r["temp_ratio"] <= TARGET and not r["all_gathers"] and not r["vocab_sized_collective"]
 
 
-def print_table(result: dict[str, Any]) -> None:
+def print_report(result: dict[str, Any]) -> None:
   print(
     f"vocabulary-parallel memory, {result['devices']} simulated CPU devices, float32, "
     "compiled (not run); MiB per device"
   )
-  head = (
-    f"{'program':60} {'shape':22} {'temp 1':>8} {'temp 8':>8} {'ratio':>6} "
-    f"{'arg+out+temp 1':>15} {'... 8':>8} {'ratio':>6} {'per-dev':>7} {'gather':>6}"
-  )
-  print(f"{head}\n{'-' * len(head)}")
+  mib = [("temp 1", ">8.2f"), ("temp 8", ">8.2f"), ("ratio", ">6.3f")]
+  mib += [("arg+out+temp 1", ">15.2f"), ("... 8", ">8.2f"), ("ratio", ">6.3f")]
+  rows = []
   for r in result["rows"]:
-    s, p = r["single"], r["sharded"]
-    print(
-      f"{r['program']:60} {r['shape']:22} {_mib(s['temp_bytes'])} {_mib(p['temp_bytes'])} "
-      f"{r['temp_ratio']:6.3f} {_mib(_total(s)):>15} {_mib(_total(p))} {r['total_ratio']:6.3f} "
-      f"{'yes' if r['per_device'] else 'NO':>7} {len(r['all_gathers']):6d}"
-    )
+    sizes = [r[k]["temp_bytes"] / 2**20 for k in ("single", "sharded")] + [r["temp_ratio"]]
+    sizes += [_total(r[k]) / 2**20 for k in ("single", "sharded")] + [r["total_ratio"]]
+    gathers = ["yes" if r["per_device"] else "NO", len(r["all_gathers"])]
+    rows.append([r["program"], r["shape"], *sizes, *gathers])
+  print_table(
+    [("program", "60"), ("shape", "22"), *mib, ("per-dev", ">7"), ("gather", ">6d")], rows
+  )
   for r in result["rows"]:
     print(
       f"  {'PASS' if _passes(r) else 'FAIL'} {r['program']}: temp {r['temp_ratio']:.3f}x "
@@ -227,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return subprocess.run(cmd, env=env, check=False).returncode
   machine = start("sharding")
   result = vocab_parallel_memory(quick=args.quick)
-  print_table(result)
+  print_report(result)
   save({"section": "sharding", "machine": machine, "vocab_parallel_memory": result}, args.out)
   return 0 if all(_passes(r) for r in result["rows"]) else 1
 
