@@ -20,13 +20,14 @@ caches around them), or traced again by another test — is loaded from it, not
 recompiled. A load counts as a compilation in ``count_compiles``; the
 determinism tests compile without it (``fresh_compilations``).
 
-XLA:CPU compiles the session's programs without LLVM's optimisation passes
-(``--xla_backend_optimization_level=0`` added to ``XLA_FLAGS``, which the
-subprocesses of the examples' and the 8-device tests inherit): what the suite
-checks is decided before the backend — the traced, lowered and partitioned
-program, its buffers (``memory_analysis``), its numbers — and its compilations
-take about a third less CPU this way (the examples run faster too). The
-benchmarks and the demo compile with XLA's defaults.
+XLA:CPU compiles the session's programs for speed (``_references.XLA_TEST_FLAGS`` added
+to ``XLA_FLAGS``, which the subprocesses of the examples' and the 8-device tests inherit):
+no LLVM optimisation, XLA's loop emitters instead of its MLIR fusion emitters, no
+constant folding. What the suite checks is decided before the backend — the traced,
+lowered and partitioned program, its buffers (``memory_analysis``), its numbers — and its
+compilations take about half the CPU this way. A test of bit-level numerics compiles with
+``compiler_options=_references.DEFAULT_CODEGEN`` (XLA's defaults back); the benchmarks and
+the demo compile with XLA's defaults.
 """
 
 import os
@@ -37,11 +38,11 @@ import _multidevice
 import jax
 import numpy as np
 import pytest
-from _references import enable_x64
+from _references import XLA_TEST_FLAGS, enable_x64
 
 # Before JAX starts its CPU backend (on first use), which reads XLA_FLAGS once.
 os.environ["XLA_FLAGS"] = (
-  f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+  f"{os.environ.get('XLA_FLAGS', '')} {' '.join(XLA_TEST_FLAGS)}".strip()
 )
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
