@@ -41,9 +41,7 @@ import pytest
 from _references import XLA_TEST_FLAGS, enable_x64
 
 # Before JAX starts its CPU backend (on first use), which reads XLA_FLAGS once.
-os.environ["XLA_FLAGS"] = (
-  f"{os.environ.get('XLA_FLAGS', '')} {' '.join(XLA_TEST_FLAGS)}".strip()
-)
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {' '.join(XLA_TEST_FLAGS)}".strip()
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 _COMPILATION_CACHE = tempfile.mkdtemp(prefix="kldiv_jax-tests-xla-cache-")
