@@ -13,7 +13,7 @@ top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``).
 
 import dataclasses
 import functools
-from typing import NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +33,10 @@ from kldiv_jax._engine import divergence_rows
 from kldiv_jax._fused_chunks import (
   check_chunk,
   check_linear,
+  chunk_logits,
   chunks,
   fold_logit_grad,
   head_cotangents,
-  matmul,
   per_platform,
   token_zero,
   vary_like_tokens,
@@ -60,6 +60,7 @@ class Static(NamedTuple):
   caps: tuple[float | None, float | None]
   weights: LossWeights
   shared: int  # the classes both sides have (per device): longer logits are cut per chunk
+  low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (chunk_logits)
 
 
 class Teacher(Protocol):
@@ -90,7 +91,7 @@ class DenseTeacher:
     return dataclasses.replace(self, hidden=cut(self.hidden))
 
   def rows(self, z, temperature, spec, mask, static: Static):
-    y = matmul(self.hidden, self.weight, self.bias, z.dtype)
+    y = chunk_logits(self.hidden, self.weight, self.bias, z.dtype, static.low)
     y = lax.stop_gradient(shared_classes(y, static.shared, 1))
     return divergence_rows(z, y, temperature, (mask,), spec, static.axis_name, static.caps)
 
@@ -142,7 +143,7 @@ def _fused_fwd(static: Static, h, w, b, teacher: Teacher, temperature, params, t
     mask, labels, labelled = cut(tokens)
     # A longer student head: its own classes are cut from each chunk's logits (their
     # gradient is 0, padded back below).
-    z = shared_classes(matmul(hc, w, b, acc), static.shared, 1)
+    z = shared_classes(chunk_logits(hc, w, b, acc, static.low), static.shared, 1)
 
     def objective(z):
       soft = hard = jnp.zeros((), acc)
@@ -157,7 +158,7 @@ def _fused_fwd(static: Static, h, w, b, teacher: Teacher, temperature, params, t
     if dz.shape[1] < w.shape[1]:
       dz = jnp.pad(dz, ((0, 0), (0, w.shape[1] - dz.shape[1])))
     totals = tuple(t + p for t, p in zip(totals, (loss, *parts)))
-    return totals, fold_logit_grad(grads, start, hc, w, dz, axis_name, acc)
+    return totals, fold_logit_grad(grads, start, hc, w, dz, axis_name, acc, static.low)
 
   # Inside jax.shard_map, loop carries keep the mesh axes their values vary over: the loss
   # those of the tokens (the head's gradients the head's, see vary_like_tokens).
@@ -270,9 +271,10 @@ def _fused_loss(
   w, b = vary_like_tokens(s.w, s.b, s.h, *teacher.tokens(), mask)
   params = tuple(jnp.asarray(x).astype(cdt) for x in o.spec.traced)
   tokens = (mask, labels, labelled)
+  low = None if cdt == s.out_dtype else s.out_dtype
 
   def call(chunk):
-    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab)
+    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low)
     return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs)
 
   totals = per_platform(chunk_size, name, n, vocab * s.num_shards, call)
