@@ -6,7 +6,6 @@ page's. Pages show the code a user copies, so they need no test scaffolding.
 """
 
 import doctest
-import os
 import sys
 from pathlib import Path
 
@@ -16,9 +15,9 @@ from sybil.parsers.myst import PythonCodeBlockParser, SkipParser
 
 # XLA:CPU compiles as in the test suite (tests/conftest.py): its flags make compiling cheaper.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from _references import XLA_TEST_FLAGS
+from _references import add_xla_test_flags
 
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {' '.join(XLA_TEST_FLAGS)}".strip()
+add_xla_test_flags()
 
 # The multiple-devices page shards over 8 devices: simulated on the CPU. This must
 # precede every computation (the CPU backend fixes its device count when it starts).

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kldiv_jax._checks import check_float
+from kldiv_jax._checks import check_float, compute_dtype
 
 # Logit elements per chunk and side when chunk_size=None on CPU (16 MiB of float32).
 CHUNK_ELEMENTS = 1 << 22
@@ -138,6 +138,12 @@ def matmul(a, w, b, dtype):
   """``a @ w (+ b)`` accumulated and returned in ``dtype``."""
   out = lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=dtype)
   return out if b is None else out + b.astype(dtype)[None, :]
+
+
+def low_dtype(out_dtype):
+  """The ``low`` of :func:`chunk_logits` for inputs promoted to ``out_dtype``: that dtype when
+  it is computed in a wider one (bf16/f16), else ``None``."""
+  return None if compute_dtype(out_dtype) == out_dtype else out_dtype
 
 
 def chunk_logits(a, w, b, acc, low=None):

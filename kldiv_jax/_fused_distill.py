@@ -37,6 +37,7 @@ from kldiv_jax._fused_chunks import (
   chunks,
   fold_logit_grad,
   head_cotangents,
+  low_dtype,
   per_platform,
   token_zero,
   vary_like_tokens,
@@ -271,10 +272,9 @@ def _fused_loss(
   w, b = vary_like_tokens(s.w, s.b, s.h, *teacher.tokens(), mask)
   params = tuple(jnp.asarray(x).astype(cdt) for x in o.spec.traced)
   tokens = (mask, labels, labelled)
-  low = None if cdt == s.out_dtype else s.out_dtype
 
   def call(chunk):
-    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low)
+    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low_dtype(s.out_dtype))
     return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs)
 
   totals = per_platform(chunk_size, name, n, vocab * s.num_shards, call)

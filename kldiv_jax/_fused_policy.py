@@ -51,6 +51,7 @@ from kldiv_jax._fused_chunks import (
   chunk_logits,
   chunks,
   head_cotangents,
+  low_dtype,
   per_platform,
   token_zero,
   vary_like_tokens,
@@ -261,8 +262,7 @@ def fused_token_loss(
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
   check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
-  low = None if compute_dtype(out_dtype) == out_dtype else out_dtype
-  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux, low)
+  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux, low_dtype(out_dtype))
   # What per_token_fn returns, checked once on abstract values.
   token = jax.ShapeDtypeStruct((n,), t.dtype)
   loss_shape, aux_shapes = jax.eval_shape(

@@ -14,6 +14,7 @@ with ``q = softmax(z / T)`` and ``p = softmax(y / T)``.
 
 import contextlib
 import decimal
+import os
 import re
 from pathlib import Path
 
@@ -778,6 +779,15 @@ XLA_TEST_FLAGS = (
   "--xla_cpu_use_fusion_emitters=false",
   "--xla_disable_hlo_passes=constant_folding",
 )
+
+
+def add_xla_test_flags():
+  """Adds :data:`XLA_TEST_FLAGS` to ``XLA_FLAGS`` (before JAX starts its CPU backend, which
+  reads them once; subprocesses inherit them)."""
+  flags = f"{os.environ.get('XLA_FLAGS', '')} {' '.join(XLA_TEST_FLAGS)}"
+  os.environ["XLA_FLAGS"] = flags.strip()
+
+
 # ``jax.jit(..., compiler_options=DEFAULT_CODEGEN)``: the program compiled as XLA compiles it
 # by default, for a test of bit-level numerics (summation order and vector width follow the
 # emitters).

@@ -30,7 +30,6 @@ compilations take about half the CPU this way. A test of bit-level numerics comp
 the demo compile with XLA's defaults.
 """
 
-import os
 import shutil
 import tempfile
 
@@ -38,10 +37,10 @@ import _multidevice
 import jax
 import numpy as np
 import pytest
-from _references import XLA_TEST_FLAGS, enable_x64
+from _references import add_xla_test_flags, enable_x64
 
 # Before JAX starts its CPU backend (on first use), which reads XLA_FLAGS once.
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {' '.join(XLA_TEST_FLAGS)}".strip()
+add_xla_test_flags()
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 _COMPILATION_CACHE = tempfile.mkdtemp(prefix="kldiv_jax-tests-xla-cache-")
