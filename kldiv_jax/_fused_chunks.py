@@ -146,17 +146,18 @@ def low_dtype(out_dtype):
   return None if compute_dtype(out_dtype) == out_dtype else out_dtype
 
 
-def chunk_logits(a, w, b, acc, low=None):
+def chunk_logits(a, w, b, acc, low=None, rounded=False):
   """``a @ w + b`` accumulated in ``acc``; with ``low`` (bf16/f16) in ``low`` between the
   matmul and the softmax, as the materialised ``a @ w + b`` of ``low`` inputs (the product
-  rounded, then the bias), read in ``acc``. XLA:GPU writes a chunk's logits and their
+  rounded, then the bias), read in ``acc`` (``rounded``: returned in ``low``). XLA:GPU writes a chunk's logits and their
   gradient to HBM between its fusions: in ``low`` they move half the bytes of float32. Where
   XLA fuses the conversions away (``xla_allow_excess_precision``, its default, as on CPU),
   they stay in ``acc``, as the materialised loss's do."""
   if low is None:
     return matmul(a, w, b, acc)
   z = lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=acc).astype(low)
-  return (z if b is None else z + b.astype(low)[None, :]).astype(acc)
+  z = z if b is None else z + b.astype(low)[None, :]
+  return z if rounded else z.astype(acc)
 
 
 def chunks(n, chunk, part, carry):
@@ -204,7 +205,7 @@ def fold_logit_grad(carry, start, hc, w, dz, axis_name, acc, grad_dtype=None):
   :func:`chunk_logits`).
   """
   grad_h, grad_w, grad_b = carry
-  grad_b = grad_b + jnp.sum(dz, axis=0)
+  grad_b = grad_b + jnp.sum(dz, axis=0, dtype=acc)
   if grad_dtype is not None:
     dz = dz.astype(grad_dtype)
   gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)

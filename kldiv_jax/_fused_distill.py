@@ -69,7 +69,9 @@ class Teacher(Protocol):
 
   ``tokens()``: its arrays with one row per token (cut per chunk); ``chunk(cut)``: the teacher
   of a chunk of tokens, ``cut`` slicing the chunk's rows of an array; ``rows(z, temperature,
-  spec, mask, static)``: the divergence per row of a chunk's student logits ``z`` against it.
+  spec, mask, static)``: the divergence per row of a chunk's student logits ``z`` against it,
+  ``z`` as the matmul rounded them (``static.low`` for bf16/f16 inputs: the top-k path reads
+  them raw, so no float32 copy is written for its gather).
   """
 
   def tokens(self) -> tuple: ...
@@ -92,6 +94,7 @@ class DenseTeacher:
     return dataclasses.replace(self, hidden=cut(self.hidden))
 
   def rows(self, z, temperature, spec, mask, static: Static):
+    z = z.astype(compute_dtype(z.dtype))
     y = chunk_logits(self.hidden, self.weight, self.bias, z.dtype, static.low)
     y = lax.stop_gradient(shared_classes(y, static.shared, 1))
     return divergence_rows(z, y, temperature, (mask,), spec, static.axis_name, static.caps)
@@ -144,14 +147,15 @@ def _fused_fwd(static: Static, h, w, b, teacher: Teacher, temperature, params, t
     mask, labels, labelled = cut(tokens)
     # A longer student head: its own classes are cut from each chunk's logits (their
     # gradient is 0, padded back below).
-    z = shared_classes(chunk_logits(hc, w, b, acc, static.low), static.shared, 1)
+    z = shared_classes(chunk_logits(hc, w, b, acc, static.low, rounded=True), static.shared, 1)
 
     def objective(z):
       soft = hard = jnp.zeros((), acc)
       if weights.soft:
         soft = jnp.sum(teacher_c.rows(z, temperature, spec, mask, static))
       if weights.hard:
-        hard = jnp.sum(hard_rows(z, labels, labelled, (mask,), axis_name, static.caps[0]))
+        wide = z.astype(acc)
+        hard = jnp.sum(hard_rows(wide, labels, labelled, (mask,), axis_name, static.caps[0]))
       return coefs[0] * soft + coefs[1] * hard, (soft, hard)
 
     loss, vjp, parts = jax.vjp(objective, z, has_aux=True)

@@ -45,7 +45,8 @@ from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
 from kldiv_jax._engine import formula_params, identical_rows
 from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
-from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._online_softmax import online_softmax
+from kldiv_jax._platform import compiled, map_rows, per_platform
 from kldiv_jax._rows import is_zero, normalizer, row_stats, times_slope
 from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
@@ -110,7 +111,9 @@ def _tail_stats(cap, axis_name, z, scale, shift, ids, keep):
   classes (:func:`_scaled_tail`; ``x - m`` is exact for large logits).
 
   Per block of rows on CPU (:func:`kldiv_jax._platform.map_rows`): XLA:CPU writes the masked
-  logits as a ``[rows, vocab]`` temporary before a reduction, a block's at a time there.
+  logits as a ``[rows, vocab]`` temporary before a reduction, a block's at a time there;
+  ``m`` is then the whole row's max. Off CPU ``m`` is the tail's own max, from the same pass
+  as the sum (:func:`kldiv_jax._online_softmax.online_softmax`): one read of the logits.
   """
 
   def stats(z, ids, keep, scale):
@@ -122,10 +125,15 @@ def _tail_stats(cap, axis_name, z, scale, shift, ids, keep):
     x = _scaled_tail(cap, axis_name, z, scale, ids, keep)
     return m, jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
 
+  def one_pass(z, ids, keep, scale):
+    # Off CPU: the tail's own max and sum in one reduction (online softmax).
+    return online_softmax(_scaled_tail(cap, axis_name, z, scale, ids, keep))[:2]
+
   # Half the rows of a block: a block writes two temporaries (the mask and the masked logits),
   # one block's worth together.
   classes = 2 * global_classes(z.shape[-1], axis_name)
-  m, s = map_rows(stats, (z, ids, keep, scale.reshape(1, 1)), z.shape[0], classes)
+  args = (z, ids, keep, scale.reshape(1, 1))
+  m, s = map_rows(stats, args, z.shape[0], classes, accel=one_pass)
   if axis_name is not None:
     m, s = combine(m, s, axis_name)
   has, _, log_s = normalizer(s)
@@ -166,14 +174,47 @@ def gather_logits(z: jax.Array, ids: jax.Array, axis_name: str | None) -> jax.Ar
   """The raw logits ``z[row, ids]`` (``ids`` int32 global ids in range), ``[rows, k]``.
 
   With ``axis_name``, each device gathers the ids its slice holds and the
-  parts are ``psum``-ed (one id, one device).
+  parts are ``psum``-ed (one id, one device). The derivative: :func:`_pick`.
   """
   if axis_name is None:
-    return take_along_last_axis_filled(z, ids)
+    return _pick(z, ids)
   local = ids - class_offset(axis_name, z.shape[-1]).astype(ids.dtype)
   here = (local >= 0) & (local < z.shape[-1])
-  picked = jnp.take_along_axis(z, jnp.where(here, local, 0), axis=-1)
+  picked = _pick(z, jnp.where(here, local, 0))
   return lax.psum(jnp.where(here, picked, jnp.zeros((), z.dtype)), axis_name)
+
+
+@jax.custom_jvp
+def _pick(z: jax.Array, ids: jax.Array) -> jax.Array:
+  """``z[row, ids]`` for ids in ``[0, classes)``, ``[rows, k]``: a gather.
+
+  Its tangent is the same gather on CPU; off CPU, for up to :data:`_COMPARED_SLOTS`
+  slots, it is written as ``k`` masked row sums (``sum_v [v = i_j] dz_v``), whose
+  transpose, reverse mode's gradient ``sum_j [v = i_j] g_j``, is elementwise: XLA fuses
+  it into the pass that writes the rest of the logits' gradient, where a gather's
+  transpose is a scatter into a ``[rows, vocab]`` buffer of its own (written, copied to
+  the scatter's layout, scattered, converted: four more passes over the logits per
+  chunk of a fused loss). Forward mode pays ``k`` reductions there instead of a gather.
+  """
+  return take_along_last_axis_filled(z, ids)
+
+
+def _compared(dz: jax.Array, ids: jax.Array) -> jax.Array:
+  """``dz[row, ids]`` as masked row sums (few slots; a gather for more)."""
+  if ids.shape[-1] > _COMPARED_SLOTS:
+    return take_along_last_axis_filled(dz, ids)
+  iota = lax.broadcasted_iota(ids.dtype, dz.shape, 1)
+  zero = jnp.zeros((), dz.dtype)
+  picked = [
+    jnp.sum(jnp.where(iota == ids[:, j : j + 1], dz, zero), axis=-1) for j in range(ids.shape[-1])
+  ]
+  return jnp.stack(picked, axis=-1)
+
+
+@_pick.defjvp
+def _pick_jvp(primals, tangents):
+  z, ids = primals
+  return _pick(z, ids), per_platform(take_along_last_axis_filled, _compared, tangents[0], ids)
 
 
 # ---------------------------------------------------------------- the support

@@ -98,6 +98,21 @@ def rng():
   return np.random.default_rng(0)
 
 
+@pytest.fixture
+def accelerator_branch(monkeypatch):
+  """Every ``lax.platform_dependent`` takes its non-CPU branch: the GPU/TPU code run on CPU
+  (caches cleared around it, so that no kernel traced for one path serves the other)."""
+
+  def default_branch(*args, default, **per_platform):
+    return default(*args)
+
+  jax.clear_caches()
+  monkeypatch.setattr(jax.lax, "platform_dependent", default_branch)
+  yield
+  monkeypatch.undo()
+  jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def torch():
   return pytest.importorskip("torch")

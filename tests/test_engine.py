@@ -815,21 +815,6 @@ def test_vocab_parallel_per_device_temp_memory(cpu_devices):
   assert sharded <= 0.2 * single, (sharded, single)
 
 
-@pytest.fixture
-def accelerator_branch(monkeypatch):
-  """Every ``lax.platform_dependent`` takes its non-CPU branch: the GPU/TPU code run on CPU
-  (caches cleared around it, so that no kernel traced for one path serves the other)."""
-
-  def default_branch(*args, default, **per_platform):
-    return default(*args)
-
-  jax.clear_caches()
-  monkeypatch.setattr(jax.lax, "platform_dependent", default_branch)
-  yield
-  monkeypatch.undo()
-  jax.clear_caches()
-
-
 @pytest.fixture(params=["default", "cuda"])
 def accelerator_platform(request, monkeypatch):
   """As :func:`accelerator_branch`, for each accelerator branch a kernel may have: the

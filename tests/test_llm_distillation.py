@@ -497,7 +497,13 @@ def test_topk_memory_has_no_vocabulary_temporary(tail):
   assert temp < 0.1 * rows * vocab * 4, temp
 
 
-def test_fused_topk_equals_materialised(rng):
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_fused_topk_equals_materialised(rng, request, path):
+  """The fused top-k loss against the same loss on materialised logits, values and gradients
+  wrt the hidden states, head and bias; ``accelerator``: both on the GPU/TPU path (the
+  tail's one-pass statistics, the gather's tangent as masked sums), run here on CPU."""
+  if path == "accelerator":
+    request.getfixturevalue("accelerator_branch")
   (h, w, b), _, labels = _head(rng, vocab=30)
   teacher = refs.np_log_softmax(2 * rng.normal(size=(h.shape[0], 30)))
   ids = np.argsort(-teacher, -1)[:, :6]

@@ -534,3 +534,38 @@ def test_many_slots_scattered_few_compared(rng, k):
   got = divergence_from_topk(z, ids, lp.astype(np.float32), tail="bucket")
   want = np_topk_divergence("forward_kl", {}, z, ids, lp, 1.0, "bucket")
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the GPU/TPU path on CPU
+# Off CPU the tail's max and sum are one online-softmax pass, and the gather's tangent is
+# k masked row sums (its transpose fuses into the gradient pass): run here on CPU.
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", ["forward_kl", "reverse_kl", "jsd[0.3]", "tvd"])
+def test_accelerator_path_shift_invariance_and_tiny_tails(accelerator_branch, case, dtype):
+  """As :func:`test_shift_invariance_and_tiny_tails`, on the accelerator path: the tail's
+  own max (not the row's) and the masked sums give the same values and gradients."""
+  test_shift_invariance_and_tiny_tails(case, dtype)
+
+
+@pytest.mark.parametrize("k", [4, 100])
+def test_accelerator_path_derivatives(accelerator_branch, rng, x64, k):
+  """Forward and reverse mode to second order (finite differences) on the accelerator path,
+  with a slot without mass and a repeated id; ``k = 100`` keeps the gather (and its
+  scatter) there too. Values against float64 NumPy."""
+  vocab = 6 if k == 4 else 120
+  z = rng.normal(size=(3, vocab))
+  ids = np.stack([rng.permutation(vocab)[:k] for _ in range(3)]).astype(np.int32)
+  lp = np.take_along_axis(np_log_softmax(rng.normal(size=(3, vocab))), ids, axis=-1)
+  want = np_topk_divergence("jsd", {"beta": 0.3}, z, ids, lp, 1.3)
+  got = divergence_from_topk(z, ids, lp, divergence=Divergence("jsd", beta=0.3), temperature=1.3)
+  np.testing.assert_allclose(got, want, rtol=1e-10)
+  lp[0, -1] = -np.inf
+  ids[1, 1] = ids[1, 0]
+  f = jax.jit(
+    lambda z: divergence_from_topk(
+      z, ids, lp, divergence="reverse_kl", tail="bucket", temperature=1.3
+    )
+  )
+  check_grads(f, (z,), order=2, modes=("fwd", "rev"))
