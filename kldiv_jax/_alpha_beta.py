@@ -132,13 +132,13 @@ def _ab_terms(c, alpha, beta):
 
 
 def _ab_positive(c, alpha: float, beta: float):
-  """``(f, a, b)`` for static ``alpha, beta > 0``, with one ``exp`` per class.
+  """``(f, a, b)`` for static ``alpha, beta > 0``, with two ``exp`` per class.
 
   Then ``p^s`` and ``q^s`` are at most 1 (``s = alpha + beta > 0``), so the
   weighted partials need no overflow guard: ``a = T expm1(beta d) / beta``,
   ``b = T expm1(-alpha d) / alpha`` with ``T = p^alpha q^beta``, and the one
   ``exp`` is ``T`` where both sides have mass and ``r^s`` (``r`` the side
-  with mass) where one has: there ``f = r^s / (x s)`` with ``x`` the other
+  with mass) where one has (two, where both have, so that neither factor overflows): there ``f = r^s / (x s)`` with ``x`` the other
   side's exponent, whose weighted partial is 0 and ``r``'s is ``r^s / x``
   (the limits of :func:`_ab_one_sided`).
   """
@@ -151,8 +151,15 @@ def _ab_positive(c, alpha: float, beta: float):
   lp = jnp.where(has_p, c.lp, jnp.where(has_q, c.lq, 0.0))
   lq = jnp.where(has_q, c.lq, jnp.where(has_p, c.lp, 0.0))
   d = lp - lq
-  e = jnp.exp(alpha * lp + beta * lq)
-  a_in, b_in = e * jnp.expm1(beta * d) / beta, e * jnp.expm1(-alpha * d) / alpha
+  log_t = alpha * lp + beta * lq
+  # T expm1(beta d) and T expm1(-alpha d) as exp_expm1 writes them, factored by the larger
+  # of T and T e^{beta d} = p^s (resp. q^s): T alone underflows, and expm1 overflows, for
+  # a log-ratio of a few hundred (NaN then) where both are finite. ``e`` shares the first
+  # exp: it is T where d <= 0, which includes every class where one side has no mass (d = 0).
+  xa, xb = beta * d, -alpha * d
+  e = jnp.exp(log_t + jnp.maximum(xa, 0.0))
+  a_in = jnp.where(xa > 0, -1.0, 1.0) * e * jnp.expm1(-jnp.abs(xa)) / beta
+  b_in = exp_expm1(log_t, xb) / alpha
   a = jnp.where(has_p, jnp.where(has_q, a_in, e / beta), 0.0)
   b = jnp.where(has_q, jnp.where(has_p, b_in, e / alpha), 0.0)
   f_p = jnp.where(has_q, (a_in + b_in) / s, e / (beta * s))

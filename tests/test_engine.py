@@ -290,6 +290,41 @@ def test_alpha_beta_near_a_limit_is_continuous(x64, rng):
     np.testing.assert_allclose(at, by, rtol=1e-5)
 
 
+# Log-ratios of a few hundred: a class one side gives e^-200 of the other's mass.
+AB_FAR_Z = np.array([[0.0, -200.0, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0], [5.0, -300.0, -100.0, 0.0]])
+AB_FAR_Y = np.array([[0.0, 0.0, 1.0, 2.0], [0.0, -250.0, 3.0, 1.0], [-300.0, 5.0, 0.0, -100.0]])
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator", "traced"])
+@pytest.mark.parametrize("params", [(0.5, 0.5), (1.0, 1.0), (0.6, 0.3), (2.0, 1.5)])
+def test_alpha_beta_large_log_ratios_are_finite(request, path, params):
+  """float32 logits far apart: ABKD's general branch in 80-digit decimals, and the gradients
+  wrt both sides of the float64 reference, not NaN (``p^alpha q^beta`` underflowed while
+  ``expm1(beta log(p/q))`` overflowed); on the CPU path, the accelerator path and with
+  traced parameters."""
+  if path == "accelerator":
+    request.getfixturevalue("accelerator_branch")
+  alpha, beta = params
+  spec = _spec("alpha_beta", {"alpha": alpha, "beta": beta}, path == "traced", jnp.float32)
+  z, y = AB_FAR_Z.astype(np.float32), AB_FAR_Y.astype(np.float32)
+
+  def loss(z, y):
+    return jnp.sum(divergence_from_logits(z, y, divergence=spec))
+
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(z, y)
+  rows = divergence_from_logits(z, y, divergence=spec)
+  want = _decimal_rows(AB_FAR_Z, AB_FAR_Y, 1.0, alpha, beta)
+  np.testing.assert_allclose(rows, want, rtol=2e-5)
+  np.testing.assert_allclose(value, want.sum(), rtol=2e-5)
+  with enable_x64(True):
+    ref = jax.grad(
+      lambda z, y: jnp.sum(_ref("alpha_beta", {"alpha": alpha, "beta": beta}, z, y, xp=jnp)),
+      argnums=(0, 1),
+    )(jnp.asarray(AB_FAR_Z), jnp.asarray(AB_FAR_Y))
+  for got, want in zip(grads, ref):
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want), rtol=2e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------- conventions
 
 
