@@ -40,11 +40,12 @@ _H = tuple((k + 1) / math.factorial(k + 2) for k in range(_SERIES))  # (x e^x - 
 _L = tuple((k + 1) * (k + 2) / math.factorial(k + 3) for k in range(_SERIES))  # see _ab_l
 
 
-def _scaled_expm1(l0, c, x):
-  """``exp(l0) * E(c, x)``: ``exp(l0) expm1(c x) / c``, and ``exp(l0) x`` at ``c = 0``."""
+def _scaled_expm1(l0, c, x, top):
+  """``exp(l0) * E(c, x)``: ``exp(l0) expm1(c x) / c``, and ``exp(l0) x`` at ``c = 0``;
+  ``top`` is ``l0 + c x`` (:func:`~kldiv_jax._numerics.exp_expm1`)."""
   if is_static(c) and c == 0:
     return jnp.exp(l0) * x
-  out = exp_expm1(l0, c * x) / nonzero(c)
+  out = exp_expm1(l0, c * x, top) / nonzero(c)
   return out if is_static(c) else jnp.where(c == 0, jnp.exp(l0) * x, out)
 
 
@@ -107,7 +108,7 @@ def _ab_interior(c, alpha, beta):
   log_t = (0.0 if is_static(alpha) and alpha == 0 else alpha * lp) + (
     0.0 if is_static(beta) and beta == 0 else beta * lq
   )
-  return both, lq, d, log_t
+  return both, lp, lq, d, log_t
 
 
 def _ab_sides(c, alpha, beta, interior, pick):
@@ -119,10 +120,10 @@ def _ab_sides(c, alpha, beta, interior, pick):
 
 
 def _ab_terms(c, alpha, beta):
-  _, lq, d, log_t = _ab_interior(c, alpha, beta)
+  _, lp, lq, d, log_t = _ab_interior(c, alpha, beta)
   s = alpha + beta
-  a = _scaled_expm1(log_t, beta, d)
-  b = _scaled_expm1(log_t, alpha, -d)
+  a = _scaled_expm1(log_t, beta, d, s * lp)
+  b = _scaled_expm1(log_t, alpha, -d, s * lq)
   f = cases(
     beta == 0,
     lambda: _ab_k(alpha, d, lq),
@@ -134,13 +135,13 @@ def _ab_terms(c, alpha, beta):
 def _ab_positive(c, alpha: float, beta: float):
   """``(f, a, b)`` for static ``alpha, beta > 0``, with two ``exp`` per class.
 
-  Then ``p^s`` and ``q^s`` are at most 1 (``s = alpha + beta > 0``), so the
-  weighted partials need no overflow guard: ``a = T expm1(beta d) / beta``,
-  ``b = T expm1(-alpha d) / alpha`` with ``T = p^alpha q^beta``, and the one
-  ``exp`` is ``T`` where both sides have mass and ``r^s`` (``r`` the side
-  with mass) where one has (two, where both have, so that neither factor overflows): there ``f = r^s / (x s)`` with ``x`` the other
-  side's exponent, whose weighted partial is 0 and ``r``'s is ``r^s / x``
-  (the limits of :func:`_ab_one_sided`).
+  Then ``p^s`` and ``q^s`` are at most 1 (``s = alpha + beta > 0``): ``a = T expm1(beta
+  d) / beta``, ``b = T expm1(-alpha d) / alpha`` with ``T = p^alpha q^beta``, each factored
+  by the larger of ``T`` and ``p^s`` (resp. ``q^s``), whose exponent is written directly.
+  The first ``exp`` is also ``T`` where both sides have mass and ``d <= 0``, and ``r^s``
+  (``r`` the side with mass) where one has: there ``f = r^s / (x s)`` with ``x`` the other
+  side's exponent, whose weighted partial is 0 and ``r``'s is ``r^s / x`` (the limits of
+  :func:`_ab_one_sided`).
   """
   s = alpha + beta
   has_p, has_q = c.lp > -jnp.inf, c.lq > -jnp.inf
@@ -152,18 +153,63 @@ def _ab_positive(c, alpha: float, beta: float):
   lq = jnp.where(has_q, c.lq, jnp.where(has_p, c.lp, 0.0))
   d = lp - lq
   log_t = alpha * lp + beta * lq
-  # T expm1(beta d) and T expm1(-alpha d) as exp_expm1 writes them, factored by the larger
-  # of T and T e^{beta d} = p^s (resp. q^s): T alone underflows, and expm1 overflows, for
-  # a log-ratio of a few hundred (NaN then) where both are finite. ``e`` shares the first
-  # exp: it is T where d <= 0, which includes every class where one side has no mass (d = 0).
+  # T alone underflows, and expm1 overflows, for a log-ratio of a few hundred (NaN then)
+  # where both partials are finite: exp_expm1's factoring. A class where one side has no
+  # mass has d = 0, so there ``e`` is r^s.
   xa, xb = beta * d, -alpha * d
-  e = jnp.exp(log_t + jnp.maximum(xa, 0.0))
+  s_lp, s_lq = s * lp, s * lq  # log_t + xa and log_t + xb, written without cancellation
+  e = jnp.exp(jnp.where(xa > 0, s_lp, log_t))
   a_in = jnp.where(xa > 0, -1.0, 1.0) * e * jnp.expm1(-jnp.abs(xa)) / beta
-  b_in = exp_expm1(log_t, xb) / alpha
+  b_in = exp_expm1(log_t, xb, s_lq) / alpha
   a = jnp.where(has_p, jnp.where(has_q, a_in, e / beta), 0.0)
   b = jnp.where(has_q, jnp.where(has_p, b_in, e / alpha), 0.0)
   f_p = jnp.where(has_q, (a_in + b_in) / s, e / (beta * s))
   return jnp.where(has_p, f_p, jnp.where(has_q, e / (alpha * s), 0.0)), a, b
+
+
+# ---------------------------------------------------------------- the one-pass row sums
+# For static alpha, beta > 0, with u0 = log q + log su and v0 = log p + log sv (each side's
+# log-mass relative to its row max, -inf without mass) and E = e^{alpha v0 + beta u0}, the
+# row sums of the weighted partials are, with K = log su - log sv and N = sv^-alpha su^-beta
+# (so that p^alpha q^beta = N E and d = log p - log q = (v0 - u0) + K),
+#   sum a = (sv^-s G + N expm1(beta K) T) / beta,  sum b = (su^-s H + N expm1(-alpha K) T) / alpha,
+# N e^{beta K} = sv^-s and N e^{-alpha K} = su^-s, with G = sum E expm1(beta (v0 - u0)) and
+# H = sum E expm1(-alpha (v0 - u0)) and T = sum E over the classes where both sides have
+# mass; G also holds e^{s v0} where only the teacher has mass (its a = p^s / beta), H
+# e^{s u0} where only the student has. sum f = (sum a + sum b) / s (Euler). expm1(x + y) =
+# e^y expm1(x) + expm1(y) keeps the digits of a small divergence, and the three sums rescale
+# when a row max grows: the pass that finds the maxes can take them (online softmax).
+
+
+def ab_pass_terms(alpha: float, beta: float, u0, v0):
+  """``(G, H, T)`` per class (above), for static ``alpha, beta > 0``."""
+  has_u, has_v = u0 != -jnp.inf, v0 != -jnp.inf
+  both = has_u & has_v
+  # As in _ab_positive: the missing side's log-mass is the other's (d = 0 there).
+  lu = jnp.where(has_u, u0, jnp.where(has_v, v0, 0.0))
+  lv = jnp.where(has_v, v0, jnp.where(has_u, u0, 0.0))
+  d = lv - lu
+  log_e = alpha * lv + beta * lu
+  e = jnp.exp(log_e)
+  s = alpha + beta
+  g, h = exp_expm1(log_e, beta * d, s * lv), exp_expm1(log_e, -alpha * d, s * lu)
+  only_v, only_u = has_v & ~has_u, has_u & ~has_v
+  zero = jnp.zeros((), e.dtype)
+  pick = lambda m, x: jnp.where(m, x, zero)  # noqa: E731
+  return jnp.where(only_v, e, pick(both, g)), jnp.where(only_u, e, pick(both, h)), pick(both, e)
+
+
+def ab_pass_finish(alpha: float, beta: float, sums, log_su, log_sv):
+  """``(sum f, sum a, sum b)`` per row from the sums of :func:`ab_pass_terms`."""
+  g, h, t = sums
+  s = alpha + beta
+  k = log_su - log_sv
+  log_n = -alpha * log_sv - beta * log_su
+  # N e^{beta K} = sv^-s and N e^{-alpha K} = su^-s: at most 1 (a row max counts 1).
+  wv, wu = jnp.exp(-s * log_sv), jnp.exp(-s * log_su)
+  sum_a = (wv * g + exp_expm1(log_n, beta * k, -s * log_sv) * t) / beta
+  sum_b = (wu * h + exp_expm1(log_n, -alpha * k, -s * log_su) * t) / alpha
+  return (sum_a + sum_b) / s, sum_a, sum_b
 
 
 def alpha_beta(c, params):
@@ -178,7 +224,7 @@ def alpha_beta_partials(c, params):
   #   df/dalpha = log q f + (K(s) - q^beta K(alpha)) / beta,  df/dbeta = log q f + (K(s) - f) / beta;
   # at beta = 0, f = K(alpha): df/dalpha = log q K + L, df/dbeta = log q K + L/2 (L = q^a E_cc).
   alpha, beta = params
-  _, lq, d, _ = _ab_interior(c, alpha, beta)
+  _, _, lq, d, _ = _ab_interior(c, alpha, beta)
   f = _ab_terms(c, alpha, beta)[0]
   s = alpha + beta
 

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax._alpha_beta import alpha_beta, alpha_beta_partials
+from kldiv_jax._alpha_beta import ab_pass_finish, ab_pass_terms, alpha_beta, alpha_beta_partials
 from kldiv_jax._numerics import (
   Param,
   cases,
@@ -101,12 +101,21 @@ class OnePass(NamedTuple):
   ``kl_sums`` names each term as one of the two KL sums, ``"v"`` for ``sum ev (v0 -
   u0)`` (:func:`_kl_pass_terms`) and ``"u"`` for ``sum eu (u0 - v0)``: off CPU the engine
   then accumulates them with running maxes in the pass that finds the maxes
-  (:func:`kldiv_jax._online_kl.online_kl_sums`). Empty: no such form.
+  (:func:`kldiv_jax._online_kl.online_kl_sums`). Empty: no such form. ``powers``: the
+  terms are alpha-beta's (:func:`kldiv_jax._alpha_beta.ab_pass_terms`) at these static
+  ``(alpha, beta)``, accumulated off CPU by :func:`kldiv_jax._online_ab.online_ab_sums`.
+  ``cpu``, ``gpu``: whether CPU and XLA:GPU take the one pass too (else their two passes;
+  the form is then for the pass that finds the maxes on the other platforms). ``checked``:
+  how many leading sums are 0 on identical rows (the engine's test for them; ``None``: all).
   """
 
   terms: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]]
   finish: Callable[[tuple[jax.Array, ...], Norms], tuple]
   kl_sums: tuple[str, ...] = ()
+  powers: tuple[float, float] | None = None
+  cpu: bool = True
+  gpu: bool = True
+  checked: int | None = None
 
 
 # ---------------------------------------------------------------- plug-ins
@@ -278,6 +287,24 @@ def _symmetric_one_pass(params):
   return OnePass(terms, finish, ("v", "u"))
 
 
+def _ab_one_pass(params):
+  # Static alpha, beta > 0, off CPU: three rescalable sums (kldiv_jax._alpha_beta).
+  alpha, beta = params
+  if not all(is_static(x) and x > 0 for x in params):
+    return None
+  alpha, beta = float(alpha), float(beta)
+
+  def terms(u0, v0, eu, ev):
+    return ab_pass_terms(alpha, beta, u0, v0)
+
+  def finish(sums, n):
+    return (*ab_pass_finish(alpha, beta, sums, n.log_su, n.log_sv), ())
+
+  # XLA:GPU writes out the masks of the one pass's initial states (a [N, V] temporary at
+  # long rows, whose reduction it splits): it keeps the two passes.
+  return OnePass(terms, finish, powers=(alpha, beta), cpu=False, gpu=False, checked=2)
+
+
 def _symmetric_kl(c, params):
   # (1 - lam) KL(p || q) + lam KL(q || p), DistiLLM's symmetric_kl.
   (lam,) = params
@@ -379,6 +406,7 @@ FORMULAS: dict[str, Formula] = {
       ((-math.inf, math.inf), (-math.inf, math.inf)),
       alpha_beta_partials,
       source="ABKD distillation_llm/distillm/losses.py ab_div; Cichocki et al. 2011",
+      one_pass=_ab_one_pass,
     ),
   )
 }

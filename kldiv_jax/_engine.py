@@ -67,6 +67,7 @@ from jax import lax
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, Classes, Formula, Norms
 from kldiv_jax._numerics import nonnegative
+from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
 from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts
 from kldiv_jax._platform import compiled, gpu_or_other, map_rows
@@ -284,12 +285,71 @@ def _same_one_pass(mu, su, mv, sv, sums):
 
 def one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
   """The :class:`Outcomes` of a one-pass formula from its row statistics and sums."""
-  same = _same_one_pass(mu, su, mv, sv, sums)
+  same = _same_one_pass(mu, su, mv, sv, sums[: one_pass.checked])
   norms = _norms(su, sv)
   f, a, b, partials = one_pass.finish(sums, norms)
   class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
   class_sums += [d for d, need in zip(partials, needs.params) if need]
   return _outcomes(needs, mu, su, mv, sv, norms, same, class_sums)
+
+
+def _two_passes(formula, params, needs, temperature, caps, local):
+  """``(cpu, accel)``: the row functions of the two-pass statistics on one device. Per block
+  on CPU, the row statistics, then the class sums; off CPU, both sides' maxes and sums of
+  exponentials in one pass (online softmax), then the class sums in a second one, the terms
+  fused into them (no temporary)."""
+  cap_z, cap_y = caps
+
+  def cpu(z, y, *masks):
+    u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
+    same = identical_rows(u, v)
+    c = class_terms(u, mu, su, v, mv, sv, eu, ev)
+    sums = _class_sums(formula, params, needs, c)
+    return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, sums)
+
+  def accel(z, y, *masks):
+    u, _ = scaled(z, temperature, masks, cap_z)
+    v, _ = scaled(y, temperature, masks, cap_y)
+    (mu, su), (mv, sv), (gap,) = joint_reduce(
+      online_softmax_parts(False, u, None, None),
+      online_softmax_parts(False, v, None, None),
+      _plain_sums(_identical_gap(u, v)),
+    )
+    norms = _norms(su, sv)
+    stats = (mu, norms.inv_su, norms.log_su, mv, norms.inv_sv, norms.log_sv)
+
+    def joint(u, v, *stats):
+      return _class_sums(formula, params, needs, normalized(u, v, *stats), barrier=False)
+
+    apart = functools.partial(_class_sums_apart, formula, params, needs)
+    sums = gpu_or_other(apart, joint, u, v, *stats)
+    return _outcomes(needs, mu, su, mv, sv, norms, gap == 0, sums)
+
+  return cpu, accel
+
+
+def _one_pass(one_pass, needs, temperature, caps, local):
+  """``(cpu, accel)``: the row functions of a one-pass formula on one device. Per block on
+  CPU, the sums of exponentials and the formula's unnormalised sums; off CPU the maxes in the
+  same pass too (:func:`online_kl_sums`, :func:`online_ab_sums`), or ``None`` (the CPU's)."""
+  cap_z, cap_y = caps
+  outcomes = functools.partial(one_pass_outcomes, one_pass, needs)
+
+  def cpu(z, y, *masks):
+    u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
+    terms = one_pass.terms(u - mu, v - mv, eu, ev)
+    return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
+
+  def accel(z, y, *masks):
+    u, _ = scaled(z, temperature, masks, cap_z)
+    v, _ = scaled(y, temperature, masks, cap_y)
+    if one_pass.powers is not None:
+      mu, su, mv, sv, *sums = online_ab_sums(*one_pass.powers, u, v)
+      return outcomes(mu, su, mv, sv, tuple(sums))
+    mu, su, mv, sv, gv, gu = online_kl_sums(u, v)
+    return outcomes(mu, su, mv, sv, tuple({"v": gv, "u": gu}[k] for k in one_pass.kl_sums))
+
+  return cpu, accel if one_pass.kl_sums or one_pass.powers is not None else None
 
 
 def statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps) -> Outcomes:
@@ -302,56 +362,17 @@ def statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps
     mv, ev, sv = row_stats(v)
     return u, v, (mu, su, mv, sv), eu, ev
 
-  one_pass = None if formula.one_pass is None else formula.one_pass(params)
-  if axis_name is None and one_pass is not None:
-    outcomes = functools.partial(one_pass_outcomes, one_pass, needs)
-
-    # One pass per block: the sums of exponentials and the formula's unnormalised sums.
-    def fn(z, y, *masks):
-      u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
-      terms = one_pass.terms(u - mu, v - mv, eu, ev)
-      return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
-
-    # Off CPU: the maxes in the same pass too (online_kl_sums).
-    def online(z, y, *masks):
-      u, _ = scaled(z, temperature, masks, cap_z)
-      v, _ = scaled(y, temperature, masks, cap_y)
-      mu, su, mv, sv, gv, gu = online_kl_sums(u, v)
-      return outcomes(mu, su, mv, sv, tuple({"v": gv, "u": gu}[k] for k in one_pass.kl_sums))
-
-    accel = online if one_pass.kl_sums else None
-    return _per_block(fn, (z, y, *masks), z.shape[0], accel=accel)
-
   if axis_name is None:
-
-    def fn(z, y, *masks):
-      u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
-      same = identical_rows(u, v)
-      c = class_terms(u, mu, su, v, mv, sv, eu, ev)
-      sums = _class_sums(formula, params, needs, c)
-      return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, sums)
-
-    # Off CPU: both sides' maxes and sums of exponentials in one pass (online softmax),
-    # then the class sums in a second one, the terms fused into them (no temporary).
-    def online(z, y, *masks):
-      u, _ = scaled(z, temperature, masks, cap_z)
-      v, _ = scaled(y, temperature, masks, cap_y)
-      (mu, su), (mv, sv), (gap,) = joint_reduce(
-        online_softmax_parts(False, u, None, None),
-        online_softmax_parts(False, v, None, None),
-        _plain_sums(_identical_gap(u, v)),
-      )
-      norms = _norms(su, sv)
-      stats = (mu, norms.inv_su, norms.log_su, mv, norms.inv_sv, norms.log_sv)
-
-      def joint(u, v, *stats):
-        return _class_sums(formula, params, needs, normalized(u, v, *stats), barrier=False)
-
-      apart = functools.partial(_class_sums_apart, formula, params, needs)
-      sums = gpu_or_other(apart, joint, u, v, *stats)
-      return _outcomes(needs, mu, su, mv, sv, norms, gap == 0, sums)
-
-    return _per_block(fn, (z, y, *masks), z.shape[0], accel=online)
+    one_pass = None if formula.one_pass is None else formula.one_pass(params)
+    cpu, accel = _two_passes(formula, params, needs, temperature, caps, local)
+    if one_pass is not None:
+      one_cpu, one_accel = _one_pass(one_pass, needs, temperature, caps, local)
+      cpu = one_cpu if one_pass.cpu else cpu
+      if one_pass.gpu or one_accel is None:
+        accel = one_accel
+      else:
+        accel = functools.partial(gpu_or_other, accel, one_accel)
+    return _per_block(cpu, (z, y, *masks), z.shape[0], accel=accel)
 
   rows, classes = z.shape
   num_classes = global_classes(classes, axis_name)

@@ -187,15 +187,17 @@ def mix_quotient(p: jax.Array, q: jax.Array, w: Param) -> jax.Array:
   return p * q / jnp.where(m > 0, m, 1.0)
 
 
-def exp_expm1(l0: jax.Array, delta: jax.Array) -> jax.Array:
+def exp_expm1(l0: jax.Array, delta: jax.Array, top: jax.Array | None = None) -> jax.Array:
   """``exp(l0) * expm1(delta)`` without overflow: ``exp(l0 + delta)`` is what must be finite.
 
   Factored by the larger of ``exp(l0)``, ``exp(l0 + delta)``; exactly 0 at ``delta = 0``.
+  ``top``: ``l0 + delta`` as the caller can write it directly (``s log p`` for ``alpha log p
+  + beta log q + beta (log p - log q)``): a sum of large terms that cancel loses digits of
+  the exponent, and ``exp`` turns them into relative error.
   """
   up = delta > 0
-  return (
-    jnp.where(up, -1.0, 1.0) * jnp.exp(l0 + jnp.maximum(delta, 0.0)) * jnp.expm1(-jnp.abs(delta))
-  )
+  big = l0 + jnp.maximum(delta, 0.0) if top is None else jnp.where(up, top, l0)
+  return jnp.where(up, -1.0, 1.0) * jnp.exp(big) * jnp.expm1(-jnp.abs(delta))
 
 
 def series(x: jax.Array, coeffs: tuple[float, ...]) -> jax.Array:

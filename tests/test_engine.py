@@ -994,6 +994,28 @@ def test_accelerator_path_other_divergences(accelerator_platform, case, x64_mode
   np.testing.assert_allclose(np.asarray(gz, np.float64), np.asarray(wz), rtol=gtol, atol=gtol)
 
 
+def test_accelerator_path_alpha_beta_one_pass(accelerator_branch, x64):
+  """Alpha-beta's one pass off CPU (static alpha, beta > 0: five sums rescaled with the
+  running maxes, online_ab_sums): float64 values against ABKD's formula in 80-digit decimals
+  with classes only one side has mass on, a tiny divergence (rows 1e-6 apart: the expm1 form
+  keeps its digits) and an identical row (exactly 0); second derivatives (the sums' two-pass
+  rule) against finite differences."""
+  rng = np.random.default_rng(4)
+  z, y = 2.0 * rng.normal(size=(4, 9)), 2.0 * rng.normal(size=(4, 9))
+  z[0, :2] = -np.inf  # the teacher has mass where the student has none
+  y[0, 5] = -np.inf  # and the reverse
+  y[1] = z[1] + 1e-6 * rng.normal(size=9)
+  y[2] = z[2]
+  spec = Divergence("alpha_beta", alpha=0.7, beta=0.4)
+  got = divergence_from_logits(z, y, divergence=spec, temperature=1.3)
+  finite_z, finite_y = np.where(np.isinf(z), -1e4, z), np.where(np.isinf(y), -1e4, y)
+  want = _decimal_rows(finite_z, finite_y, 1.3, 0.7, 0.4)
+  np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-22)
+  assert float(got[2]) == 0.0 and float(got[1]) > 0.0
+  f = jax.jit(lambda z, y: divergence_from_logits(z, y, divergence=spec, temperature=1.3))
+  check_grads(f, (z[3:], y[3:]), order=2, modes=("fwd", "rev"))
+
+
 @pytest.mark.parametrize("x64_mode", [False, True])
 def test_accelerator_path_tokens_and_distillation(accelerator_branch, x64_mode):
   """token_log_probs (± entropy) and distillation_loss on the accelerator path (one
