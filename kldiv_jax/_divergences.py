@@ -104,9 +104,9 @@ class OnePass(NamedTuple):
   (:func:`kldiv_jax._online_kl.online_kl_sums`). Empty: no such form. ``powers``: the
   terms are alpha-beta's (:func:`kldiv_jax._alpha_beta.ab_pass_terms`) at these static
   ``(alpha, beta)``, accumulated off CPU by :func:`kldiv_jax._online_ab.online_ab_sums`.
-  ``cpu``, ``gpu``: whether CPU and XLA:GPU take the one pass too (else their two passes;
-  the form is then for the pass that finds the maxes on the other platforms). ``checked``:
-  how many leading sums are 0 on identical rows (the engine's test for them; ``None``: all).
+  ``cpu``: whether CPU takes the one pass too (else its two passes; the form is then for
+  the pass that finds the maxes off CPU). ``checked``: how many leading sums are 0 on
+  identical rows (the engine's test for them; ``None``: all).
   """
 
   terms: Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, ...]]
@@ -114,7 +114,6 @@ class OnePass(NamedTuple):
   kl_sums: tuple[str, ...] = ()
   powers: tuple[float, float] | None = None
   cpu: bool = True
-  gpu: bool = True
   checked: int | None = None
 
 
@@ -300,9 +299,7 @@ def _ab_one_pass(params):
   def finish(sums, n):
     return (*ab_pass_finish(alpha, beta, sums, n.log_su, n.log_sv), ())
 
-  # XLA:GPU writes out the masks of the one pass's initial states (a [N, V] temporary at
-  # long rows, whose reduction it splits): it keeps the two passes.
-  return OnePass(terms, finish, powers=(alpha, beta), cpu=False, gpu=False, checked=2)
+  return OnePass(terms, finish, powers=(alpha, beta), cpu=False, checked=2)
 
 
 def _symmetric_kl(c, params):

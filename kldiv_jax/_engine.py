@@ -366,12 +366,8 @@ def statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps
     one_pass = None if formula.one_pass is None else formula.one_pass(params)
     cpu, accel = _two_passes(formula, params, needs, temperature, caps, local)
     if one_pass is not None:
-      one_cpu, one_accel = _one_pass(one_pass, needs, temperature, caps, local)
+      one_cpu, accel = _one_pass(one_pass, needs, temperature, caps, local)
       cpu = one_cpu if one_pass.cpu else cpu
-      if one_pass.gpu or one_accel is None:
-        accel = one_accel
-      else:
-        accel = functools.partial(gpu_or_other, accel, one_accel)
     return _per_block(cpu, (z, y, *masks), z.shape[0], accel=accel)
 
   rows, classes = z.shape

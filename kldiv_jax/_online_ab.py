@@ -67,12 +67,18 @@ def online_ab_sums(alpha: float, beta: float, u: jax.Array, v: jax.Array) -> tup
   ``sv`` NaN, as in ``row_stats``.
   """
   # Each class a partial state of its own: its logits are the maxes (u0 = v0 = 0). Its sums
-  # of exponentials are 1 where it has mass (NaN at a NaN or +inf logit); T is 1 where both
-  # sides have mass, G where only the teacher has, H where only the student has.
+  # of exponentials are 1 where it has mass (NaN at a NaN or +inf logit); G is 1 where only
+  # the teacher has mass, H where only the student has, T where both have. Each mask is
+  # written its own way (the same on finite and -inf logits): XLA:GPU writes out a mask
+  # that several of the reduction's operands share, an [N, V] temporary read back by the
+  # reduction, where a mask per operand is fused into it.
   su = jnp.where(u != -jnp.inf, (u - u) + 1.0, 0.0)
   sv = jnp.where(v != -jnp.inf, (v - v) + 1.0, 0.0)
-  both = su * sv
-  ops = (u, su, v, sv, sv - both, su - both, both)
+  low = jnp.finfo(u.dtype).min
+  only_v = (v >= low) & (u < low)
+  only_u = (u > -jnp.inf) & ~(v > -jnp.inf)
+  both = ~jnp.isneginf(u) & ~jnp.isneginf(v)
+  ops = (u, su, v, sv, *(m.astype(u.dtype) for m in (only_v, only_u, both)))
   inf, zero = jnp.asarray(jnp.inf, u.dtype), jnp.zeros((), u.dtype)
   init = (-inf, zero, -inf, zero, zero, zero, zero)
 
