@@ -149,10 +149,11 @@ def low_dtype(out_dtype):
 def chunk_logits(a, w, b, acc, low=None, rounded=False):
   """``a @ w + b`` accumulated in ``acc``; with ``low`` (bf16/f16) in ``low`` between the
   matmul and the softmax, as the materialised ``a @ w + b`` of ``low`` inputs (the product
-  rounded, then the bias), read in ``acc`` (``rounded``: returned in ``low``). XLA:GPU writes a chunk's logits and their
-  gradient to HBM between its fusions: in ``low`` they move half the bytes of float32. Where
-  XLA fuses the conversions away (``xla_allow_excess_precision``, its default, as on CPU),
-  they stay in ``acc``, as the materialised loss's do."""
+  rounded, then the bias), read in ``acc`` (``rounded``: returned in ``low``, for a caller
+  that reads it in ``acc`` itself). XLA:GPU writes a chunk's logits and their gradient to
+  HBM between its fusions: in ``low`` they move half the bytes of float32. Where XLA fuses
+  the conversions away (``xla_allow_excess_precision``, its default, as on CPU), they stay
+  in ``acc``, as the materialised loss's do."""
   if low is None:
     return matmul(a, w, b, acc)
   z = lax.dot_general(a, w, (((1,), (0,)), ((), ())), preferred_element_type=acc).astype(low)
