@@ -422,9 +422,35 @@ def test_strict_dtype_promotion(name, dtype, other, traced):
   assert out.dtype == program.out_avals[0].dtype and grad.dtype == dtype
   # The same program: strict mode changes no value (compiled and run, it would give the
   # same numbers bit for bit).
-  # (jax 0.7 prints a reduction's Python combiner with its address: one closure per trace.)
-  same = lambda jaxpr: re.sub(r" at 0x[0-9a-f]+>", ">", str(jaxpr))  # noqa: E731
-  assert same(strict_program) == same(program)
+  assert _operations(strict_program) == _operations(program)
+
+
+def _operations(jaxpr, out=None) -> list:
+  """A jaxpr's operations in order, ``(primitive, input types, output types, parameters)``
+  (literal inputs with their values),
+  with every sub-jaxpr (a jitted call, a branch, a reduction's combiner) inlined where it is
+  used. Printed, a jaxpr names a sub-jaxpr once per object: one cached by an earlier trace
+  (jnp.where's, a kernel's) is printed once for several calls, one traced afresh once per
+  call, and two equal programs read differently by what the caches held. Python callables
+  (a combiner, a jvp rule) count by kind; addresses are dropped."""
+  out = [] if out is None else out
+  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+    params = []
+    for key, value in sorted(eqn.params.items()):
+      parts = value if isinstance(value, (tuple, list)) else (value,)
+      subs = [x for x in parts if hasattr(x, "eqns") or hasattr(x, "jaxpr")]
+      if subs:
+        for sub in subs:
+          _operations(sub, out)
+      elif callable(value):
+        params.append((key, "callable"))
+      else:
+        params.append((key, re.sub(r" at 0x[0-9a-f]+>", ">", repr(value))))
+    # A literal by its value too (``x * 2.0`` and ``x * 3.0`` differ).
+    inputs = tuple(f"{v.aval}={v.val!r}" if hasattr(v, "val") else str(v.aval) for v in eqn.invars)
+    outputs = tuple(str(v.aval) for v in eqn.outvars)
+    out.append((str(eqn.primitive), inputs, outputs, tuple(params)))
+  return out
 
 
 # 3. Eager calls compile once.

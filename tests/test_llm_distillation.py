@@ -508,7 +508,8 @@ def test_fused_topk_equals_materialised(rng, request, path):
   teacher = refs.np_log_softmax(2 * rng.normal(size=(h.shape[0], 30)))
   ids = np.argsort(-teacher, -1)[:, :6]
   lp = np.take_along_axis(teacher, ids, -1).astype(np.float32)
-  for spec in (DIVERGENCES["forward_kl"], DIVERGENCES["jsd[0.3]"], DIVERGENCES["tvd"]):
+  specs = ("forward_kl", "jsd[0.3]", "tvd") if path == "cpu" else ("jsd[0.3]",)
+  for spec in (DIVERGENCES[name] for name in specs):
 
     def fused(h, w, b, spec=spec):
       return kd.fused_topk_distillation_loss(
