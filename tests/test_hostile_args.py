@@ -425,32 +425,48 @@ def test_strict_dtype_promotion(name, dtype, other, traced):
   assert _operations(strict_program) == _operations(program)
 
 
-def _operations(jaxpr, out=None) -> list:
-  """A jaxpr's operations in order, ``(primitive, input types, output types, parameters)``
-  (literal inputs with their values),
-  with every sub-jaxpr (a jitted call, a branch, a reduction's combiner) inlined where it is
-  used. Printed, a jaxpr names a sub-jaxpr once per object: one cached by an earlier trace
-  (jnp.where's, a kernel's) is printed once for several calls, one traced afresh once per
-  call, and two equal programs read differently by what the caches held. Python callables
-  (a combiner, a jvp rule) count by kind; addresses are dropped."""
-  out = [] if out is None else out
-  for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
-    params = []
-    for key, value in sorted(eqn.params.items()):
-      parts = value if isinstance(value, (tuple, list)) else (value,)
-      subs = [x for x in parts if hasattr(x, "eqns") or hasattr(x, "jaxpr")]
-      if subs:
-        for sub in subs:
-          _operations(sub, out)
-      elif callable(value):
-        params.append((key, "callable"))
-      else:
-        params.append((key, re.sub(r" at 0x[0-9a-f]+>", ">", repr(value))))
-    # A literal by its value too (``x * 2.0`` and ``x * 3.0`` differ).
-    inputs = tuple(f"{v.aval}={v.val!r}" if hasattr(v, "val") else str(v.aval) for v in eqn.invars)
-    outputs = tuple(str(v.aval) for v in eqn.outvars)
-    out.append((str(eqn.primitive), inputs, outputs, tuple(params)))
-  return out
+def _operations(closed) -> list:
+  """A jaxpr's operations in order, each ``(primitive, inputs, output types, parameters)``,
+  every sub-jaxpr (a jitted call, a branch, a reduction's combiner) inlined where it is
+  used. An input is named by the operation and output that made it (or the argument, or a
+  literal's type and value), so the wiring counts, not the names the printer gives. Printed,
+  a jaxpr names a sub-jaxpr once per object: one cached by an earlier trace (jnp.where's, a
+  kernel's) is printed once for several calls, one traced afresh once per call, and two
+  equal programs read differently by what the caches held. Python callables (a combiner, a
+  jvp rule) count by kind; addresses are dropped."""
+  ops: list = []
+
+  def walk(jaxpr, inputs) -> list:
+    env = dict(zip(jaxpr.invars, inputs))
+    env.update((v, f"const{k}") for k, v in enumerate(jaxpr.constvars))
+
+    def name(v):
+      return f"{v.aval}={v.val!r}" if hasattr(v, "val") else env.get(v, f"free {v.aval}")
+
+    for eqn in jaxpr.eqns:
+      ins = [name(v) for v in eqn.invars]
+      params = []
+      for key, value in sorted(eqn.params.items()):
+        parts = value if isinstance(value, (tuple, list)) else (value,)
+        subs = [getattr(x, "jaxpr", x) for x in parts if hasattr(x, "eqns") or hasattr(x, "jaxpr")]
+        for sub in subs:  # its arguments: the operation's last inputs (a branch's, a call's)
+          n = len(sub.invars)
+          walk(sub, ins[-n:] if 0 < n <= len(ins) else [f"arg {v.aval}" for v in sub.invars])
+        if subs:
+          params.append((key, f"{len(subs)} inlined"))
+        elif callable(value):
+          params.append((key, "callable"))
+        else:
+          params.append((key, re.sub(r" at 0x[0-9a-f]+>", ">", repr(value))))
+      index = len(ops)
+      ops.append(
+        (str(eqn.primitive), tuple(ins), tuple(str(v.aval) for v in eqn.outvars), tuple(params))
+      )
+      env.update((v, f"op{index}.{k}") for k, v in enumerate(eqn.outvars))
+    return [name(v) for v in jaxpr.outvars]
+
+  outputs = walk(closed.jaxpr, [f"in{k}" for k in range(len(closed.jaxpr.invars))])
+  return [*ops, ("outputs", tuple(outputs))]
 
 
 # 3. Eager calls compile once.
