@@ -132,35 +132,45 @@ def _ab_terms(c, alpha, beta):
   return f, a, b
 
 
+def _factored(alpha: float, beta: float, lp, lq, has_p, has_q):
+  """``(log T, e, T expm1(beta d), T expm1(-alpha d))`` per class for static ``alpha, beta >
+  0``, ``T = p^alpha q^beta`` and ``d = log p - log q`` (log-masses ``lp``, ``lq``, relative
+  to any per-row constants; ``-inf`` without mass).
+
+  Each side's log-mass is the other's where it has none (0 where neither has): then ``log T``
+  is ``s log r`` where only ``r`` has mass, and ``d = 0`` there. Nested selects on ``has_p``
+  and ``has_q`` only (a mask of both, used by every select, is one XLA:CPU would write out in
+  full). ``T`` alone underflows, and ``expm1`` overflows, for a log-ratio of a few hundred
+  (NaN then) where both products are finite: each is factored by the larger of ``T`` and
+  ``p^s`` (resp. ``q^s``), whose exponent is written directly (``s log p``: as ``log T +
+  beta d``, a sum of large terms that cancel, it loses digits; :func:`exp_expm1`). ``e``
+  is that first factor: ``T`` where ``d <= 0`` (every class where one side has no mass).
+  """
+  s = alpha + beta
+  lp_ = jnp.where(has_p, lp, jnp.where(has_q, lq, 0.0))
+  lq_ = jnp.where(has_q, lq, jnp.where(has_p, lp, 0.0))
+  d = lp_ - lq_
+  log_t = alpha * lp_ + beta * lq_
+  xa = beta * d
+  e = jnp.exp(jnp.where(xa > 0, s * lp_, log_t))
+  g = jnp.where(xa > 0, -1.0, 1.0) * e * jnp.expm1(-jnp.abs(xa))
+  return log_t, e, g, exp_expm1(log_t, -alpha * d, s * lq_)
+
+
 def _ab_positive(c, alpha: float, beta: float):
   """``(f, a, b)`` for static ``alpha, beta > 0``, with two ``exp`` per class.
 
   Then ``p^s`` and ``q^s`` are at most 1 (``s = alpha + beta > 0``): ``a = T expm1(beta
-  d) / beta``, ``b = T expm1(-alpha d) / alpha`` with ``T = p^alpha q^beta``, each factored
-  by the larger of ``T`` and ``p^s`` (resp. ``q^s``), whose exponent is written directly.
-  The first ``exp`` is also ``T`` where both sides have mass and ``d <= 0``, and ``r^s``
-  (``r`` the side with mass) where one has: there ``f = r^s / (x s)`` with ``x`` the other
+  d) / beta``, ``b = T expm1(-alpha d) / alpha`` with ``T = p^alpha q^beta``, as
+  :func:`_factored` writes them. Its first ``exp`` is ``r^s`` (``r`` the side with mass)
+  where one side has none: there ``f = r^s / (x s)`` with ``x`` the other
   side's exponent, whose weighted partial is 0 and ``r``'s is ``r^s / x`` (the limits of
   :func:`_ab_one_sided`).
   """
   s = alpha + beta
   has_p, has_q = c.lp > -jnp.inf, c.lq > -jnp.inf
-  # Each side's log-mass, the other's where it has none (0 where neither has): then
-  # alpha lp + beta lq is log T where both have mass and s log r where one has, and the
-  # log-ratio d is 0 where one has none. Nested selects on has_p and has_q only (a mask
-  # of both, used by every select, is one XLA:CPU would write out in full).
-  lp = jnp.where(has_p, c.lp, jnp.where(has_q, c.lq, 0.0))
-  lq = jnp.where(has_q, c.lq, jnp.where(has_p, c.lp, 0.0))
-  d = lp - lq
-  log_t = alpha * lp + beta * lq
-  # T alone underflows, and expm1 overflows, for a log-ratio of a few hundred (NaN then)
-  # where both partials are finite: exp_expm1's factoring. A class where one side has no
-  # mass has d = 0, so there ``e`` is r^s.
-  xa, xb = beta * d, -alpha * d
-  s_lp, s_lq = s * lp, s * lq  # log_t + xa and log_t + xb, written without cancellation
-  e = jnp.exp(jnp.where(xa > 0, s_lp, log_t))
-  a_in = jnp.where(xa > 0, -1.0, 1.0) * e * jnp.expm1(-jnp.abs(xa)) / beta
-  b_in = exp_expm1(log_t, xb, s_lq) / alpha
+  _, e, g, h = _factored(alpha, beta, c.lp, c.lq, has_p, has_q)
+  a_in, b_in = g / beta, h / alpha
   a = jnp.where(has_p, jnp.where(has_q, a_in, e / beta), 0.0)
   b = jnp.where(has_q, jnp.where(has_p, b_in, e / alpha), 0.0)
   f_p = jnp.where(has_q, (a_in + b_in) / s, e / (beta * s))
@@ -184,19 +194,13 @@ def _ab_positive(c, alpha: float, beta: float):
 def ab_pass_terms(alpha: float, beta: float, u0, v0):
   """``(G, H, T)`` per class (above), for static ``alpha, beta > 0``."""
   has_u, has_v = u0 != -jnp.inf, v0 != -jnp.inf
+  log_e, e, g, h = _factored(alpha, beta, v0, u0, has_v, has_u)
   both = has_u & has_v
-  # As in _ab_positive: the missing side's log-mass is the other's (d = 0 there).
-  lu = jnp.where(has_u, u0, jnp.where(has_v, v0, 0.0))
-  lv = jnp.where(has_v, v0, jnp.where(has_u, u0, 0.0))
-  d = lv - lu
-  log_e = alpha * lv + beta * lu
-  e = jnp.exp(log_e)
-  s = alpha + beta
-  g, h = exp_expm1(log_e, beta * d, s * lv), exp_expm1(log_e, -alpha * d, s * lu)
-  only_v, only_u = has_v & ~has_u, has_u & ~has_v
   zero = jnp.zeros((), e.dtype)
   pick = lambda m, x: jnp.where(m, x, zero)  # noqa: E731
-  return jnp.where(only_v, e, pick(both, g)), jnp.where(only_u, e, pick(both, h)), pick(both, e)
+  only_v, only_u = has_v & ~has_u, has_u & ~has_v
+  t = pick(both, jnp.exp(log_e))
+  return jnp.where(only_v, e, pick(both, g)), jnp.where(only_u, e, pick(both, h)), t
 
 
 def ab_pass_finish(alpha: float, beta: float, sums, log_su, log_sv):
