@@ -811,6 +811,37 @@ def fresh_compilations():
     compilation_cache.reset_cache()
 
 
+# The trace-context value of each replaced ``lax.platform_dependent`` (:func:`platform_branch`).
+_BRANCH_TRACES = {"default": 1_000_001, "cuda": 1_000_002}
+
+
+@contextlib.contextmanager
+def platform_branch(platform: str = "default"):
+  """Inside the block every ``lax.platform_dependent`` takes the branch of ``platform``
+  (``"default"``: the non-CPU one, TPU's; ``"cuda"``: XLA:GPU's where a call has one): the
+  GPU/TPU code run on CPU.
+
+  The kernels are ``jax.jit`` functions whose traces JAX caches by the trace context. Inside
+  the block that context holds a value of its own, so no trace made for one branch serves
+  another, and the caches need no clearing (which made every later test trace afresh):
+  ``jax_pgle_profiling_runs``, which nothing reads while profile-guided latency estimation
+  (a GPU option) is off.
+  """
+
+  def branch(*args, default, **per_platform):
+    return (default if platform == "default" else per_platform.get(platform, default))(*args)
+
+  saved, runs = jax.lax.platform_dependent, jax.config.jax_pgle_profiling_runs
+  assert not jax.config.jax_enable_pgle
+  jax.config.update("jax_pgle_profiling_runs", _BRANCH_TRACES[platform])
+  jax.lax.platform_dependent = branch
+  try:
+    yield platform
+  finally:
+    jax.lax.platform_dependent = saved
+    jax.config.update("jax_pgle_profiling_runs", runs)
+
+
 # ----------------------------------------------------------------- sharded vs unsharded
 
 COLLECTIVE_RE = re.compile(

@@ -15,8 +15,7 @@ doctests, which run in the same process, keep JAX's float32 default.
 Each test process (every pytest-xdist worker, the 8-device child) keeps the
 executables it compiles in a persistent compilation cache of its own, in a
 temporary directory removed when the session ends: a program compiled again —
-after ``jax.clear_caches()`` (the tests of the accelerator branches clear JAX's
-caches around them), or traced again by another test — is loaded from it, not
+after ``jax.clear_caches()``, or traced again by another test — is loaded from it, not
 recompiled. A load counts as a compilation in ``count_compiles``; the
 determinism tests compile without it (``fresh_compilations``).
 
@@ -37,7 +36,7 @@ import _multidevice
 import jax
 import numpy as np
 import pytest
-from _references import add_xla_test_flags, enable_x64
+from _references import add_xla_test_flags, enable_x64, platform_branch
 
 # Before JAX starts its CPU backend (on first use), which reads XLA_FLAGS once.
 add_xla_test_flags()
@@ -99,18 +98,11 @@ def rng():
 
 
 @pytest.fixture
-def accelerator_branch(monkeypatch):
+def accelerator_branch():
   """Every ``lax.platform_dependent`` takes its non-CPU branch: the GPU/TPU code run on CPU
-  (caches cleared around it, so that no kernel traced for one path serves the other)."""
-
-  def default_branch(*args, default, **per_platform):
-    return default(*args)
-
-  jax.clear_caches()
-  monkeypatch.setattr(jax.lax, "platform_dependent", default_branch)
-  yield
-  monkeypatch.undo()
-  jax.clear_caches()
+  (``_references.platform_branch``)."""
+  with platform_branch():
+    yield
 
 
 @pytest.fixture(scope="session")

@@ -855,18 +855,11 @@ def test_vocab_parallel_per_device_temp_memory(cpu_devices):
 
 
 @pytest.fixture(params=["default", "cuda"])
-def accelerator_platform(request, monkeypatch):
+def accelerator_platform(request):
   """As :func:`accelerator_branch`, for each accelerator branch a kernel may have: the
   default one (TPU) and, where there is one, the ``cuda`` one (XLA:GPU)."""
-
-  def branch(*args, default, **per_platform):
-    return per_platform.get(request.param, default)(*args)
-
-  jax.clear_caches()
-  monkeypatch.setattr(jax.lax, "platform_dependent", branch)
-  yield request.param
-  monkeypatch.undo()
-  jax.clear_caches()
+  with refs.platform_branch(request.param) as platform:
+    yield platform
 
 
 ONLINE_CASES = {
