@@ -148,6 +148,14 @@ def grad_memory(fn: Callable[..., Any], *args: Any, argnums: int | Sequence[int]
   return memory_stats(jax.jit(jax.value_and_grad(fn, argnums)).lower(*args).compile())
 
 
+def compare_memory(fns: Mapping[str, Callable[..., Any]], args, argnums=0, **fields):
+  """``fields``, :func:`grad_memory` of each of the two ``fns`` compiled for ``args`` and the
+  first's temp bytes over the second's (``temp_ratio``)."""
+  out = fields | {name: grad_memory(fn, *args, argnums=argnums) for name, fn in fns.items()}
+  first, second = fns
+  return out | {"temp_ratio": ratio(out[first]["temp_bytes"], out[second]["temp_bytes"])}
+
+
 def f32(*shape: int) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, jax.numpy.float32)
 
@@ -213,26 +221,37 @@ def time_contenders(
   contenders: Mapping[str, tuple[Callable[..., Any], Sequence[Any]]],
   repeats: int,
   keep: tuple[str, Callable[[Any], Any]] | None = None,
+  check: Callable[..., None] | None = None,
+  warmup: int = 0,
 ) -> dict[str, dict[str, Any]]:
   """Compiles each ``name: (fn, args)``, warms it up and times them round-robin.
 
   Returns per name the median and every time (ms) and XLA's memory of the program;
-  ``keep=(key, f)`` adds ``f`` of the warm-up call's result under ``key``.
+  ``keep=(key, f)`` adds ``f`` of the warm-up call's result under ``key``; ``check`` gets
+  every warm-up result (in order) before anything is timed; ``warmup``: more untimed calls.
   """
   thunks, info = {}, {}
   for name, (fn, args) in contenders.items():
     thunks[name], info[name] = compile_jax(fn, *args)
-  for name, thunk in thunks.items():  # the warm-up
-    out = thunk()
-    if keep is not None:
+  outs = [thunk() for thunk in thunks.values()]  # the warm-up
+  if keep is not None:
+    for name, out in zip(thunks, outs):
       info[name][keep[0]] = keep[1](out)
-  del out
-  times = round_robin(thunks, repeats, warmup=0)
+  if check is not None:
+    check(*outs)
+  del outs
+  times = round_robin(thunks, repeats, warmup=warmup)
   return {
     name: {"median_ms": median_ms(times[name]), "times_ms": [1e3 * t for t in times[name]]}
     | info[name]
     for name in contenders
   }
+
+
+def time_grads(fns: Mapping[str, Callable[..., Any]], inputs, repeats: int, argnums=0, **kw):
+  """:func:`time_contenders` of ``value_and_grad(fn, argnums)`` of each ``fns`` on ``inputs``."""
+  vg = {name: (jax.value_and_grad(fn, argnums), inputs) for name, fn in fns.items()}
+  return time_contenders(vg, repeats, **kw)
 
 
 def median_ms(seconds: Sequence[float]) -> float:
@@ -282,6 +301,16 @@ def target_row(
   )
 
 
+def ratio_targets(spec, times: Mapping[str, Any], memory: Mapping[str, Any] | None = None):
+  """Target rows of ``(target, limit, a, b)``: ``a``'s median time over ``b``'s in ``times``,
+  or their temp bytes in ``memory`` where the target names `` temp ``."""
+  rows = []
+  for what, limit, a, b in spec:
+    table, key = (memory, "temp_bytes") if " temp " in what else (times, "median_ms")
+    rows.append(target_row(what, limit, ratio(table[a][key], table[b][key])))
+  return rows
+
+
 def print_targets(
   rows: Sequence[dict[str, Any]], indicative: bool, why: str = "--quick sizes", title="Targets"
 ):
@@ -320,11 +349,12 @@ def print_times(title: str, times: Mapping[str, dict[str, Any]], width: int = 28
     )
 
 
-def print_memory(title: str, memory: Mapping[str, Any], names: Sequence[str] | None = None):
-  """Temp bytes per contender (``names``: those of ``memory`` to print, default all)."""
+def print_memory(title: str, memory: Mapping[str, Any]) -> None:
+  """Temp bytes per contender (the entries of ``memory`` that are dicts)."""
   print(title)
-  for name in names or list(memory):
-    print(f"  {name:28} {fmt_bytes(memory[name]['temp_bytes']):>10}")
+  for name, m in memory.items():
+    if isinstance(m, dict):
+      print(f"  {name:28} {fmt_bytes(m['temp_bytes']):>10}")
 
 
 # ----------------------------------------------------------------------------- logits sections
@@ -365,22 +395,16 @@ def logits_section(section: str, doc: str, key: str, groups, evaluate, argv, add
   machine = start(section)
   records = []
   for group, (fns, inputs, check, fields) in groups(args, shape).items():
-    thunks, infos = {}, {}
-    for name, fn in fns.items():
-      thunks[name], infos[name] = compile_jax(jax.value_and_grad(fn), *inputs)
-    check(*(thunks[name]() for name in fns))
-    times = round_robin(thunks, repeats)
+    times = time_grads(fns, inputs, repeats, check=check, warmup=1)
     base = next(iter(fns))
-    base_ms, base_temp = median_ms(times[base]), infos[base]["temp_bytes"]
-    for name, seconds in times.items():
-      ms = median_ms(seconds)
+    for name, t in times.items():
       records.append(
         {key: group, **fields, "shape": list(shape), "dtype": "float32"}
-        | {"temperature": args.temperature, "contender": name, "median_ms": ms}
-        | {"times_ms": [1e3 * t for t in seconds], "repeats": len(seconds)}
-        | {k: infos[name][k] for k in ("temp_bytes", "output_bytes", "compile_s")}
-        | {"baseline": base, "time_ratio": ratio(ms, base_ms)}
-        | {"temp_ratio": ratio(infos[name]["temp_bytes"], base_temp)}
+        | {"temperature": args.temperature, "contender": name, "median_ms": t["median_ms"]}
+        | {"times_ms": t["times_ms"], "repeats": repeats}
+        | {k: t[k] for k in ("temp_bytes", "output_bytes", "compile_s")}
+        | {"baseline": base, "time_ratio": ratio(t["median_ms"], times[base]["median_ms"])}
+        | {"temp_ratio": ratio(t["temp_bytes"], times[base]["temp_bytes"])}
       )
   full_size = tuple(shape) == FULL_SHAPE
   settings = dict(shape=list(shape), temperature=args.temperature, repeats=repeats, seed=args.seed)

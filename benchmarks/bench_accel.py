@@ -28,28 +28,20 @@ from typing import Any
 
 import _harness
 from _harness import HERE, REPO, fmt_bytes, fmt_ratio, print_targets, target_row
+from bench_divergences import SPECS, straightforward
+
+
+def _tpu(topology: str, accel: str, peak: float, bw: float, hbm: int) -> dict[str, Any]:
+  """A TPU chip: its vector units do an eighth of the matmul peak."""
+  tpu = dict(kind="tpu", topology=topology, accel=accel, peak=peak, vector=peak / 8)
+  return tpu | dict(bw=bw, hbm=hbm)
+
 
 TARGETS: dict[str, dict[str, Any]] = {
   # peak: dense bf16 matmul flop/s; vector: float32 elementwise flop/s (the row kernels);
   # bw: HBM bytes/s; hbm: bytes. Public spec-sheet figures.
-  "v5e": dict(
-    kind="tpu",
-    topology="v5e:2x2",
-    accel="v5litepod-4",
-    peak=197e12,
-    vector=197e12 / 8,
-    bw=819e9,
-    hbm=16 * 2**30,
-  ),
-  "v6e": dict(
-    kind="tpu",
-    topology="v6e:2x2",
-    accel="v6e-4",
-    peak=918e12,
-    vector=918e12 / 8,
-    bw=1640e9,
-    hbm=32 * 2**30,
-  ),
+  "v5e": _tpu("v5e:2x2", "v5litepod-4", 197e12, 819e9, 16 * 2**30),
+  "v6e": _tpu("v6e:2x2", "v6e-4", 918e12, 1640e9, 32 * 2**30),
   "h100": dict(kind="cuda", peak=989e12, vector=67e12, bw=3.35e12, hbm=80 * 2**30),
 }
 VENV_EXTRA = {"tpu": "tpu", "cuda": "cuda12"}
@@ -70,25 +62,19 @@ FUSED_TIME_TARGET = 1.15  # time per token / materialised
 FUSED_TEMP_TARGET = {"v5e": 2.5 * 2**30, "h100": 5 * 2**30}
 CHECKED_TARGETS = ("v5e", "h100")
 
-ROW_CASES = (
-  "forward_kl",
-  "reverse_kl",
-  "jsd",
-  "symmetric_kl",
-  "skew_kl",
-  "skew_reverse_kl",
-  "tvd",
-  "alpha_beta",
-  "kl_div_from_logits",
-  "distillation_loss",
-  "token_log_probs",
-  "token_log_probs_entropy",
-  "divergence_from_topk",
-  "kl_div",
-)
+# The row cases: the divergences (two logits, the floor three [N, V] arrays) and these
+# (argument kinds, [N, V] arrays in the floor).
+ROW_ARGS = {name: (["x", "x"], 3) for name in SPECS} | {
+  "kl_div_from_logits": (["x", "x"], 3),
+  "distillation_loss": (["x", "x", "labels"], 3),
+  "token_log_probs": (["x", "ids"], 2),
+  "token_log_probs_entropy": (["x", "ids"], 2),
+  "divergence_from_topk": (["x", "topk_ids", "topk_lp"], 2),
+  "kl_div": (["x", "x"], 3),
+}
+ROW_CASES = tuple(ROW_ARGS)
 # Reported, not among the issue's targets (its floor and straightforward code differ: a gather).
 UNCHECKED = ("divergence_from_topk",)
-FUSED_CASES = ("fused_distillation", "fused_topk", "fused_token_log_probs", "fused_policy")
 # The policy loss's target (issue 23), at its own shape: time <= 1.05x the materialised
 # loss's (token_log_probs on hidden @ weight, then policy_loss).
 POLICY_SHAPE = (8192, 1024, 65536)  # N, H, V (bfloat16)
@@ -98,26 +84,26 @@ QUICK_POLICY_SHAPE = (2048, 256, 8192)
 # for the matmuls' intensity; here the temp is held to the fused losses' budget per chip.
 POLICY_TIME_TARGET = 1.05
 POLICY_OPTIONS = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
-# Reads of an [H, V] head per chunk (the logits of each side, the gradient wrt the hidden
-# states; the token log-probs recompute the logits backward): with the float32 weight
-# gradient's read and write, the weight traffic a chunk cannot avoid.
-HEAD_READS = {
-  "fused_distillation": 3,
-  "fused_topk": 2,
-  "fused_token_log_probs": 3,
-  "fused_policy": 2,  # the gradient is computed in the forward pass: no recomputation
+# The fused cases: (argument kinds, reads of an [H, V] head per chunk). The reads: the
+# logits of each side, the gradient wrt the hidden states; the token log-probs recompute the
+# logits backward, the policy loss computes its gradient in the forward pass. With the
+# float32 weight gradient's read and write, the weight traffic a chunk cannot avoid.
+FUSED_ARGS = {
+  "fused_distillation": (["h", "w", "h", "w", "labels"], 3),
+  "fused_topk": (["h", "w", "topk_ids", "topk_lp"], 2),
+  "fused_token_log_probs": (["h", "w", "ids"], 3),
+  "fused_policy": (["h", "w", "ids", "per_token", "per_token"], 2),
 }
-
+FUSED_CASES = tuple(FUSED_ARGS)
 
 # ----------------------------------------------------------------------------- the cases
 
 
-def _row_contenders(case: str) -> tuple[dict[str, Callable], list[str], int]:
-  """``({"naive": f, "kldiv_jax": g}, argument kinds, floor-array count)`` of a row case:
-  scalar losses of their arguments, differentiated wrt the first."""
+def _row_contenders(case: str) -> dict[str, Callable]:
+  """``{"naive": f, "kldiv_jax": g}`` of a row case (its arguments: ``ROW_ARGS``): scalar
+  losses of their arguments, differentiated wrt the first."""
   import jax
   import jax.numpy as jnp
-  from bench_divergences import SPECS, straightforward
   from bench_logits import naive_distill
 
   import kldiv_jax as k
@@ -131,7 +117,7 @@ def _row_contenders(case: str) -> tuple[dict[str, Callable], list[str], int]:
   if case in SPECS:
     spec = SPECS[case]
     ours = lambda s, t: jnp.mean(k.divergence_from_logits(s, t, divergence=spec, temperature=T))  # noqa: E731
-    return vs_naive(straightforward(case, dict(spec.params)), ours), ["x", "x"], 3
+    return vs_naive(straightforward(case, dict(spec.params)), ours)
 
   def naive_tokens(s, y):
     lp = jax.nn.log_softmax(f32(s))
@@ -155,44 +141,30 @@ def _row_contenders(case: str) -> tuple[dict[str, Callable], list[str], int]:
 
   entropy = case.endswith("entropy")
   distill = naive_distill(T, 0.5)
-  cases = {
-    "kl_div_from_logits": (
-      vs_naive(
-        straightforward("forward_kl", {}),
-        lambda s, t: jnp.mean(k.kl_div_from_logits(s, t, temperature=T)),
-      ),
-      ["x", "x"],
-      3,
+  return {
+    "kl_div_from_logits": vs_naive(
+      straightforward("forward_kl", {}),
+      lambda s, t: jnp.mean(k.kl_div_from_logits(s, t, temperature=T)),
     ),
-    "distillation_loss": (
-      {
-        "naive": lambda s, t, y: distill(f32(s), f32(t), y),
-        "kldiv_jax": lambda s, t, y: k.distillation_loss(s, t, y, temperature=T, alpha=0.5),
-      },
-      ["x", "x", "labels"],
-      3,
-    ),
-    "token_log_probs": ({"naive": naive_tokens, "kldiv_jax": tokens}, ["x", "ids"], 2),
-    "token_log_probs_entropy": ({"naive": naive_tokens, "kldiv_jax": tokens}, ["x", "ids"], 2),
-    "divergence_from_topk": (
-      {
-        "naive": naive_topk,
-        "kldiv_jax": lambda s, ids, lp: jnp.mean(k.kl_div_from_topk(s, ids, lp)),
-      },
-      ["x", "topk_ids", "topk_lp"],
-      2,
-    ),
-    "kl_div": (
-      {"naive": where_formula, "kldiv_jax": lambda x, t: k.kl_div(x, t, reduction="batchmean")},
-      ["x", "x"],
-      3,
-    ),
-  }
-  return cases[case]
+    "distillation_loss": {
+      "naive": lambda s, t, y: distill(f32(s), f32(t), y),
+      "kldiv_jax": lambda s, t, y: k.distillation_loss(s, t, y, temperature=T, alpha=0.5),
+    },
+    "token_log_probs": {"naive": naive_tokens, "kldiv_jax": tokens},
+    "token_log_probs_entropy": {"naive": naive_tokens, "kldiv_jax": tokens},
+    "divergence_from_topk": {
+      "naive": naive_topk,
+      "kldiv_jax": lambda s, ids, lp: jnp.mean(k.kl_div_from_topk(s, ids, lp)),
+    },
+    "kl_div": {
+      "naive": where_formula,
+      "kldiv_jax": lambda x, t: k.kl_div(x, t, reduction="batchmean"),
+    },
+  }[case]
 
 
-def _fused_contenders(case: str) -> tuple[Callable, list[str], Callable[[int | None], Callable]]:
-  """``(materialised loss, argument kinds, chunk_size -> fused loss)`` of a fused case."""
+def _fused_contenders(case: str) -> tuple[Callable, Callable[[int | None], Callable]]:
+  """``(materialised loss, chunk_size -> fused loss)`` of a fused case (``FUSED_ARGS``)."""
   import jax.numpy as jnp
 
   import kldiv_jax as k
@@ -210,26 +182,22 @@ def _fused_contenders(case: str) -> tuple[Callable, list[str], Callable[[int | N
   return {
     "fused_distillation": (
       lambda h, w, th, tw, y: k.distillation_loss(mm(h, w), mm(th, tw), y),
-      ["h", "w", "h", "w", "labels"],
       lambda c: (
         lambda h, w, th, tw, y: k.fused_distillation_loss(h, w, th, tw, labels=y, chunk_size=c)
       ),
     ),
     "fused_topk": (
       lambda h, w, ids, lp: jnp.mean(k.kl_div_from_topk(mm(h, w), ids, lp)),
-      ["h", "w", "topk_ids", "topk_lp"],
       lambda c: lambda h, w, ids, lp: k.fused_topk_distillation_loss(h, w, ids, lp, chunk_size=c),
     ),
     "fused_token_log_probs": (
       lambda h, w, y: total(k.token_log_probs(mm(h, w), y, return_entropy=True)),
-      ["h", "w", "ids"],
       lambda c: (
         lambda h, w, y: total(k.fused_token_log_probs(h, w, y, return_entropy=True, chunk_size=c))
       ),
     ),
     "fused_policy": (
       materialised_policy,
-      ["h", "w", "ids", "per_token", "per_token"],
       lambda c: (
         lambda h, w, y, old, adv: k.fused_policy_loss(
           h, w, y, old, adv, chunk_size=c, **POLICY_OPTIONS
@@ -255,23 +223,20 @@ def _device(target: str):
 
 def _cost(compiled, target: str) -> dict[str, float | None]:
   """Flops, HBM bytes and (TPU) XLA's optimal_seconds of a compiled program."""
-  if TARGETS[target]["kind"] == "tpu":
+  tpu = TARGETS[target]["kind"] == "tpu"
+  if tpu:
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    return {
-      "flops": float(ca.get("flops", 0.0)),
-      "bytes": float(ca.get("bytes accessed", 0.0)),
-      "optimal_seconds": float(ca.get("optimal_seconds", -1.0)),
-    }
-  import jax
-  from jax._src.lib import _jax  # tooling only: XLA's HLO cost analysis of the GPU module
+  else:
+    import jax
+    from jax._src.lib import _jax  # tooling only: XLA's HLO cost analysis of the GPU module
 
-  module = compiled.runtime_executable().hlo_modules()[0]
-  ca = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+    module = compiled.runtime_executable().hlo_modules()[0]
+    ca = _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
   return {
     "flops": float(ca.get("flops", 0.0)),
     "bytes": float(ca.get("bytes accessed", 0.0)),
-    "optimal_seconds": None,
+    "optimal_seconds": float(ca.get("optimal_seconds", -1.0)) if tpu else None,
   }
 
 
@@ -333,13 +298,11 @@ def _measure(fn, argnums, structs, target: str, matmul: bool) -> dict[str, Any]:
   compiled = _compile(fn, argnums, structs)
   cost = _cost(compiled, target)
   seconds, source = _seconds(cost, target, matmul)
+  temp = int(compiled.memory_analysis().temp_size_in_bytes)
   return (
     cost
-    | {"seconds": seconds, "time_source": source}
-    | {
-      "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
-      "compile_s": time.perf_counter() - start,
-    }
+    | {"seconds": seconds, "time_source": source, "temp_bytes": temp}
+    | {"compile_s": time.perf_counter() - start}
   )
 
 
@@ -357,7 +320,7 @@ def _row_records(target: str, dev, shapes, cases) -> list[dict[str, Any]]:
   for (n, v), dtype in shapes:
     dt = jnp.dtype(dtype)
     for case in [c for c in cases if c in ROW_CASES]:
-      fns, kinds, floor_arrays = _row_contenders(case)
+      fns, (kinds, floor_arrays) = _row_contenders(case), ROW_ARGS[case]
       structs = _structs(kinds, {"n": n, "v": v, "dtype": dt}, dev)
       floor = floor_arrays * n * v * dt.itemsize
       row = {"case": case, "kind": "row", "shape": [n, v], "dtype": dtype, "floor_bytes": floor}
@@ -395,7 +358,8 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
   import jax.numpy as jnp
 
   (n, h, v), c, dt = row["shape"], row["chunk"], jnp.dtype("bfloat16")
-  materialised, kinds, fused = _fused_contenders(row["case"])
+  materialised, fused = _fused_contenders(row["case"])
+  kinds, head_reads = FUSED_ARGS[row["case"]]
 
   def measure(fn, tokens):
     structs = _structs(kinds, {"n": tokens, "v": v, "h": h, "dtype": dt}, dev)
@@ -410,7 +374,7 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
       for x in (one, two):
         x["seconds"], x["time_source"] = _seconds({**x, "optimal_seconds": None}, target, True)
     est = {k: one[k] + (n / c - 1) * (two[k] - one[k]) for k in ("flops", "bytes", "seconds")}
-    weight_bytes = h * v * (HEAD_READS[row["case"]] * dt.itemsize + 2 * 4)
+    weight_bytes = h * v * (head_reads * dt.itemsize + 2 * 4)
     # The real program at N tokens, its chunk chosen by the library: its temp.
     full = measure(fn if chunk else fused(None), n)
     return est | {
@@ -452,13 +416,8 @@ def worker(args: argparse.Namespace) -> int:
   if "fused_policy" in cases:
     policy_shape = QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE
     records += _fused_records(args.worker, dev, policy_shape, ["fused_policy"], args.chunk)
-  payload = {
-    "target": args.worker,
-    "device_kind": dev.device_kind,
-    "jax": jax.__version__,
-    "records": records,
-  }
-  Path(args.worker_out).write_text(json.dumps(payload, indent=1) + "\n")
+  payload = {"target": args.worker, "device_kind": dev.device_kind, "jax": jax.__version__}
+  Path(args.worker_out).write_text(json.dumps(payload | {"records": records}, indent=1) + "\n")
   return 0
 
 
@@ -543,10 +502,8 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
       out.append(target_row(f"{name}: HBM / floor", ROW_HBM_TARGET, r["hbm_ratio"]))
       out.append(target_row(f"{name}: temp / [N, V] f32", ROW_TEMP_TARGET, r["temp_ratio"]))
     elif r["kind"] == "fused" and "time_ratio" in r:
-      if r["case"] == "fused_policy":
-        out.append(target_row(f"{name}: time / materialised", POLICY_TIME_TARGET, r["time_ratio"]))
-      else:
-        out.append(target_row(f"{name}: time / materialised", FUSED_TIME_TARGET, r["time_ratio"]))
+      limit = POLICY_TIME_TARGET if r["case"] == "fused_policy" else FUSED_TIME_TARGET
+      out.append(target_row(f"{name}: time / materialised", limit, r["time_ratio"]))
       if target in FUSED_TEMP_TARGET:
         limit = FUSED_TEMP_TARGET[target] / 2**30
         out.append(target_row(f"{name}: temp GiB", limit, r["fused"]["temp_bytes"] / 2**30))
@@ -555,13 +512,8 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
       # gradient's read and write) are below the chip's flops / bandwidth. The chunk's
       # intensity over all its bytes (the logits' passes too) is reported beside it.
       balance = TARGETS[target]["peak"] / TARGETS[target]["bw"]
-      out.append(
-        target_row(
-          f"{name}: chip balance / chunk weight intensity",
-          1.0,
-          balance / r["fused"]["weight_intensity"],
-        )
-      )
+      value = balance / r["fused"]["weight_intensity"]
+      out.append(target_row(f"{name}: chip balance / chunk weight intensity", 1.0, value))
     elif "time_ratio" not in r:
       out.append({"target": f"{name}: compiled", "limit": None, "value": None, "pass": False})
   for row in out:
@@ -605,14 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     kind = TARGETS[target]["kind"]
     python = venv_python(kind, jax_version)
     part = args.out / f"accel-{target}.part.json"
-    cmd = [
-      str(python),
-      str(Path(__file__).resolve()),
-      "--worker",
-      target,
-      "--worker-out",
-      str(part),
-    ]
+    cmd = [str(python), str(Path(__file__).resolve()), "--worker", target]
+    cmd += ["--worker-out", str(part)]
     cmd += ["--quick"] if args.quick else []
     cmd += ["--cases", args.cases] if args.cases else []
     cmd += ["--chunk", str(args.chunk)] if args.chunk else []

@@ -50,16 +50,8 @@ WHERE = "where_guarded"
 OPTAX = "optax"
 TORCH = "torch_cpu"
 LIMITS = ("limit_read2", "limit_read2_write1", "limit_transcendental")
-SHORT = {
-  KLDIV: "kldiv",
-  KLDIV_OPTAX_API: "k.optax",
-  WHERE: "where",
-  OPTAX: "optax",
-  TORCH: "torch",
-  "limit_read2": "rd2",
-  "limit_read2_write1": "rd2wr1",
-  "limit_transcendental": "transc",
-}
+SHORT = {KLDIV: "kldiv", KLDIV_OPTAX_API: "k.optax", WHERE: "where", OPTAX: "optax", TORCH: "torch"}
+SHORT |= dict(zip(LIMITS, ("rd2", "rd2wr1", "transc")))
 
 # ----------------------------------------------------------------------------- data
 
@@ -223,15 +215,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def run_case(
-  data,
-  torch_data,
-  elements,
-  shape,
-  dtype,
-  log_target,
-  reduction,
-  op,
-  repeats,
+  data, torch_data, elements, shape, dtype, log_target, reduction, op, repeats
 ) -> list[dict[str, Any]]:
   """Times one (case, op) group round-robin; returns its records."""
   x, t, g = data
@@ -250,32 +234,18 @@ def run_case(
       kinds[name] = "limit"
   times = round_robin(thunks, repeats)
   med = {name: median_ms(ts) for name, ts in times.items()}
-  records = []
-  for name, ts in times.items():
-    records.append(
-      {
-        "elements": elements,
-        "log2_elements": int(np.log2(elements)),
-        "shape": list(shape),
-        "dtype": dtype,
-        "log_target": log_target,
-        "reduction": reduction,
-        "op": op,
-        "contender": name,
-        "kind": kinds[name],
-        "median_ms": med[name],
-        "min_ms": 1e3 * min(ts),
-        "times_ms": [1e3 * s for s in ts],
-        "ns_per_element": 1e6 * med[name] / elements,
-        "repeats": repeats,
-        "temp_bytes": info[name]["temp_bytes"],
-        "output_bytes": info[name]["output_bytes"],
-        "compile_s": info[name]["compile_s"],
-        "ratio_vs_where": ratio(med[name], med.get(WHERE)),
-        "ratio_vs_optax": ratio(med[name], med.get(OPTAX)),
-      }
-    )
-  return records
+  case = {"elements": elements, "log2_elements": int(np.log2(elements)), "shape": list(shape)}
+  case |= {"dtype": dtype, "log_target": log_target, "reduction": reduction, "op": op}
+  return [
+    case
+    | {"contender": name, "kind": kinds[name], "median_ms": med[name], "min_ms": 1e3 * min(ts)}
+    | {"times_ms": [1e3 * s for s in ts], "ns_per_element": 1e6 * med[name] / elements}
+    | {"repeats": repeats}
+    | {k: info[name][k] for k in ("temp_bytes", "output_bytes", "compile_s")}
+    | {"ratio_vs_where": ratio(med[name], med.get(WHERE))}
+    | {"ratio_vs_optax": ratio(med[name], med.get(OPTAX))}
+    for name, ts in times.items()
+  ]
 
 
 TABLE_HEADER = (
@@ -457,22 +427,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         del data, tdata
   targets = evaluate_targets(records)
   show_targets(targets)
+  settings = {"sizes": sizes, "shapes": [list(shape_for(n)) for n in sizes], "dtypes": dtypes}
+  settings |= {"reductions": reductions, "log_targets": log_targets, "ops": ops}
+  # repeats_override None: default_repeats; each record has its own
+  settings |= {"repeats_override": args.repeats, "quick": args.quick, "seed": args.seed}
+  settings |= {"torch": torch is not None, "zero_fraction": ZERO_FRACTION}
   return {
     "section": "core",
     "machine": machine,
-    "settings": {
-      "sizes": sizes,
-      "shapes": [list(shape_for(n)) for n in sizes],
-      "dtypes": dtypes,
-      "reductions": reductions,
-      "log_targets": log_targets,
-      "ops": ops,
-      "repeats_override": args.repeats,  # None: default_repeats; each record has its own
-      "quick": args.quick,
-      "seed": args.seed,
-      "torch": torch is not None,
-      "zero_fraction": ZERO_FRACTION,
-    },
+    "settings": settings,
     "notes": "what each contender, operation and limit is: benchmarks/README.md, Method",
     "records": records,
     "targets": targets,

@@ -11,17 +11,17 @@ from typing import Any
 
 import jax
 from _harness import (
+  compare_memory,
   f32,
   fmt_bytes,
   fmt_ms,
-  grad_memory,
   parser,
   print_targets,
   ratio,
   save,
   start,
   target_row,
-  time_contenders,
+  time_grads,
 )
 
 import kldiv_jax
@@ -63,19 +63,14 @@ def random_args(tokens: int, hidden: int, vocab: int, seed: int) -> tuple[jax.Ar
 def measure_memory(shape: tuple[int, int, int]) -> dict[str, Any]:
   tokens, hidden, vocab = shape
   args = (f32(tokens, hidden), f32(hidden, vocab)) * 2
-  out: dict[str, Any] = {"tokens": tokens, "hidden": hidden, "vocab": vocab}
-  out["logits_bytes"] = tokens * vocab * 4
-  for name, fn in CONTENDERS.items():
-    out[name] = grad_memory(fn, *args, argnums=(0, 1))
-  out["temp_ratio"] = ratio(out["fused"]["temp_bytes"], out["materialised"]["temp_bytes"])
-  return out
+  fields = dict(tokens=tokens, hidden=hidden, vocab=vocab, logits_bytes=tokens * vocab * 4)
+  return compare_memory(CONTENDERS, args, (0, 1), **fields)
 
 
 def measure_time(shape: tuple[int, int, int], repeats: int, seed: int) -> dict[str, Any]:
-  args = random_args(*shape, seed)
-  vg = {name: (jax.value_and_grad(fn, argnums=(0, 1)), args) for name, fn in CONTENDERS.items()}
   out: dict[str, Any] = dict(zip(("tokens", "hidden", "vocab"), shape)) | {"repeats": repeats}
-  out |= time_contenders(vg, repeats, keep=("loss", lambda value_grads: float(value_grads[0])))
+  keep = ("loss", lambda value_grads: float(value_grads[0]))
+  out |= time_grads(CONTENDERS, random_args(*shape, seed), repeats, (0, 1), keep=keep)
   out["time_ratio"] = ratio(out["fused"]["median_ms"], out["materialised"]["median_ms"])
   loss = out["materialised"]["loss"]
   out["loss_relative_difference"] = abs(out["fused"]["loss"] - loss) / abs(loss)

@@ -15,13 +15,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from _harness import (
+  compare_memory,
   f32,
-  grad_memory,
   parser,
   print_memory,
   print_targets,
   print_times,
-  ratio,
+  ratio_targets,
   save,
   start,
   target_row,
@@ -38,7 +38,6 @@ LOGITS_SHAPE, QUICK_LOGITS_SHAPE = (2048, 16384), (128, 1024)
 FUSED_SHAPE, QUICK_FUSED_SHAPE = (1024, 512, 16384), (64, 32, 1024)
 FUSED_MEMORY_SHAPE, QUICK_FUSED_MEMORY_SHAPE = (8192, 1024, 65536), (512, 64, 4096)
 TOPK_SHAPE, QUICK_TOPK_SHAPE = (4096, 131072, 64), (128, 4096, 16)
-TIME_TARGET, FUSED_MEMORY_TARGET, TOPK_MEMORY_TARGET = 1.1, 0.05, 0.02
 
 
 def _keys(n):
@@ -90,12 +89,13 @@ def fused_contenders(shape):
   }
 
 
+# (target, limit, with the option, without it): time ratios.
 OVERHEADS = (
-  ("soft-capping, distillation_loss", "logits: softcap", "logits: plain"),
-  ("padded teacher, distillation_loss", "logits: padded teacher", "logits: plain"),
-  ("soft-capping, fused head", "fused: softcap", "fused: plain"),
-  ("padded teacher, fused head", "fused: padded teacher", "fused: plain"),
-  ("hard loss inside the fused head", "fused: labels (CE inside)", "fused: plain"),
+  ("soft-capping, distillation_loss", 1.1, "logits: softcap", "logits: plain"),
+  ("padded teacher, distillation_loss", 1.1, "logits: padded teacher", "logits: plain"),
+  ("soft-capping, fused head", 1.1, "fused: softcap", "fused: plain"),
+  ("padded teacher, fused head", 1.1, "fused: padded teacher", "fused: plain"),
+  ("hard loss inside the fused head", 1.1, "fused: labels (CE inside)", "fused: plain"),
 )
 
 
@@ -110,11 +110,8 @@ def measure_fused_memory(shape) -> dict[str, Any]:
   def materialised(hs, w, th, tw, y):
     return kldiv_jax.distillation_loss(hs @ w, jax.lax.stop_gradient(th @ tw), y, **kw)
 
-  out: dict[str, Any] = {"tokens": n, "hidden": h, "vocab": v}
-  out["fused"] = grad_memory(fused, *args, argnums=(0, 1))
-  out["materialised"] = grad_memory(materialised, *args, argnums=(0, 1))
-  out["temp_ratio"] = ratio(out["fused"]["temp_bytes"], out["materialised"]["temp_bytes"])
-  return out
+  fns = {"fused": fused, "materialised": materialised}
+  return compare_memory(fns, args, (0, 1), tokens=n, hidden=h, vocab=v)
 
 
 def _materialised_topk(z, ids, lp):
@@ -135,13 +132,8 @@ def measure_topk_memory(shape) -> dict[str, Any]:
   def topk(z, ids, lp):
     return kldiv_jax.divergence_from_topk(z, ids, lp, temperature=T, tail="bucket").sum()
 
-  out: dict[str, Any] = {"tokens": n, "vocab": v, "k": k, "logits_bytes": n * v * 4}
-  out["topk"], out["materialised"] = (
-    grad_memory(topk, *args),
-    grad_memory(_materialised_topk, *args),
-  )
-  out["temp_ratio"] = ratio(out["topk"]["temp_bytes"], out["materialised"]["temp_bytes"])
-  return out
+  fns = {"topk": topk, "materialised": _materialised_topk}
+  return compare_memory(fns, args, tokens=n, vocab=v, k=k, logits_bytes=n * v * 4)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -155,35 +147,22 @@ def main(argv: Sequence[str] | None = None) -> int:
   times |= time_contenders(fused_contenders(fused_shape), repeats)
   fused_memory = measure_fused_memory(QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE)
   topk_memory = measure_topk_memory(QUICK_TOPK_SHAPE if q else TOPK_SHAPE)
-  targets = [
-    target_row(what, TIME_TARGET, ratio(times[a]["median_ms"], times[b]["median_ms"]))
-    for what, a, b in OVERHEADS
-  ]
-  targets += [
-    target_row(
-      "fused temp / materialised (labels, caps)", FUSED_MEMORY_TARGET, fused_memory["temp_ratio"]
-    ),
-    target_row(
-      "top-k tail bucket temp / log_softmax", TOPK_MEMORY_TARGET, topk_memory["temp_ratio"]
-    ),
-  ]
+  targets = ratio_targets(OVERHEADS, times)
+  for what, limit, m in (
+    ("fused temp / materialised (labels, caps)", 0.05, fused_memory),
+    ("top-k tail bucket temp / log_softmax", 0.02, topk_memory),
+  ):
+    targets.append(target_row(what, limit, m["temp_ratio"]))
   print_times(
     f"\nvalue_and_grad time, median of {repeats} (round-robin): logits {logits_shape}, "
     f"fused (N, H, V) = {fused_shape}",
     times,
   )
-  m = fused_memory
-  print_memory(
-    f"\ncompiled temp, fused head N={m['tokens']} H={m['hidden']} V={m['vocab']}:",
-    m,
-    ("fused", "materialised"),
-  )
-  m = topk_memory
-  print_memory(
-    f"\ncompiled temp, top-k N={m['tokens']} V={m['vocab']} k={m['k']}:",
-    m,
-    ("topk", "materialised"),
-  )
+  for m, what in (
+    (fused_memory, "fused head N={tokens} H={hidden} V={vocab}"),
+    (topk_memory, "top-k N={tokens} V={vocab} k={k}"),
+  ):
+    print_memory(f"\ncompiled temp, {what.format(**m)}:", m)
   print_targets(targets, q)
   settings = {"quick": q, "repeats": repeats, "temperature": T, "softcap": CAP, "pad": PAD}
   result = {"section": "llm", "machine": machine, "settings": settings, "times": times}

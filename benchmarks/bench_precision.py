@@ -16,6 +16,7 @@ import argparse
 import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from _harness import describe_machine, machine_info, parser, print_table, save
 from _references import np_divergence_value_and_grads, np_log_softmax
+from bench_divergences import NAMES
 
 import kldiv_jax as kd
 
@@ -30,15 +32,8 @@ EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
 U_BF16 = 2.0**-8  # bf16's unit roundoff: round-to-nearest error bound, relative
 VOCAB, QUICK_VOCAB, EASYDEL_VOCAB = 131072, 16384, 248320
 # The divergences and their parameters (alpha-beta has no defaults).
-SPECS = {
-  "forward_kl": kd.Divergence("forward_kl"),
-  "reverse_kl": kd.Divergence("reverse_kl"),
-  "jsd": kd.Divergence("jsd"),
-  "symmetric_kl": kd.Divergence("symmetric_kl"),
-  "skew_kl": kd.Divergence("skew_kl"),
-  "skew_reverse_kl": kd.Divergence("skew_reverse_kl"),
-  "tvd": kd.Divergence("tvd"),
-  "alpha_beta": kd.Divergence("alpha_beta", alpha=0.5, beta=0.5),
+SPECS = {n: kd.Divergence(n) for n in NAMES} | {
+  "alpha_beta": kd.Divergence("alpha_beta", alpha=0.5, beta=0.5)
 }
 
 
@@ -159,71 +154,66 @@ def measure(vg, inputs, ref_value, ref_grads, entropy, grad_names) -> dict[str, 
   return record
 
 
+def sweep(fn, base, noise, deltas, temperatures, step: bool = True):
+  """``(temperature, delta, student, teacher, vg)`` per temperature and delta (0, ``deltas``
+  and, with ``step``, :data:`STEP`): :func:`pair`'s inputs and :func:`value_and_grads` of
+  ``fn(..., temperature=temperature)``."""
+  for temperature in temperatures:
+    vg = value_and_grads(partial(fn, temperature=temperature))
+    for delta in (0.0, *deltas, STEP)[: None if step else -1]:
+      yield temperature, delta, *pair(base, noise, delta), vg
+
+
+def reference(name: str, params, s, t, temperature: float):
+  """The float64 value, gradients and entropies of divergence ``name`` at bf16 ``s``, ``t``."""
+  return np_divergence_value_and_grads(name, dict(params), as64(s), as64(t), temperature)
+
+
+def case(function: str, name: str, params, temperature: float, delta, s, t) -> dict[str, Any]:
+  return {"function": function, "divergence": name, "params": dict(params)} | {
+    "temperature": temperature,
+    "delta": delta,
+    "classes_differing": float(np.mean(as64(s) != as64(t))),
+  }
+
+
+SIDES = ("student", "teacher")
+
+
 def divergence_records(base, noise, deltas, temperatures, log) -> list[dict[str, Any]]:
   """Every divergence of ``divergence_from_logits``, per row, gradients wrt both sides."""
   records = []
   for name, spec in SPECS.items():
     start = time.perf_counter()
-    for temperature in temperatures:
-      vg = value_and_grads(
-        lambda s, t, spec=spec, temperature=temperature: kd.divergence_from_logits(
-          s, t, divergence=spec, temperature=temperature
-        )
-      )
-      for delta in (0.0, *deltas, STEP):
-        s, t = pair(base, noise, delta)
-        v, gz, gy, hp, hq = np_divergence_value_and_grads(
-          name, dict(spec.params), as64(s), as64(t), temperature
-        )
-        record = {
-          "function": "divergence_from_logits",
-          "divergence": name,
-          "params": dict(spec.params),
-          "temperature": temperature,
-          "delta": delta,
-          "classes_differing": float(np.mean(as64(s) != as64(t))),
-          **measure(vg, (s, t), v, (gz, gy), hp + hq, ("student", "teacher")),
-        }
-        if not record["identical"]:
-          for side, grad in (("student", gz), ("teacher", gy)):
-            cond = gradient_condition(as64(s), as64(t), temperature, grad)
-            error = record[f"grad_{side}_f32"]["rel_norm"]
-            record[f"grad_{side}_condition"] = cond
-            record[f"grad_{side}_f32_over_eps_cond"] = error / (EPS32 * cond)
-            record[f"grad_{side}_norm_ref"] = float(np.linalg.norm(grad))
-        records.append(record)
+    fn = partial(kd.divergence_from_logits, divergence=spec)
+    for temperature, delta, s, t, vg in sweep(fn, base, noise, deltas, temperatures):
+      v, gz, gy, hp, hq = reference(name, spec.params, s, t, temperature)
+      record = case("divergence_from_logits", name, spec.params, temperature, delta, s, t)
+      record |= measure(vg, (s, t), v, (gz, gy), hp + hq, SIDES)
+      if not record["identical"]:
+        for side, grad in zip(SIDES, (gz, gy)):
+          cond = gradient_condition(as64(s), as64(t), temperature, grad)
+          error = record[f"grad_{side}_f32"]["rel_norm"]
+          record[f"grad_{side}_condition"] = cond
+          record[f"grad_{side}_f32_over_eps_cond"] = error / (EPS32 * cond)
+          record[f"grad_{side}_norm_ref"] = float(np.linalg.norm(grad))
+      records.append(record)
     log(f"  {name}: {time.perf_counter() - start:.1f} s")
   return records
 
 
 def distillation_records(base, noise, deltas, temperatures) -> list[dict[str, Any]]:
   """``distillation_loss``, forward KL, no labels: ``T^2`` times the mean of ``D`` over rows."""
-  records = []
-  rows = base.shape[0]
-  for temperature in temperatures:
+  records, rows = [], base.shape[0]
+  cases = sweep(kd.distillation_loss, base, noise, deltas, temperatures)
+  for temperature, delta, s, t, vg in cases:
     t2 = temperature**2
-    vg = value_and_grads(
-      lambda s, t, temperature=temperature: kd.distillation_loss(s, t, temperature=temperature)
+    v, gz, gy, hp, hq = reference("forward_kl", {}, s, t, temperature)
+    ref_grads = (gz * t2 / rows, gy * t2 / rows)
+    record = case("distillation_loss", "forward_kl", {}, temperature, delta, s, t)
+    records.append(
+      record | measure(vg, (s, t), t2 * np.mean(v), ref_grads, t2 * np.max(hp + hq), SIDES)
     )
-    for delta in (0.0, *deltas, STEP):
-      s, t = pair(base, noise, delta)
-      v, gz, gy, hp, hq = np_divergence_value_and_grads(
-        "forward_kl", {}, as64(s), as64(t), temperature
-      )
-      ref_grads = (gz * t2 / rows, gy * t2 / rows)
-      records.append(
-        {
-          "function": "distillation_loss",
-          "divergence": "forward_kl",
-          "params": {},
-          "temperature": temperature,
-          "delta": delta,
-          "classes_differing": float(np.mean(as64(s) != as64(t))),
-          **measure(
-            vg, (s, t), t2 * np.mean(v), ref_grads, t2 * np.max(hp + hq), ("student", "teacher")
-          ),
-        }
-      )
   return records
 
 
@@ -241,40 +231,23 @@ def fused_records(rows, vocab, hidden, std, deltas, temperatures, seed) -> list[
   noise = rng.normal(size=(rows, hidden))
   w = jnp.asarray(rng.normal(size=(hidden, vocab)) * std / math.sqrt(hidden), jnp.bfloat16)
   w64 = as64(w)
+
+  def fused(hs, w, ht, temperature):
+    return kd.fused_distillation_loss(hs, w, ht, w, temperature=temperature)
+
   records = []
-  for temperature in temperatures:
-    t2 = temperature**2
-    vg = value_and_grads(
-      lambda hs, w, ht, temperature=temperature: kd.fused_distillation_loss(
-        hs, w, ht, w, temperature=temperature
-      )
+  for temperature, delta, hs, ht, vg in sweep(fused, h, noise, deltas, temperatures, step=False):
+    t2, hs64 = temperature**2, as64(hs)
+    v, gz, _, hp, hq = np_divergence_value_and_grads(
+      "forward_kl", {}, hs64 @ w64, as64(ht) @ w64, temperature
     )
-    for delta in (0.0, *deltas):
-      hs, ht = pair(h, noise, delta)
-      hs64 = as64(hs)
-      v, gz, _, hp, hq = np_divergence_value_and_grads(
-        "forward_kl", {}, hs64 @ w64, as64(ht) @ w64, temperature
-      )
-      dz = gz * t2 / rows
-      ref_grads = (dz @ w64.T, hs64.T @ dz, None)
-      records.append(
-        {
-          "function": "fused_distillation_loss",
-          "divergence": "forward_kl",
-          "params": {},
-          "hidden": hidden,
-          "temperature": temperature,
-          "delta": delta,
-          **measure(
-            vg,
-            (hs, w, ht),
-            t2 * np.mean(v),
-            ref_grads,
-            t2 * np.max(hp + hq),
-            ("hidden", "weight", ""),
-          ),
-        }
-      )
+    dz = gz * t2 / rows
+    ref_grads, sides = (dz @ w64.T, hs64.T @ dz, None), ("hidden", "weight", "")
+    record = {"function": "fused_distillation_loss", "divergence": "forward_kl", "params": {}}
+    record |= {"hidden": hidden, "temperature": temperature, "delta": delta}
+    records.append(
+      record | measure(vg, (hs, w, ht), t2 * np.mean(v), ref_grads, t2 * np.max(hp + hq), sides)
+    )
   return records
 
 
@@ -294,49 +267,33 @@ def topk_full(s, t, temperature):
   return kd.kl_div_from_topk(s, order, log_probs, temperature=temperature)
 
 
+# The entry points of :func:`identical_checks`, each ``f(s, t, temperature=T)``.
+ENTRY_POINTS = {
+  f"divergence_from_logits[{name}]": partial(kd.divergence_from_logits, divergence=spec)
+  for name, spec in SPECS.items()
+} | {
+  "kl_div_from_logits": kd.kl_div_from_logits,
+  "generalized_jsd": kd.generalized_jsd,
+  "distillation_loss": kd.distillation_loss,
+  "kl_div_from_topk[k=V]": topk_full,
+  "straightforward forward KL": naive_forward_kl,
+}
+
+
 def identical_checks(rows, vocab, std, seed, names) -> list[dict[str, Any]]:
   """Identical logits (bf16 and float32, T = 1 and 2) through the entry points ``names``."""
-  rng = np.random.default_rng(seed + 2)
-  base = rng.normal(size=(rows, vocab)) * std
+  base = np.random.default_rng(seed + 2).normal(size=(rows, vocab)) * std
   out = []
   for dtype in (jnp.bfloat16, jnp.float32):
     x = jnp.asarray(base, dtype)
     for temperature in (1.0, 2.0):
-      calls: dict[str, Callable[..., jax.Array]] = {
-        f"divergence_from_logits[{name}]": (
-          lambda s, t, spec=spec, temperature=temperature: kd.divergence_from_logits(
-            s, t, divergence=spec, temperature=temperature
-          )
-        )
-        for name, spec in SPECS.items()
-      }
-      calls["kl_div_from_logits"] = lambda s, t, temperature=temperature: kd.kl_div_from_logits(
-        s, t, temperature=temperature
-      )
-      calls["generalized_jsd"] = lambda s, t, temperature=temperature: kd.generalized_jsd(
-        s, t, temperature=temperature
-      )
-      calls["distillation_loss"] = lambda s, t, temperature=temperature: kd.distillation_loss(
-        s, t, temperature=temperature
-      )
-      calls["kl_div_from_topk[k=V]"] = lambda s, t, temperature=temperature: topk_full(
-        s, t, temperature
-      )
-      calls["straightforward forward KL"] = lambda s, t, temperature=temperature: naive_forward_kl(
-        s, t, temperature
-      )
       for name in names:
-        value, grads = value_and_grads(calls[name])(x, x)
+        value, grads = value_and_grads(partial(ENTRY_POINTS[name], temperature=temperature))(x, x)
         out.append(
-          {
-            "function": name,
-            "vocab": vocab,
-            "dtype": jnp.dtype(dtype).name,
-            "temperature": temperature,
-            "max_abs_value": float(np.max(np.abs(as64(value)))),
-            "min_value": float(np.min(as64(value))),
-            "max_abs_grad": float(max(np.max(np.abs(as64(g))) for g in grads)),
-          }
+          {"function": name, "vocab": vocab, "dtype": jnp.dtype(dtype).name}
+          | {"temperature": temperature, "max_abs_value": float(np.max(np.abs(as64(value))))}
+          | {"min_value": float(np.min(as64(value)))}
+          | {"max_abs_grad": float(max(np.max(np.abs(as64(g))) for g in grads))}
         )
   return out
 
@@ -344,25 +301,16 @@ def identical_checks(rows, vocab, std, seed, names) -> list[dict[str, Any]]:
 def straightforward_records(base, noise, deltas, temperatures) -> list[dict[str, Any]]:
   """For contrast: :func:`naive_forward_kl` on the bf16 logits (computed in bf16), jitted."""
   out = []
-  for temperature in temperatures:
-    vg = value_and_grads(lambda s, t, temperature=temperature: naive_forward_kl(s, t, temperature))
-    for delta in (0.0, *deltas, STEP):
-      s, t = pair(base, noise, delta)
-      v_ref, gz_ref, *_ = np_divergence_value_and_grads(
-        "forward_kl", {}, as64(s), as64(t), temperature
-      )
-      value, (gz, _) = vg(s, t)
-      out.append(
-        {
-          "function": "straightforward bf16 forward KL",
-          "temperature": temperature,
-          "delta": delta,
-          "min_value": float(np.min(as64(value))),
-          "max_abs_value_err": float(np.max(np.abs(as64(value) - v_ref))),
-          "grad_student": grad_errors(gz, gz_ref) if delta else None,
-          "max_abs_grad": float(np.max(np.abs(as64(gz)))),
-        }
-      )
+  for temperature, delta, s, t, vg in sweep(naive_forward_kl, base, noise, deltas, temperatures):
+    v_ref, gz_ref, *_ = reference("forward_kl", {}, s, t, temperature)
+    value, (gz, _) = vg(s, t)
+    out.append(
+      {"function": "straightforward bf16 forward KL", "temperature": temperature, "delta": delta}
+      | {"min_value": float(np.min(as64(value)))}
+      | {"max_abs_value_err": float(np.max(np.abs(as64(value) - v_ref)))}
+      | {"grad_student": grad_errors(gz, gz_ref) if delta else None}
+      | {"max_abs_grad": float(np.max(np.abs(as64(gz))))}
+    )
   return out
 
 
@@ -372,22 +320,12 @@ def straightforward_records(base, noise, deltas, temperatures) -> list[dict[str,
 def summary(records: list[dict[str, Any]], grad_keys: Sequence[str]) -> list[dict[str, Any]]:
   """Per function and divergence: the worst case over deltas and temperatures."""
   rows: dict[tuple[str, str], dict[str, Any]] = {}
+  zeros = ("value_abs_err", "value_rel_err", "value_err_over_eps_s", *grad_keys)
+  zeros += tuple(k + "_max" for k in grad_keys)
   for r in records:
-    key = (r["function"], r["divergence"])
-    row = rows.setdefault(
-      key,
-      {
-        "function": r["function"],
-        "divergence": r["divergence"],
-        "identical_exact_zero": True,
-        "min_value": math.inf,
-        "value_abs_err": 0.0,
-        "value_rel_err": 0.0,
-        "value_err_over_eps_s": 0.0,
-        **{k: 0.0 for k in grad_keys},
-        **{k + "_max": 0.0 for k in grad_keys},
-      },
-    )
+    first = {"function": r["function"], "divergence": r["divergence"]}
+    first |= {"identical_exact_zero": True, "min_value": math.inf} | dict.fromkeys(zeros, 0.0)
+    row = rows.setdefault((r["function"], r["divergence"]), first)
     if r["identical"]:
       row["identical_exact_zero"] &= bool(r["exact_zero"] and r["zero_gradients"])
       continue
@@ -516,27 +454,12 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
       if r.get(k + "_bf16")
     ),
   }
-  return {
-    "section": "precision",
-    "machine": machine_info(),
-    "settings": {
-      "rows": rows,
-      "vocab": vocab,
-      "std": args.std,
-      "deltas": deltas,
-      "temperatures": temperatures,
-      "hidden": args.hidden,
-      "seed": args.seed,
-      "eps_f32": EPS32,
-      "u_bf16": U_BF16,
-      "seconds": time.perf_counter() - start,
-    },
-    "records": records + fused,
-    "summary": table,
-    "identical": identical,
-    "straightforward": naive,
-    "checks": checks,
-  }
+  settings = dict(rows=rows, vocab=vocab, std=args.std, deltas=deltas)
+  settings |= dict(temperatures=temperatures, hidden=args.hidden, seed=args.seed)
+  settings |= dict(eps_f32=EPS32, u_bf16=U_BF16, seconds=time.perf_counter() - start)
+  result = {"section": "precision", "machine": machine_info(), "settings": settings}
+  result |= {"records": records + fused, "summary": table, "identical": identical}
+  return result | {"straightforward": naive, "checks": checks}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ Each figure is a ratio of two contenders measured side by side in one process
 (``fused_token_log_probs`` against the materialised logits) and ``policy``
 (``fused_policy_loss``, clip-higher PPO with an entropy bonus, against ``policy_loss`` of the
 materialised logits and against ``fused_token_log_probs`` + ``policy_loss``; time at the
-memory shape with ``--policy-full-time``). The targets are the ``*_TARGET`` constants.
+memory shape with ``--policy-full-time``). The targets are the ``TARGETS`` table.
 ``--quick``: small shapes, a smoke test.
 """
 
@@ -23,11 +23,10 @@ from _harness import (
   print_memory,
   print_targets,
   print_times,
-  ratio,
+  ratio_targets,
   save,
   start,
-  target_row,
-  time_contenders,
+  time_grads,
 )
 
 import kldiv_jax
@@ -36,9 +35,17 @@ LOGITS_SHAPE, QUICK_LOGITS_SHAPE = (4096, 8192), (256, 1024)
 FUSED_MEMORY_SHAPE, QUICK_FUSED_MEMORY_SHAPE = (8192, 1024, 65536), (512, 64, 4096)
 FUSED_TIME_SHAPE, QUICK_FUSED_TIME_SHAPE = (2048, 1024, 32768), (128, 32, 1024)
 TUNIX_SHAPE, QUICK_TUNIX_SHAPE = (2048, 32768), (128, 4096)
-LOGITS_TARGET, TUNIX_TARGET, MEMORY_TARGET, TIME_TARGET = 0.6, 1.0, 0.05, 1.1
-POLICY_MEMORY_TARGET, POLICY_TIME_TARGET = 0.05, 1.05
 EPS_LOW, EPS_HIGH, ENTROPY_COEF = 0.2, 0.28, 0.01
+
+# (target, limit, a, b): a's time over b's (their compiled temp bytes where it says temp).
+TARGETS = (
+  ("token_log_probs time / log_softmax (logits)", 0.6, "token_log_probs", "log_softmax"),
+  ("token_log_probs + k3 time / Tunix (no entropy)", 1.0, "token_log_probs + k3", "Tunix"),
+  ("fused temp / log_softmax + gather", 0.05, "fused", "log_softmax + gather"),
+  ("fused time / materialised", 1.1, "fused", "materialised"),
+  ("fused policy temp / materialised policy", 0.05, "fused policy", "materialised policy"),
+  ("fused policy time / materialised policy", 1.05, "fused policy", "materialised policy"),
+)
 
 
 def straightforward(logits, ids):
@@ -118,10 +125,6 @@ POLICY = {
 }
 
 
-def vg(fn):
-  return jax.value_and_grad(fn, argnums=(0, 1))
-
-
 def head(k, shape):
   """Hidden states ``N(0, 1)``, a head ``N(0, 4 / H)`` and token ids."""
   n, hd, v = shape
@@ -143,31 +146,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   n, v = QUICK_LOGITS_SHAPE if q else LOGITS_SHAPE
   logits = 3 * jax.random.normal(k[0], (n, v))
   ids = jax.random.randint(k[1], (n,), 0, v)
-  logits_times = time_contenders(
-    {
-      "token_log_probs": (jax.value_and_grad(ours), (logits, ids)),
-      "log_softmax": (jax.value_and_grad(straightforward), (logits, ids)),
-    },
-    repeats,
-  )
+  fns = {"token_log_probs": ours, "log_softmax": straightforward}
+  logits_times = time_grads(fns, (logits, ids), repeats)
   n, v = QUICK_TUNIX_SHAPE if q else TUNIX_SHAPE
   logits = 3 * jax.random.normal(k[0], (n, v))
   ids = jax.random.randint(k[1], (n,), 0, v)
   # The reference policy's log-probabilities: those of nearby logits (a fixed input).
   ref_lp = tunix_selective_log_softmax(logits + 0.3 * jax.random.normal(k[2], (n, v)), ids)
-  inputs = (logits, ids, ref_lp)
-  tunix_times = time_contenders(
-    {
-      "token_log_probs + k3": (jax.value_and_grad(ours_k3), inputs),
-      "Tunix": (jax.value_and_grad(tunix), inputs),
-    },
-    2 * repeats,
-  )
-  del logits, ref_lp, inputs
-  inputs = head(k, QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE)
-  fused_times = time_contenders(
-    {"fused": (vg(fused), inputs), "materialised": (vg(materialised), inputs)}, max(3, repeats // 2)
-  )
+  fns = {"token_log_probs + k3": ours_k3, "Tunix": tunix}
+  tunix_times = time_grads(fns, (logits, ids, ref_lp), 2 * repeats)
+  del logits, ref_lp
+  time_shape = QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE
+  fns = {"fused": fused, "materialised": materialised}
+  fused_times = time_grads(fns, head(k, time_shape), max(3, repeats // 2), (0, 1))
   n, hd, v = memory_shape = QUICK_FUSED_MEMORY_SHAPE if q else FUSED_MEMORY_SHAPE
   abstract = (f32(n, hd), f32(hd, v), jax.ShapeDtypeStruct((n,), jnp.int32))
   memory = {
@@ -176,43 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   }
   for name, fn in POLICY.items():
     memory[name] = grad_memory(fn, *abstract, f32(n), f32(n), argnums=(0, 1))
-  policy_shape = (
-    (QUICK_FUSED_TIME_SHAPE if q else FUSED_TIME_SHAPE)
-    if not args.policy_full_time
-    else memory_shape
-  )
+  policy_shape = memory_shape if args.policy_full_time else time_shape
   h, w, ids = head(k, policy_shape)
   lp = kldiv_jax.token_log_probs(h @ w, ids)  # old log-probs near the policy's: ratios near 1
   old = lp + 0.1 * jax.random.normal(k[0], (policy_shape[0],))
   adv = jax.random.normal(k[1], (policy_shape[0],))
   del lp
-  inputs = (h, w, ids, old, adv)
-  policy_times = time_contenders(
-    {name: (vg(fn), inputs) for name, fn in POLICY.items()}, max(3, repeats // 2)
-  )
-
+  policy_times = time_grads(POLICY, (h, w, ids, old, adv), max(3, repeats // 2), (0, 1))
   times = logits_times | tunix_times | fused_times | policy_times
-  targets, policies = [], ("fused policy", "materialised policy")
-  for what, limit, a, b in (
-    (
-      "token_log_probs time / log_softmax (logits)",
-      LOGITS_TARGET,
-      "token_log_probs",
-      "log_softmax",
-    ),
-    (
-      "token_log_probs + k3 time / Tunix (no entropy)",
-      TUNIX_TARGET,
-      "token_log_probs + k3",
-      "Tunix",
-    ),
-    ("fused temp / log_softmax + gather", MEMORY_TARGET, "fused", "log_softmax + gather"),
-    ("fused time / materialised", TIME_TARGET, "fused", "materialised"),
-    ("fused policy temp / materialised policy", POLICY_MEMORY_TARGET, *policies),
-    ("fused policy time / materialised policy", POLICY_TIME_TARGET, *policies),
-  ):
-    table, key = (memory, "temp_bytes") if " temp " in what else (times, "median_ms")
-    targets.append(target_row(what, limit, ratio(table[a][key], table[b][key])))
+  targets = ratio_targets(TARGETS, times, memory)
   print_times(
     f"\nvalue_and_grad time, median of {repeats} (round-robin)",
     logits_times | tunix_times | fused_times,

@@ -144,19 +144,19 @@ def vocab_parallel_memory(quick: bool = False) -> dict[str, Any]:
     }
 
   n, v = SHAPES[quick]["kl"]
-  losses = {
-    "kl_div_from_logits": lambda axis_name: (
-      lambda a, b: jnp.sum(kd.kl_div_from_logits(a, b, temperature=2.0, axis_name=axis_name))
+
+  def per_example(fn, **kw):  # the sum over rows of fn, given the axis name
+    return lambda axis_name: (
+      lambda a, b: jnp.sum(fn(a, b, temperature=2.0, axis_name=axis_name, **kw))
     )
-  }
+
+  losses = {"kl_div_from_logits": per_example(kd.kl_div_from_logits)}
   # Every other divergence of the engine, per example (the same shapes).
-  for name, div in SPECS.items():
-    if name != "forward_kl":
-      losses[f"divergence_from_logits {name}"] = lambda axis_name, div=div: (
-        lambda a, b: jnp.sum(
-          kd.divergence_from_logits(a, b, divergence=div, temperature=2.0, axis_name=axis_name)
-        )
-      )
+  losses |= {
+    f"divergence_from_logits {name}": per_example(kd.divergence_from_logits, divergence=div)
+    for name, div in SPECS.items()
+    if name != "forward_kl"
+  }
   rows = [
     row(f"{name} value_and_grad", f"[{n}, {v}]", loss, [(n, v)] * 2, (P(None, "vocab"),) * 2, 0, v)
     for name, loss in losses.items()
@@ -211,9 +211,8 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args = parser(__doc__, quick="smaller shapes", repeats="ignored (nothing is timed)").parse_args(
-    argv
-  )
+  p = parser(__doc__, quick="smaller shapes", repeats="ignored (nothing is timed)")
+  args = p.parse_args(argv)
   if jax.device_count() < NUM_DEVICES:  # JAX started before this module set XLA_FLAGS
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {_FLAG}".strip()
