@@ -15,9 +15,9 @@ doctests, which run in the same process, keep JAX's float32 default.
 Each test process (every pytest-xdist worker, the 8-device child) keeps the
 executables it compiles in a persistent compilation cache of its own, in a
 temporary directory removed when the session ends: a program compiled again —
-after ``jax.clear_caches()``, or traced again by another test — is loaded from it, not
-recompiled. A load counts as a compilation in ``count_compiles``; the
-determinism tests compile without it (``fresh_compilations``).
+after ``jax.clear_caches()`` (which ends each test module), or traced again by another
+test — is loaded from it, not recompiled. A load counts as a compilation in
+``count_compiles``; the determinism tests compile without it (``fresh_compilations``).
 
 XLA:CPU compiles the session's programs for speed (``_references.XLA_TEST_FLAGS`` added
 to ``XLA_FLAGS``, which the subprocesses of the examples' and the 8-device tests inherit):
@@ -29,6 +29,7 @@ compilations take about half the CPU this way. A test of bit-level numerics comp
 the demo compile with XLA's defaults.
 """
 
+import gc
 import shutil
 import tempfile
 
@@ -41,6 +42,11 @@ from _references import add_xla_test_flags, enable_x64, platform_branch
 # Before JAX starts its CPU backend (on first use), which reads XLA_FLAGS once.
 add_xla_test_flags()
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# JAX's caches hold the traced programs of a test module: some GB of Python objects, which
+# each full collection of the garbage collector walks (about a tenth of the suite's time at
+# Python's default thresholds). Collections a fourteenth as often, and caches emptied after
+# each module, which seldom shares a shape with the next.
+gc.set_threshold(10_000, 10, 10)
 
 _COMPILATION_CACHE = tempfile.mkdtemp(prefix="kldiv_jax-tests-xla-cache-")
 jax.config.update("jax_compilation_cache_dir", _COMPILATION_CACHE)
@@ -84,6 +90,12 @@ def pytest_sessionfinish(session, exitstatus):
   else:
     stop = exitstatus == pytest.ExitCode.INTERRUPTED or session.shouldfail or session.shouldstop
     _multidevice.finish(stop=bool(stop))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _empty_jax_caches():
+  yield
+  jax.clear_caches()
 
 
 @pytest.fixture
