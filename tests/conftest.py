@@ -27,11 +27,18 @@ lowered and partitioned program, its buffers (``memory_analysis``), its numbers 
 compilations take about half the CPU this way. A test of bit-level numerics compiles with
 ``compiler_options=_references.DEFAULT_CODEGEN`` (XLA's defaults back); the benchmarks and
 the demo compile with XLA's defaults.
+
+``KLDIV_JAX_TEST_SAMPLE=K`` (an integer, used by ``.ci/run`` for the suite at the
+dependency floor) runs a sample of the suite: every test function, and of a parametrised
+one its first case and each other case whose id hashes to 0 modulo ``K`` (about one in
+``K``, spread over every parameter; the same cases on every run and in the 8-device child).
 """
 
 import gc
+import os
 import shutil
 import tempfile
+import zlib
 
 import _multidevice
 import jax
@@ -63,8 +70,26 @@ def pytest_configure(config):
   )
 
 
+def _sampled(items: list[pytest.Item], every: int) -> list[pytest.Item]:
+  """Each test function's first case and the cases whose id hashes to 0 modulo ``every``."""
+  seen: set[str] = set()
+  kept = []
+  for item in items:
+    function, _, case = item.nodeid.partition("[")
+    if function not in seen or zlib.crc32(case.encode()) % every == 0:
+      kept.append(item)
+    seen.add(function)
+  return kept
+
+
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(config, items):
+  every = int(os.environ.get("KLDIV_JAX_TEST_SAMPLE", "1"))
+  if every > 1:
+    kept = _sampled(items, every)
+    chosen = set(kept)
+    config.hook.pytest_deselected(items=[i for i in items if i not in chosen])
+    items[:] = kept
   for item in items:
     if "torch" in item.fixturenames and item.get_closest_marker("torch") is None:
       raise pytest.UsageError(f"{item.nodeid} uses the torch fixture: mark it @pytest.mark.torch")
