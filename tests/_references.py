@@ -14,6 +14,7 @@ with ``q = softmax(z / T)`` and ``p = softmax(y / T)``.
 
 import contextlib
 import decimal
+import importlib.metadata
 import os
 import re
 from pathlib import Path
@@ -48,6 +49,16 @@ def _sub_jaxprs(eqn):
       x = getattr(x, "jaxpr", x)
       if hasattr(x, "eqns"):
         yield x
+
+
+def all_eqns(jaxpr) -> list:
+  """Every equation of ``jaxpr`` and of the jaxprs inside its equations (loops, conds, calls)."""
+  eqns = []
+  for e in jaxpr.eqns:
+    eqns.append(e)
+    for sub in _sub_jaxprs(e):
+      eqns.extend(all_eqns(sub))
+  return eqns
 
 
 def dot_generals(jaxpr) -> int:
@@ -773,10 +784,15 @@ def count_compiles():
 # faster: no LLVM optimisation, XLA's former loop emitters instead of its MLIR fusion
 # emitters, and no folding of the constants that tests' closures embed (XLA folds them
 # with its slow HLO evaluator). The library's program is the same; only its machine code
-# differs. At jax 0.10.2 they take a third off the suite's CPU time.
+# differs. At jax 0.10.2 they take a third off the suite's CPU time. jaxlib 0.11 has no loop
+# emitters left, and aborts the process on the flag that chose them (an unknown XLA flag).
+_LOOP_EMITTERS = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (
+  0,
+  11,
+)
 XLA_TEST_FLAGS = (
   "--xla_backend_optimization_level=0",
-  "--xla_cpu_use_fusion_emitters=false",
+  *(("--xla_cpu_use_fusion_emitters=false",) if _LOOP_EMITTERS else ()),
   "--xla_disable_hlo_passes=constant_folding",
 )
 
@@ -793,7 +809,7 @@ def add_xla_test_flags():
 # emitters).
 DEFAULT_CODEGEN = {
   "xla_backend_optimization_level": 3,
-  "xla_cpu_use_fusion_emitters": True,
+  **({"xla_cpu_use_fusion_emitters": True} if _LOOP_EMITTERS else {}),
   "xla_disable_hlo_passes": "",
 }
 
