@@ -24,6 +24,7 @@ from kldiv_jax._fused_chunks import (
   chunk_logits,
   chunks,
   fold_logit_grad,
+  low_dtype,
   per_platform,
   token_zero,
   vary_like_tokens,
@@ -198,8 +199,9 @@ def fused_token_log_probs(
   else:
     h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
     w_arr, b_arr = vary_like_tokens(weight, bias, h, safe, mask)
+    low = low_dtype(out_dtype)
     call = lambda chunk: fused_tokens(  # noqa: E731
-      TokenKernel(chunk, axis_name, cap), h, w_arr, b_arr, safe, t, mask
+      TokenKernel(chunk, axis_name, cap, low), h, w_arr, b_arr, safe, t, mask
     )
     out = per_platform(chunk_size, name, n, vocab * num_shards, call)
     log_p, entropy = cast(tuple[jax.Array, jax.Array], out)

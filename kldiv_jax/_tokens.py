@@ -93,8 +93,14 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
       raw = jnp.where(keep, zc, -jnp.inf)
       hit = label_hit(ids, zc.shape)
       u = divide_logits(zc, temperature, keep)
-      _, s, centred, top, zy = online_softmax(u, raw, jnp.where(hit, raw, 0.0), centred=True)
+      m, s, centred, top, zy = online_softmax(u, raw, jnp.where(hit, raw, 0.0), centred=True)
       top = max_shift(top)
+      # Sums of exp(u - m) restated as the sums of x = u - top / T that the picked logit and
+      # the rule use: the same values (m is top / T up to rounding), and derivatives wrt T
+      # of every order that agree with them (m is a constant there, top / T is not).
+      delta = m - top / temperature
+      scale = jnp.exp(delta)
+      s, centred = s * scale, (centred + delta * s) * scale
       return top, s, _shifted(zy, zy != -jnp.inf, top, temperature), centred
 
     top, s, picked, centred = map_rows(fn, (z, ids, *masks), z.shape[0], num_classes, accel=online)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import _sub_jaxprs, dot_generals, vocab_sharded_and_whole
+from _references import all_eqns, dot_generals, vocab_sharded_and_whole
 from jax import export
 
 from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
@@ -152,15 +152,7 @@ def test_bf16_head_logits_and_gradient_in_bf16(rng, surrogate):
   def loss(h, w, b):
     return fused_policy_loss(h, w, ids, old, adv, bias=b, surrogate=surrogate, chunk_size=4)[0]
 
-  eqns = []
-
-  def walk(jaxpr):
-    for e in jaxpr.eqns:
-      eqns.append(e)
-      for sub in _sub_jaxprs(e):
-        walk(sub)
-
-  walk(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr)
+  eqns = all_eqns(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr)
   dots = [e for e in eqns if e.primitive.name == "dot_general"]
   assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
   to_bf16 = [e.outvars[0].aval.shape for e in eqns if e.primitive.name == "convert_element_type"
