@@ -142,6 +142,14 @@ def accelerator_branch():
     yield
 
 
+@pytest.fixture(params=["default", "cuda"])
+def accelerator_platform(request):
+  """As :func:`accelerator_branch`, for each accelerator branch a kernel may have: the
+  default one (TPU) and, where there is one, the ``cuda`` one (XLA:GPU)."""
+  with platform_branch(request.param) as platform:
+    yield platform
+
+
 @pytest.fixture(scope="session")
 def torch():
   return pytest.importorskip("torch")

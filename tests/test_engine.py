@@ -854,14 +854,6 @@ def test_vocab_parallel_per_device_temp_memory(cpu_devices):
   assert sharded <= 0.2 * single, (sharded, single)
 
 
-@pytest.fixture(params=["default", "cuda"])
-def accelerator_platform(request):
-  """As :func:`accelerator_branch`, for each accelerator branch a kernel may have: the
-  default one (TPU) and, where there is one, the ``cuda`` one (XLA:GPU)."""
-  with refs.platform_branch(request.param) as platform:
-    yield platform
-
-
 ONLINE_CASES = {
   "forward_kl": (Divergence("forward_kl"), (1.0, 0.0)),
   "reverse_kl": (Divergence("reverse_kl"), (0.0, 1.0)),

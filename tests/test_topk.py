@@ -537,20 +537,21 @@ def test_many_slots_scattered_few_compared(rng, k):
 
 
 # ---------------------------------------------------------------- the GPU/TPU path on CPU
-# Off CPU the tail's max and sum are one online-softmax pass, and the gather's tangent is
-# k masked row sums (its transpose fuses into the gradient pass): run here on CPU.
+# Off CPU the tail's max and sum are one online-softmax pass; on TPU the top-k mask is k
+# comparisons and the gather's tangent k masked row sums (its transpose fuses into the
+# gradient pass), on GPU a scatter and the gather: each branch run here on CPU.
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("case", ["reverse_kl", "jsd[0.3]"])
-def test_accelerator_path_shift_invariance_and_tiny_tails(accelerator_branch, case, dtype):
+def test_accelerator_path_shift_invariance_and_tiny_tails(accelerator_platform, case, dtype):
   """As :func:`test_shift_invariance_and_tiny_tails`, on the accelerator path: the tail's
   own max (not the row's) and the masked sums give the same values and gradients."""
   test_shift_invariance_and_tiny_tails(case, dtype)
 
 
 @pytest.mark.parametrize("k", [4, 100])
-def test_accelerator_path_derivatives(accelerator_branch, rng, x64, k):
+def test_accelerator_path_derivatives(accelerator_platform, rng, x64, k):
   """Forward and reverse mode to second order (finite differences) on the accelerator path,
   with a slot without mass and a repeated id; ``k = 100`` keeps the gather (and its
   scatter) there too. Values against float64 NumPy."""
