@@ -51,14 +51,16 @@ def online_kl_sums(u: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
 
 def _online_kl_parts(u, v):
   """:func:`online_kl_sums`' reduction for :func:`kldiv_jax._online_softmax.joint_reduce`."""
-  has_u, has_v = u != -jnp.inf, v != -jnp.inf
   # Each class a partial state of its own: its logits are the maxes; a class with mass
   # on one side only gives +inf to that side's log-ratio sum (as _kl_pass_terms does).
-  su = jnp.where(has_u, jnp.exp(u - u), 0.0)  # 1, or NaN at a NaN or +inf logit
-  sv = jnp.where(has_v, jnp.exp(v - v), 0.0)
+  # Each operand tests for mass its own way (!=, >, ==): XLA:GPU (jax 0.11) wrote a mask
+  # that several operands shared out as a [rows, classes] temporary (symmetric KL, which
+  # reads both sums, at 1.33x the straightforward code's time on an H200).
   inf = jnp.asarray(jnp.inf, u.dtype)
-  gv = jnp.where(has_v & ~has_u, inf, 0.0)
-  gu = jnp.where(has_u & ~has_v, inf, 0.0)
+  su = jnp.where(u != -inf, jnp.exp(u - u), 0.0)  # 1, or NaN at a NaN or +inf logit
+  sv = jnp.where(v != -inf, jnp.exp(v - v), 0.0)
+  gv = jnp.where((v > -inf) & (u == -inf), inf, 0.0)
+  gu = jnp.where((u > -inf) & (v == -inf), inf, 0.0)
   zero = jnp.zeros((), u.dtype)
   init = (-inf, zero, -inf, zero, zero, zero)
 
