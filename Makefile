@@ -15,6 +15,8 @@
 #   make bench      benchmarks/run.py
 #   make bench-accel  every loss compiled for TPU v5e/v6e and an H100 without the device
 #                   (XLA's estimates; creates .venv-accel-tpu and .venv-accel-cuda on first use)
+#   make bench-device bench-accel's cases timed for real on the attached GPU or TPU (the
+#                   venv's jax must see it: e.g. jax[cuda12] installed there)
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #   make integration  tests/test_tunix.py against Tunix, in its own environment
 #                   $(INTEGRATION_VENV) (google-tunix and the versions it was tested with)
@@ -29,7 +31,7 @@ PYTEST_ARGS ?= -q -n 2
 DOCS_TEST_PATHS ?= docs kldiv_jax README.md
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint format typecheck build docs bench bench-accel fixtures integration clean
+.PHONY: venv demo test lint format typecheck build docs bench bench-accel bench-device fixtures integration clean
 
 venv: $(STAMP)
 
@@ -82,6 +84,9 @@ bench: venv
 # Compile-only: needs no accelerator; its environments are its own (benchmarks/bench_accel.py).
 bench-accel: venv
 	$(PY) benchmarks/bench_accel.py $(BENCH_ARGS)
+
+bench-device: venv
+	$(PY) benchmarks/bench_device.py $(BENCH_ARGS)
 
 # The golden fixtures come from torch 2.13 (CPU), the version the reference measured.
 fixtures: venv

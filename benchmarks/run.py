@@ -13,6 +13,7 @@ targets and writes ``<out>/<name>.json`` (``_harness.py`` holds what they share)
 * ``rl``: ``token_log_probs``, ``fused_token_log_probs``, the fused policy loss;
 * ``precision``: every divergence on bf16 logits against float64;
 * ``accel`` (only when named): every loss compiled for TPU and an H100, XLA's estimates.
+* ``device`` (only when named): ``accel``'s cases timed on the attached GPU or TPU.
 
 Sections run in one process, one after the other. ``--quick``, ``--repeats`` and
 ``--out`` go to every section; ``--sizes`` and the options this runner does not know go to
@@ -35,8 +36,9 @@ if str(HERE) not in sys.path:  # `import bench_<name>`, `import _harness`
   sys.path.insert(0, str(HERE))
 
 ORDER = ("core", "logits")
-# Sections run only when named (`--sections accel`): they need their own environments.
-OPT_IN = ("accel",)
+# Sections run only when named (`--sections accel`): they need their own environments
+# (accel) or an accelerator and tens of GB of its memory (device).
+OPT_IN = ("accel", "device")
 
 
 def available_sections() -> list[str]:

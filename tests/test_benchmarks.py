@@ -183,6 +183,20 @@ def test_llm_section_runs_and_reports_its_targets(tmp_path):
   assert result["settings"]["quick"] is True
 
 
+def test_device_section_times_a_case_and_compares_values(monkeypatch, tmp_path):
+  """bench_device (the accelerator cases run for real) on CPU at --quick sizes, one case:
+  both contenders timed, their temps and their values recorded, the values equal."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_device
+
+  argv = ["--quick", "--cases", "jsd", "--repeats", "1", "--out", str(tmp_path)]
+  assert bench_device.main(argv) == 0
+  (row,) = json.loads((tmp_path / "device.json").read_text())["records"]
+  assert row["case"] == "jsd" and row["time_ratio"] > 0 and row["floor_tb_per_s"] > 0
+  assert row["kldiv_jax"]["temp_bytes"] < row["naive"]["temp_bytes"]
+  assert abs(row["kldiv_jax"]["value"] - row["naive"]["value"]) <= 1e-5 * row["naive"]["value"]
+
+
 def test_accel_section_parses_and_is_opt_in(monkeypatch):
   """bench_accel's CLI parses without its environments, run.py runs it only when named, and
   its checks flag a weight-bandwidth-bound fused chunk and a row kernel above the floor."""
@@ -193,7 +207,7 @@ def test_accel_section_parses_and_is_opt_in(monkeypatch):
   args = bench_accel.parser().parse_args(["--quick", "--targets", "v5e", "--cases", "kl_div"])
   assert args.quick and args.targets == "v5e" and bench_accel._cases(args) == ["kl_div"]
   assert "accel" in run.available_sections()
-  assert run.OPT_IN == ("accel",)
+  assert run.OPT_IN == ("accel", "device")
   row = {"case": "tvd", "kind": "row", "shape": [8, 4], "dtype": "float32"}
   row |= {"time_ratio": 0.9, "naive_hbm_ratio": 4.0, "hbm_ratio": 2.0, "temp_ratio": 0.0}
   fused = {"case": "fused_topk", "kind": "fused", "shape": [8, 2, 4], "dtype": "bfloat16"}

@@ -1,0 +1,156 @@
+"""The accelerator cases run for real: ``bench_accel``'s estimates, timed on an attached GPU or TPU.
+
+The same row and fused cases as ``bench_accel.py`` (``value_and_grad`` wrt the student
+against the straightforward code, or for the fused losses against the same loss on
+materialised ``hidden @ weight`` logits), on random data, on the default device: medians
+of round-robin timed calls (``_harness.time_contenders``), XLA's temp of each compiled
+program, the bandwidth at which each row kernel moves its HBM floor (both inputs read
+once, the gradient written once), and each pair's values side by side. Nothing here is
+an estimate; the figures are only as good as the one machine and run they come from.
+
+  python benchmarks/bench_device.py                 # full sizes (needs about 40 GB)
+  python benchmarks/bench_device.py --quick         # small sizes, a smoke test (any device)
+  python benchmarks/bench_device.py --cases jsd,tvd,fused_distillation --repeats 11
+"""
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import _harness
+import jax
+import jax.numpy as jnp
+from _harness import fmt_bytes, fmt_ratio
+from bench_accel import (
+  FUSED_ARGS,
+  FUSED_SHAPE,
+  POLICY_SHAPE,
+  QUICK_FUSED_SHAPE,
+  QUICK_POLICY_SHAPE,
+  QUICK_ROW_SHAPES,
+  ROW_ARGS,
+  ROW_SHAPES,
+  TOPK,
+  _fused_contenders,
+  _row_contenders,
+)
+
+
+def _inputs(kinds, n: int, v: int, h: int | None, dtype, seed: int) -> list[jax.Array]:
+  """Random arguments of the given kinds (``bench_accel``'s), made on the device."""
+  keys = iter(jax.random.split(jax.random.key(seed), len(kinds)))
+  normal = lambda shape, scale=1.0: scale * jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+  stride = max(1, v // TOPK)
+
+  def make(kind):
+    if kind == "x":
+      return normal((n, v), 2.0).astype(dtype)
+    if kind in ("labels", "ids"):
+      return jax.random.randint(next(keys), (n,), 0, v, jnp.int32)
+    if kind == "topk_ids":  # k distinct ids per row
+      start = jax.random.randint(next(keys), (n, 1), 0, v, jnp.int32)
+      return (start + stride * jnp.arange(TOPK, dtype=jnp.int32)) % v
+    if kind == "topk_lp":
+      return jax.nn.log_softmax(normal((n, TOPK), 2.0))
+    if kind == "per_token":
+      return -jnp.abs(normal((n,)))
+    if kind == "h":
+      return normal((n, h)).astype(dtype)
+    assert kind == "w", kind
+    return normal((h, v), h**-0.5).astype(dtype)
+
+  return jax.block_until_ready([make(k) for k in kinds])
+
+
+def _pair(fns: dict[str, Any], args, argnums, repeats: int) -> dict[str, Any]:
+  """Both contenders timed round-robin, with their values and temps."""
+  out = _harness.time_grads(fns, args, repeats, argnums=argnums, keep=("value", _value))
+  keys = ("median_ms", "times_ms", "temp_bytes", "value", "compile_s")
+  return {name: {k: r[k] for k in keys} for name, r in out.items()}
+
+
+def _value(out) -> float:
+  return float(out[0])
+
+
+def _row(case: str, n: int, v: int, dtype: str, repeats: int) -> dict[str, Any]:
+  kinds, floor_arrays = ROW_ARGS[case]
+  dt = jnp.dtype(dtype)
+  args = _inputs(kinds, n, v, None, dt, seed=0)
+  if case == "kl_div":  # torch's semantics: log-probabilities and probabilities
+    args = [jax.nn.log_softmax(args[0].astype(jnp.float32)).astype(dt), jax.nn.softmax(args[1])]
+  row: dict[str, Any] = {"case": case, "kind": "row", "shape": [n, v], "dtype": dtype}
+  row |= _pair(_row_contenders(case), args, 0, repeats)
+  floor = floor_arrays * n * v * dt.itemsize
+  ours, naive = row["kldiv_jax"], row["naive"]
+  row["floor_bytes"] = floor
+  row["time_ratio"] = ours["median_ms"] / naive["median_ms"]
+  row["floor_tb_per_s"] = floor / (ours["median_ms"] * 1e-3) / 1e12
+  row["naive_floor_tb_per_s"] = floor / (naive["median_ms"] * 1e-3) / 1e12
+  return row
+
+
+def _fused(case: str, shape, repeats: int) -> dict[str, Any]:
+  n, h, v = shape
+  kinds, _ = FUSED_ARGS[case]
+  args = _inputs(kinds, n, v, h, jnp.dtype("bfloat16"), seed=1)
+  materialised, fused = _fused_contenders(case)
+  row: dict[str, Any] = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16"}
+  row |= _pair({"materialised": materialised, "fused": fused(None)}, args, (0, 1), repeats)
+  row["time_ratio"] = row["fused"]["median_ms"] / row["materialised"]["median_ms"]
+  return row
+
+
+def _line(row: dict[str, Any]) -> str:
+  a, b = ("naive", "kldiv_jax") if row["kind"] == "row" else ("materialised", "fused")
+  shape = "x".join(map(str, row["shape"]))
+  text = (
+    f"{row['case']:<24} {shape:<17} {row['dtype']:<9} {b} {row[b]['median_ms']:8.3f} ms"
+    f" / {a} {row[a]['median_ms']:8.3f} ms = {fmt_ratio(row['time_ratio'])}"
+    f"  temp {fmt_bytes(row[b]['temp_bytes'])} ({fmt_bytes(row[a]['temp_bytes'])})"
+    f"  values {row[b]['value']:.6g} / {row[a]['value']:.6g}"
+  )
+  if row["kind"] == "row":
+    text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
+  return text
+
+
+def main(argv=None) -> int:
+  p = _harness.parser(__doc__, repeats="timed calls per contender (default 7)")
+  p.add_argument("--cases", default="", help="comma-separated cases (default: all)")
+  args = p.parse_args(argv)
+  repeats = args.repeats or 7
+  result = _harness.start("device") | {
+    "section": "device",
+    "device_kind": jax.devices()[0].device_kind,
+  }
+  cases = [c for c in args.cases.split(",") if c] or [*ROW_ARGS, *FUSED_ARGS]
+  records: list[dict[str, Any]] = []
+  out = Path(args.out)
+  print(f"device: {result['device_kind']} | jax {jax.__version__}", flush=True)
+
+  def record(make, *make_args):
+    try:
+      row = make(*make_args)
+      print(_line(row), flush=True)
+    except Exception as err:  # reported, not fatal: the next case still runs
+      row = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+      print(f"error: {row['error']}", flush=True)
+    records.append(row)
+    _harness.write_json(out / "device.json", result | {"records": records})
+
+  for (n, v), dtype in QUICK_ROW_SHAPES if args.quick else ROW_SHAPES:
+    for case in [c for c in cases if c in ROW_ARGS]:
+      record(_row, case, n, v, dtype, repeats)
+  for case in [c for c in cases if c in FUSED_ARGS]:
+    policy = case == "fused_policy"
+    shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None
+    shape = shape or (QUICK_FUSED_SHAPE if args.quick else FUSED_SHAPE)
+    record(_fused, case, shape, max(3, repeats // 2))
+  print(json.dumps({"errors": sum("error" in r for r in records)}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
