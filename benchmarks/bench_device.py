@@ -74,10 +74,10 @@ def _value(out) -> float:
   return float(out[0])
 
 
-def _row(case: str, n: int, v: int, dtype: str, repeats: int) -> dict[str, Any]:
+def _row(case: str, n: int, v: int, dtype: str, repeats: int, seed: int) -> dict[str, Any]:
   kinds, floor_arrays = ROW_ARGS[case]
   dt = jnp.dtype(dtype)
-  args = _inputs(kinds, n, v, None, dt, seed=0)
+  args = _inputs(kinds, n, v, None, dt, seed)
   if case == "kl_div":  # torch's semantics: log-probabilities and probabilities
     args = [jax.nn.log_softmax(args[0].astype(jnp.float32)).astype(dt), jax.nn.softmax(args[1])]
   row: dict[str, Any] = {"case": case, "kind": "row", "shape": [n, v], "dtype": dtype}
@@ -91,10 +91,10 @@ def _row(case: str, n: int, v: int, dtype: str, repeats: int) -> dict[str, Any]:
   return row
 
 
-def _fused(case: str, shape, repeats: int) -> dict[str, Any]:
+def _fused(case: str, shape, repeats: int, seed: int) -> dict[str, Any]:
   n, h, v = shape
   kinds, _ = FUSED_ARGS[case]
-  args = _inputs(kinds, n, v, h, jnp.dtype("bfloat16"), seed=1)
+  args = _inputs(kinds, n, v, h, jnp.dtype("bfloat16"), seed)
   materialised, fused = _fused_contenders(case)
   row: dict[str, Any] = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16"}
   row |= _pair({"materialised": materialised, "fused": fused(None)}, args, (0, 1), repeats)
@@ -142,12 +142,12 @@ def main(argv=None) -> int:
 
   for (n, v), dtype in QUICK_ROW_SHAPES if args.quick else ROW_SHAPES:
     for case in [c for c in cases if c in ROW_ARGS]:
-      record(_row, case, n, v, dtype, repeats)
+      record(_row, case, n, v, dtype, repeats, args.seed)
   for case in [c for c in cases if c in FUSED_ARGS]:
     policy = case == "fused_policy"
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None
     shape = shape or (QUICK_FUSED_SHAPE if args.quick else FUSED_SHAPE)
-    record(_fused, case, shape, max(3, repeats // 2))
+    record(_fused, case, shape, max(3, repeats // 2), args.seed + 1)
   print(json.dumps({"errors": sum("error" in r for r in records)}))
   return 0
 

@@ -61,6 +61,19 @@ def all_eqns(jaxpr) -> list:
   return eqns
 
 
+def matmuls_and_casts(jaxpr, dtype) -> tuple[list, list]:
+  """Of ``jaxpr`` and the jaxprs inside it: its ``dot_general`` equations and the shapes of
+  the values it converts to ``dtype`` (a fused loss's chunk logits in their low dtype)."""
+  eqns = all_eqns(jaxpr)
+  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  casts = [
+    e.outvars[0].aval.shape
+    for e in eqns
+    if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == dtype
+  ]
+  return dots, casts
+
+
 def dot_generals(jaxpr) -> int:
   """The ``dot_general``s one platform runs in ``jaxpr``: a loop body counted once, and of
   a ``cond`` (``lax.platform_dependent``'s per-platform branches) its largest branch."""
@@ -786,10 +799,8 @@ def count_compiles():
 # with its slow HLO evaluator). The library's program is the same; only its machine code
 # differs. At jax 0.10.2 they take a third off the suite's CPU time. jaxlib 0.11 has no loop
 # emitters left, and aborts the process on the flag that chose them (an unknown XLA flag).
-_LOOP_EMITTERS = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2]) < (
-  0,
-  11,
-)
+_JAXLIB = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+_LOOP_EMITTERS = _JAXLIB < (0, 11)
 XLA_TEST_FLAGS = (
   "--xla_backend_optimization_level=0",
   *(("--xla_cpu_use_fusion_emitters=false",) if _LOOP_EMITTERS else ()),

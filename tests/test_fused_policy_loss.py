@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import all_eqns, dot_generals, vocab_sharded_and_whole
+from _references import dot_generals, matmuls_and_casts, vocab_sharded_and_whole
 from jax import export
 
 from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
@@ -152,11 +152,9 @@ def test_bf16_head_logits_and_gradient_in_bf16(rng, surrogate):
   def loss(h, w, b):
     return fused_policy_loss(h, w, ids, old, adv, bias=b, surrogate=surrogate, chunk_size=4)[0]
 
-  eqns = all_eqns(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr)
-  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr
+  dots, to_bf16 = matmuls_and_casts(jaxpr, jnp.bfloat16)
   assert dots and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
-  to_bf16 = [e.outvars[0].aval.shape for e in eqns if e.primitive.name == "convert_element_type"
-             and e.params["new_dtype"] == jnp.bfloat16]  # fmt: skip
   assert (4, VOCAB) in to_bf16 and (3, VOCAB) in to_bf16  # a full chunk and the last one
 
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import all_eqns, collectives, enable_x64
+from _references import collectives, enable_x64, matmuls_and_casts
 from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
@@ -363,9 +363,7 @@ def test_fused_bf16_logits_and_gradient_in_bf16(rng):
     lp, ent = kd.fused_token_log_probs(h, w, ids, bias=b, return_entropy=True, chunk_size=4)
     return jnp.sum(lp.astype(jnp.float32)) + jnp.sum(ent.astype(jnp.float32))
 
-  eqns = all_eqns(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr)
-  dots = [e for e in eqns if e.primitive.name == "dot_general"]
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr
+  dots, to_bf16 = matmuls_and_casts(jaxpr, jnp.bfloat16)
   assert len(dots) >= 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
-  to_bf16 = [e.outvars[0].aval.shape for e in eqns if e.primitive.name == "convert_element_type"
-             and e.params["new_dtype"] == jnp.bfloat16]  # fmt: skip
   assert (4, 24) in to_bf16 and (3, 24) in to_bf16  # a full chunk and the last one
