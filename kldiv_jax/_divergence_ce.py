@@ -16,11 +16,10 @@ import jax.numpy as jnp
 
 from kldiv_jax._ce import ce_finish, ce_stats
 from kldiv_jax._checks import compute_dtype
+from kldiv_jax._class_sums import Needs, formula_params
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._engine import (
-  Needs,
-  formula_params,
   one_pass_outcomes,
   statistics,
   tangent_needs,

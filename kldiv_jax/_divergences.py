@@ -334,7 +334,9 @@ def _skew_kl_partials(c, params):
 def _tvd(c, params):
   # f = |p - q| / 2; subgradient sign(0) = 0 where p = q (Liger's kernel takes -1/2 there).
   diff = c.p - c.q
-  sign = jnp.sign(diff)
+  # jnp.sign as two selects (0 at 0, NaN at NaN): Pallas' TPU lowering of sign asks the
+  # attached TPU its generation, which a program compiled for TPU elsewhere does not have.
+  sign = jnp.where(diff > 0, 1.0, jnp.where(diff < 0, -1.0, diff))
   return 0.5 * jnp.abs(diff), 0.5 * c.p * sign, -0.5 * c.q * sign
 
 

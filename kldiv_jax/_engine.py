@@ -13,7 +13,9 @@ with or without a class axis split over a mesh axis (``axis_name``). For rows
    A formula with a one-pass form (:class:`kldiv_jax._divergences.OnePass`:
    the KL family) gets these sums in the first pass, from unnormalised terms;
    off CPU that pass finds the maxes too (running maxes:
-   :func:`kldiv_jax._online_kl.online_kl_sums`).
+   :func:`kldiv_jax._online_kl.online_kl_sums`). Off CPU the others take both
+   steps from :func:`kldiv_jax._whole_rows.row_sums`: two XLA passes, or on
+   TPU one Pallas kernel over whole rows (the logits read once).
 
 The rule then computes the derivatives per class, elementwise, from those
 per-row statistics (no residual of the vocabulary's size):
@@ -64,143 +66,24 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._class_sums import (
+  Needs,
+  class_sums,
+  class_terms,
+  formula_params,
+  identical_rows,
+  normalized,
+  norms,
+)
 from kldiv_jax._divergence_spec import Divergence
-from kldiv_jax._divergences import FORMULAS, Classes, Formula, Norms
+from kldiv_jax._divergences import FORMULAS, Norms
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
-from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts
-from kldiv_jax._platform import compiled, gpu_or_other, map_rows
-from kldiv_jax._rows import (
-  is_zero,
-  logit_tangents,
-  normalizer,
-  row_stats,
-  scaled,
-)
+from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._rows import is_zero, logit_tangents, row_stats, scaled
 from kldiv_jax._vocab_parallel import combine, global_classes
-
-
-def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
-  """Whether each row of ``u`` equals that of ``v`` (``[rows, 1]``), ``-inf`` equal to ``-inf``.
-
-  A sum of ``|u - v|`` with ``-inf`` raised to the most negative float (whose
-  ``exp`` is 0 too, so the distributions are equal either way): without a
-  select, so that XLA:CPU reduces it as fast as a sum of exponentials (a
-  boolean ``all`` or a select inside the reduction costs 3 to 6 times more).
-  A NaN makes the row not identical (it is NaN anyway).
-  """
-  return jnp.sum(_identical_gap(u, v), -1, keepdims=True) == 0
-
-
-def _identical_gap(u, v):
-  """``|u - v|`` per class, ``-inf`` raised to the lowest float: its row sum is 0 exactly
-  where :func:`identical_rows` is true."""
-  lowest = jnp.finfo(u.dtype).min
-  return jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest))
-
-
-def _plain_sums(*arrays):
-  """Row sums of ``arrays`` as a part of :func:`kldiv_jax._online_softmax.joint_reduce`."""
-  init = tuple(jnp.zeros((), a.dtype) for a in arrays)
-  return arrays, init, lambda a, b: tuple(x + y for x, y in zip(a, b)), tuple
-
-
-class Needs(NamedTuple):
-  """Which class sums the derivative rule needs besides ``sum f`` (static)."""
-
-  a: bool = False
-  b: bool = False
-  params: tuple[bool, ...] = ()
-
-
-def formula_params(key, traced, dtype):
-  """The formula's parameters: static floats as they are, traced ones in ``dtype``."""
-  traced = iter(traced)
-  return tuple(v if v is not None else next(traced).astype(dtype) for _, v in key[1])
-
-
-def class_terms(u, mu, su, v, mv, sv, eu=None, ev=None) -> Classes:
-  """:class:`Classes` of scaled logits ``u``, ``v`` (``-inf`` without mass) given row stats.
-
-  ``eu``, ``ev`` are ``exp(u - mu)``, ``exp(v - mv)`` when already computed.
-  The per-row normalisers are computed once per row: behind
-  ``lax.optimization_barrier``, XLA cannot fuse them into the elementwise
-  pass, which would recompute a ``log`` and a division for every class.
-  """
-  _, inv_su, log_su = normalizer(su)
-  _, inv_sv, log_sv = normalizer(sv)
-  mu, inv_su, log_su, mv, inv_sv, log_sv = lax.optimization_barrier(
-    (mu, inv_su, log_su, mv, inv_sv, log_sv)
-  )
-  return normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu, ev)
-
-
-def normalized(u, v, mu, inv_su, log_su, mv, inv_sv, log_sv, eu=None, ev=None) -> Classes:
-  """:class:`Classes` of ``u``, ``v`` from their row maxes and normalisers."""
-  eu = jnp.exp(u - mu) if eu is None else eu
-  ev = jnp.exp(v - mv) if ev is None else ev
-  return Classes(v - mv - log_sv, u - mu - log_su, ev * inv_sv, eu * inv_su)
-
-
-def _class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True):
-  """Row sums of ``f`` and of the partials ``needs`` names: on CPU (``barrier``) each
-  its own ``jnp.sum`` of terms written out per block, off CPU one variadic reduction."""
-  out = _summands(formula, params, needs, c, barrier)
-  if barrier:
-    return tuple(jnp.sum(x, axis=-1, keepdims=True) for x in out)
-  return joint_reduce(_plain_sums(*out))[0]
-
-
-def _class_sums_apart(formula: Formula, params, needs: Needs, u, v, *stats):
-  """:func:`_class_sums` off CPU for XLA:GPU: each sum from its own copy of the row
-  statistics ``stats`` (:func:`normalized`'s ``mu, inv_su, log_su, mv, inv_sv, log_sv``).
-
-  XLA:GPU does not fuse an elementwise value that several reductions share when it holds
-  transcendentals (JSD's ``log m``, TVD's ``|p - q|`` that the ``+inf`` rule below reads
-  again): it writes it out, an ``[N, V]`` temporary read back by the sums. Behind its own
-  ``optimization_barrier`` (a distinct scalar, used, keeps XLA's CSE from merging the
-  copies) each sum recomputes its terms from ``u`` and ``v``, and XLA:GPU still merges the
-  sums into one kernel (sibling multi-output fusion: the logits read once). XLA:TPU fuses
-  the shared terms into one variadic reduction instead (:func:`_class_sums`).
-  """
-  count = 1 + needs.a + needs.b + sum(needs.params)
-  sums = []
-  for k in range(count):
-    *copy, tag = lax.optimization_barrier((*stats, jnp.asarray(k, u.dtype)))
-    copy[0] = copy[0] + 0.0 * tag  # never simplified away (0 * x is not 0 for floats)
-    x = _summands(formula, params, needs, normalized(u, v, *copy), False)[k]
-    sums.append(jnp.sum(x, axis=-1, keepdims=True))
-  return tuple(sums)
-
-
-def _summands(formula: Formula, params, needs: Needs, c: Classes, barrier):
-  """The per-class terms whose row sums :func:`_class_sums` takes (``[rows, classes]``)."""
-  f, a, b = formula.terms(c, params)
-  if barrier:
-    # Written out per block (in cache) before the sums: XLA:CPU would otherwise recompute
-    # a shared transcendental (alpha-beta's expm1) in each sum's fusion. (Off CPU that
-    # would be a [rows, classes] temporary: the terms are fused into the sums there.)
-    f, a, b = lax.optimization_barrier((f, a if needs.a else f, b if needs.b else f))
-  infinite = f == jnp.inf
-
-  def total(x, partial=True):
-    # An infinite partial of an infinite term counts as +inf whatever its sign, so that a
-    # row sum is +inf, not NaN (+inf - inf): the rule zeroes it on such rows anyway.
-    if partial:
-      x = jnp.where(infinite & ~jnp.isfinite(x) & ~jnp.isnan(x), jnp.inf, x)
-    return x
-
-  out = [total(f, partial=False)]
-  if needs.a:
-    out.append(total(a))
-  if needs.b:
-    out.append(total(b))
-  if any(needs.params):
-    assert formula.partials is not None  # needs.params: the formula has parameters
-    partials = formula.partials(c, params)
-    out.extend(total(d) for d, need in zip(partials, needs.params) if need)
-  return out
+from kldiv_jax._whole_rows import row_sums
 
 
 class Outcomes(NamedTuple):
@@ -231,7 +114,7 @@ def _row_sum_or_zero(total, same, infinite):
   return zero, jnp.where(zero, 0.0, total)
 
 
-def _outcomes(needs: Needs, mu, su, mv, sv, norms: Norms, same, sums) -> Outcomes:
+def _outcomes(needs: Needs, mu, su, mv, sv, row_norms: Norms, same, sums) -> Outcomes:
   """The :class:`Outcomes` from a block's statistics: ``sum f`` and the sums ``needs`` names.
 
   The value is ``sum f`` clamped below at 0, 0 on identical rows, NaN on rows with a NaN
@@ -249,12 +132,8 @@ def _outcomes(needs: Needs, mu, su, mv, sv, norms: Norms, same, sums) -> Outcome
   params = tuple(
     _row_sum_or_zero(next(rest), same, infinite)[1] + nan for need in needs.params if need
   )
-  n = norms
+  n = row_norms
   return Outcomes(value, nan, mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv, a, b, params)
-
-
-def _norms(su, sv) -> Norms:
-  return Norms(*normalizer(su), *normalizer(sv))
 
 
 def _per_block(fn, arrays, num_rows, num_classes=None, accel=None):
@@ -286,11 +165,11 @@ def _same_one_pass(mu, su, mv, sv, sums):
 def one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
   """The :class:`Outcomes` of a one-pass formula from its row statistics and sums."""
   same = _same_one_pass(mu, su, mv, sv, sums[: one_pass.checked])
-  norms = _norms(su, sv)
-  f, a, b, partials = one_pass.finish(sums, norms)
-  class_sums = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
-  class_sums += [d for d, need in zip(partials, needs.params) if need]
-  return _outcomes(needs, mu, su, mv, sv, norms, same, class_sums)
+  n = norms(su, sv)
+  f, a, b, partials = one_pass.finish(sums, n)
+  totals = [f, *([a] if needs.a else []), *([b] if needs.b else [])]
+  totals += [d for d, need in zip(partials, needs.params) if need]
+  return _outcomes(needs, mu, su, mv, sv, n, same, totals)
 
 
 def _two_passes(formula, params, needs, temperature, caps, local):
@@ -298,32 +177,17 @@ def _two_passes(formula, params, needs, temperature, caps, local):
   on CPU, the row statistics, then the class sums; off CPU, both sides' maxes and sums of
   exponentials in one pass (online softmax), then the class sums in a second one, the terms
   fused into them (no temporary)."""
-  cap_z, cap_y = caps
 
   def cpu(z, y, *masks):
     u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
     same = identical_rows(u, v)
     c = class_terms(u, mu, su, v, mv, sv, eu, ev)
-    sums = _class_sums(formula, params, needs, c)
-    return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, sums)
+    sums = class_sums(formula, params, needs, c)
+    return _outcomes(needs, mu, su, mv, sv, norms(su, sv), same, sums)
 
   def accel(z, y, *masks):
-    u, _ = scaled(z, temperature, masks, cap_z)
-    v, _ = scaled(y, temperature, masks, cap_y)
-    (mu, su), (mv, sv), (gap,) = joint_reduce(
-      online_softmax_parts(False, u, None, None),
-      online_softmax_parts(False, v, None, None),
-      _plain_sums(_identical_gap(u, v)),
-    )
-    norms = _norms(su, sv)
-    stats = (mu, norms.inv_su, norms.log_su, mv, norms.inv_sv, norms.log_sv)
-
-    def joint(u, v, *stats):
-      return _class_sums(formula, params, needs, normalized(u, v, *stats), barrier=False)
-
-    apart = functools.partial(_class_sums_apart, formula, params, needs)
-    sums = gpu_or_other(apart, joint, u, v, *stats)
-    return _outcomes(needs, mu, su, mv, sv, norms, gap == 0, sums)
+    mu, su, mv, sv, gap, *sums = row_sums(formula, params, needs, caps, z, y, temperature, masks)
+    return _outcomes(needs, mu, su, mv, sv, norms(su, sv), gap == 0, sums)
 
   return cpu, accel
 
@@ -385,10 +249,10 @@ def statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps
   def sums(z, y, mu, su, mv, sv, *masks):
     u, _ = scaled(z, temperature, masks, cap_z)
     v, _ = scaled(y, temperature, masks, cap_y)
-    return _class_sums(formula, params, needs, class_terms(u, mu, su, v, mv, sv))
+    return class_sums(formula, params, needs, class_terms(u, mu, su, v, mv, sv))
 
   out = lax.psum(map_rows(sums, (z, y, mu, su, mv, sv, *masks), rows, num_classes), axis_name)
-  return _outcomes(needs, mu, su, mv, sv, _norms(su, sv), same, out)
+  return _outcomes(needs, mu, su, mv, sv, norms(su, sv), same, out)
 
 
 def _softmax_grad(w, prob, zero_total, nan):

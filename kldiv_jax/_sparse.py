@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._class_sums import formula_params, identical_rows
 from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
-from kldiv_jax._engine import formula_params, identical_rows
 from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
 from kldiv_jax._online_softmax import online_softmax
 from kldiv_jax._platform import compiled, gpu_or_other, map_rows, per_platform

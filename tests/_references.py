@@ -14,6 +14,7 @@ with ``q = softmax(z / T)`` and ``p = softmax(y / T)``.
 
 import contextlib
 import decimal
+import functools
 import importlib.metadata
 import os
 import re
@@ -839,7 +840,7 @@ def fresh_compilations():
 
 
 # The trace-context value of each replaced ``lax.platform_dependent`` (:func:`platform_branch`).
-_BRANCH_TRACES = {"default": 1_000_001, "cuda": 1_000_002}
+_BRANCH_TRACES = {"default": 1_000_001, "cuda": 1_000_002, "tpu kernel": 1_000_003}
 
 
 @contextlib.contextmanager
@@ -1221,3 +1222,22 @@ def _torch_trl(torch, loss_type, per_token_logps, old_per_token_logps, advantage
       (per_token_loss * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
     ).mean()
   return (per_token_loss * completion_mask).sum() / num_items_in_batch  # dapo, cispo (1 process)
+
+
+@contextlib.contextmanager
+def tpu_kernel():
+  """Inside the block, on CPU, the TPU path of the whole-row statistics: every
+  ``lax.platform_dependent`` takes its default (TPU) branch and the row-sums primitive is
+  lowered as for TPU, its Pallas kernel run by Pallas' interpreter."""
+  from jax.interpreters import mlir
+
+  from kldiv_jax import _whole_rows
+
+  interpreted = functools.partial(_whole_rows.tpu_lowering, interpret=True)
+  with platform_branch("default"):
+    jax.config.update("jax_pgle_profiling_runs", _BRANCH_TRACES["tpu kernel"])
+    mlir.register_lowering(_whole_rows.ROW_SUMS, interpreted, platform="cpu")
+    try:
+      yield
+    finally:
+      mlir.register_lowering(_whole_rows.ROW_SUMS, _whole_rows.XLA_LOWERING, platform="cpu")

@@ -1,0 +1,178 @@
+"""The whole-row TPU kernel of the divergences without a one-pass form (``_whole_rows``).
+
+JSD (``0 < beta < 1``), skew KL, skew reverse KL and TVD take their row statistics and
+class sums on TPU from one Pallas kernel that reads the logits once. On CPU the kernel runs
+in Pallas' interpreter: its sums against the XLA passes it replaces, on rows with ``-inf``,
+NaN and ``+inf`` logits, identical rows, rows without mass, row and class counts that are
+not multiples of a block, bfloat16 logits, soft-caps and traced parameters; the public
+losses through it (values, gradients, a hessian, ``vmap``) against the CPU path; and the
+lowerings: the kernel in a program lowered for TPU and nowhere else, the XLA passes for
+what it does not take, and a program exported for CPU, CUDA and TPU that runs on CPU.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _references import enable_x64, tpu_kernel
+from jax import export
+
+import kldiv_jax as kd
+from kldiv_jax._class_sums import Needs
+from kldiv_jax._whole_rows import pallas_row_sums, takes_whole_rows, xla_row_sums
+
+# (name, static params (None where traced), traced values)
+FORMULAS = [
+  ("jsd", (0.5,), ()),
+  ("jsd", (None,), (0.3,)),
+  ("skew_kl", (0.1,), ()),
+  ("skew_reverse_kl", (None,), (0.2,)),
+  ("tvd", (), ()),
+]
+
+
+def _logits(rows, classes, dtype, seed=0):
+  """Two ``[rows, classes]`` logits with hostile rows: ``-inf`` classes, a row without
+  teacher mass, identical rows, a NaN, a ``+inf``, a row without any mass."""
+  rng = np.random.default_rng(seed)
+  z = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
+  y = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
+  z[0, :5] = -np.inf
+  y[1] = -np.inf
+  y[2] = z[2]
+  z[3, 7] = np.nan
+  z[4, 2] = np.inf
+  z[5] = y[5] = -np.inf
+  return jnp.asarray(z, dtype), jnp.asarray(y, dtype)
+
+
+@pytest.mark.parametrize("formula", FORMULAS, ids=lambda f: f"{f[0]}{f[1]}")
+@pytest.mark.parametrize(
+  "rows,classes,dtype,caps",
+  [
+    (13, 300, jnp.float32, (None, None)),  # neither a multiple of a block
+    (24, 2048, jnp.bfloat16, (None, None)),  # whole slices
+    (9, 1000, jnp.float32, (20.0, 30.0)),  # soft-caps
+  ],
+)
+def test_kernel_sums_match_the_xla_passes(formula, rows, classes, dtype, caps):
+  name, static, traced = formula
+  needs = Needs(a=True, b=True, params=tuple(s is None for s in static))
+  spec = (name, static, needs, caps, 0)
+  z, y = _logits(rows, classes, dtype)
+  args = (z, y, jnp.float32(2.0), *(jnp.float32(t) for t in traced))
+  assert takes_whole_rows(spec, z, y, args[2])
+  got = np.concatenate(jax.jit(functools.partial(pallas_row_sums, spec, interpret=True))(*args), 1)
+  want = np.concatenate(jax.jit(functools.partial(xla_row_sums, spec))(*args), 1)
+  assert got.shape == want.shape == (rows, 5 + 3 + len(traced))
+  # The sums of exponentials are finite, infinite or NaN on the same rows, and the
+  # identical-rows gap is 0 on the same rows (rows 2 and 5).
+  for col in (1, 3):
+    np.testing.assert_array_equal(np.isnan(got[:, col]), np.isnan(want[:, col]))
+  np.testing.assert_array_equal(got[:, 4] == 0, want[:, 4] == 0)
+  assert (got[5, 4] == 0) and np.isnan(got[[3, 4], 1]).all()
+  assert (got[2, 4] == 0) == (caps[0] == caps[1])  # identical logits, the same caps
+  # Where the engine uses them (rows with finite statistics that are not identical), the
+  # maxes, sums of exponentials and class sums agree to float32 rounding (the XLA passes
+  # sum in another order; a soft-cap's tanh is approximated differently per fusion).
+  used = np.isfinite(want[:, 1]) & np.isfinite(want[:, 3]) & (want[:, 4] != 0)
+  assert used.sum() >= rows - 4
+  cols = [0, 1, 2, 3, *range(5, got.shape[1])]
+  scale = 1.0 + np.abs(want[used][:, cols])
+  np.testing.assert_array_less(np.abs(got[used][:, cols] - want[used][:, cols]) / scale, 1e-4)
+
+
+def _loss(name, static, traced, **options):
+  params = dict(
+    zip({"jsd": ["beta"], "skew_kl": ["alpha"], "skew_reverse_kl": ["alpha"]}.get(name, []), static)
+  )
+  for k, t in zip(params, traced):
+    params[k] = jnp.float32(t) if params[k] is None else params[k]
+  divergence = kd.Divergence(name, **params)
+  return lambda z, y: kd.divergence_from_logits(
+    z, y, divergence=divergence, temperature=2.0, **options
+  )
+
+
+@pytest.mark.parametrize("formula", FORMULAS, ids=lambda f: f"{f[0]}{f[1]}")
+def test_public_loss_through_the_kernel(formula):
+  """Value and gradients (student and teacher) of ``divergence_from_logits`` on the TPU
+  path, the kernel interpreted, against the CPU path."""
+  z, y = _logits(11, 384, jnp.float32, seed=1)
+  loss = _loss(*formula)
+  program = jax.jit(
+    jax.value_and_grad(lambda z, y: jnp.sum(jnp.nan_to_num(loss(z, y), nan=0.0)), (0, 1))
+  )
+  want = program(z, y)
+  with tpu_kernel():
+    got = program(z, y)
+    per_row = np.asarray(jax.jit(loss)(z, y))
+  np.testing.assert_allclose(per_row, loss(z, y), rtol=2e-5, atol=1e-6)
+  assert np.isnan(per_row[[3, 4]]).all() and per_row[2] == 0 and per_row[5] == 0
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+
+
+def test_hessian_and_vmap_through_the_kernel():
+  """A hessian (the kernel's statistics differentiated: the XLA passes' derivatives) and a
+  ``vmap`` over a batch of examples (stacked into one kernel call)."""
+  rng = np.random.default_rng(2)
+  z = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
+  loss = _loss("skew_kl", (0.1,), ())
+  hessian = jax.jit(jax.hessian(lambda z: jnp.sum(loss(z, y))))
+  batched = jax.jit(jax.vmap(loss))
+  zb, yb = jnp.stack([z, 2 * z]), jnp.stack([y, y + 1])
+  want_h, want_b = hessian(z), batched(zb, yb)
+  with tpu_kernel():
+    got_h, got_b = hessian(z), batched(zb, yb)
+    lowered = batched.lower(zb, yb).as_text()
+  assert "kldiv_jax_row_sums" not in lowered  # lowered: the primitive leaves no trace of itself
+  np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(got_b, want_b, rtol=2e-5, atol=1e-7)
+
+
+def _tpu_text(fn, *args):
+  return export.export(jax.jit(fn), platforms=("tpu",))(*args).mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_tpu_program_holds_the_kernel(dtype):
+  """A program lowered for TPU holds the Pallas kernel (a Mosaic custom call), in the loss
+  and its gradient; one lowered for CPU or CUDA does not."""
+  z, y = _logits(16, 256, dtype)
+  grad = jax.grad(lambda z: jnp.sum(_loss("jsd", (0.5,), ())(z, y)))
+  assert "tpu_custom_call" in _tpu_text(grad, z)
+  for platform in ("cpu", "cuda"):
+    text = export.export(jax.jit(grad), platforms=(platform,))(z).mlir_module()
+    assert "tpu_custom_call" not in text
+
+
+def test_what_the_kernel_does_not_take_keeps_the_xla_passes():
+  """Masks (``where``), float16 logits, float64 (x64) and the one-pass KL family lower
+  without the kernel on TPU."""
+  z, y = _logits(16, 256, jnp.float32)
+  where = jnp.ones((16, 256), bool)
+  assert "tpu_custom_call" in _tpu_text(_loss("tvd", (), ()), z, y)
+  assert "tpu_custom_call" not in _tpu_text(_loss("tvd", (), (), where=where), z, y)
+  assert "tpu_custom_call" not in _tpu_text(_loss("tvd", (), ()), z.astype(jnp.float16), y)
+  assert "tpu_custom_call" not in _tpu_text(_loss("forward_kl", (), ()), z, y)
+  with enable_x64():
+    z64, y64 = z.astype(jnp.float64), y.astype(jnp.float64)
+    assert "tpu_custom_call" not in _tpu_text(_loss("tvd", (), ()), z64, y64)
+
+
+def test_exported_for_every_platform_runs_on_cpu():
+  """One artefact for CPU, CUDA and TPU holds the kernel for TPU and runs on CPU (where a
+  ``pallas_call`` inside ``lax.platform_dependent`` would fail to lower)."""
+  z, y = _logits(300, 256, jnp.float32)
+  program = jax.jit(
+    jax.value_and_grad(lambda z, y: jnp.sum(jnp.nan_to_num(_loss("jsd", (0.5,), ())(z, y))), (0, 1))
+  )
+  exported = export.export(program, platforms=("cpu", "cuda", "tpu"))(z, y)
+  assert "tpu_custom_call" in exported.mlir_module()
+  got = export.deserialize(exported.serialize()).call(z, y)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(program(z, y))):
+    np.testing.assert_array_equal(g, w)
