@@ -49,8 +49,9 @@ LANES = 128
 # of float32), and the bytes of one input block (the rows per grid step).
 _TILE_ELEMENTS = 1 << 14
 _BLOCK_BYTES = 1 << 20
-# The most VMEM the kernel's double-buffered inputs may take; longer rows take the XLA path.
-_VMEM_INPUTS = 24 << 20
+# The most VMEM the kernel's double-buffered inputs may take (of 16 MiB on a v4 TensorCore,
+# the least of the TPUs; 128 MiB on v5e and v6e); longer rows take the XLA path.
+_VMEM_INPUTS = 12 << 20
 
 # (formula name, static params (None where traced), Needs, caps, number of masks)
 Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | None], int]
@@ -126,12 +127,19 @@ def xla_row_sums(spec: Spec, *args) -> tuple:
   return (mu, su, mv, sv, gap, *gpu_or_other(apart, joint, u, v, *stats))
 
 
-def _layout(rows: int, classes: int, itemsize: int) -> tuple[int, int, int]:
+def _layout(rows: int, classes: int, itemsizes: tuple[int, int]) -> tuple[int, int, int]:
   """``(rows per block, tile, padded classes)`` of the Pallas kernel: blocks of about
-  :data:`_BLOCK_BYTES` per input (8 rows at least), slices of :data:`_TILE_ELEMENTS`."""
+  :data:`_BLOCK_BYTES` per input, in whole vector tiles of rows (8 of float32, 16 of
+  bfloat16, packed two to a sublane, where 16 rows fit :data:`_VMEM_INPUTS`; else 8),
+  slices of :data:`_TILE_ELEMENTS`."""
   lanes = -(-classes // LANES) * LANES
-  block = 8 * max(1, min(64, _BLOCK_BYTES // (8 * lanes * itemsize)))
-  block = min(block, -(-rows // 8) * 8)
+  sublanes = 8 * (4 // min(itemsizes))
+  if 2 * sublanes * lanes * sum(itemsizes) > _VMEM_INPUTS:
+    sublanes = 8
+  block = sublanes * max(
+    1, min(512 // sublanes, _BLOCK_BYTES // (sublanes * lanes * max(itemsizes)))
+  )
+  block = min(block, -(-rows // sublanes) * sublanes)
   tile = max(LANES, min(lanes, (_TILE_ELEMENTS // block) // LANES * LANES))
   return block, tile, -(-classes // tile) * tile
 
@@ -145,9 +153,9 @@ def takes_whole_rows(spec: Spec, z, y, temperature) -> bool:
   if {jnp.dtype(z.dtype), jnp.dtype(y.dtype)} - dtypes:
     return False
   rows, classes = z.shape
-  itemsize = max(jnp.dtype(z.dtype).itemsize, jnp.dtype(y.dtype).itemsize)
-  block, _, width = _layout(rows, classes, itemsize)
-  return rows > 0 and classes > 0 and 4 * block * width * itemsize <= _VMEM_INPUTS
+  itemsizes = (jnp.dtype(z.dtype).itemsize, jnp.dtype(y.dtype).itemsize)
+  block, _, width = _layout(rows, classes, itemsizes)
+  return rows > 0 and classes > 0 and 2 * block * width * sum(itemsizes) <= _VMEM_INPUTS
 
 
 def _merge(a, b):
@@ -225,8 +233,7 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
 
   z, y, temperature, params, _ = _split(spec, args)
   rows, classes = z.shape
-  itemsize = max(z.dtype.itemsize, y.dtype.itemsize)
-  block, tile, width = _layout(rows, classes, itemsize)
+  block, tile, width = _layout(rows, classes, (z.dtype.itemsize, y.dtype.itemsize))
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
   blocks = pl.BlockSpec((block, width), lambda i: (i, 0))
@@ -238,7 +245,7 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
     out_specs=pl.BlockSpec((block, LANES), lambda i: (i, 0)),
     out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
     compiler_params=pltpu.CompilerParams(
-      dimension_semantics=("parallel",), vmem_limit_bytes=_VMEM_INPUTS + (16 << 20)
+      dimension_semantics=("parallel",), vmem_limit_bytes=_VMEM_INPUTS + (4 << 20)
     ),
     cost_estimate=pl.CostEstimate(
       flops=60 * elements,

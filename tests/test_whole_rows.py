@@ -151,14 +151,18 @@ def test_the_tpu_program_holds_the_kernel(dtype):
 
 
 def test_what_the_kernel_does_not_take_keeps_the_xla_passes():
-  """Masks (``where``), float16 logits, float64 (x64) and the one-pass KL family lower
-  without the kernel on TPU."""
+  """Masks (``where``), float16 logits, float64 (x64), rows too long for VMEM and the
+  one-pass KL family lower without the kernel on TPU."""
   z, y = _logits(16, 256, jnp.float32)
   where = jnp.ones((16, 256), bool)
   assert "tpu_custom_call" in _tpu_text(_loss("tvd", (), ()), z, y)
   assert "tpu_custom_call" not in _tpu_text(_loss("tvd", (), (), where=where), z, y)
   assert "tpu_custom_call" not in _tpu_text(_loss("tvd", (), ()), z.astype(jnp.float16), y)
   assert "tpu_custom_call" not in _tpu_text(_loss("forward_kl", (), ()), z, y)
+  # Rows whose double-buffered blocks pass 12 MiB of VMEM (a v4 TensorCore has 16 MiB).
+  long = jnp.zeros((8, 98304 + 128), jnp.float32)
+  assert "tpu_custom_call" in _tpu_text(_loss("tvd", (), ()), long[:, :98304], long[:, :98304])
+  assert "tpu_custom_call" not in _tpu_text(_loss("tvd", (), ()), long, long)
   with enable_x64():
     z64, y64 = z.astype(jnp.float64), y.astype(jnp.float64)
     assert "tpu_custom_call" not in _tpu_text(_loss("tvd", (), ()), z64, y64)
