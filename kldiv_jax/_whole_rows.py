@@ -6,7 +6,7 @@ running max grows) needs both sides' normalisers before its class sums. As XLA f
 is two passes over the logits before the derivative rule's own: both sides' maxes and sums
 of exponentials (online softmax), then the class sums (:func:`xla_row_sums`). On TPU,
 :func:`row_sums` instead runs one Pallas kernel per block of whole rows, held in VMEM: the
-two passes read VMEM, and HBM is read once (:func:`_pallas_row_sums`).
+two passes read VMEM, and HBM is read once (:func:`pallas_row_sums`).
 
 :func:`row_sums` is a primitive of its own (:data:`ROW_SUMS`) lowered per platform: the
 Pallas kernel for TPU, the XLA passes for every other platform, and for a TPU case the kernel
