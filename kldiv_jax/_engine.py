@@ -174,9 +174,9 @@ def one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
 
 def _two_passes(formula, params, needs, temperature, caps, local):
   """``(cpu, accel)``: the row functions of the two-pass statistics on one device. Per block
-  on CPU, the row statistics, then the class sums; off CPU, both sides' maxes and sums of
-  exponentials in one pass (online softmax), then the class sums in a second one, the terms
-  fused into them (no temporary)."""
+  on CPU, the row statistics, then the class sums; off CPU, :func:`row_sums`: both sides'
+  maxes and sums of exponentials in one pass (online softmax), then the class sums in a
+  second one, the terms fused into them (no temporary), or on TPU one kernel over whole rows."""
 
   def cpu(z, y, *masks):
     u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
