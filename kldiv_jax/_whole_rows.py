@@ -10,7 +10,7 @@ two passes read VMEM, and HBM is read once (:func:`pallas_row_sums`).
 
 :func:`row_sums` is a primitive of its own (:data:`ROW_SUMS`) lowered per platform: the
 Pallas kernel for TPU, the XLA passes for every other platform, and for a TPU case the kernel
-does not take (masks, float64, float16, rows too long for VMEM). Inside
+does not take (masks of single elements, float64, float16, rows too long for VMEM). Inside
 ``lax.platform_dependent`` a ``pallas_call`` would be lowered for every platform of a
 multi-platform export and fail on CPU; a primitive's per-platform rules are lowered only
 for their own. Its derivatives (a rule differentiated again: hessians) are those of the XLA
@@ -144,11 +144,14 @@ def _layout(rows: int, classes: int, itemsizes: tuple[int, int]) -> tuple[int, i
   return block, tile, -(-classes // tile) * tile
 
 
-def takes_whole_rows(spec: Spec, z, y, temperature) -> bool:
+def takes_whole_rows(spec: Spec, z, y, temperature, masks=()) -> bool:
   """Whether the Pallas kernel takes these operands (avals): float32 computation, float32 or
-  bfloat16 logits, no masks, and both double-buffered blocks of rows within VMEM."""
+  bfloat16 logits, masks of rows ``[rows or 1, 1]`` or of classes ``[1, classes]`` (not of
+  single elements), and both double-buffered blocks of rows within VMEM."""
   dtypes = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
-  if spec[4] or jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2:
+  if jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2:
+    return False
+  if any(m.shape[0] != 1 and m.shape[1] != 1 for m in masks):
     return False
   if {jnp.dtype(z.dtype), jnp.dtype(y.dtype)} - dtypes:
     return False
@@ -172,8 +175,10 @@ def _partial_softmax(u):
   return m, jnp.sum(e, axis=-1, keepdims=True)
 
 
-def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, out_ref):
-  """One block of whole rows: two passes over VMEM, the statistics then the class sums."""
+def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, *refs):
+  """One block of whole rows: two passes over VMEM, the statistics then the class sums.
+  ``refs``: the masks' blocks (int32: ``[rows, 1]``, ``[1, classes]`` or ``[1, 1]``), then
+  the output's."""
   from jax.experimental import pallas as pl
 
   name, static, needs, caps, _ = spec
@@ -181,15 +186,18 @@ def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, out_ref)
   traced = iter(scalars[i] for i in range(1, 1 + sum(s is None for s in static)))
   params = tuple(next(traced) if s is None else s for s in static)
   temperature = scalars[0]
+  *mask_refs, out_ref = refs
   rows = z_ref.shape[0]
 
   def load(j):
     start = pl.multiple_of(j * tile, tile)
-    inside = start + lax.broadcasted_iota(jnp.int32, (rows, tile), 1) < classes
+    keep = [start + lax.broadcasted_iota(jnp.int32, (rows, tile), 1) < classes]
+    for m in mask_refs:
+      keep.append((m[:, pl.ds(start, tile)] if m.shape[1] > 1 else m[...]) != 0)
     z = z_ref[:, pl.ds(start, tile)]
     y = y_ref[:, pl.ds(start, tile)]
-    u, _ = scaled(z, temperature, (inside,), caps[0])
-    v, _ = scaled(y, temperature, (inside,), caps[1])
+    u, _ = scaled(z, temperature, tuple(keep), caps[0])
+    v, _ = scaled(y, temperature, tuple(keep), caps[1])
     return u, v
 
   def first(j, carry):
@@ -221,7 +229,8 @@ def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, out_ref)
 
 
 def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
-  """:func:`row_sums` as one Pallas TPU kernel over blocks of whole rows (no masks).
+  """:func:`row_sums` as one Pallas TPU kernel over blocks of whole rows (masks of rows or
+  of classes, as :func:`takes_whole_rows` says).
 
   Each grid step holds a block of rows of both logits in VMEM (padded to a whole number of
   slices; the padding is masked), finds both sides' running maxes and sums of exponentials
@@ -231,17 +240,23 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import tpu as pltpu
 
-  z, y, temperature, params, _ = _split(spec, args)
+  z, y, temperature, params, masks = _split(spec, args)
   rows, classes = z.shape
   block, tile, width = _layout(rows, classes, (z.dtype.itemsize, y.dtype.itemsize))
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
   blocks = pl.BlockSpec((block, width), lambda i: (i, 0))
   elements = rows * classes
+
+  def mask_block(m):  # a row mask moves with the rows; a class mask is one block for all
+    if m.shape[0] > 1:
+      return pl.BlockSpec((block, 1), lambda i: (i, 0))
+    return pl.BlockSpec((1, width if m.shape[1] > 1 else 1), lambda i: (0, 0))
+
   out = pl.pallas_call(
     functools.partial(_kernel, spec, classes, tile),
     grid=(-(-rows // block),),
-    in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), blocks, blocks],
+    in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), blocks, blocks, *map(mask_block, masks)],
     out_specs=pl.BlockSpec((block, LANES), lambda i: (i, 0)),
     out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
     compiler_params=pltpu.CompilerParams(
@@ -250,10 +265,13 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
     cost_estimate=pl.CostEstimate(
       flops=60 * elements,
       transcendentals=6 * elements,
-      bytes_accessed=z.size * z.dtype.itemsize + y.size * y.dtype.itemsize + rows * LANES * 4,
+      bytes_accessed=z.size * z.dtype.itemsize
+      + y.size * y.dtype.itemsize
+      + sum(4 * m.size for m in masks)
+      + rows * LANES * 4,
     ),
     interpret=interpret,
-  )(scalars, z, y)
+  )(scalars, z, y, *(m.astype(jnp.int32) for m in masks))
   return tuple(out[:, i : i + 1] for i in range(5 + count(spec[2])))
 
 
@@ -266,7 +284,8 @@ def tpu_lowering(ctx, *args, spec: Spec, interpret: bool = False):
   """The TPU lowering of :data:`ROW_SUMS`: the Pallas kernel where it takes the operands,
   else the XLA passes. ``interpret``: the kernel in Pallas' interpreter (tests)."""
   z, y, temperature = ctx.avals_in[:3]
-  if takes_whole_rows(spec, z, y, temperature):
+  masks = ctx.avals_in[len(ctx.avals_in) - spec[4] :] if spec[4] else ()
+  if takes_whole_rows(spec, z, y, temperature, masks):
     fn = functools.partial(pallas_row_sums, interpret=interpret)
   else:
     fn = xla_row_sums

@@ -50,23 +50,32 @@ def _logits(rows, classes, dtype, seed=0):
 
 @pytest.mark.parametrize("formula", FORMULAS, ids=lambda f: f"{f[0]}{f[1]}")
 @pytest.mark.parametrize(
-  "rows,classes,dtype,caps",
+  "rows,classes,dtype,caps,masked",
   [
-    (13, 300, jnp.float32, (None, None)),  # neither a multiple of a block
-    (24, 2048, jnp.bfloat16, (None, None)),  # whole slices
-    (9, 1000, jnp.float32, (20.0, 30.0)),  # soft-caps
+    (13, 300, jnp.float32, (None, None), False),  # neither a multiple of a block
+    (24, 2048, jnp.bfloat16, (None, None), False),  # whole slices
+    (9, 1000, jnp.float32, (20.0, 30.0), False),  # soft-caps
+    (21, 700, jnp.float32, (None, None), True),  # a mask of rows, one of classes, a scalar one
   ],
 )
-def test_kernel_sums_match_the_xla_passes(formula, rows, classes, dtype, caps):
+def test_kernel_sums_match_the_xla_passes(formula, rows, classes, dtype, caps, masked):
   name, static, traced = formula
   needs = Needs(a=True, b=True, params=tuple(s is None for s in static))
-  spec = (name, static, needs, caps, 0)
   z, y = _logits(rows, classes, dtype)
-  args = (z, y, jnp.float32(2.0), *(jnp.float32(t) for t in traced))
-  assert takes_whole_rows(spec, z, y, args[2])
+  masks = ()
+  if masked:
+    row_mask = jnp.arange(rows)[:, None] % 7 != 6  # rows 6, 13 and 20 masked out
+    class_mask = jnp.arange(classes)[None, :] % 5 != 0
+    masks = (row_mask, class_mask, jnp.ones((1, 1), bool))
+  spec = (name, static, needs, caps, len(masks))
+  args = (z, y, jnp.float32(2.0), *(jnp.float32(t) for t in traced), *masks)
+  assert takes_whole_rows(spec, z, y, args[2], masks)
   got = np.concatenate(jax.jit(functools.partial(pallas_row_sums, spec, interpret=True))(*args), 1)
   want = np.concatenate(jax.jit(functools.partial(xla_row_sums, spec))(*args), 1)
   assert got.shape == want.shape == (rows, 5 + 3 + len(traced))
+  if masked:  # a masked row has no mass: zero statistics, identical (0 gap)
+    np.testing.assert_array_equal(got[[6, 13, 20]], want[[6, 13, 20]])
+    assert (got[[6, 13, 20], 1] == 0).all() and (got[[6, 13, 20], 4] == 0).all()
   # The sums of exponentials are finite, infinite or NaN on the same rows, and the
   # identical-rows gap is 0 on the same rows (rows 2 and 5).
   for col in (1, 3):
@@ -78,7 +87,7 @@ def test_kernel_sums_match_the_xla_passes(formula, rows, classes, dtype, caps):
   # maxes, sums of exponentials and class sums agree to float32 rounding (the XLA passes
   # sum in another order; a soft-cap's tanh is approximated differently per fusion).
   used = np.isfinite(want[:, 1]) & np.isfinite(want[:, 3]) & (want[:, 4] != 0)
-  assert used.sum() >= rows - 4
+  assert used.sum() >= rows - 4 - 3 * masked
   cols = [0, 1, 2, 3, *range(5, got.shape[1])]
   scale = 1.0 + np.abs(want[used][:, cols])
   np.testing.assert_array_less(np.abs(got[used][:, cols] - want[used][:, cols]) / scale, 1e-4)
@@ -113,6 +122,40 @@ def test_public_loss_through_the_kernel(formula):
   assert np.isnan(per_row[[3, 4]]).all() and per_row[2] == 0 and per_row[5] == 0
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6)
+
+
+def test_masks_through_the_kernel():
+  """``where`` per example (a mask of rows: the kernel) and per element (the XLA passes), and
+  the fused LM-head loss with JSD (its chunks' token mask), on the TPU path against CPU."""
+  z, y = _logits(11, 384, jnp.float32, seed=3)
+  example = jnp.arange(11) % 4 != 1
+  element = jnp.asarray(np.random.default_rng(4).random((11, 384)) > 0.2)
+  rng = np.random.default_rng(5)
+  h = jnp.asarray(rng.standard_normal((37, 16)), jnp.float32)
+  w, tw = (jnp.asarray(rng.standard_normal((16, 256)), jnp.float32) for _ in range(2))
+  tokens = jnp.arange(37) % 6 != 0
+
+  def fused(h, w):
+    return kd.fused_distillation_loss(
+      h, w, h, tw, divergence="jsd", temperature=2.0, chunk_size=16, where=tokens
+    )
+
+  losses = {
+    "example": lambda z: jnp.nansum(_loss("jsd", (0.5,), (), where=example)(z, y)),
+    "element": lambda z: jnp.nansum(_loss("tvd", (), (), where=element)(z, y)),
+  }
+  programs = {k: jax.jit(jax.value_and_grad(f)) for k, f in losses.items()}
+  fused_program = jax.jit(jax.value_and_grad(fused, (0, 1)))
+  want = {k: p(z) for k, p in programs.items()}
+  want_fused = fused_program(h, w)
+  with tpu_kernel():
+    got = {k: p(z) for k, p in programs.items()}
+    got_fused = fused_program(h, w)
+  for g, w_ in zip(jax.tree.leaves((got, got_fused)), jax.tree.leaves((want, want_fused))):
+    np.testing.assert_allclose(g, w_, rtol=2e-5, atol=1e-6)
+  assert "tpu_custom_call" in _tpu_text(losses["example"], z)
+  assert "tpu_custom_call" in _tpu_text(fused, h, w)
+  assert "tpu_custom_call" not in _tpu_text(losses["element"], z)
 
 
 def test_hessian_and_vmap_through_the_kernel():
@@ -151,8 +194,8 @@ def test_the_tpu_program_holds_the_kernel(dtype):
 
 
 def test_what_the_kernel_does_not_take_keeps_the_xla_passes():
-  """Masks (``where``), float16 logits, float64 (x64), rows too long for VMEM and the
-  one-pass KL family lower without the kernel on TPU."""
+  """Masks of single elements (``where`` of the logits' shape), float16 logits, float64
+  (x64), rows too long for VMEM and the one-pass KL family lower without the kernel on TPU."""
   z, y = _logits(16, 256, jnp.float32)
   where = jnp.ones((16, 256), bool)
   assert "tpu_custom_call" in _tpu_text(_loss("tvd", (), ()), z, y)
