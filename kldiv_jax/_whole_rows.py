@@ -53,6 +53,10 @@ _BLOCK_BYTES = 1 << 20
 # the least of the TPUs; 128 MiB on v5e and v6e); longer rows take the XLA path.
 _VMEM_INPUTS = 12 << 20
 
+# Under x64, the oldest jax whose Pallas TPU lowering takes the kernel: jax 0.7 passes the
+# Python floats of jnp.where to an inner jit as float64, a cast Mosaic does not lower.
+X64_KERNEL_JAX = (0, 10)
+
 # (formula name, static params (None where traced), Needs, caps, number of masks)
 Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | None], int]
 
@@ -147,9 +151,13 @@ def _layout(rows: int, classes: int, itemsizes: tuple[int, int]) -> tuple[int, i
 def takes_whole_rows(spec: Spec, z, y, temperature, masks=()) -> bool:
   """Whether the Pallas kernel takes these operands (avals): float32 computation, float32 or
   bfloat16 logits, masks of rows ``[rows or 1, 1]`` or of classes ``[1, classes]`` (not of
-  single elements), and both double-buffered blocks of rows within VMEM."""
+  single elements), both double-buffered blocks of rows within VMEM, and under x64 a jax
+  from :data:`X64_KERNEL_JAX` on."""
   dtypes = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
   if jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2:
+    return False
+  x64 = jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
+  if x64 and jax.__version_info__ < X64_KERNEL_JAX:
     return False
   if any(m.shape[0] != 1 and m.shape[1] != 1 for m in masks):
     return False
@@ -209,7 +217,11 @@ def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, *refs):
   tiles = z_ref.shape[1] // tile
   none = jnp.full((rows, 1), -jnp.inf, jnp.float32)
   zero = jnp.zeros((rows, 1), jnp.float32)
-  (mu, su), (mv, sv), gap = lax.fori_loop(0, tiles, first, ((none, zero), (none, zero), zero))
+  # int32 loop indices and block indices: under x64 a Python int is int64, which Mosaic does
+  # not take (and a weakly typed int stays int32 beside an int32 index).
+  (mu, su), (mv, sv), gap = lax.fori_loop(
+    jnp.int32(0), jnp.int32(tiles), first, ((none, zero), (none, zero), zero)
+  )
   mu, mv = max_shift(mu), max_shift(mv)
   n = norms(su, sv)
   stats = (mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv)
@@ -220,12 +232,27 @@ def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, *refs):
     terms = summands(formula, params, needs, c, False)
     return tuple(s + jnp.sum(t, axis=-1, keepdims=True) for s, t in zip(sums, terms))
 
-  sums = lax.fori_loop(0, tiles, second, (zero,) * count(needs))
+  sums = lax.fori_loop(jnp.int32(0), jnp.int32(tiles), second, (zero,) * count(needs))
   lane = lax.broadcasted_iota(jnp.int32, (rows, LANES), 1)
   out = jnp.zeros((rows, LANES), jnp.float32)
   for i, column in enumerate((mu, su, mv, sv, gap, *sums)):
     out = jnp.where(lane == i, column, out)
   out_ref[...] = out
+
+
+def _rows_block(i):
+  """The block index map of an input tiled over rows (int32: under x64 a Python 0 would be
+  an int64, which Mosaic does not take)."""
+  return i, jnp.int32(0)
+
+
+def _first_block(i):
+  """The block index map of an input with one block for every grid step."""
+  return jnp.int32(0), jnp.int32(0)
+
+
+def _first_item(i):
+  return (jnp.int32(0),)
 
 
 def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
@@ -245,19 +272,24 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
   block, tile, width = _layout(rows, classes, (z.dtype.itemsize, y.dtype.itemsize))
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
-  blocks = pl.BlockSpec((block, width), lambda i: (i, 0))
+  blocks = pl.BlockSpec((block, width), _rows_block)
   elements = rows * classes
 
   def mask_block(m):  # a row mask moves with the rows; a class mask is one block for all
     if m.shape[0] > 1:
-      return pl.BlockSpec((block, 1), lambda i: (i, 0))
-    return pl.BlockSpec((1, width if m.shape[1] > 1 else 1), lambda i: (0, 0))
+      return pl.BlockSpec((block, 1), _rows_block)
+    return pl.BlockSpec((1, width if m.shape[1] > 1 else 1), _first_block)
 
   out = pl.pallas_call(
     functools.partial(_kernel, spec, classes, tile),
     grid=(-(-rows // block),),
-    in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), blocks, blocks, *map(mask_block, masks)],
-    out_specs=pl.BlockSpec((block, LANES), lambda i: (i, 0)),
+    in_specs=[
+      pl.BlockSpec(scalars.shape, _first_item, memory_space=pltpu.SMEM),
+      blocks,
+      blocks,
+      *map(mask_block, masks),
+    ],
+    out_specs=pl.BlockSpec((block, LANES), _rows_block),
     out_shape=jax.ShapeDtypeStruct((rows, LANES), jnp.float32),
     compiler_params=pltpu.CompilerParams(
       dimension_semantics=("parallel",), vmem_limit_bytes=_VMEM_INPUTS + (4 << 20)

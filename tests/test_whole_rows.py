@@ -11,6 +11,7 @@ what it does not take, and a program exported for CPU, CUDA and TPU that runs on
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from jax import export
 
 import kldiv_jax as kd
 from kldiv_jax._class_sums import Needs
-from kldiv_jax._whole_rows import pallas_row_sums, takes_whole_rows, xla_row_sums
+from kldiv_jax._whole_rows import X64_KERNEL_JAX, pallas_row_sums, takes_whole_rows, xla_row_sums
 
 # (name, static params (None where traced), traced values)
 FORMULAS = [
@@ -191,6 +192,29 @@ def test_the_tpu_program_holds_the_kernel(dtype):
   for platform in ("cpu", "cuda"):
     text = export.export(jax.jit(grad), platforms=(platform,))(z).mlir_module()
     assert "tpu_custom_call" not in text
+
+
+def test_x64_lowers_the_kernel_in_int32(monkeypatch, capsys):
+  """Under ``jax_enable_x64``, float32 logits (with a traced beta and a mask of rows) still
+  take the kernel, and its Mosaic module computes no index in int64: Mosaic takes none (a
+  Python int is int64 under x64; libtpu failed to compile such a kernel). Read from the
+  module Pallas prints with ``debug=True``."""
+  from jax.experimental import pallas as pl
+
+  monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+  z, y = _logits(16, 300, jnp.float32)
+  with enable_x64():
+    beta = jnp.float32(0.3)
+    loss = _loss("jsd", (None,), (0.3,), where=jnp.arange(16)[:, None] > 2)
+    text = _tpu_text(lambda z, b: jnp.sum(loss(z, y)) * b, z, beta)
+  if jax.__version_info__ < X64_KERNEL_JAX:  # Pallas there cannot lower it: the XLA passes
+    assert "tpu_custom_call" not in text
+    return
+  assert "tpu_custom_call" in text
+  module = capsys.readouterr().out
+  assert "func.func @_kernel" in module
+  int64 = re.findall(r"(?:arith\.\w+|return|func\.func @transform).*\bi64\b.*", module)
+  assert not int64, int64[:3]
 
 
 def test_what_the_kernel_does_not_take_keeps_the_xla_passes():
