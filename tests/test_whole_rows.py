@@ -160,8 +160,9 @@ def test_masks_through_the_kernel():
 
 
 def test_hessian_and_vmap_through_the_kernel():
-  """A hessian (the kernel's statistics differentiated: the XLA passes' derivatives) and a
-  ``vmap`` over a batch of examples (stacked into one kernel call)."""
+  """A hessian (the kernel's statistics differentiated: the XLA passes' derivatives); a
+  ``vmap`` over a batch of examples (stacked into one kernel call); and one with a batched
+  mask and temperature (the XLA passes mapped)."""
   rng = np.random.default_rng(2)
   z = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
   y = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
@@ -169,13 +170,22 @@ def test_hessian_and_vmap_through_the_kernel():
   hessian = jax.jit(jax.hessian(lambda z: jnp.sum(loss(z, y))))
   batched = jax.jit(jax.vmap(loss))
   zb, yb = jnp.stack([z, 2 * z]), jnp.stack([y, y + 1])
-  want_h, want_b = hessian(z), batched(zb, yb)
+  masked = jax.jit(
+    jax.vmap(
+      lambda z, y, w, t: kd.divergence_from_logits(z, y, divergence="tvd", where=w, temperature=t)
+    )
+  )
+  wb, tb = (
+    jnp.asarray([[[True], [False], [True]], [[True], [True], [False]]]),
+    jnp.asarray([1.0, 3.0]),
+  )
+  want = hessian(z), batched(zb, yb), masked(zb, yb, wb, tb)
   with tpu_kernel():
-    got_h, got_b = hessian(z), batched(zb, yb)
-    lowered = batched.lower(zb, yb).as_text()
-  assert "kldiv_jax_row_sums" not in lowered  # lowered: the primitive leaves no trace of itself
-  np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-6)
-  np.testing.assert_allclose(got_b, want_b, rtol=2e-5, atol=1e-7)
+    got = hessian(z), batched(zb, yb), masked(zb, yb, wb, tb)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(got[1], want[1], rtol=2e-5, atol=1e-7)
+  np.testing.assert_allclose(got[2], want[2], rtol=2e-5, atol=1e-7)
+  assert _tpu_text(jax.vmap(loss), zb, yb).count("@tpu_custom_call") == 1
 
 
 def _tpu_text(fn, *args):
