@@ -50,6 +50,10 @@ class Needs(NamedTuple):
   b: bool = False
   params: tuple[bool, ...] = ()
 
+  def num_sums(self) -> int:
+    """How many class sums: ``sum f`` and those named."""
+    return 1 + self.a + self.b + sum(self.params)
+
 
 def formula_params(key, traced, dtype):
   """The formula's parameters: static floats as they are, traced ones in ``dtype``."""
@@ -101,9 +105,8 @@ def class_sums_apart(formula: Formula, params, needs: Needs, u, v, *stats):
   sums into one kernel (sibling multi-output fusion: the logits read once). XLA:TPU fuses
   the shared terms into one variadic reduction instead (:func:`class_sums`).
   """
-  count = 1 + needs.a + needs.b + sum(needs.params)
   sums = []
-  for k in range(count):
+  for k in range(needs.num_sums()):
     *copy, tag = lax.optimization_barrier((*stats, jnp.asarray(k, u.dtype)))
     copy[0] = copy[0] + 0.0 * tag  # never simplified away (0 * x is not 0 for floats)
     x = summands(formula, params, needs, normalized(u, v, *copy), False)[k]

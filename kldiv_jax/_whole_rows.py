@@ -61,11 +61,6 @@ X64_KERNEL_JAX = (0, 10)
 Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | None], int]
 
 
-def count(needs: Needs) -> int:
-  """How many class sums :func:`row_sums` returns for ``needs``."""
-  return 1 + needs.a + needs.b + sum(needs.params)
-
-
 def row_sums(formula, params, needs: Needs, caps, z, y, temperature, masks) -> tuple:
   """``(mu, su, mv, sv, gap, *sums)``, ``[rows, 1]`` each, of scaled logits ``z``, ``y``.
 
@@ -232,7 +227,7 @@ def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, *refs):
     terms = summands(formula, params, needs, c, False)
     return tuple(s + jnp.sum(t, axis=-1, keepdims=True) for s, t in zip(sums, terms))
 
-  sums = lax.fori_loop(jnp.int32(0), jnp.int32(tiles), second, (zero,) * count(needs))
+  sums = lax.fori_loop(jnp.int32(0), jnp.int32(tiles), second, (zero,) * needs.num_sums())
   lane = lax.broadcasted_iota(jnp.int32, (rows, LANES), 1)
   out = jnp.zeros((rows, LANES), jnp.float32)
   for i, column in enumerate((mu, su, mv, sv, gap, *sums)):
@@ -304,12 +299,12 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
     ),
     interpret=interpret,
   )(scalars, z, y, *(m.astype(jnp.int32) for m in masks))
-  return tuple(out[:, i : i + 1] for i in range(5 + count(spec[2])))
+  return tuple(out[:, i : i + 1] for i in range(5 + spec[2].num_sums()))
 
 
 def _abstract(*avals, spec: Spec):
   rows, dtype = avals[0].shape[0], avals[2].dtype
-  return [ShapedArray((rows, 1), dtype) for _ in range(5 + count(spec[2]))]
+  return [ShapedArray((rows, 1), dtype) for _ in range(5 + spec[2].num_sums())]
 
 
 def tpu_lowering(ctx, *args, spec: Spec, interpret: bool = False):
@@ -330,7 +325,7 @@ def _batched(args, dims, *, spec: Spec):
   z, y, *rest = args
   if spec[4] or any(d is not None for d in dims[2:]):
     return jax.vmap(functools.partial(xla_row_sums, spec), in_axes=dims)(*args), (0,) * (
-      5 + count(spec[2])
+      5 + spec[2].num_sums()
     )
   size = next(x.shape[d] for x, d in zip((z, y), dims[:2]) if d is not None)
 
