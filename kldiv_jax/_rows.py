@@ -234,11 +234,12 @@ def ce_grad(z, labels, masks, m, inv_s, cap=None, smoothing=None, count=None, z_
   """
   u, _ = scaled(z, jnp.ones((), inv_s.dtype), masks, cap)
   target = ce_targets(labels, u.shape, masks, smoothing, count).astype(inv_s.dtype)
+  has = inv_s != 0
   p = jnp.exp(u - m) * inv_s
   if z_loss is not None:
-    lse = m - jnp.log(jnp.where(inv_s != 0, inv_s, 1.0))
+    lse = m - jnp.log(jnp.where(has, inv_s, 1.0))
     p = p * (1.0 + 2.0 * z_loss * lse)
-  g = jnp.where(inv_s != 0, p - target, 0.0)
+  g = jnp.where(has, p - target, 0.0)
   return times_slope(g, u, cap)
 
 
