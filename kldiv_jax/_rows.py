@@ -215,7 +215,8 @@ def ce_targets(labels, shape, masks, smoothing=None, count=None):
   hit = label_hit(labels, shape)
   if smoothing is None:
     return hit
-  spread = jnp.broadcast_to(smoothing / jnp.maximum(count, 1), shape)
+  k = count if isinstance(count, int) else jnp.maximum(count, 1).astype(smoothing.dtype)
+  spread = jnp.broadcast_to(smoothing / k, shape)
   for m in masks:
     spread = jnp.where(m, spread, 0.0)
   return spread + jnp.where(hit, 1.0 - smoothing, 0.0)
