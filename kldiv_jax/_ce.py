@@ -47,6 +47,9 @@ class CEOptions(NamedTuple):
   z_loss: jax.Array | None = None  # the coefficient of lse**2, >= 0
 
 
+OFF = CEOptions()  # the plain cross entropy
+
+
 def smoothing_count(masks, num_classes: int, axis_name=None):
   """``K``, the classes label smoothing spreads over: those every class mask keeps, ``[rows or
   1, 1]`` int32 (global with ``axis_name``), or the global class count without class masks."""
@@ -69,7 +72,7 @@ def target_logits(u, labels, masks, opts: CEOptions, count):
   return target * jnp.where(u == -jnp.inf, 0.0, u) + jnp.where(lost, -jnp.inf, 0.0)
 
 
-def ce_stats(axis_name, cap, z, labels, masks, opts=CEOptions()):
+def ce_stats(axis_name, cap, z, labels, masks, opts=OFF):
   one = jnp.ones((), compute_dtype(z.dtype))
   if axis_name is not None:  # labels of this device's classes; the others hit nothing
     labels = labels - class_offset(axis_name, z.shape[1]).astype(labels.dtype)
@@ -109,7 +112,7 @@ def _split(rest, count):
   return rest[:-1], rest[-1]
 
 
-def ce_finish(m, s, picked, opts=CEOptions()):
+def ce_finish(m, s, picked, opts=OFF):
   """``(ce, (m, 1/s))`` per row from the row max, sum of exponentials and label's logit
   (the target's weighted logits: :func:`target_logits`); plus the z-loss."""
   has, inv_s, log_s = normalizer(s)
@@ -173,7 +176,7 @@ def ce_rows(
   masks: tuple[jax.Array, ...],
   axis_name: str | None = None,
   cap: float | None = None,
-  opts: CEOptions = CEOptions(),
+  opts: CEOptions = OFF,
 ) -> jax.Array:
   """Cross entropy per row of ``[rows, classes]`` logits (``[rows]``).
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._ce import CEOptions, ce_rows
+from kldiv_jax._ce import OFF, CEOptions, ce_rows
 from kldiv_jax._checks import (
   check_bool,
   check_int,
@@ -92,9 +92,7 @@ def loss_weights(alpha, alpha_static: bool, labelled: bool, parts: bool) -> Loss
   return LossWeights(soft, hard, labelled)
 
 
-def hard_rows(
-  z, labels, labelled, masks, axis_name=None, cap=None, opts=CEOptions()
-) -> jax.Array:
+def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None, opts=OFF) -> jax.Array:
   """The cross entropy per row (``[rows]``) of the student's raw logits at temperature 1.
 
   ``labels`` ``[rows, 1]`` in their own dtype; ``labelled`` which count (not
@@ -220,7 +218,7 @@ class DistillOptions(NamedTuple):
 
 def distill_options(
   name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
-  softcap, target_softcap, return_parts, normalizer, label_smoothing=0.0, z_loss=0.0, /,
+  softcap, target_softcap, return_parts, normalizer, label_smoothing, z_loss, /,
 ) -> DistillOptions:  # fmt: skip
   """The options of a distillation loss checked, errors naming ``name`` (the public
   function called); the arguments in this order, named as the losses name them."""

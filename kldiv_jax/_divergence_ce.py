@@ -14,7 +14,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax._ce import CEOptions, ce_finish, ce_stats, ce_tangent, smoothing_count, target_logits
+from kldiv_jax._ce import (
+  OFF,
+  CEOptions,
+  ce_finish,
+  ce_stats,
+  ce_tangent,
+  smoothing_count,
+  target_logits,
+)
 from kldiv_jax._checks import compute_dtype
 from kldiv_jax._class_sums import Needs, formula_params
 from kldiv_jax._divergence_spec import Divergence
@@ -102,7 +110,7 @@ def divergence_ce_rows(
   divergence: Divergence,
   labels: jax.Array,
   caps: tuple[float | None, float | None] = (None, None),
-  opts: CEOptions = CEOptions(),
+  opts: CEOptions = OFF,
 ) -> tuple[jax.Array, jax.Array]:
   """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,
   masks, cap=caps[0]))`` (values and derivatives) from one kernel, without ``axis_name``:

@@ -215,6 +215,7 @@ def ce_targets(labels, shape, masks, smoothing=None, count=None):
   hit = label_hit(labels, shape)
   if smoothing is None:
     return hit
+  assert count is not None  # the smoothing's class count
   k = count if isinstance(count, int) else jnp.maximum(count, 1).astype(smoothing.dtype)
   spread = jnp.broadcast_to(smoothing / k, shape)
   for m in masks:

@@ -184,7 +184,9 @@ def test_gradients_wrt_the_options_and_second_order(x64, rng):
   labels[1] = 3
 
   def loss(s, eps, z):
-    return distillation_loss(s, t, labels, alpha=0.4, temperature=1.5, label_smoothing=eps, z_loss=z)
+    return distillation_loss(
+      s, t, labels, alpha=0.4, temperature=1.5, label_smoothing=eps, z_loss=z
+    )
 
   def ref(eps, z):
     return reference(s, t, labels, alpha=0.4, eps=eps, z_loss=z, temperature=1.5)[0]
@@ -194,7 +196,10 @@ def test_gradients_wrt_the_options_and_second_order(x64, rng):
   np.testing.assert_allclose(d_eps, (ref(0.2 + h, 0.03) - ref(0.2 - h, 0.03)) / (2 * h), rtol=1e-7)
   np.testing.assert_allclose(d_z, (ref(0.2, 0.03 + h) - ref(0.2, 0.03 - h)) / (2 * h), rtol=1e-7)
   check_grads(jax.jit(loss), (s, 0.2, 0.03), order=2, modes=("rev",))
-  hard_only = lambda s, e, z: distillation_loss(s, t, labels, alpha=0.0, label_smoothing=e, z_loss=z)  # noqa: E731
+
+  def hard_only(s, e, z):
+    return distillation_loss(s, t, labels, alpha=0.0, label_smoothing=e, z_loss=z)
+
   check_grads(jax.jit(hard_only), (s, 0.2, 0.03), order=2, modes=("fwd",))
 
 
@@ -237,7 +242,9 @@ def test_label_without_mass_gives_inf_as_optax(x64, rng):
   want = optax.softmax_cross_entropy(jnp.asarray(s), target)
   assert np.isposinf(want[0]) and np.isposinf(ours.hard)
   keep = np.array([True, True, True, True, False])
-  np.testing.assert_allclose(loss(keep)[0], _hard_mean(s, labels, 0.1, 0.0, class_mask=keep)[0], rtol=1e-12)
+  np.testing.assert_allclose(
+    loss(keep)[0], _hard_mean(s, labels, 0.1, 0.0, class_mask=keep)[0], rtol=1e-12
+  )
 
 
 def test_bf16(rng):
@@ -246,9 +253,7 @@ def test_bf16(rng):
   s16, t16 = jnp.asarray(s, dtype), jnp.asarray(t, dtype)
   out, g = jax.jit(
     jax.value_and_grad(
-      lambda s: distillation_loss(
-        s, t16, labels, temperature=2.0, label_smoothing=0.1, z_loss=0.01
-      )
+      lambda s: distillation_loss(s, t16, labels, temperature=2.0, label_smoothing=0.1, z_loss=0.01)
     )
   )(s16)
   assert out.dtype == dtype and g.dtype == dtype
@@ -453,7 +458,10 @@ def test_fused_topk_matches_the_topk_divergence_and_optax(x64, rng):
   soft = jax.jit(jax.value_and_grad(want, argnums=(0, 1, 2)))(h, w, b)
   hard, g, n = np_hard(h @ w + b[None], labels, eps, z_loss, cap=4.0)
   g = 0.7 * g / n
-  _close(jax.tree.leaves(got), [soft[0] + 0.7 * hard / n, *(a + b for a, b in zip(soft[1], (g @ w.T, h.T @ g, g.sum(0))))])
+  _close(
+    jax.tree.leaves(got),
+    [soft[0] + 0.7 * hard / n, *(a + b for a, b in zip(soft[1], (g @ w.T, h.T @ g, g.sum(0))))],
+  )
 
 
 def test_fused_bf16_against_float32(rng):
