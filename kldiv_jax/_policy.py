@@ -1,5 +1,7 @@
 """policy_loss: PPO/GRPO-family policy losses from per-token log-probs (the math: _surrogates)."""
 
+from __future__ import annotations
+
 import dataclasses
 from typing import Any, NamedTuple, cast
 
