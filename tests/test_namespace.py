@@ -25,10 +25,9 @@ def _public_callables():
     obj = getattr(kldiv_jax, name)
     yield name, obj
     if inspect.isclass(obj):  # the methods a class documents (DivergenceMetric.configure, ...)
-      for attr, member in vars(obj).items():
+      for attr in vars(obj):
         if not attr.startswith("_") and callable(getattr(obj, attr)):
           yield f"{name}.{attr}", getattr(obj, attr)
-      del member
 
 
 def test_help_shows_the_annotations_as_written():
