@@ -64,3 +64,21 @@ def test_the_offline_check_flags_scripts_from_the_network():
     "//cdnjs.cloudflare.com/ajax/libs/mathjax/2.7.7/MathJax.js",
     "http://example.com/x.js",
   ]
+
+
+def test_install_lines_name_the_package_and_extras_that_exist():
+  """``pip install kldiv_jax[x]`` and ``pip install -e '.[x]'`` in the pages: the project's
+  name and extras of pyproject.toml (no extra documented before it exists)."""
+  import tomllib
+
+  project = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())["project"]
+  extras = set(project["optional-dependencies"])
+  seen = set()
+  for page in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
+    for target in re.findall(r"pip install (?:-e )?'?([\w.\-]+(?:\[[\w,]+\])?)'?", page.read_text()):
+      name, _, tail = target.partition("[")
+      if name not in (".", project["name"], project["name"].replace("_", "-")):
+        continue  # another package (torch, jax, ...)
+      seen.add(name)
+      assert set(filter(None, tail.rstrip("]").split(","))) <= extras, (page.name, target)
+  assert {project["name"], "."} <= seen
