@@ -75,7 +75,9 @@ def test_install_lines_name_the_package_and_extras_that_exist():
   extras = set(project["optional-dependencies"])
   seen = set()
   for page in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
-    for target in re.findall(r"pip install (?:-e )?'?([\w.\-]+(?:\[[\w,]+\])?)'?", page.read_text()):
+    for target in re.findall(
+      r"pip install (?:-e )?'?([\w.\-]+(?:\[[\w,]+\])?)'?", page.read_text()
+    ):
       name, _, tail = target.partition("[")
       if name not in (".", project["name"], project["name"].replace("_", "-")):
         continue  # another package (torch, jax, ...)
