@@ -4,7 +4,7 @@ torch-parity ``kl_div``/``KLDivLoss``, Optax-compatible per-example losses,
 with finite values and gradients at zero-probability targets.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib.metadata as _metadata
 
 from kldiv_jax._distill import DistillationParts as DistillationParts
 from kldiv_jax._distill import distillation_loss as distillation_loss
@@ -36,9 +36,10 @@ from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
 
 try:
-  __version__ = version("kldiv_jax")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+  __version__ = _metadata.version("kldiv_jax")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
   __version__ = "0.0.0"
+del _metadata  # dir(kldiv_jax): the public names, dunders and the private modules only
 
 __all__ = [
   "DistillationParts",

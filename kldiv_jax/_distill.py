@@ -1,5 +1,7 @@
 """Knowledge-distillation loss from student and teacher logits (Hinton et al.)."""
 
+from __future__ import annotations
+
 from typing import NamedTuple
 
 import jax
@@ -52,7 +54,7 @@ class DistillationParts(NamedTuple):
   num_tokens: jax.Array
 
   @classmethod
-  def of(cls, soft, hard, num_tokens, checks=()) -> "DistillationParts":
+  def of(cls, soft, hard, num_tokens, checks=()) -> DistillationParts:
     """The parts, without gradient; NaN (the sums) unless the option ``checks`` hold."""
     soft, hard = (lax.stop_gradient(nan_unless(x, *checks)) for x in (soft, hard))
     return cls(soft, hard, lax.stop_gradient(num_tokens.astype(jnp.int32)))

@@ -8,6 +8,8 @@ validate, lay out as rows
 (:func:`kldiv_jax._engine.divergence_rows`), shape the result.
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 

@@ -11,6 +11,8 @@ options are parsed by :func:`distillation_loss`'s parse (``_distill.distill_opti
 top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 from typing import Any, NamedTuple, Protocol, cast
@@ -75,7 +77,7 @@ class Teacher(Protocol):
   """
 
   def tokens(self) -> tuple: ...
-  def chunk(self, cut) -> "Teacher": ...
+  def chunk(self, cut) -> Teacher: ...
   def rows(self, z, temperature, spec: Divergence, mask, static: Static) -> jax.Array: ...
 
 
@@ -90,7 +92,7 @@ class DenseTeacher:
   def tokens(self) -> tuple:
     return (self.hidden,)
 
-  def chunk(self, cut) -> "DenseTeacher":
+  def chunk(self, cut) -> DenseTeacher:
     return dataclasses.replace(self, hidden=cut(self.hidden))
 
   def rows(self, z, temperature, spec, mask, static: Static):
@@ -113,7 +115,7 @@ class TopkTeacher:
   def tokens(self) -> tuple:
     return (self.ids, self.lp, self.keep, self.dropped)
 
-  def chunk(self, cut) -> "TopkTeacher":
+  def chunk(self, cut) -> TopkTeacher:
     ids, lp, keep, dropped = cut(self.tokens())
     return dataclasses.replace(self, ids=ids, lp=lp, keep=keep, dropped=dropped)
 

@@ -9,6 +9,8 @@ the forward pass of the fused policy losses, ``_fused_policy``). Liger Kernel's 
 cross entropy is the same design.
 """
 
+from __future__ import annotations
+
 import functools
 from typing import Any, NamedTuple, cast
 

@@ -8,6 +8,8 @@ derivative rules and the vocabulary-parallel passes are the engine's
 (:mod:`kldiv_jax._engine`).
 """
 
+from __future__ import annotations
+
 import jax
 
 from kldiv_jax._checks import Axis, check_choice, check_unit_interval

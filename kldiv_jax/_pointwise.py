@@ -27,6 +27,8 @@ The derivative rules use the ordinary double ``where`` (they write an array
 anyway, and must stay differentiable for second derivatives).
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 from jax import lax

@@ -1,5 +1,7 @@
 """policy_loss: PPO/GRPO-family policy losses from per-token log-probs (the math: _surrogates)."""
 
+from __future__ import annotations
+
 import dataclasses
 from typing import Any, NamedTuple, cast
 
@@ -225,6 +227,12 @@ def policy_loss(
     aggregation: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
       ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"bnpo"``
       (``None``: verl's choice for the surrogate).
+
+      .. warning::
+         ``aggregation=None`` is ``"token-mean"`` for ``"ppo"``: TRL's ``"bnpo"`` (and
+         ``"dapo"`` with the global token count as ``normalizer``), **not TRL's**
+         ``"grpo"``, which is ``aggregation="seq-mean-token-mean", normalizer=rows``
+         (every ``loss_type``: :doc:`/cheat-sheet`).
     where: a boolean token mask, broadcastable to the tokens.
     segment_ids: ``[..., T]`` ids of packed sequences (0: padding).
     normalizer: the aggregation's denominator (``None``: this call's).

@@ -1,5 +1,7 @@
 """Per-token KL estimators and sampled tokens' log-probabilities for RL (PPO, GRPO)."""
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 import numpy as np

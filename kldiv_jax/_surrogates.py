@@ -32,6 +32,8 @@ masked tokens' inputs must already be finite (select them to 0: a ``-inf``
 padding log-prob times a weight of 0 is NaN).
 """
 
+from __future__ import annotations
+
 from typing import Any, NamedTuple
 
 import jax

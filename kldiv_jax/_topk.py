@@ -10,6 +10,8 @@ recomputes the softmax in its tangent, so reverse mode saves no
 (:mod:`kldiv_jax._sparse`); this module validates and lays out.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 from typing import NamedTuple

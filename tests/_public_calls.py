@@ -93,7 +93,8 @@ class PublicCall:
   def optional(self) -> tuple[str, ...]:
     """The arguments that take ``None`` (a ``None`` default, or ``None`` in the annotation:
     ``policy_loss``'s ``old_log_probs``)."""
-    params = inspect.signature(self.fn).parameters
+    # eval_str: the annotations are strings (postponed); ``Axis`` is ``int | ... | None``.
+    params = inspect.signature(self.fn, eval_str=True).parameters
     return tuple(k for k, p in params.items() if p.default is None or "None" in str(p.annotation))
 
 
