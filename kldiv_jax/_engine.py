@@ -77,6 +77,7 @@ from kldiv_jax._class_sums import (
 )
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, Norms
+from kldiv_jax._gpu_rows import gpu_kernels_enabled, kl_sums
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
@@ -205,6 +206,10 @@ def _one_pass(one_pass, needs, temperature, caps, local):
     return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
 
   def accel(z, y, *masks):
+    if one_pass.kl_sums and gpu_kernels_enabled():
+      # Opt-in (kldiv_jax._gpu_rows): on CUDA a Triton kernel, elsewhere the same XLA pass.
+      mu, su, mv, sv, gv, gu = kl_sums(caps, z, y, temperature, masks)
+      return outcomes(mu, su, mv, sv, tuple({"v": gv, "u": gu}[k] for k in one_pass.kl_sums))
     u, _ = scaled(z, temperature, masks, cap_z)
     v, _ = scaled(y, temperature, masks, cap_y)
     if one_pass.powers is not None:

@@ -1,0 +1,451 @@
+"""Opt-in Pallas Triton kernels for NVIDIA GPUs: the engine's row statistics and class sums.
+
+XLA:GPU's row reductions moved the divergences' HBM floor at 7-23% of an H200's bandwidth
+(``benchmarks/README.md``). These kernels compute the same per-row statistics with Pallas'
+Triton backend, tiled over columns so that a row of 131072 classes need not fit one SM: a
+grid ``(row blocks, column splits)`` whose programs each reduce a block of rows over a
+contiguous run of column tiles and write per-split partials ``[splits, rows]``, combined
+in XLA (online softmax: the partial maxes and rescaled sums, Milakov & Gimelshein 2018).
+
+- :func:`triton_kl_sums`: the KL family's one-pass statistics (:func:`kldiv_jax._online_kl.
+  online_kl_sums`: both sides' maxes and sums of exponentials and the weighted log-ratio
+  sums) from one read of the logits, as the :data:`KL_SUMS` primitive.
+- :func:`triton_row_sums`: the CUDA lowering of :data:`kldiv_jax._whole_rows.ROW_SUMS`
+  (JSD, skew KL, skew reverse KL, TVD: terms that need both normalisers first): a
+  statistics kernel, then a class-sums kernel given the combined row statistics.
+
+Both compute from the raw logits (the soft-cap, temperature and masks of rows or classes
+applied in the kernel, so no scaled copy is written), with the per-class formulas of
+:mod:`kldiv_jax._class_sums` (:func:`~kldiv_jax._rows.scaled`,
+:func:`~kldiv_jax._class_sums.normalized`, :func:`~kldiv_jax._class_sums.summands`,
+:func:`~kldiv_jax._class_sums.identical_gap`). Their derivatives (hessians) are those of
+the XLA passes. The engine's derivative rule (its elementwise pass) stays XLA's.
+
+**Opt-in** (off by default) until ``make bench-device`` measures it faster: the switch
+:data:`GPU_KERNELS` (``jax.make_user_context``, part of JAX's tracing and compilation cache
+keys), set globally by the environment variable ``KLDIV_JAX_GPU_KERNELS=1`` at import or
+:func:`set_gpu_kernels`, and per call inside ``with gpu_kernels(True): ...``. It decides at
+trace time (the KL family) and at lowering (``ROW_SUMS``, for CUDA only).
+
+.. TODO(lead): wire ``gpu_kernels`` into the public ``implementation=`` switch when merging.
+"""
+
+import contextlib
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from kldiv_jax._class_sums import identical_gap, normalized, norms, summands
+from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS
+from kldiv_jax._numerics import is_static, max_shift
+from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums
+from kldiv_jax._rows import scaled
+from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split, xla_row_sums
+
+# ---------------------------------------------------------------------------- the switch
+
+# The environment variable that turns the kernels on for the whole process (read at import).
+ENV_VAR = "KLDIV_JAX_GPU_KERNELS"
+
+
+def _env_default() -> bool:
+  return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _Plain:
+  """A module-level switch for a jax without ``make_user_context`` (below 0.7): not part of
+  the jit cache keys there, so a function jitted with one setting keeps it."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def set_global(self, value):
+    self.value = value
+
+  @contextlib.contextmanager
+  def __call__(self, value):
+    saved, self.value = self.value, value
+    try:
+      yield
+    finally:
+      self.value = saved
+
+
+_make = getattr(jax, "make_user_context", None)
+GPU_KERNELS = _make(_env_default()) if _make is not None else _Plain(_env_default())
+
+
+def gpu_kernels_enabled() -> bool:
+  """Whether the GPU kernels are switched on (in this context)."""
+  return bool(GPU_KERNELS.value)
+
+
+def set_gpu_kernels(enabled: bool) -> None:
+  """Switch the GPU kernels on or off for the whole process (as ``KLDIV_JAX_GPU_KERNELS``)."""
+  GPU_KERNELS.set_global(bool(enabled))
+
+
+def gpu_kernels(enabled: bool = True):
+  """A context manager: inside it the GPU kernels are on (or off); a ``jax.jit`` function
+  traced inside is traced and compiled again for it."""
+  return GPU_KERNELS(bool(enabled))
+
+
+# ---------------------------------------------------------------------------- the layout
+
+# Rows per program and classes per tile (powers of 2, as Triton's blocks must be): a tile of
+# [4, 1024] is 32 elements of each input per thread at 4 warps.
+BLOCK_ROWS = 4
+TILE = 1024
+# Programs the grid aims at (an H100 has 132 SMs): the columns are split while the row blocks
+# alone are fewer, down to splits of at least MIN_TILES tiles.
+PROGRAMS = 1024
+MIN_TILES = 4
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+# (rows per program, classes per tile, tiles per split, splits)
+Layout = tuple[int, int, int, int]
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def layout(rows: int, classes: int, block_rows=None, tile=None, splits=None) -> Layout:
+  """The grid of the kernels: ``(rows per program, tile, tiles per split, splits)``."""
+  block_rows = block_rows or min(BLOCK_ROWS, _pow2(rows))
+  tile = tile or max(32, min(TILE, _pow2(classes)))
+  tiles = -(-classes // tile)
+  row_blocks = -(-rows // block_rows)
+  if splits is None:
+    splits = max(1, min(-(-PROGRAMS // row_blocks), tiles // MIN_TILES))
+  per_split = -(-tiles // splits)
+  return block_rows, tile, per_split, -(-tiles // per_split)
+
+
+def takes(z, y, temperature, masks=()) -> bool:
+  """Whether the kernels take these operands (avals): float32 computation, float32, bfloat16
+  or float16 logits ``[rows, classes]``, masks of rows ``[rows or 1, 1]`` or of classes
+  ``[1, classes]`` (masks of single elements keep the XLA passes)."""
+  floats = {jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)}
+  if jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2 or z.shape != y.shape:
+    return False
+  if {jnp.dtype(z.dtype), jnp.dtype(y.dtype)} - floats:
+    return False
+  if any(m.shape[0] != 1 and m.shape[1] != 1 for m in masks):
+    return False
+  return z.shape[0] > 0 and z.shape[1] > 0
+
+
+# ---------------------------------------------------------------------------- the kernels
+
+
+def _masks_in(masks, rows: int):
+  """The masks as kernel operands: int32 ``[rows]`` (a mask of rows, or a ``[1, 1]`` one
+  broadcast) or ``[classes]`` (a mask of classes), with their kinds (static)."""
+  kinds, arrays = [], []
+  for m in masks:
+    if m.shape[1] > 1:
+      kinds.append("classes")
+      arrays.append(m[0].astype(jnp.int32))
+    else:
+      kinds.append("rows")
+      arrays.append(jnp.broadcast_to(m[:, 0], (rows,)).astype(jnp.int32))
+  return tuple(kinds), arrays
+
+
+class _Tiles:
+  """A program's view of the logits: its block of rows, its run of column tiles."""
+
+  def __init__(self, shape, grid: Layout, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    self.pl, self.plgpu = pl, plgpu
+    self.rows, self.classes = shape
+    self.block_rows, self.tile, self.per_split, _ = grid
+    self.z_ref, self.y_ref, self.caps = z_ref, y_ref, caps
+    self.temperature = scalars_ref[0]
+    self.r0 = pl.program_id(0) * self.block_rows
+    self.first_tile = pl.program_id(1) * self.per_split
+    row_ids = self.r0 + lax.broadcasted_iota(jnp.int32, (self.block_rows, 1), 0)
+    self.row_in = row_ids < self.rows
+    self.row_keep = []
+    self.class_refs = []
+    for kind, ref in zip(kinds, mask_refs):
+      if kind == "rows":
+        m = plgpu.load(ref.at[pl.ds(self.r0, self.block_rows)], mask=self.row_in[:, 0], other=0)
+        self.row_keep.append(m.reshape(self.block_rows, 1) != 0)
+      else:
+        self.class_refs.append(ref)
+
+  def load(self, t):
+    """``(u, v)``: the scaled logits of tile ``t`` of this program's split, ``-inf`` outside
+    the logits and where a mask is off."""
+    pl, plgpu = self.pl, self.plgpu
+    c0 = (self.first_tile + t) * self.tile
+    col_in = c0 + lax.broadcasted_iota(jnp.int32, (1, self.tile), 1) < self.classes
+    inside = self.row_in & col_in
+    block = (pl.ds(self.r0, self.block_rows), pl.ds(c0, self.tile))
+    z = plgpu.load(self.z_ref.at[block], mask=inside, other=-jnp.inf)
+    y = plgpu.load(self.y_ref.at[block], mask=inside, other=-jnp.inf)
+    keep = [*self.row_keep]
+    for ref in self.class_refs:
+      m = plgpu.load(ref.at[pl.ds(c0, self.tile)], mask=col_in[0], other=0)
+      keep.append(m.reshape(1, self.tile) != 0)
+    u, _ = scaled(z, self.temperature, tuple(keep), self.caps[0])
+    v, _ = scaled(y, self.temperature, tuple(keep), self.caps[1])
+    return u, v
+
+  def loop(self, body, init):
+    return lax.fori_loop(jnp.int32(0), jnp.int32(self.per_split), body, init)
+
+
+def _row_sum(x):
+  return jnp.sum(x, axis=-1, keepdims=True)
+
+
+def _tile_softmax(u):
+  """A tile's raw row max (``-inf`` without mass) and sum of ``exp(u - max_shift(max))``,
+  with the shifted logits and exponentials."""
+  m = jnp.max(u, axis=-1, keepdims=True)
+  u0 = u - max_shift(m)
+  e = jnp.where(u != -jnp.inf, jnp.exp(u0), 0.0)
+  return m, _row_sum(e), u0, e
+
+
+def _stats_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, kl: bool):
+  """Partial row statistics of one program: ``(mu, su, mv, sv, gap)`` (maxes raw), with
+  ``kl`` ``(mu, su, mv, sv, gv, gu)`` (:func:`kldiv_jax._online_kl.online_kl_sums`')."""
+  mask_refs, out_refs = refs[: len(kinds)], refs[len(kinds) :]
+  tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
+
+  def body(t, carry):
+    u, v = tiles.load(t)
+    mu, su, u0, eu = _tile_softmax(u)
+    mv, sv, v0, ev = _tile_softmax(v)
+    if kl:
+      (gv,) = FORWARD_PASS.terms(u0, v0, eu, ev)
+      (gu,) = REVERSE_PASS.terms(u0, v0, eu, ev)
+      return _combine_online(carry, (mu, su, mv, sv, _row_sum(gv), _row_sum(gu)))
+    (mu, su), (mv, sv) = _merge(carry[:2], (mu, su)), _merge(carry[2:4], (mv, sv))
+    return mu, su, mv, sv, carry[4] + _row_sum(identical_gap(u, v))
+
+  none = jnp.full((grid[0], 1), -jnp.inf, jnp.float32)
+  zero = jnp.zeros((grid[0], 1), jnp.float32)
+  out = tiles.loop(body, (none, zero, none, zero, zero, zero) if kl else (none, zero) * 2 + (zero,))
+  for ref, x in zip(out_refs, out):
+    ref[...] = x.reshape(grid[0])
+
+
+def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, formula_spec):
+  """Partial class sums of one program, given the combined row statistics ``(mu, inv_su,
+  log_su, mv, inv_sv, log_sv)`` (blocks ``[rows per program]``)."""
+  name, static, needs = formula_spec
+  num = len(kinds)
+  mask_refs, stat_refs, out_refs = refs[:num], refs[num : num + 6], refs[num + 6 :]
+  tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
+  traced = iter(scalars_ref[i] for i in range(1, 1 + sum(s is None for s in static)))
+  params = tuple(next(traced) if s is None else s for s in static)
+  stats = tuple(r[...].reshape(grid[0], 1) for r in stat_refs)
+
+  def body(t, sums):
+    u, v = tiles.load(t)
+    terms = summands(FORMULAS[name], params, needs, normalized(u, v, *stats), False)
+    return tuple(s + _row_sum(x) for s, x in zip(sums, terms))
+
+  zero = jnp.zeros((grid[0], 1), jnp.float32)
+  out = tiles.loop(body, (zero,) * needs.num_sums())
+  for ref, x in zip(out_refs, out):
+    ref[...] = x.reshape(grid[0])
+
+
+def _call(kernel, num_out, z, y, scalars, masks, extra=(), grid=None, interpret=False):
+  """``kernel`` over the grid ``(row blocks, splits)``: partials ``[splits, rows]`` each."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+
+  rows, classes = z.shape
+  block_rows, tile, per_split, splits = grid or layout(rows, classes)
+  grid = (block_rows, tile, per_split, splits)
+  row_blocks = -(-rows // block_rows)
+  padded = row_blocks * block_rows
+  kinds, mask_arrays = _masks_in(masks, rows)
+  # The scalars (temperature, traced parameters) padded to a power of 2 (a Triton block).
+  scalars = jnp.pad(scalars, (0, _pow2(scalars.shape[0]) - scalars.shape[0]))
+  whole = pl.no_block_spec
+  per_row = pl.BlockSpec((block_rows,), lambda i, s: (i,))
+  extra = [jnp.pad(x[:, 0], (0, padded - rows)) for x in extra]
+  out = pl.pallas_call(
+    functools.partial(kernel, (rows, classes), grid, kinds),
+    grid=(row_blocks, splits),
+    in_specs=[whole, whole, whole, *(whole for _ in masks), *(per_row for _ in extra)],
+    out_specs=[pl.BlockSpec((None, block_rows), lambda i, s: (s, i)) for _ in range(num_out)],
+    out_shape=[jax.ShapeDtypeStruct((splits, padded), jnp.float32) for _ in range(num_out)],
+    compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+    interpret=interpret,
+    name="kldiv_jax_gpu_rows",
+  )(scalars, z, y, *mask_arrays, *extra)
+  return [x[:, :rows] for x in out]
+
+
+def _reduce_splits(parts, init, combine):
+  """Per-split partials ``[splits, rows]`` reduced over the splits to ``[rows, 1]``."""
+  out = lax.reduce(tuple(parts), tuple(jnp.asarray(x, jnp.float32) for x in init), combine, (0,))
+  return [x[:, None] for x in out]
+
+
+def triton_kl_sums(caps, z, y, temperature, *masks, grid=None, interpret=False):
+  """:func:`kldiv_jax._online_kl.online_kl_sums` of the scaled logits ``soft_cap(z) / T``,
+  ``soft_cap(y) / T`` (with ``masks``) in one Triton kernel: ``(mu, su, mv, sv, gv, gu)``,
+  ``[rows, 1]`` each. ``grid``: a :func:`layout` (tests); ``interpret``: Pallas' interpreter."""
+  scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
+  parts = _call(
+    functools.partial(_stats_kernel, caps=caps, kl=True),
+    6,
+    z,
+    y,
+    scalars,
+    masks,
+    grid=grid,
+    interpret=interpret,
+  )
+  inf = -jnp.inf
+  mu, su, mv, sv, gv, gu = _reduce_splits(parts, (inf, 0, inf, 0, 0, 0), _combine_online)
+  return max_shift(mu), su, max_shift(mv), sv, gv, gu
+
+
+def triton_row_sums(spec: Spec, *args, grid=None, interpret=False) -> tuple:
+  """:func:`kldiv_jax._whole_rows.xla_row_sums` from two Triton kernels: the statistics and
+  identical-rows gap (one read of the logits), then the class sums (a second)."""
+  name, static, needs, caps, _ = spec
+  z, y, temperature, params, masks = _split(spec, args)
+  traced = [p for p in params if not is_static(p)]
+  scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
+  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid)
+  parts = run(
+    functools.partial(_stats_kernel, caps=caps, kl=False), 5, interpret=interpret
+  )
+
+  def combine(a, b):
+    return (*_merge(a[:2], b[:2]), *_merge(a[2:4], b[2:4]), a[4] + b[4])
+
+  inf = -jnp.inf
+  mu, su, mv, sv, gap = _reduce_splits(parts, (inf, 0, inf, 0, 0), combine)
+  mu, mv = max_shift(mu), max_shift(mv)
+  n = norms(su, sv)
+  stats = (mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv)
+  sums = run(
+    functools.partial(_sums_kernel, caps=caps, formula_spec=(name, static, needs)),
+    needs.num_sums(),
+    extra=stats,
+    interpret=interpret,
+  )
+  return (mu, su, mv, sv, gap, *(jnp.sum(s, axis=0)[:, None] for s in sums))
+
+
+# ---------------------------------------------------------------------------- ROW_SUMS on CUDA
+
+
+def cuda_lowering(ctx, *args, spec: Spec, interpret: bool = False):
+  """The CUDA lowering of :data:`~kldiv_jax._whole_rows.ROW_SUMS`: the Triton kernels where
+  switched on (:data:`GPU_KERNELS`) and they take the operands, else the XLA passes."""
+  z, y, temperature = ctx.avals_in[:3]
+  masks = ctx.avals_in[len(ctx.avals_in) - spec[4] :] if spec[4] else ()
+  if not (gpu_kernels_enabled() and takes(z, y, temperature, masks)):
+    return XLA_LOWERING(ctx, *args, spec=spec)
+  fn = functools.partial(triton_row_sums, interpret=interpret)
+  return mlir.lower_fun(lambda *a: fn(spec, *a), multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(ROW_SUMS, cuda_lowering, platform="cuda")
+
+
+# ---------------------------------------------------------------------------- KL_SUMS
+
+
+def xla_kl_sums(caps, z, y, temperature, *masks):
+  """:data:`KL_SUMS` as XLA fusions (every platform but CUDA, and what the kernel does not
+  take): the scaled logits' :func:`~kldiv_jax._online_kl.online_kl_sums`."""
+  from kldiv_jax._online_kl import online_kl_sums
+
+  u, _ = scaled(z, temperature, masks, caps[0])
+  v, _ = scaled(y, temperature, masks, caps[1])
+  return tuple(online_kl_sums(u, v))
+
+
+def _two_pass_xla(caps, z, y, temperature, *masks):
+  u, _ = scaled(z, temperature, masks, caps[0])
+  v, _ = scaled(y, temperature, masks, caps[1])
+  return _two_pass_kl_sums(u, v)
+
+
+def kl_sums(caps, z, y, temperature, masks) -> tuple:
+  """``(mu, su, mv, sv, gv, gu)`` of :func:`~kldiv_jax._online_kl.online_kl_sums` for the
+  scaled logits of ``z`` and ``y``: the Triton kernel in a program lowered for CUDA, the XLA
+  pass elsewhere. For the engine when :func:`gpu_kernels_enabled` (on one device)."""
+  if jax.sharding.get_abstract_mesh().manual_axes:  # inside jax.shard_map, as row_sums
+    return xla_kl_sums(tuple(caps), z, y, temperature, *masks)
+  return _kl_sums(tuple(caps), z, y, temperature, *masks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _kl_sums(caps, *args):
+  return tuple(KL_SUMS.bind(*args, caps=caps))
+
+
+@_kl_sums.defjvp
+def _kl_sums_jvp(caps, primals, tangents):
+  # Second and higher derivatives only, as online_kl_sums': the two-pass sums' (the maxes
+  # are constants there).
+  _, out = jax.jvp(functools.partial(_two_pass_xla, caps), primals, tangents)
+  return _kl_sums(caps, *primals), out
+
+
+def _kl_abstract(z, *avals, caps):
+  return [ShapedArray((z.shape[0], 1), avals[1].dtype) for _ in range(6)]
+
+
+def kl_cuda_lowering(ctx, *args, caps, interpret: bool = False):
+  """The CUDA lowering of :data:`KL_SUMS`: the Triton kernel where it takes the operands."""
+  z, y, temperature, *masks = ctx.avals_in
+  fn = xla_kl_sums
+  if takes(z, y, temperature, masks):
+    fn = functools.partial(triton_kl_sums, interpret=interpret)
+  return mlir.lower_fun(lambda *a: fn(caps, *a), multiple_results=True)(ctx, *args)
+
+
+def _kl_batched(args, dims, *, caps):
+  """Under ``vmap``: the rows of the batch stacked into one call when only the logits are
+  batched, otherwise (masks, a batched temperature) the XLA pass mapped."""
+  z, y, temperature, *masks = args
+  if masks or any(d is not None for d in dims[2:]):
+    out = jax.vmap(functools.partial(xla_kl_sums, caps), in_axes=dims)(*args)
+    return out, (0,) * 6
+  size = next(x.shape[d] for x, d in zip((z, y), dims[:2]) if d is not None)
+
+  def stacked(x, d):
+    x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+    return x.reshape(-1, x.shape[-1])
+
+  out = KL_SUMS.bind(stacked(z, dims[0]), stacked(y, dims[1]), temperature, caps=caps)
+  return [o.reshape(size, -1, 1) for o in out], [0] * 6
+
+
+KL_SUMS = Primitive("kldiv_jax_gpu_kl_sums")
+KL_SUMS.multiple_results = True
+KL_SUMS.def_impl(lambda *args, caps: xla_kl_sums(caps, *args))
+KL_SUMS.def_abstract_eval(_kl_abstract)
+KL_XLA_LOWERING = mlir.lower_fun(
+  lambda *a, caps: xla_kl_sums(caps, *a), multiple_results=True
+)
+mlir.register_lowering(KL_SUMS, KL_XLA_LOWERING)
+mlir.register_lowering(KL_SUMS, kl_cuda_lowering, platform="cuda")
+batching.primitive_batchers[KL_SUMS] = _kl_batched
