@@ -77,11 +77,11 @@ from kldiv_jax._class_sums import (
 )
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, Norms
-from kldiv_jax._gpu_rows import gpu_kernels_enabled, kl_sums
+from kldiv_jax._gpu_rows import kl_sums
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
-from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._platform import compiled, gpu_kernels_enabled, map_rows
 from kldiv_jax._rows import is_zero, logit_tangents, row_stats, scaled
 from kldiv_jax._vocab_parallel import combine, global_classes
 from kldiv_jax._whole_rows import row_sums

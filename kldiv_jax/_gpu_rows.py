@@ -22,17 +22,17 @@ applied in the kernel, so no scaled copy is written), with the per-class formula
 the XLA passes. The engine's derivative rule (its elementwise pass) stays XLA's.
 
 **Opt-in** (off by default) until ``make bench-device`` measures it faster: the switch
-:data:`GPU_KERNELS` (``jax.make_user_context``, part of JAX's tracing and compilation cache
-keys), set globally by the environment variable ``KLDIV_JAX_GPU_KERNELS=1`` at import or
-:func:`set_gpu_kernels`, and per call inside ``with gpu_kernels(True): ...``. It decides at
-trace time (the KL family) and at lowering (``ROW_SUMS``, for CUDA only).
+:data:`~kldiv_jax._platform.GPU_KERNELS` (``jax.make_user_context``, part of JAX's tracing
+and compilation cache keys), set for the process by the environment variable
+``KLDIV_JAX_GPU_KERNELS=1`` (read at import) or :func:`set_gpu_kernels`, and for a block
+of code (a call) by ``with gpu_kernels(True): ...``, also inside a traced function. It is
+read at trace time: by the engine for the KL family, by :func:`kldiv_jax._whole_rows.row_sums`
+for the others (the primitive's ``gpu`` parameter, which only its CUDA lowering reads).
 
 .. TODO(lead): wire ``gpu_kernels`` into the public ``implementation=`` switch when merging.
 """
 
-import contextlib
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -45,57 +45,15 @@ from kldiv_jax._class_sums import identical_gap, normalized, norms, summands
 from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS
 from kldiv_jax._numerics import is_static, max_shift
 from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums
+from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
+  ENV_VAR,
+  GPU_KERNELS,
+  gpu_kernels,
+  gpu_kernels_enabled,
+  set_gpu_kernels,
+)
 from kldiv_jax._rows import scaled
 from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split, xla_row_sums
-
-# ---------------------------------------------------------------------------- the switch
-
-# The environment variable that turns the kernels on for the whole process (read at import).
-ENV_VAR = "KLDIV_JAX_GPU_KERNELS"
-
-
-def _env_default() -> bool:
-  return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-class _Plain:
-  """A module-level switch for a jax without ``make_user_context`` (below 0.7): not part of
-  the jit cache keys there, so a function jitted with one setting keeps it."""
-
-  def __init__(self, value):
-    self.value = value
-
-  def set_global(self, value):
-    self.value = value
-
-  @contextlib.contextmanager
-  def __call__(self, value):
-    saved, self.value = self.value, value
-    try:
-      yield
-    finally:
-      self.value = saved
-
-
-_make = getattr(jax, "make_user_context", None)
-GPU_KERNELS = _make(_env_default()) if _make is not None else _Plain(_env_default())
-
-
-def gpu_kernels_enabled() -> bool:
-  """Whether the GPU kernels are switched on (in this context)."""
-  return bool(GPU_KERNELS.value)
-
-
-def set_gpu_kernels(enabled: bool) -> None:
-  """Switch the GPU kernels on or off for the whole process (as ``KLDIV_JAX_GPU_KERNELS``)."""
-  GPU_KERNELS.set_global(bool(enabled))
-
-
-def gpu_kernels(enabled: bool = True):
-  """A context manager: inside it the GPU kernels are on (or off); a ``jax.jit`` function
-  traced inside is traced and compiled again for it."""
-  return GPU_KERNELS(bool(enabled))
-
 
 # ---------------------------------------------------------------------------- the layout
 
@@ -354,12 +312,13 @@ def triton_row_sums(spec: Spec, *args, grid=None, interpret=False) -> tuple:
 # ---------------------------------------------------------------------------- ROW_SUMS on CUDA
 
 
-def cuda_lowering(ctx, *args, spec: Spec, interpret: bool = False):
+def cuda_lowering(ctx, *args, spec: Spec, gpu: bool = False, interpret: bool = False):
   """The CUDA lowering of :data:`~kldiv_jax._whole_rows.ROW_SUMS`: the Triton kernels where
-  switched on (:data:`GPU_KERNELS`) and they take the operands, else the XLA passes."""
+  switched on when traced (``gpu``, from :data:`GPU_KERNELS`) and they take the operands,
+  else the XLA passes."""
   z, y, temperature = ctx.avals_in[:3]
   masks = ctx.avals_in[len(ctx.avals_in) - spec[4] :] if spec[4] else ()
-  if not (gpu_kernels_enabled() and takes(z, y, temperature, masks)):
+  if not (gpu and takes(z, y, temperature, masks)):
     return XLA_LOWERING(ctx, *args, spec=spec)
   fn = functools.partial(triton_row_sums, interpret=interpret)
   return mlir.lower_fun(lambda *a: fn(spec, *a), multiple_results=True)(ctx, *args)

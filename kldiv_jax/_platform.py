@@ -8,6 +8,8 @@ per platform, at lowering (``lax.platform_dependent``); :func:`compiled`
 compiles a module-level kernel once per shapes for eager calls.
 """
 
+import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -21,6 +23,57 @@ _BLOCK_ELEMENTS = 1 << 17
 ROW_BLOCKS_SCOPE = "kldiv_jax_cpu_row_blocks"
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+# ----------------------------------------------------------------------------- GPU kernels
+# The opt-in switch of the Pallas Triton kernels (kldiv_jax._gpu_rows); read at trace time.
+# TODO(lead): the public ``implementation=`` switch (per call and global) sets this one.
+
+# The environment variable that turns the kernels on for the whole process (read at import).
+ENV_VAR = "KLDIV_JAX_GPU_KERNELS"
+
+
+def _env_default() -> bool:
+  return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _Plain:
+  """A module-level switch for a jax without ``make_user_context`` (below 0.7): not part of
+  the jit cache keys there, so a function jitted with one setting keeps it."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def set_global(self, value):
+    self.value = value
+
+  @contextlib.contextmanager
+  def __call__(self, value):
+    saved, self.value = self.value, value
+    try:
+      yield
+    finally:
+      self.value = saved
+
+
+_make = getattr(jax, "make_user_context", None)
+GPU_KERNELS = _make(_env_default()) if _make is not None else _Plain(_env_default())
+
+
+def gpu_kernels_enabled() -> bool:
+  """Whether the GPU kernels are switched on (in this context)."""
+  return bool(GPU_KERNELS.value)
+
+
+def set_gpu_kernels(enabled: bool) -> None:
+  """Switch the GPU kernels on or off for the whole process (as ``KLDIV_JAX_GPU_KERNELS``)."""
+  GPU_KERNELS.set_global(bool(enabled))
+
+
+def gpu_kernels(enabled: bool = True):
+  """A context manager: inside it the GPU kernels are on (or off); a ``jax.jit`` function
+  traced inside is traced and compiled again for it."""
+  return GPU_KERNELS(bool(enabled))
+
 
 
 def compiled(fn: _Fn, static_argnums: int | Sequence[int] = (), *, inline: bool = True) -> _Fn:

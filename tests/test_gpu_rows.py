@@ -137,8 +137,10 @@ def test_kl_sums_match_the_xla_pass(rows, classes, dtype, caps, masked, grid):
   got = np.concatenate(jax.jit(kernel)(z, y, jnp.float32(2.0), *masks), 1)
   want = np.concatenate(jax.jit(functools.partial(xla_kl_sums, caps))(z, y, 2.0, *masks), 1)
   assert got.shape == want.shape == (rows, 6)
-  # The maxes exactly; rows without mass: zeros; rows 3 and 4 (NaN, +inf): NaN sums.
-  np.testing.assert_array_equal(got[:, [0, 2]], want[:, [0, 2]])
+  # The maxes exactly (but on row 3: Triton's max skips a NaN, XLA's returns it; the sums
+  # are NaN either way); rows without mass: zeros; rows 3 and 4 (NaN, +inf): NaN sums.
+  rows_ = np.arange(rows) != 3
+  np.testing.assert_array_equal(got[rows_][:, [0, 2]], want[rows_][:, [0, 2]])
   np.testing.assert_array_equal(got[5], 0.0)
   assert np.isnan(got[[3, 4], 1]).all()
   valid = np.isfinite(want[:, 1]) & np.isfinite(want[:, 3])
@@ -300,3 +302,17 @@ def test_the_cuda_program_holds_the_kernels(name):
     element = _cuda_text(_loss(name, where=jnp.ones((16, 256), bool)), z, y)
   assert text.count(f"@{TRITON_CALL}") == {"forward_kl": 1, "jsd": 2}[name], text.count(TRITON_CALL)
   assert TRITON_CALL not in element
+
+
+def test_the_switch_inside_a_traced_function():
+  """Entered inside a jitted function (as a per-call option would), the switch reaches the
+  CUDA lowering of the two-pass statistics, which runs after the trace has left it."""
+  z, y = _logits(16, 256, jnp.float32)
+  loss = _loss("tvd")
+
+  def on(z, y):
+    with gpu_kernels(True):
+      return loss(z, y)
+
+  assert _cuda_text(on, z, y).count(f"@{TRITON_CALL}") == 2
+  assert TRITON_CALL not in _cuda_text(loss, z, y)
