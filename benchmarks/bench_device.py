@@ -40,6 +40,7 @@ from bench_accel import (
   TOPK,
   _fused_contenders,
   _row_contenders,
+  with_gpu_kernels,
 )
 
 
@@ -80,18 +81,6 @@ def _value(out) -> float:
   return float(out[0])
 
 
-def _with_gpu_kernels(fn):
-  """``fn`` traced with the opt-in GPU kernels switched on (inside the traced function, as a
-  per-call option would: the switch is read at trace time)."""
-  from kldiv_jax._platform import gpu_kernels
-
-  def run(*args):
-    with gpu_kernels(True):
-      return fn(*args)
-
-  return run
-
-
 def _row(
   case: str, n: int, v: int, dtype: str, repeats: int, seed: int, gpu: str = "off"
 ) -> dict[str, Any]:
@@ -103,9 +92,9 @@ def _row(
   row: dict[str, Any] = {"case": case, "kind": "row", "shape": [n, v], "dtype": dtype}
   fns = _row_contenders(case)
   if gpu == "on":
-    fns["kldiv_jax"] = _with_gpu_kernels(fns["kldiv_jax"])
+    fns["kldiv_jax"] = with_gpu_kernels(fns["kldiv_jax"])
   elif gpu == "both":
-    fns["kldiv_jax_gpu"] = _with_gpu_kernels(fns["kldiv_jax"])
+    fns["kldiv_jax_gpu"] = with_gpu_kernels(fns["kldiv_jax"])
   row |= _pair(fns, args, 0, repeats)
   row["gpu_kernels"] = gpu
   floor = floor_arrays * n * v * dt.itemsize

@@ -53,7 +53,7 @@ from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
   set_gpu_kernels,
 )
 from kldiv_jax._rows import scaled
-from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split, xla_row_sums
+from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split
 
 # ---------------------------------------------------------------------------- the layout
 
@@ -288,9 +288,7 @@ def triton_row_sums(spec: Spec, *args, grid=None, interpret=False) -> tuple:
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
   run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid)
-  parts = run(
-    functools.partial(_stats_kernel, caps=caps, kl=False), 5, interpret=interpret
-  )
+  parts = run(functools.partial(_stats_kernel, caps=caps, kl=False), 5, interpret=interpret)
 
   def combine(a, b):
     return (*_merge(a[:2], b[:2]), *_merge(a[2:4], b[2:4]), a[4] + b[4])
@@ -402,9 +400,7 @@ KL_SUMS = Primitive("kldiv_jax_gpu_kl_sums")
 KL_SUMS.multiple_results = True
 KL_SUMS.def_impl(lambda *args, caps: xla_kl_sums(caps, *args))
 KL_SUMS.def_abstract_eval(_kl_abstract)
-KL_XLA_LOWERING = mlir.lower_fun(
-  lambda *a, caps: xla_kl_sums(caps, *a), multiple_results=True
-)
+KL_XLA_LOWERING = mlir.lower_fun(lambda *a, caps: xla_kl_sums(caps, *a), multiple_results=True)
 mlir.register_lowering(KL_SUMS, KL_XLA_LOWERING)
 mlir.register_lowering(KL_SUMS, kl_cuda_lowering, platform="cuda")
 batching.primitive_batchers[KL_SUMS] = _kl_batched

@@ -75,7 +75,6 @@ def gpu_kernels(enabled: bool = True):
   return GPU_KERNELS(bool(enabled))
 
 
-
 def compiled(fn: _Fn, static_argnums: int | Sequence[int] = (), *, inline: bool = True) -> _Fn:
   """``fn``, a module-level kernel, compiled once per input shapes and static arguments.
 

@@ -286,7 +286,9 @@ def test_the_switch():
 
 def _cuda_text(fn, *args):
   checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-  return export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args).mlir_module()
+  return export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(
+    *args
+  ).mlir_module()
 
 
 @pytest.mark.parametrize("name", ["forward_kl", "jsd"])
