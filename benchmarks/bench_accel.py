@@ -320,12 +320,13 @@ GPU_KERNEL_CASES = ("forward_kl", "reverse_kl", "symmetric_kl", "jsd", "skew_kl"
 GPU_KERNEL_CASES += ("skew_reverse_kl", "tvd", "kl_div_from_logits")
 
 
-def with_gpu_kernels(fn: Callable) -> Callable:
-  """``fn`` traced with the opt-in GPU kernels switched on (the switch is read at trace time)."""
+def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = True) -> Callable:
+  """``fn`` traced with the opt-in GPU kernels switched on (the switch is read at trace time;
+  ``setting``: ``True`` or a layout, ``(rows per program, tile, warps, stages)``)."""
   from kldiv_jax._platform import gpu_kernels
 
   def run(*args):
-    with gpu_kernels(True):
+    with gpu_kernels(setting):
       return fn(*args)
 
   return run

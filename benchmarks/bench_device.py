@@ -17,6 +17,8 @@ an estimate; the figures are only as good as the one machine and run they come f
 loss traced with the opt-in Pallas Triton kernels on (``kldiv_jax._gpu_rows``; on a GPU
 only), timed round-robin with the other two, its ratio to ``kldiv_jax`` (XLA) and the rate at
 which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax``.
+``--gpu-configs 2x2048w8s3,...`` adds one such contender per layout of the kernels (rows per
+program x classes per tile, warps, pipeline stages), ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
 """
 
 import json
@@ -82,7 +84,7 @@ def _value(out) -> float:
 
 
 def _row(
-  case: str, n: int, v: int, dtype: str, repeats: int, seed: int, gpu: str = "off"
+  case: str, n: int, v: int, dtype: str, repeats: int, seed: int, gpu: str = "off", configs=()
 ) -> dict[str, Any]:
   kinds, floor_arrays = ROW_ARGS[case]
   dt = jnp.dtype(dtype)
@@ -95,6 +97,8 @@ def _row(
     fns["kldiv_jax"] = with_gpu_kernels(fns["kldiv_jax"])
   elif gpu == "both":
     fns["kldiv_jax_gpu"] = with_gpu_kernels(fns["kldiv_jax"])
+  for text in configs:
+    fns[f"kldiv_jax_gpu[{text}]"] = with_gpu_kernels(fns["kldiv_jax"], _config(text))
   row |= _pair(fns, args, 0, repeats)
   row["gpu_kernels"] = gpu
   floor = floor_arrays * n * v * dt.itemsize
@@ -103,10 +107,10 @@ def _row(
   row["time_ratio"] = ours["median_ms"] / naive["median_ms"]
   row["floor_tb_per_s"] = floor / (ours["median_ms"] * 1e-3) / 1e12
   row["naive_floor_tb_per_s"] = floor / (naive["median_ms"] * 1e-3) / 1e12
-  if "kldiv_jax_gpu" in row:
-    kernel = row["kldiv_jax_gpu"]["median_ms"]
-    row["gpu_time_ratio"] = kernel / ours["median_ms"]  # the kernels' time / XLA's
-    row["gpu_floor_tb_per_s"] = floor / (kernel * 1e-3) / 1e12
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
+    kernel = row[name]["median_ms"]
+    row[name]["time_ratio_to_xla"] = kernel / ours["median_ms"]  # the kernels' time / XLA's
+    row[name]["floor_tb_per_s"] = floor / (kernel * 1e-3) / 1e12
   return row
 
 
@@ -132,15 +136,23 @@ def _line(row: dict[str, Any]) -> str:
   )
   if row["kind"] == "row":
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
-  if "kldiv_jax_gpu" in row:
-    g = row["kldiv_jax_gpu"]
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
+    g = row[name]
     text += (
-      f"\n{'':<24} gpu kernels {g['median_ms']:8.3f} ms = {fmt_ratio(row['gpu_time_ratio'])}"
-      f" x kldiv_jax (XLA)  floor at {row['gpu_floor_tb_per_s']:.2f} TB/s"
-      f"  temp {fmt_bytes(g['temp_bytes'])}  value {g['value']:.6g}"
-      f"  compile {g['compile_s']:.1f}s ({row['kldiv_jax']['compile_s']:.1f}s)"
+      f"\n{'':<24} {name[len('kldiv_jax_') :]:<22} {g['median_ms']:8.3f} ms"
+      f" = {fmt_ratio(g['time_ratio_to_xla'])} x kldiv_jax (XLA)"
+      f"  floor at {g['floor_tb_per_s']:.2f} TB/s  temp {fmt_bytes(g['temp_bytes'])}"
+      f"  value {g['value']:.6g}  compile {g['compile_s']:.1f}s ({row['kldiv_jax']['compile_s']:.1f}s)"
     )
   return text
+
+
+def _config(text: str) -> tuple[int, int, int, int]:
+  """``"2x2048w8s3"`` as the kernels' layout ``(2, 2048, 8, 3)``."""
+  rows, rest = text.split("x")
+  tile, rest = rest.split("w")
+  warps, stages = rest.split("s")
+  return int(rows), int(tile), int(warps), int(stages)
 
 
 def _shape(text: str) -> tuple[tuple[int, int], str]:
@@ -159,6 +171,11 @@ def main(argv=None) -> int:
     default="off",
     help="the row cases with kldiv_jax's opt-in Pallas Triton kernels: off (default), on "
     "(in place of XLA's), both (side by side, in one round-robin)",
+  )
+  p.add_argument(
+    "--gpu-configs",
+    default="",
+    help="layouts of the GPU kernels to time side by side, RxTILEwWARPSsSTAGES, comma-separated",
   )
   p.add_argument(
     "--shapes", default="", help="row shapes NxV:dtype, comma-separated (default: the standard)"
@@ -189,7 +206,8 @@ def main(argv=None) -> int:
     shapes = [_shape(s) for s in args.shapes.split(",")]
   for (n, v), dtype in shapes:
     for case in [c for c in cases if c in ROW_ARGS]:
-      record(_row, case, n, v, dtype, repeats, args.seed, args.gpu_kernels)
+      configs = [c for c in args.gpu_configs.split(",") if c]
+      record(_row, case, n, v, dtype, repeats, args.seed, args.gpu_kernels, configs)
   for case in [c for c in cases if c in FUSED_ARGS]:
     policy = case == "fused_policy"
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None

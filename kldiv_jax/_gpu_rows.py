@@ -50,6 +50,7 @@ from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
   GPU_KERNELS,
   gpu_kernels,
   gpu_kernels_enabled,
+  gpu_kernels_setting,
   set_gpu_kernels,
 )
 from kldiv_jax._rows import scaled
@@ -225,13 +226,24 @@ def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, for
     ref[...] = x.reshape(grid[0])
 
 
-def _call(kernel, num_out, z, y, scalars, masks, extra=(), grid=None, interpret=False):
+def _config(setting) -> tuple[int | None, int | None, int, int]:
+  """``(rows per program, tile, warps, stages)`` of the switch's value (``True``: the
+  defaults, :data:`BLOCK_ROWS` etc.; a tuple: a layout of the benchmarks' sweeps)."""
+  if isinstance(setting, tuple):
+    return setting
+  return None, None, NUM_WARPS, NUM_STAGES
+
+
+def _call(
+  kernel, num_out, z, y, scalars, masks, extra=(), grid=None, setting=True, interpret=False
+):
   """``kernel`` over the grid ``(row blocks, splits)``: partials ``[splits, rows]`` each."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
   rows, classes = z.shape
-  block_rows, tile, per_split, splits = grid or layout(rows, classes)
+  block_rows, tile, warps, stages = _config(setting)
+  block_rows, tile, per_split, splits = grid or layout(rows, classes, block_rows, tile)
   grid = (block_rows, tile, per_split, splits)
   row_blocks = -(-rows // block_rows)
   padded = row_blocks * block_rows
@@ -247,7 +259,7 @@ def _call(kernel, num_out, z, y, scalars, masks, extra=(), grid=None, interpret=
     in_specs=[whole, whole, whole, *(whole for _ in masks), *(per_row for _ in extra)],
     out_specs=[pl.BlockSpec((None, block_rows), lambda i, s: (s, i)) for _ in range(num_out)],
     out_shape=[jax.ShapeDtypeStruct((splits, padded), jnp.float32) for _ in range(num_out)],
-    compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+    compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
     interpret=interpret,
     name="kldiv_jax_gpu_rows",
   )(scalars, z, y, *mask_arrays, *extra)
@@ -260,10 +272,11 @@ def _reduce_splits(parts, init, combine):
   return [x[:, None] for x in out]
 
 
-def triton_kl_sums(caps, z, y, temperature, *masks, grid=None, interpret=False):
+def triton_kl_sums(caps, z, y, temperature, *masks, grid=None, setting=True, interpret=False):
   """:func:`kldiv_jax._online_kl.online_kl_sums` of the scaled logits ``soft_cap(z) / T``,
   ``soft_cap(y) / T`` (with ``masks``) in one Triton kernel: ``(mu, su, mv, sv, gv, gu)``,
-  ``[rows, 1]`` each. ``grid``: a :func:`layout` (tests); ``interpret``: Pallas' interpreter."""
+  ``[rows, 1]`` each. ``grid``: a :func:`layout` (tests); ``setting``: the switch's value
+  (``True`` or a layout); ``interpret``: Pallas' interpreter."""
   scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
   parts = _call(
     functools.partial(_stats_kernel, caps=caps, kl=True),
@@ -273,6 +286,7 @@ def triton_kl_sums(caps, z, y, temperature, *masks, grid=None, interpret=False):
     scalars,
     masks,
     grid=grid,
+    setting=setting,
     interpret=interpret,
   )
   inf = -jnp.inf
@@ -280,14 +294,14 @@ def triton_kl_sums(caps, z, y, temperature, *masks, grid=None, interpret=False):
   return max_shift(mu), su, max_shift(mv), sv, gv, gu
 
 
-def triton_row_sums(spec: Spec, *args, grid=None, interpret=False) -> tuple:
+def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False) -> tuple:
   """:func:`kldiv_jax._whole_rows.xla_row_sums` from two Triton kernels: the statistics and
   identical-rows gap (one read of the logits), then the class sums (a second)."""
   name, static, needs, caps, _ = spec
   z, y, temperature, params, masks = _split(spec, args)
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
-  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid)
+  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid, setting=setting)
   parts = run(functools.partial(_stats_kernel, caps=caps, kl=False), 5, interpret=interpret)
 
   def combine(a, b):
@@ -310,7 +324,7 @@ def triton_row_sums(spec: Spec, *args, grid=None, interpret=False) -> tuple:
 # ---------------------------------------------------------------------------- ROW_SUMS on CUDA
 
 
-def cuda_lowering(ctx, *args, spec: Spec, gpu: bool = False, interpret: bool = False):
+def cuda_lowering(ctx, *args, spec: Spec, gpu=False, interpret: bool = False):
   """The CUDA lowering of :data:`~kldiv_jax._whole_rows.ROW_SUMS`: the Triton kernels where
   switched on when traced (``gpu``, from :data:`GPU_KERNELS`) and they take the operands,
   else the XLA passes."""
@@ -318,7 +332,7 @@ def cuda_lowering(ctx, *args, spec: Spec, gpu: bool = False, interpret: bool = F
   masks = ctx.avals_in[len(ctx.avals_in) - spec[4] :] if spec[4] else ()
   if not (gpu and takes(z, y, temperature, masks)):
     return XLA_LOWERING(ctx, *args, spec=spec)
-  fn = functools.partial(triton_row_sums, interpret=interpret)
+  fn = functools.partial(triton_row_sums, setting=gpu, interpret=interpret)
   return mlir.lower_fun(lambda *a: fn(spec, *a), multiple_results=True)(ctx, *args)
 
 
@@ -350,36 +364,36 @@ def kl_sums(caps, z, y, temperature, masks) -> tuple:
   pass elsewhere. For the engine when :func:`gpu_kernels_enabled` (on one device)."""
   if jax.sharding.get_abstract_mesh().manual_axes:  # inside jax.shard_map, as row_sums
     return xla_kl_sums(tuple(caps), z, y, temperature, *masks)
-  return _kl_sums(tuple(caps), z, y, temperature, *masks)
+  return _kl_sums(tuple(caps), gpu_kernels_setting(), z, y, temperature, *masks)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _kl_sums(caps, *args):
-  return tuple(KL_SUMS.bind(*args, caps=caps))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kl_sums(caps, setting, *args):
+  return tuple(KL_SUMS.bind(*args, caps=caps, setting=setting))
 
 
 @_kl_sums.defjvp
-def _kl_sums_jvp(caps, primals, tangents):
+def _kl_sums_jvp(caps, setting, primals, tangents):
   # Second and higher derivatives only, as online_kl_sums': the two-pass sums' (the maxes
   # are constants there).
   _, out = jax.jvp(functools.partial(_two_pass_xla, caps), primals, tangents)
-  return _kl_sums(caps, *primals), out
+  return _kl_sums(caps, setting, *primals), out
 
 
-def _kl_abstract(z, *avals, caps):
+def _kl_abstract(z, *avals, caps, setting):
   return [ShapedArray((z.shape[0], 1), avals[1].dtype) for _ in range(6)]
 
 
-def kl_cuda_lowering(ctx, *args, caps, interpret: bool = False):
+def kl_cuda_lowering(ctx, *args, caps, setting, interpret: bool = False):
   """The CUDA lowering of :data:`KL_SUMS`: the Triton kernel where it takes the operands."""
   z, y, temperature, *masks = ctx.avals_in
   fn = xla_kl_sums
   if takes(z, y, temperature, masks):
-    fn = functools.partial(triton_kl_sums, interpret=interpret)
+    fn = functools.partial(triton_kl_sums, setting=setting, interpret=interpret)
   return mlir.lower_fun(lambda *a: fn(caps, *a), multiple_results=True)(ctx, *args)
 
 
-def _kl_batched(args, dims, *, caps):
+def _kl_batched(args, dims, *, caps, setting):
   """Under ``vmap``: the rows of the batch stacked into one call when only the logits are
   batched, otherwise (masks, a batched temperature) the XLA pass mapped."""
   z, y, temperature, *masks = args
@@ -392,15 +406,19 @@ def _kl_batched(args, dims, *, caps):
     x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
     return x.reshape(-1, x.shape[-1])
 
-  out = KL_SUMS.bind(stacked(z, dims[0]), stacked(y, dims[1]), temperature, caps=caps)
+  out = KL_SUMS.bind(
+    stacked(z, dims[0]), stacked(y, dims[1]), temperature, caps=caps, setting=setting
+  )
   return [o.reshape(size, -1, 1) for o in out], [0] * 6
 
 
 KL_SUMS = Primitive("kldiv_jax_gpu_kl_sums")
 KL_SUMS.multiple_results = True
-KL_SUMS.def_impl(lambda *args, caps: xla_kl_sums(caps, *args))
+KL_SUMS.def_impl(lambda *args, caps, setting: xla_kl_sums(caps, *args))
 KL_SUMS.def_abstract_eval(_kl_abstract)
-KL_XLA_LOWERING = mlir.lower_fun(lambda *a, caps: xla_kl_sums(caps, *a), multiple_results=True)
+KL_XLA_LOWERING = mlir.lower_fun(
+  lambda *a, caps, setting: xla_kl_sums(caps, *a), multiple_results=True
+)
 mlir.register_lowering(KL_SUMS, KL_XLA_LOWERING)
 mlir.register_lowering(KL_SUMS, kl_cuda_lowering, platform="cuda")
 batching.primitive_batchers[KL_SUMS] = _kl_batched

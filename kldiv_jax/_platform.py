@@ -64,15 +64,24 @@ def gpu_kernels_enabled() -> bool:
   return bool(GPU_KERNELS.value)
 
 
+def gpu_kernels_setting():
+  """The switch's value: ``False``, ``True`` or a tuple ``(rows per program, classes per
+  tile, warps, stages)`` of the kernels' layout (:func:`kldiv_jax._gpu_rows.layout`; for the
+  benchmarks' sweeps), hashable: a static parameter of the kernels' primitives."""
+  value = GPU_KERNELS.value
+  return tuple(value) if isinstance(value, (tuple, list)) else bool(value)
+
+
 def set_gpu_kernels(enabled: bool) -> None:
   """Switch the GPU kernels on or off for the whole process (as ``KLDIV_JAX_GPU_KERNELS``)."""
   GPU_KERNELS.set_global(bool(enabled))
 
 
-def gpu_kernels(enabled: bool = True):
+def gpu_kernels(enabled: bool | tuple[int, int, int, int] = True):
   """A context manager: inside it the GPU kernels are on (or off); a ``jax.jit`` function
-  traced inside is traced and compiled again for it."""
-  return GPU_KERNELS(bool(enabled))
+  traced inside is traced and compiled again for it. A tuple ``(rows per program, classes
+  per tile, warps, stages)`` switches them on with that layout (the benchmarks' sweeps)."""
+  return GPU_KERNELS(tuple(enabled) if isinstance(enabled, (tuple, list)) else bool(enabled))
 
 
 def compiled(fn: _Fn, static_argnums: int | Sequence[int] = (), *, inline: bool = True) -> _Fn:

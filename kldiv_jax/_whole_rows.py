@@ -40,7 +40,7 @@ from kldiv_jax._class_sums import (
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._numerics import is_static, max_shift
 from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts, rescale
-from kldiv_jax._platform import gpu_kernels_enabled, gpu_or_other
+from kldiv_jax._platform import gpu_kernels_setting, gpu_or_other
 from kldiv_jax._rows import scaled
 
 # Lanes of a TPU vector register: the kernel's output block is [rows, LANES].
@@ -79,12 +79,12 @@ def row_sums(formula, params, needs: Needs, caps, z, y, temperature, masks) -> t
     # operands vary over (a primitive's abstract values would have to say so themselves).
     return xla_row_sums(spec, z, y, temperature, *traced, *masks)
   # The opt-in GPU kernels (kldiv_jax._gpu_rows), decided at trace time: a parameter of the
-  # primitive that only its CUDA lowering reads.
-  return _row_sums(spec, gpu_kernels_enabled(), z, y, temperature, *traced, *masks)
+  # primitive (False, True or a layout) that only its CUDA lowering reads.
+  return _row_sums(spec, gpu_kernels_setting(), z, y, temperature, *traced, *masks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _row_sums(spec: Spec, gpu: bool, *args):
+def _row_sums(spec: Spec, gpu, *args):
   return tuple(ROW_SUMS.bind(*args, spec=spec, gpu=gpu))
 
 
@@ -304,12 +304,12 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
   return tuple(out[:, i : i + 1] for i in range(5 + spec[2].num_sums()))
 
 
-def _abstract(*avals, spec: Spec, gpu: bool = False):
+def _abstract(*avals, spec: Spec, gpu=False):
   rows, dtype = avals[0].shape[0], avals[2].dtype
   return [ShapedArray((rows, 1), dtype) for _ in range(5 + spec[2].num_sums())]
 
 
-def tpu_lowering(ctx, *args, spec: Spec, gpu: bool = False, interpret: bool = False):
+def tpu_lowering(ctx, *args, spec: Spec, gpu=False, interpret: bool = False):
   """The TPU lowering of :data:`ROW_SUMS`: the Pallas kernel where it takes the operands,
   else the XLA passes. ``interpret``: the kernel in Pallas' interpreter (tests)."""
   z, y, temperature = ctx.avals_in[:3]
@@ -321,7 +321,7 @@ def tpu_lowering(ctx, *args, spec: Spec, gpu: bool = False, interpret: bool = Fa
   return mlir.lower_fun(lambda *a: fn(spec, *a), multiple_results=True)(ctx, *args)
 
 
-def _batched(args, dims, *, spec: Spec, gpu: bool = False):
+def _batched(args, dims, *, spec: Spec, gpu=False):
   """Under ``vmap``: whole rows stacked into one call when only the logits are batched;
   otherwise the XLA passes mapped."""
   z, y, *rest = args

@@ -318,3 +318,19 @@ def test_the_switch_inside_a_traced_function():
 
   assert _cuda_text(on, z, y).count(f"@{TRITON_CALL}") == 2
   assert TRITON_CALL not in _cuda_text(loss, z, y)
+
+
+def test_a_layout_for_the_benchmarks_sweeps():
+  """A layout in the switch, ``(rows per program, tile, warps, stages)``, reaches the Triton
+  calls of both primitives (their launch parameters), and its results are the same."""
+  z, y = _logits(16, 256, jnp.float32)
+  for name in ("forward_kl", "tvd"):
+    with gpu_kernels((2, 64, 8, 2)):
+      text = _cuda_text(_loss(name), z, y)
+    assert "num_warps = 8 : i32" in text and "num_stages = 2 : i32" in text
+    assert "num_warps = 4 : i32" not in text
+  with xla_path():
+    want = jax.jit(_loss("jsd", beta=0.3))(z, y)
+  with gpu_kernel(), gpu_kernels((2, 64, 8, 2)):
+    got = jax.jit(_loss("jsd", beta=0.3))(z, y)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
