@@ -37,8 +37,9 @@ def _env_default() -> bool:
 
 
 class _Plain:
-  """A module-level switch for a jax without ``make_user_context`` (below 0.7): not part of
-  the jit cache keys there, so a function jitted with one setting keeps it."""
+  """The switch where jax has no ``make_user_context`` (below 0.7.2): there the kernels stay
+  off (:func:`gpu_kernels_setting`), since a plain switch would not be part of JAX's cache
+  keys (a function jitted with one setting would keep it)."""
 
   def __init__(self, value):
     self.value = value
@@ -60,15 +61,15 @@ GPU_KERNELS = _make(_env_default()) if _make is not None else _Plain(_env_defaul
 
 
 def gpu_kernels_enabled() -> bool:
-  """Whether the GPU kernels are switched on (in this context)."""
-  return bool(GPU_KERNELS.value)
+  """Whether the GPU kernels are switched on (in this context; never below jax 0.7.2)."""
+  return bool(gpu_kernels_setting())
 
 
 def gpu_kernels_setting():
   """The switch's value: ``False``, ``True`` or a tuple ``(rows per program, classes per
   tile, warps, stages)`` of the kernels' layout (:func:`kldiv_jax._gpu_rows.layout`; for the
   benchmarks' sweeps), hashable: a static parameter of the kernels' primitives."""
-  value = GPU_KERNELS.value
+  value = GPU_KERNELS.value if _make is not None else False
   return tuple(value) if isinstance(value, (tuple, list)) else bool(value)
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from _references import platform_branch
 from jax import export
+from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import mlir
 
 import kldiv_jax as kd
@@ -37,9 +38,13 @@ from kldiv_jax._gpu_rows import (
 )
 from kldiv_jax._whole_rows import ROW_SUMS, xla_row_sums
 
+# The switch needs jax.make_user_context (jax 0.7.2): below it the kernels stay off.
+pytestmark = pytest.mark.skipif(
+  not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
+)
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-TRITON_CALL = "__gpu$xla.gpu.triton"
+TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 
 # (name, static params (None where traced), traced values)
 TWO_PASS = [
@@ -285,10 +290,16 @@ def test_the_switch():
 
 
 def _cuda_text(fn, *args):
+  """The module of ``fn`` lowered for CUDA (without a GPU: Pallas' Triton lowering needs none
+  up to jax 0.10; from 0.11 it asks for one, and the test is skipped)."""
   checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-  return export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(
-    *args
-  ).mlir_module()
+  try:
+    exported = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
+  except RuntimeError as err:
+    if "No supported GPU devices" not in str(err):
+      raise
+    pytest.skip("this jax's Pallas lowers a Triton kernel only with a GPU attached")
+  return exported.mlir_module()
 
 
 @pytest.mark.parametrize("name", ["forward_kl", "jsd"])
