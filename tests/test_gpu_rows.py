@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import platform_branch
+from _references import enable_x64, platform_branch
 from jax import export
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import mlir
@@ -345,3 +345,25 @@ def test_a_layout_for_the_benchmarks_sweeps():
   with gpu_kernel(), gpu_kernels((2, 64, 8, 2)):
     got = jax.jit(_loss("jsd", beta=0.3))(z, y)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_x64(small_tiles):
+  """Under ``jax_enable_x64`` float32 logits take the kernels (int32 indices beside int64
+  Python ints), with the values and gradients of the XLA path; float64 keeps the XLA path."""
+  z, y = _logits(11, 150, jnp.float32, seed=4)
+  with enable_x64():
+    for name in ("forward_kl", "jsd"):
+      loss = _loss(name)
+      run = jax.jit(
+        lambda z, y, loss=loss: (loss(z, y), jax.grad(lambda z: jnp.nansum(loss(z, y)))(z))
+      )
+      with xla_path():
+        want = run(z, y)
+        want64 = run(z.astype(jnp.float64), y.astype(jnp.float64))
+      with gpu_kernel():
+        got = run(z, y)
+        got64 = run(z.astype(jnp.float64), y.astype(jnp.float64))
+        assert "kldiv_jax_gpu_kl_sums" in str(jax.make_jaxpr(loss)(z, y)) or name == "jsd"
+      assert got[0].dtype == jnp.float32 and got64[0].dtype == jnp.float64
+      for g, w in zip((*got, *got64), (*want, *want64)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
