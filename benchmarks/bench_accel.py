@@ -317,7 +317,7 @@ def _or_error(compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 # target they are compiled too (``kldiv_jax_gpu``: that Triton compiles them for the chip; XLA
 # counts no flops or bytes of a custom call, so its estimates of them are not reported).
 GPU_KERNEL_CASES = ("forward_kl", "reverse_kl", "symmetric_kl", "jsd", "skew_kl")
-GPU_KERNEL_CASES += ("skew_reverse_kl", "tvd", "kl_div_from_logits")
+GPU_KERNEL_CASES += ("skew_reverse_kl", "tvd", "alpha_beta", "kl_div_from_logits")
 
 
 def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = True) -> Callable:

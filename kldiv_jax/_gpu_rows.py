@@ -7,9 +7,11 @@ grid ``(row blocks, column splits)`` whose programs each reduce a block of rows 
 contiguous run of column tiles and write per-split partials ``[splits, rows]``, combined
 in XLA (online softmax: the partial maxes and rescaled sums, Milakov & Gimelshein 2018).
 
-- :func:`triton_kl_sums`: the KL family's one-pass statistics (:func:`kldiv_jax._online_kl.
-  online_kl_sums`: both sides' maxes and sums of exponentials and the weighted log-ratio
-  sums) from one read of the logits, as the :data:`KL_SUMS` primitive.
+- :func:`triton_one_pass_sums`: the one-pass statistics of the KL family
+  (:func:`kldiv_jax._online_kl.online_kl_sums`: both sides' maxes and sums of exponentials
+  and the weighted log-ratio sums) and of alpha-beta at static ``alpha, beta > 0``
+  (:func:`kldiv_jax._online_ab.online_ab_sums`) from one read of the logits, as the
+  :data:`ONE_PASS_SUMS` primitive.
 - :func:`triton_row_sums`: the CUDA lowering of :data:`kldiv_jax._whole_rows.ROW_SUMS`
   (JSD, skew KL, skew reverse KL, TVD: terms that need both normalisers first): a
   statistics kernel, then a class-sums kernel given the combined row statistics.
@@ -41,10 +43,12 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from kldiv_jax._alpha_beta import ab_pass_terms
 from kldiv_jax._class_sums import identical_gap, normalized, norms, summands
 from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS
 from kldiv_jax._numerics import is_static, max_shift
-from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums
+from kldiv_jax._online_ab import _combiner, _two_pass_ab_sums, online_ab_sums
+from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums, online_kl_sums
 from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
   ENV_VAR,
   GPU_KERNELS,
@@ -180,9 +184,41 @@ def _tile_softmax(u):
   return m, _row_sum(e), u0, e
 
 
-def _stats_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, kl: bool):
-  """Partial row statistics of one program: ``(mu, su, mv, sv, gap)`` (maxes raw), with
-  ``kl`` ``(mu, su, mv, sv, gv, gu)`` (:func:`kldiv_jax._online_kl.online_kl_sums`')."""
+# A one-pass form (static): ("kl",) for the KL family's sums (online_kl_sums'), or
+# ("ab", alpha, beta) for alpha-beta's at static alpha, beta > 0 (online_ab_sums').
+Kind = tuple
+
+
+def _one_pass_form(kind: Kind):
+  """``(per-class terms of (u0, v0, eu, ev), combiner of two partial states, the XLA pass
+  of (u, v), its two-pass form of (u, v))`` of a one-pass form: the states are ``(mu, su,
+  mv, sv, *sums)`` with raw maxes and sums relative to ``max_shift`` of them."""
+  if kind[0] == "kl":
+
+    def kl_terms(u0, v0, eu, ev):
+      return (*FORWARD_PASS.terms(u0, v0, eu, ev), *REVERSE_PASS.terms(u0, v0, eu, ev))
+
+    return kl_terms, _combine_online, online_kl_sums, _two_pass_kl_sums
+  _, alpha, beta = kind
+
+  def ab_terms(u0, v0, eu, ev):
+    return ab_pass_terms(alpha, beta, u0, v0)
+
+  return (
+    ab_terms,
+    _combiner(alpha, beta),
+    functools.partial(online_ab_sums, alpha, beta),
+    functools.partial(_two_pass_ab_sums, alpha, beta),
+  )
+
+
+def _num_sums(kind: Kind) -> int:
+  return 2 if kind[0] == "kl" else 3
+
+
+def _stats_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, kind):
+  """Partial row statistics of one program: ``(mu, su, mv, sv, gap)`` (maxes raw), or with
+  a one-pass ``kind`` ``(mu, su, mv, sv, *sums)`` (:func:`_one_pass_form`'s)."""
   mask_refs, out_refs = refs[: len(kinds)], refs[len(kinds) :]
   tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
 
@@ -190,16 +226,17 @@ def _stats_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, kl
     u, v = tiles.load(t)
     mu, su, u0, eu = _tile_softmax(u)
     mv, sv, v0, ev = _tile_softmax(v)
-    if kl:
-      (gv,) = FORWARD_PASS.terms(u0, v0, eu, ev)
-      (gu,) = REVERSE_PASS.terms(u0, v0, eu, ev)
-      return _combine_online(carry, (mu, su, mv, sv, _row_sum(gv), _row_sum(gu)))
+    if kind is not None:
+      terms, combine, _, _ = _one_pass_form(kind)
+      sums = tuple(_row_sum(t) for t in terms(u0, v0, eu, ev))
+      return combine(carry, (mu, su, mv, sv, *sums))
     (mu, su), (mv, sv) = _merge(carry[:2], (mu, su)), _merge(carry[2:4], (mv, sv))
     return mu, su, mv, sv, carry[4] + _row_sum(identical_gap(u, v))
 
   none = jnp.full((grid[0], 1), -jnp.inf, jnp.float32)
   zero = jnp.zeros((grid[0], 1), jnp.float32)
-  out = tiles.loop(body, (none, zero, none, zero, zero, zero) if kl else (none, zero) * 2 + (zero,))
+  extra = _num_sums(kind) if kind is not None else 1
+  out = tiles.loop(body, (none, zero, none, zero) + (zero,) * extra)
   for ref, x in zip(out_refs, out):
     ref[...] = x.reshape(grid[0])
 
@@ -272,15 +309,19 @@ def _reduce_splits(parts, init, combine):
   return [x[:, None] for x in out]
 
 
-def triton_kl_sums(caps, z, y, temperature, *masks, grid=None, setting=True, interpret=False):
-  """:func:`kldiv_jax._online_kl.online_kl_sums` of the scaled logits ``soft_cap(z) / T``,
-  ``soft_cap(y) / T`` (with ``masks``) in one Triton kernel: ``(mu, su, mv, sv, gv, gu)``,
+def triton_one_pass_sums(
+  kind: Kind, caps, z, y, temperature, *masks, grid=None, setting=True, interpret=False
+):
+  """A one-pass form's sums (:func:`kldiv_jax._online_kl.online_kl_sums`' or
+  :func:`kldiv_jax._online_ab.online_ab_sums`') of the scaled logits ``soft_cap(z) / T``,
+  ``soft_cap(y) / T`` (with ``masks``) in one Triton kernel: ``(mu, su, mv, sv, *sums)``,
   ``[rows, 1]`` each. ``grid``: a :func:`layout` (tests); ``setting``: the switch's value
   (``True`` or a layout); ``interpret``: Pallas' interpreter."""
   scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
+  num = 4 + _num_sums(kind)
   parts = _call(
-    functools.partial(_stats_kernel, caps=caps, kl=True),
-    6,
+    functools.partial(_stats_kernel, caps=caps, kind=kind),
+    num,
     z,
     y,
     scalars,
@@ -290,8 +331,9 @@ def triton_kl_sums(caps, z, y, temperature, *masks, grid=None, setting=True, int
     interpret=interpret,
   )
   inf = -jnp.inf
-  mu, su, mv, sv, gv, gu = _reduce_splits(parts, (inf, 0, inf, 0, 0, 0), _combine_online)
-  return max_shift(mu), su, max_shift(mv), sv, gv, gu
+  init = (inf, 0, inf, 0) + (0,) * (num - 4)
+  mu, su, mv, sv, *sums = _reduce_splits(parts, init, _one_pass_form(kind)[1])
+  return (max_shift(mu), su, max_shift(mv), sv, *sums)
 
 
 def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False) -> tuple:
@@ -302,7 +344,7 @@ def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False)
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
   run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid, setting=setting)
-  parts = run(functools.partial(_stats_kernel, caps=caps, kl=False), 5, interpret=interpret)
+  parts = run(functools.partial(_stats_kernel, caps=caps, kind=None), 5, interpret=interpret)
 
   def combine(a, b):
     return (*_merge(a[:2], b[:2]), *_merge(a[2:4], b[2:4]), a[4] + b[4])
@@ -339,86 +381,92 @@ def cuda_lowering(ctx, *args, spec: Spec, gpu=False, interpret: bool = False):
 mlir.register_lowering(ROW_SUMS, cuda_lowering, platform="cuda")
 
 
-# ---------------------------------------------------------------------------- KL_SUMS
+# ---------------------------------------------------------------------------- ONE_PASS_SUMS
 
 
-def xla_kl_sums(caps, z, y, temperature, *masks):
-  """:data:`KL_SUMS` as XLA fusions (every platform but CUDA, and what the kernel does not
-  take): the scaled logits' :func:`~kldiv_jax._online_kl.online_kl_sums`."""
-  from kldiv_jax._online_kl import online_kl_sums
-
+def _scaled(caps, z, y, temperature, masks):
   u, _ = scaled(z, temperature, masks, caps[0])
   v, _ = scaled(y, temperature, masks, caps[1])
-  return tuple(online_kl_sums(u, v))
+  return u, v
 
 
-def _two_pass_xla(caps, z, y, temperature, *masks):
-  u, _ = scaled(z, temperature, masks, caps[0])
-  v, _ = scaled(y, temperature, masks, caps[1])
-  return _two_pass_kl_sums(u, v)
+def xla_one_pass_sums(kind: Kind, caps, z, y, temperature, *masks):
+  """:data:`ONE_PASS_SUMS` as XLA fusions (every platform but CUDA, and what the kernel does
+  not take): the scaled logits' ``online_kl_sums`` or ``online_ab_sums``."""
+  return tuple(_one_pass_form(kind)[2](*_scaled(caps, z, y, temperature, masks)))
 
 
-def kl_sums(caps, z, y, temperature, masks) -> tuple:
-  """``(mu, su, mv, sv, gv, gu)`` of :func:`~kldiv_jax._online_kl.online_kl_sums` for the
-  scaled logits of ``z`` and ``y``: the Triton kernel in a program lowered for CUDA, the XLA
-  pass elsewhere. For the engine when :func:`gpu_kernels_enabled` (on one device)."""
+def one_pass_sums(kind: Kind, caps, z, y, temperature, masks) -> tuple:
+  """``(mu, su, mv, sv, *sums)`` of a one-pass form (``("kl",)``: ``gv, gu`` of
+  :func:`~kldiv_jax._online_kl.online_kl_sums`; ``("ab", alpha, beta)``: ``G, H, T`` of
+  :func:`~kldiv_jax._online_ab.online_ab_sums`) for the scaled logits of ``z`` and ``y``:
+  the Triton kernel in a program lowered for CUDA, the XLA pass elsewhere. For the engine
+  when :func:`gpu_kernels_enabled` (on one device)."""
+  kind, caps = tuple(kind), tuple(caps)
   if jax.sharding.get_abstract_mesh().manual_axes:  # inside jax.shard_map, as row_sums
-    return xla_kl_sums(tuple(caps), z, y, temperature, *masks)
-  return _kl_sums(tuple(caps), gpu_kernels_setting(), z, y, temperature, *masks)
+    return xla_one_pass_sums(kind, caps, z, y, temperature, *masks)
+  return _one_pass_sums(kind, caps, gpu_kernels_setting(), z, y, temperature, *masks)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _kl_sums(caps, setting, *args):
-  return tuple(KL_SUMS.bind(*args, caps=caps, setting=setting))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _one_pass_sums(kind, caps, setting, *args):
+  return tuple(ONE_PASS_SUMS.bind(*args, kind=kind, caps=caps, setting=setting))
 
 
-@_kl_sums.defjvp
-def _kl_sums_jvp(caps, setting, primals, tangents):
-  # Second and higher derivatives only, as online_kl_sums': the two-pass sums' (the maxes
-  # are constants there).
-  _, out = jax.jvp(functools.partial(_two_pass_xla, caps), primals, tangents)
-  return _kl_sums(caps, setting, *primals), out
+@_one_pass_sums.defjvp
+def _one_pass_sums_jvp(kind, caps, setting, primals, tangents):
+  # Second and higher derivatives only, as online_kl_sums' and online_ab_sums': the
+  # two-pass sums' (the maxes are constants there).
+  def two_pass(z, y, temperature, *masks):
+    return _one_pass_form(kind)[3](*_scaled(caps, z, y, temperature, masks))
+
+  _, out = jax.jvp(two_pass, primals, tangents)
+  return _one_pass_sums(kind, caps, setting, *primals), out
 
 
-def _kl_abstract(z, *avals, caps, setting):
-  return [ShapedArray((z.shape[0], 1), avals[1].dtype) for _ in range(6)]
+def _abstract(z, *avals, kind, caps, setting):
+  return [ShapedArray((z.shape[0], 1), avals[1].dtype) for _ in range(4 + _num_sums(kind))]
 
 
-def kl_cuda_lowering(ctx, *args, caps, setting, interpret: bool = False):
-  """The CUDA lowering of :data:`KL_SUMS`: the Triton kernel where it takes the operands."""
+def one_pass_cuda_lowering(ctx, *args, kind, caps, setting, interpret: bool = False):
+  """The CUDA lowering of :data:`ONE_PASS_SUMS`: the Triton kernel where it takes the
+  operands, else the XLA pass."""
   z, y, temperature, *masks = ctx.avals_in
-  fn = xla_kl_sums
+  fn = xla_one_pass_sums
   if takes(z, y, temperature, masks):
-    fn = functools.partial(triton_kl_sums, setting=setting, interpret=interpret)
-  return mlir.lower_fun(lambda *a: fn(caps, *a), multiple_results=True)(ctx, *args)
+    fn = functools.partial(triton_one_pass_sums, setting=setting, interpret=interpret)
+  return mlir.lower_fun(lambda *a: fn(kind, caps, *a), multiple_results=True)(ctx, *args)
 
 
-def _kl_batched(args, dims, *, caps, setting):
+def _batched(args, dims, *, kind, caps, setting):
   """Under ``vmap``: the rows of the batch stacked into one call when only the logits are
   batched, otherwise (masks, a batched temperature) the XLA pass mapped."""
   z, y, temperature, *masks = args
+  num = 4 + _num_sums(kind)
   if masks or any(d is not None for d in dims[2:]):
-    out = jax.vmap(functools.partial(xla_kl_sums, caps), in_axes=dims)(*args)
-    return out, (0,) * 6
+    out = jax.vmap(functools.partial(xla_one_pass_sums, kind, caps), in_axes=dims)(*args)
+    return out, (0,) * num
   size = next(x.shape[d] for x, d in zip((z, y), dims[:2]) if d is not None)
 
   def stacked(x, d):
     x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
     return x.reshape(-1, x.shape[-1])
 
-  out = KL_SUMS.bind(
-    stacked(z, dims[0]), stacked(y, dims[1]), temperature, caps=caps, setting=setting
+  out = ONE_PASS_SUMS.bind(
+    stacked(z, dims[0]), stacked(y, dims[1]), temperature, kind=kind, caps=caps, setting=setting
   )
-  return [o.reshape(size, -1, 1) for o in out], [0] * 6
+  return [o.reshape(size, -1, 1) for o in out], [0] * num
 
 
-KL_SUMS = Primitive("kldiv_jax_gpu_kl_sums")
-KL_SUMS.multiple_results = True
-KL_SUMS.def_impl(lambda *args, caps, setting: xla_kl_sums(caps, *args))
-KL_SUMS.def_abstract_eval(_kl_abstract)
-KL_XLA_LOWERING = mlir.lower_fun(
-  lambda *a, caps, setting: xla_kl_sums(caps, *a), multiple_results=True
-)
-mlir.register_lowering(KL_SUMS, KL_XLA_LOWERING)
-mlir.register_lowering(KL_SUMS, kl_cuda_lowering, platform="cuda")
-batching.primitive_batchers[KL_SUMS] = _kl_batched
+def _xla(*args, kind, caps, setting):
+  return xla_one_pass_sums(kind, caps, *args)
+
+
+ONE_PASS_SUMS = Primitive("kldiv_jax_gpu_one_pass_sums")
+ONE_PASS_SUMS.multiple_results = True
+ONE_PASS_SUMS.def_impl(_xla)
+ONE_PASS_SUMS.def_abstract_eval(_abstract)
+ONE_PASS_XLA_LOWERING = mlir.lower_fun(_xla, multiple_results=True)
+mlir.register_lowering(ONE_PASS_SUMS, ONE_PASS_XLA_LOWERING)
+mlir.register_lowering(ONE_PASS_SUMS, one_pass_cuda_lowering, platform="cuda")
+batching.primitive_batchers[ONE_PASS_SUMS] = _batched

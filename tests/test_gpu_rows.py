@@ -28,13 +28,13 @@ import kldiv_jax as kd
 from kldiv_jax import _gpu_rows
 from kldiv_jax._class_sums import Needs
 from kldiv_jax._gpu_rows import (
-  KL_SUMS,
+  ONE_PASS_SUMS,
   gpu_kernels,
   gpu_kernels_enabled,
   layout,
-  triton_kl_sums,
+  triton_one_pass_sums,
   triton_row_sums,
-  xla_kl_sums,
+  xla_one_pass_sums,
 )
 from kldiv_jax._whole_rows import ROW_SUMS, xla_row_sums
 
@@ -90,7 +90,9 @@ def gpu_kernel():
       ROW_SUMS, functools.partial(_gpu_rows.cuda_lowering, interpret=True), platform="cpu"
     )
     mlir.register_lowering(
-      KL_SUMS, functools.partial(_gpu_rows.kl_cuda_lowering, interpret=True), platform="cpu"
+      ONE_PASS_SUMS,
+      functools.partial(_gpu_rows.one_pass_cuda_lowering, interpret=True),
+      platform="cpu",
     )
     try:
       yield
@@ -98,7 +100,7 @@ def gpu_kernel():
       from kldiv_jax._whole_rows import XLA_LOWERING
 
       mlir.register_lowering(ROW_SUMS, XLA_LOWERING, platform="cpu")
-      mlir.register_lowering(KL_SUMS, _gpu_rows.KL_XLA_LOWERING, platform="cpu")
+      mlir.register_lowering(ONE_PASS_SUMS, _gpu_rows.ONE_PASS_XLA_LOWERING, platform="cpu")
 
 
 @contextlib.contextmanager
@@ -122,6 +124,7 @@ def _close(got, want, used, tol):
   assert err.max(initial=0.0) < tol, err.max()
 
 
+@pytest.mark.parametrize("kind", [("kl",), ("ab", 0.5, 0.3)], ids=["kl", "ab"])
 @pytest.mark.parametrize(
   "rows,classes,dtype,caps,masked,grid",
   [
@@ -131,17 +134,19 @@ def _close(got, want, used, tol):
     (9, 250, jnp.float32, (20.0, 30.0), True, dict(block_rows=2, tile=64, splits=2)),
   ],
 )
-def test_kl_sums_match_the_xla_pass(rows, classes, dtype, caps, masked, grid):
-  """The one-pass statistics ``(mu, su, mv, sv, gv, gu)`` against ``online_kl_sums``."""
+def test_one_pass_sums_match_the_xla_pass(kind, rows, classes, dtype, caps, masked, grid):
+  """The one-pass statistics ``(mu, su, mv, sv, *sums)`` against ``online_kl_sums`` (``gv,
+  gu``) and ``online_ab_sums`` (``G, H, T``)."""
   z, y = _logits(rows, classes, dtype)
   masks = ()
   if masked:
     masks = (jnp.arange(rows)[:, None] % 4 != 1, jnp.arange(classes)[None, :] % 5 != 0)
   grid = grid and layout(rows, classes, **grid)
-  kernel = functools.partial(triton_kl_sums, caps, grid=grid, interpret=INTERPRET)
+  kernel = functools.partial(triton_one_pass_sums, kind, caps, grid=grid, interpret=INTERPRET)
   got = np.concatenate(jax.jit(kernel)(z, y, jnp.float32(2.0), *masks), 1)
-  want = np.concatenate(jax.jit(functools.partial(xla_kl_sums, caps))(z, y, 2.0, *masks), 1)
-  assert got.shape == want.shape == (rows, 6)
+  xla = functools.partial(xla_one_pass_sums, kind, caps)
+  want = np.concatenate(jax.jit(xla)(z, y, 2.0, *masks), 1)
+  assert got.shape == want.shape == (rows, 6 if kind == ("kl",) else 7)
   # The maxes exactly (but on row 3: Triton's max skips a NaN, XLA's returns it; the sums
   # are NaN either way); rows without mass: zeros; rows 3 and 4 (NaN, +inf): NaN sums.
   rows_ = np.arange(rows) != 3
@@ -211,6 +216,7 @@ def small_tiles(monkeypatch):
     ("jsd", {"beta": 0.5}),
     ("skew_kl", {"alpha": 0.1}),
     ("tvd", {}),
+    ("alpha_beta", {"alpha": 0.5, "beta": 0.3}),
   ],
 )
 def test_public_loss_through_the_kernels(name, params, small_tiles):
@@ -228,8 +234,8 @@ def test_public_loss_through_the_kernels(name, params, small_tiles):
     got = jax.jit(run)(z, y)
     got16 = jax.jit(run)(z.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
     text = str(jax.make_jaxpr(loss)(z, y))
-  one_pass = name in ("forward_kl", "reverse_kl", "symmetric_kl")
-  assert ("kldiv_jax_gpu_kl_sums" in text) == one_pass
+  one_pass = name in ("forward_kl", "reverse_kl", "symmetric_kl", "alpha_beta")
+  assert ("kldiv_jax_gpu_one_pass_sums" in text) == one_pass
   assert ("kldiv_jax_row_sums" in text) == (not one_pass)
   per_row = np.asarray(got[0])
   assert np.isnan(per_row[[3, 4]]).all() and per_row[2] == 0 and per_row[5] == 0
@@ -269,14 +275,14 @@ def test_the_switch():
   z, y = _logits(8, 64, jnp.float32)
   loss = jax.jit(_loss("forward_kl"))
   seen = []
-  original = _gpu_rows.kl_sums
+  original = _gpu_rows.one_pass_sums
 
   def spy(*args):
     seen.append(gpu_kernels_enabled())
     return original(*args)
 
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr("kldiv_jax._engine.kl_sums", spy)
+    mp.setattr("kldiv_jax._engine.one_pass_sums", spy)
     with xla_path():
       off = loss(z, y)
     with gpu_kernel():
@@ -363,7 +369,7 @@ def test_x64(small_tiles):
       with gpu_kernel():
         got = run(z, y)
         got64 = run(z.astype(jnp.float64), y.astype(jnp.float64))
-        assert "kldiv_jax_gpu_kl_sums" in str(jax.make_jaxpr(loss)(z, y)) or name == "jsd"
+        assert "kldiv_jax_gpu_one_pass_sums" in str(jax.make_jaxpr(loss)(z, y)) or name == "jsd"
       assert got[0].dtype == jnp.float32 and got64[0].dtype == jnp.float64
       for g, w in zip((*got, *got64), (*want, *want64)):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
