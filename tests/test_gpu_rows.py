@@ -39,9 +39,14 @@ from kldiv_jax._gpu_rows import (
 from kldiv_jax._whole_rows import ROW_SUMS, xla_row_sums
 
 # The switch needs jax.make_user_context (jax 0.7.2): below it the kernels stay off.
-pytestmark = pytest.mark.skipif(
-  not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
-)
+# (jax 0.11 deprecates Pallas' Triton backend: the library lowers the kernels without the
+# warning, and the tests ignore it should it come from elsewhere.)
+pytestmark = [
+  pytest.mark.skipif(
+    not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
+  ),
+  pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
