@@ -77,10 +77,11 @@ from kldiv_jax._class_sums import (
 )
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, Norms
+from kldiv_jax._gpu_rows import one_pass_sums
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
-from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._platform import compiled, gpu_kernels_enabled, map_rows
 from kldiv_jax._rows import is_zero, logit_tangents, row_stats, scaled
 from kldiv_jax._vocab_parallel import combine, global_classes
 from kldiv_jax._whole_rows import row_sums
@@ -205,6 +206,13 @@ def _one_pass(one_pass, needs, temperature, caps, local):
     return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
 
   def accel(z, y, *masks):
+    if gpu_kernels_enabled():
+      # Opt-in (kldiv_jax._gpu_rows): on CUDA a Triton kernel, elsewhere the same XLA pass.
+      kind = ("kl",) if one_pass.powers is None else ("ab", *one_pass.powers)
+      mu, su, mv, sv, *sums = one_pass_sums(kind, caps, z, y, temperature, masks)
+      if one_pass.powers is None:
+        sums = [{"v": sums[0], "u": sums[1]}[k] for k in one_pass.kl_sums]
+      return outcomes(mu, su, mv, sv, tuple(sums))
     u, _ = scaled(z, temperature, masks, cap_z)
     v, _ = scaled(y, temperature, masks, cap_y)
     if one_pass.powers is not None:
