@@ -19,14 +19,14 @@ IEEE overflow instead; with ``L = log t`` (the log-target itself with
 * ``D = (Lc - x') * 2`` is twice the difference ``L - x`` (exactly: a power of
   two) where both are finite. Where ``t`` has mass and ``x = -inf``,
   ``L + M`` rounds to ``M`` and doubling it overflows to the true ``+inf``;
-  at zero mass ``-M/2 - x'`` lies within ``[-M/2, M/2]`` for any ``x`` from
-  ``-inf`` to about ``M/2``, so ``D`` is finite and the weight's exact 0 makes
-  the term 0 (``x = +inf`` gives ``-inf`` and the term NaN, as it should).
+  at zero mass ``2 (-M/2 - x')`` is finite for any ``x`` from ``-inf`` up to
+  about ``M/4``, and the weight's exact 0 makes the term 0 (``x = +inf``
+  gives ``-inf`` and the term NaN, as it should).
 
 The term is then ``(w / 2) * D`` with ``w = t`` or ``exp(Lc)`` (the ``/ 2``
 folds into the exponential's kernel): one clamp per input, a subtraction and
-a scaling on top of the unguarded formula's operations. Inputs below ``-M/2``
-(about ``-1.7e38`` in float32) count as ``-inf``.
+a scaling on top of the unguarded formula's operations. Where the target has
+mass, inputs below ``-M/2`` (about ``-1.7e38`` in float32) count as ``-inf``.
 
 NaN: XLA:CPU's fused kernels compute ``max(a, b)`` as the x86 instruction
 does: when either is NaN the result is ``b``, the *second* operand (HLO
@@ -37,7 +37,7 @@ constant operand to the right, which would make ``max(t, -M/2)`` drop a NaN
 ``tests/test_pointwise.py`` checks NaN propagation at sizes that take the fused
 kernel.
 
-That zero is ``-0.0`` (0 times a negative number). Sums do not show it (a
+That zero may be ``-0.0`` (0 times a negative ``D``). Sums do not show it (a
 reduction starts from +0); the unreduced outputs go through
 :func:`positive_zero`, one cheap select in a loop that writes the array
 anyway.
