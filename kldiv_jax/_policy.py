@@ -118,7 +118,9 @@ def _parse(
     )
   # The KL coefficient: >= 0 and finite (a negative one would reward moving away from the
   # reference); a traced one out of range makes the loss NaN.
+  as_array(name, "beta", beta, "a real number")  # None is no KL coefficient: a TypeError
   beta, v5 = _scalar(name, "beta", beta, _nonnegative_finite, "a finite number >= 0")
+  beta = cast(Any, beta)  # not None: as_array above refused None
   entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)  # any real (a bonus if > 0)
   valid = [v1, v2, v3, v4, v5]
   if normalizer is not None:
