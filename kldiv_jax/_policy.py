@@ -410,7 +410,8 @@ def fused_policy_loss(
 
   Args:
     hidden, weight: hidden states ``[..., T, H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
-    token_ids: the sampled tokens ``[..., T]``.
+    token_ids: the sampled tokens ``[..., T]``, aligned with ``hidden`` (``token_ids[t]``
+      predicted from ``hidden[t]``: for a causal LM, shifted, :func:`shift_labels`).
     temperature, softcap, ignore_index, axis_name, chunk_size: as in
       :func:`fused_token_log_probs`; the other options as in :func:`policy_loss`.
 

@@ -494,7 +494,11 @@ def test_shift_invariance_and_tiny_tails(case, dtype):
     for tail in ("renormalize", "bucket"):
 
       def fn(z, tail=tail):
-        return divergence_from_topk(z, ids, lp, divergence=spec, temperature=SHIFT_T, tail=tail)
+        # tail_floor=0: the exact tails, whose precision this checks (the default floor,
+        # 1e-7, would replace the 2e-31 tail).
+        return divergence_from_topk(
+          z, ids, lp, divergence=spec, temperature=SHIFT_T, tail=tail, tail_floor=0.0
+        )
 
       out[tail] = (fn(z), jax.grad(lambda z, fn=fn: fn(z).sum())(z))
     return out
