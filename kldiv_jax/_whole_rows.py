@@ -57,9 +57,8 @@ _VMEM_INPUTS = 12 << 20
 # Python floats of jnp.where to an inner jit as float64, a cast Mosaic does not lower.
 X64_KERNEL_JAX = (0, 10)
 
-# (formula name, static params (None where traced), Needs, caps, number of masks,
-#  implementation: "pallas" lets the TPU lowering take the kernel, "xla" never)
-Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | None], int, str]
+# (formula name, static params (None where traced), Needs, caps, number of masks)
+Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | None], int]
 
 
 def row_sums(
@@ -77,10 +76,11 @@ def row_sums(
   """
   static = tuple(float(p) if is_static(p) else None for p in params)
   traced = tuple(p for p in params if not is_static(p))
-  spec: Spec = (formula.name, static, needs, tuple(caps), len(masks), implementation)
-  if jax.sharding.get_abstract_mesh().manual_axes:
-    # Inside jax.shard_map: the XLA passes, whose results carry the mesh axes their
-    # operands vary over (a primitive's abstract values would have to say so themselves).
+  spec: Spec = (formula.name, static, needs, tuple(caps), len(masks))
+  if implementation == "xla" or jax.sharding.get_abstract_mesh().manual_axes:
+    # "xla": the XLA passes themselves, not even the primitive. Inside jax.shard_map: the
+    # XLA passes, whose results carry the mesh axes their operands vary over (a primitive's
+    # abstract values would have to say so themselves).
     return xla_row_sums(spec, z, y, temperature, *traced, *masks)
   return _row_sums(spec, z, y, temperature, *traced, *masks)
 
@@ -99,7 +99,7 @@ def _row_sums_jvp(spec, primals, tangents):
 
 def _split(spec: Spec, args):
   """``(z, y, temperature, params, masks)`` of the primitive's operands."""
-  _, static, _, _, num_masks, _ = spec
+  _, static, _, _, num_masks = spec
   z, y, temperature, *rest = args
   masks = tuple(rest[len(rest) - num_masks :])
   traced = iter(rest[: len(rest) - num_masks])
@@ -110,7 +110,7 @@ def _split(spec: Spec, args):
 def xla_row_sums(spec: Spec, *args) -> tuple:
   """:func:`row_sums` as XLA fusions: both sides' online softmax and the identical-rows
   gap in one variadic reduction, then the class sums in a second pass (no temporary)."""
-  name, _, needs, caps, _, _ = spec
+  name, _, needs, caps, _ = spec
   z, y, temperature, params, masks = _split(spec, args)
   formula = FORMULAS[name]
   u, _ = scaled(z, temperature, masks, caps[0])
@@ -188,7 +188,7 @@ def _kernel(spec: Spec, classes: int, tile: int, scalars, z_ref, y_ref, *refs):
   the output's."""
   from jax.experimental import pallas as pl
 
-  name, static, needs, caps, _, _ = spec
+  name, static, needs, caps, _ = spec
   formula = FORMULAS[name]
   traced = iter(scalars[i] for i in range(1, 1 + sum(s is None for s in static)))
   params = tuple(next(traced) if s is None else s for s in static)
@@ -312,12 +312,11 @@ def _abstract(*avals, spec: Spec):
 
 
 def tpu_lowering(ctx, *args, spec: Spec, interpret: bool = False):
-  """The TPU lowering of :data:`ROW_SUMS`: the Pallas kernel where it takes the operands
-  and the implementation is ``"pallas"``, else the XLA passes. ``interpret``: the kernel in
-  Pallas' interpreter (tests)."""
+  """The TPU lowering of :data:`ROW_SUMS`: the Pallas kernel where it takes the operands,
+  else the XLA passes. ``interpret``: the kernel in Pallas' interpreter (tests)."""
   z, y, temperature = ctx.avals_in[:3]
   masks = ctx.avals_in[len(ctx.avals_in) - spec[4] :] if spec[4] else ()
-  if spec[5] == "pallas" and takes_whole_rows(spec, z, y, temperature, masks):
+  if takes_whole_rows(spec, z, y, temperature, masks):
     fn = functools.partial(pallas_row_sums, interpret=interpret)
   else:
     fn = xla_row_sums

@@ -68,7 +68,7 @@ def test_kernel_sums_match_the_xla_passes(formula, rows, classes, dtype, caps, m
     row_mask = jnp.arange(rows)[:, None] % 7 != 6  # rows 6, 13 and 20 masked out
     class_mask = jnp.arange(classes)[None, :] % 5 != 0
     masks = (row_mask, class_mask, jnp.ones((1, 1), bool))
-  spec = (name, static, needs, caps, len(masks), "pallas")
+  spec = (name, static, needs, caps, len(masks))
   args = (z, y, jnp.float32(2.0), *(jnp.float32(t) for t in traced), *masks)
   assert takes_whole_rows(spec, z, y, args[2], masks)
   got = np.concatenate(jax.jit(functools.partial(pallas_row_sums, spec, interpret=True))(*args), 1)
