@@ -624,3 +624,12 @@ def test_bucket_tail_floor_keeps_every_divergence_finite(name, rng):
   fused = fused_topk_distillation_loss(z, np.eye(8, dtype=np.float32), ids, lp, divergence=name,
                                        tail="bucket")  # fmt: skip
   np.testing.assert_allclose(fused, value.mean(), rtol=1e-5)
+
+
+def test_tail_floor_must_be_a_static_number_in_the_unit_interval():
+  z, ids, lp = np.zeros((1, 4), np.float32), np.array([[0]]), np.zeros((1, 1), np.float32)
+  for bad in (1.0, -1e-7, np.nan):
+    with pytest.raises(ValueError, match=r"divergence_from_topk: tail_floor must be a number in"):
+      divergence_from_topk(z, ids, lp, tail="bucket", tail_floor=bad)
+  with pytest.raises(TypeError, match="kl_div_from_topk: tail_floor must be a Python number"):
+    jax.jit(lambda f: kl_div_from_topk(z, ids, lp, tail="bucket", tail_floor=f))(1e-7)
