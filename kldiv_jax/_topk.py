@@ -340,8 +340,9 @@ def divergence_from_topk(
   teacher's mass to rounding (a peaked teacher, a top-k covering the vocabulary, masses
   summing to 1 or more) the teacher's tail would otherwise be empty, and every divergence
   that charges the student's tail for mass the teacher lacks (reverse KL, symmetric KL, JSD at
-  ``beta=1``) ``+inf``; with the floor every divergence is finite for finite logits. ``tail_floor=0`` keeps the exact
-  tails (an empty one where the top-k's rounding leaves less than ``4 k`` ulps).
+  ``beta=1``) ``+inf``; with the floor every divergence is finite for finite logits.
+  ``tail_floor=0`` keeps the exact tails (an empty one where the top-k's rounding leaves
+  less than ``4 k`` ulps).
   Which tail: :doc:`/large-vocabularies`; padding, repeated ids, ids out of
   range: :doc:`/conventions`; the shared arguments and the derivatives:
   :ref:`shared-arguments`, :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
