@@ -14,6 +14,8 @@ from kldiv_jax._fused_distill import fused_distillation_loss as fused_distillati
 from kldiv_jax._fused_distill import fused_topk_distillation_loss as fused_topk_distillation_loss
 from kldiv_jax._fused_tokens import fused_token_log_probs as fused_token_log_probs
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
+from kldiv_jax._implementation import set_implementation as set_implementation
+from kldiv_jax._labels import shift_labels as shift_labels
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
 from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits
 from kldiv_jax._metric import DivergenceMetric as DivergenceMetric
@@ -69,5 +71,7 @@ __all__ = [
   "policy_loss",
   "sequence_mean",
   "sequence_sum",
+  "set_implementation",
+  "shift_labels",
   "token_log_probs",
 ]

@@ -30,7 +30,7 @@ from kldiv_jax._platform import compiled, per_platform
 from kldiv_jax._rows import ce_grad, is_zero, label_hit, row_sum, scaled
 
 
-def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels):
+def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels, impl):
   """``(Outcomes, (ce, m, inv_s))``: :func:`kldiv_jax._engine.statistics` and the cross entropy's
   (:func:`kldiv_jax._ce.ce_stats`, at temperature 1) of the same rows, one device. Off
   CPU, for a formula whose sums are KL sums, from one pass over both logits
@@ -38,7 +38,7 @@ def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, label
   cap_z, cap_y = caps
 
   def apart(z, y, labels, *masks):
-    rows = statistics(formula, params, needs, z, y, temperature, masks, None, caps)
+    rows = statistics(formula, params, needs, z, y, temperature, masks, None, caps, impl)
     ce, (m, inv_s, _) = ce_stats(None, cap_z, z, labels, masks)
     return rows, (ce, m, inv_s)
 
@@ -61,24 +61,24 @@ def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, label
   return per_platform(apart, together, z, y, labels, *masks)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _kernel_ce(key, caps, z, y, temperature, traced, masks, labels):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _kernel_ce(key, caps, impl, z, y, temperature, traced, masks, labels):
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
   rows, (ce, _, _) = _statistics_ce(
-    formula, params, Needs(), z, y, temperature, masks, caps, labels
+    formula, params, Needs(), z, y, temperature, masks, caps, labels, impl
   )
   return rows.value[:, 0], ce[:, 0]
 
 
-def _kernel_ce_jvp(key, caps, primals, tangents):
+def _kernel_ce_jvp(key, caps, impl, primals, tangents):
   z, y, temperature, traced, masks, labels = primals
   dz, dy, dtemp, dtraced, _, _ = tangents
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
   dparams, needs = tangent_needs(key, dz, dy, dtemp, dtraced)
   rows, (ce, m, inv_s) = _statistics_ce(
-    formula, params, needs, z, y, temperature, masks, caps, labels
+    formula, params, needs, z, y, temperature, masks, caps, labels, impl
   )
   tangent = tangent_rows(
     formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, None, caps
@@ -90,7 +90,7 @@ def _kernel_ce_jvp(key, caps, primals, tangents):
 
 
 _kernel_ce.defjvp(_kernel_ce_jvp, symbolic_zeros=True)
-_kernel_ce = compiled(_kernel_ce, static_argnums=(0, 1))
+_kernel_ce = compiled(_kernel_ce, static_argnums=(0, 1, 2))
 
 
 def divergence_ce_rows(
@@ -101,10 +101,12 @@ def divergence_ce_rows(
   divergence: Divergence,
   labels: jax.Array,
   caps: tuple[float | None, float | None] = (None, None),
+  implementation: str = "pallas",
 ) -> tuple[jax.Array, jax.Array]:
   """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,
   masks, cap=caps[0]))`` (values and derivatives) from one kernel, without ``axis_name``:
   off CPU the KL family's statistics and the cross entropy's come from one pass over the
-  logits (:func:`_statistics_ce`). ``labels`` ``[rows, 1]`` int32 in range."""
-  key = divergence.key
-  return _kernel_ce(key, tuple(caps), z, y, temperature, divergence.traced, tuple(masks), labels)
+  logits (:func:`_statistics_ce`). ``labels`` ``[rows, 1]`` int32 in range. ``implementation``
+  as in :func:`kldiv_jax._engine.divergence_rows`."""
+  key, traced, impl = divergence.key, divergence.traced, implementation
+  return _kernel_ce(key, tuple(caps), impl, z, y, temperature, traced, tuple(masks), labels)

@@ -179,6 +179,7 @@ class DivergenceMetric:
     where: jax.typing.ArrayLike | None = None,
     mask: jax.typing.ArrayLike | None = None,
     teacher_vocab_size: int | None = None,
+    implementation: str | None = None,
     **_: Any,
   ) -> DivergenceMetric:
     """The metric of one batch.
@@ -190,6 +191,8 @@ class DivergenceMetric:
       where: a class mask broadcastable to the inputs.
       mask: which rows count (clu's): the rows' shape or a prefix of it, bool or numeric.
       teacher_vocab_size: ``target_logits``' class count when it differs.
+      implementation: ``None``, ``"xla"`` or ``"pallas"``, as in
+        :func:`~kldiv_jax.divergence_from_logits`.
       **_: ignored (a ``clu`` ``Collection`` passes every model output).
 
     Returns:
@@ -232,6 +235,7 @@ class DivergenceMetric:
       None,
       (None, None),
       teacher_vocab_size,
+      implementation,
     )
     values = values.astype(total_dtype)
     if has_mass is not None:

@@ -61,7 +61,9 @@ X64_KERNEL_JAX = (0, 10)
 Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | None], int]
 
 
-def row_sums(formula, params, needs: Needs, caps, z, y, temperature, masks) -> tuple:
+def row_sums(
+  formula, params, needs: Needs, caps, z, y, temperature, masks, implementation="pallas"
+) -> tuple:
   """``(mu, su, mv, sv, gap, *sums)``, ``[rows, 1]`` each, of scaled logits ``z``, ``y``.
 
   Each side's row max (:func:`~kldiv_jax._numerics.max_shift`-ed) and sum of
@@ -69,14 +71,16 @@ def row_sums(formula, params, needs: Needs, caps, z, y, temperature, masks) -> t
   rows), and the class sums :func:`~kldiv_jax._class_sums.class_sums` gives for
   ``needs``, of ``soft_cap(z) / temperature`` and ``soft_cap(y) / temperature`` with
   ``masks``. ``params`` as :func:`~kldiv_jax._class_sums.formula_params` gives them. On one
-  device (the engine's off-CPU path); inside ``jax.shard_map`` always the XLA passes.
+  device (the engine's off-CPU path); inside ``jax.shard_map`` always the XLA passes, and
+  with ``implementation="xla"`` (:mod:`kldiv_jax._implementation`) on TPU too.
   """
   static = tuple(float(p) if is_static(p) else None for p in params)
   traced = tuple(p for p in params if not is_static(p))
   spec: Spec = (formula.name, static, needs, tuple(caps), len(masks))
-  if jax.sharding.get_abstract_mesh().manual_axes:
-    # Inside jax.shard_map: the XLA passes, whose results carry the mesh axes their
-    # operands vary over (a primitive's abstract values would have to say so themselves).
+  if implementation == "xla" or jax.sharding.get_abstract_mesh().manual_axes:
+    # "xla": the XLA passes themselves, not even the primitive. Inside jax.shard_map: the
+    # XLA passes, whose results carry the mesh axes their operands vary over (a primitive's
+    # abstract values would have to say so themselves).
     return xla_row_sums(spec, z, y, temperature, *traced, *masks)
   # The opt-in GPU kernels (kldiv_jax._gpu_rows), decided at trace time: a parameter of the
   # primitive (False, True or a layout) that only its CUDA lowering reads.

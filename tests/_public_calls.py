@@ -295,8 +295,12 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
   )
 }
 
-# The public callables that are not a call of arrays: classes of results and specs.
-NOT_CALLS = frozenset({"DistillationParts", "Divergence", "DivergenceMetric", "PolicyMetrics"})
+# The public callables that are not a loss of float arrays: classes of results and specs, the
+# process-wide setting, the label shift (integer ids in, no derivative: tests/test_distill.py).
+NOT_CALLS = frozenset(
+  {"DistillationParts", "Divergence", "DivergenceMetric", "PolicyMetrics"}
+  | {"set_implementation", "shift_labels"}
+)
 
 
 def missing_calls() -> set[str]:
