@@ -9,7 +9,8 @@
 #   make format     ruff format (rewrites files)
 #   make typecheck  pyright over kldiv_jax/
 #   make build      wheel and sdist in dist/, then twine check
-#   make docs       the documentation site in docs/_build/html (warnings are errors),
+#   make docs       the documentation site in docs/_build/html (warnings are errors; a page
+#                   that loads a script from the network fails: MathJax is a local copy),
 #                   then the doctests of its pages, of the README and of the docstrings
 #                   (DOCS_TEST_PATHS: .ci/run leaves out the docstrings, make test ran them)
 #   make bench      benchmarks/run.py
@@ -75,6 +76,7 @@ docs: venv
 	@$(call extra,docs)
 	rm -rf docs/_build docs/_autosummary
 	$(PY) -m sphinx -W --keep-going -q -b html docs docs/_build/html
+	$(PY) docs/check_offline.py docs/_build/html
 	$(PY) -m pytest -q $(DOCS_TEST_PATHS) --doctest-glob=README.md
 	@echo "docs: open docs/_build/html/index.html"
 

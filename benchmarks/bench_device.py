@@ -11,6 +11,14 @@ an estimate; the figures are only as good as the one machine and run they come f
   python benchmarks/bench_device.py                 # full sizes (needs about 40 GB)
   python benchmarks/bench_device.py --quick         # small sizes, a smoke test (any device)
   python benchmarks/bench_device.py --cases jsd,tvd,fused_distillation --repeats 11
+  python benchmarks/bench_device.py --cases forward_kl,jsd --gpu-kernels both  # opt-in kernels
+
+``--gpu-kernels both`` adds to each row case a third contender, ``kldiv_jax_gpu``: the same
+loss traced with the opt-in Pallas Triton kernels on (``kldiv_jax._gpu_rows``; on a GPU
+only), timed round-robin with the other two, its ratio to ``kldiv_jax`` (XLA) and the rate at
+which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax``.
+``--gpu-configs 2x2048w8s3,...`` adds one such contender per layout of the kernels (rows per
+program x classes per tile, warps, pipeline stages), ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
 """
 
 import json
@@ -34,6 +42,7 @@ from bench_accel import (
   TOPK,
   _fused_contenders,
   _row_contenders,
+  with_gpu_kernels,
 )
 
 
@@ -74,20 +83,34 @@ def _value(out) -> float:
   return float(out[0])
 
 
-def _row(case: str, n: int, v: int, dtype: str, repeats: int, seed: int) -> dict[str, Any]:
+def _row(
+  case: str, n: int, v: int, dtype: str, repeats: int, seed: int, gpu: str = "off", configs=()
+) -> dict[str, Any]:
   kinds, floor_arrays = ROW_ARGS[case]
   dt = jnp.dtype(dtype)
   args = _inputs(kinds, n, v, None, dt, seed)
   if case == "kl_div":  # torch's semantics: log-probabilities and probabilities
     args = [jax.nn.log_softmax(args[0].astype(jnp.float32)).astype(dt), jax.nn.softmax(args[1])]
   row: dict[str, Any] = {"case": case, "kind": "row", "shape": [n, v], "dtype": dtype}
-  row |= _pair(_row_contenders(case), args, 0, repeats)
+  fns = _row_contenders(case)
+  if gpu == "on":
+    fns["kldiv_jax"] = with_gpu_kernels(fns["kldiv_jax"])
+  elif gpu == "both":
+    fns["kldiv_jax_gpu"] = with_gpu_kernels(fns["kldiv_jax"])
+  for text in configs:
+    fns[f"kldiv_jax_gpu[{text}]"] = with_gpu_kernels(fns["kldiv_jax"], _config(text))
+  row |= _pair(fns, args, 0, repeats)
+  row["gpu_kernels"] = gpu
   floor = floor_arrays * n * v * dt.itemsize
   ours, naive = row["kldiv_jax"], row["naive"]
   row["floor_bytes"] = floor
   row["time_ratio"] = ours["median_ms"] / naive["median_ms"]
   row["floor_tb_per_s"] = floor / (ours["median_ms"] * 1e-3) / 1e12
   row["naive_floor_tb_per_s"] = floor / (naive["median_ms"] * 1e-3) / 1e12
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
+    kernel = row[name]["median_ms"]
+    row[name]["time_ratio_to_xla"] = kernel / ours["median_ms"]  # the kernels' time / XLA's
+    row[name]["floor_tb_per_s"] = floor / (kernel * 1e-3) / 1e12
   return row
 
 
@@ -113,12 +136,50 @@ def _line(row: dict[str, Any]) -> str:
   )
   if row["kind"] == "row":
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
+    g = row[name]
+    text += (
+      f"\n{'':<24} {name[len('kldiv_jax_') :]:<22} {g['median_ms']:8.3f} ms"
+      f" = {fmt_ratio(g['time_ratio_to_xla'])} x kldiv_jax (XLA)"
+      f"  floor at {g['floor_tb_per_s']:.2f} TB/s  temp {fmt_bytes(g['temp_bytes'])}"
+      f"  value {g['value']:.6g}  compile {g['compile_s']:.1f}s ({row['kldiv_jax']['compile_s']:.1f}s)"
+    )
   return text
+
+
+def _config(text: str) -> tuple[int, int, int, int]:
+  """``"2x2048w8s3"`` as the kernels' layout ``(2, 2048, 8, 3)``."""
+  rows, rest = text.split("x")
+  tile, rest = rest.split("w")
+  warps, stages = rest.split("s")
+  return int(rows), int(tile), int(warps), int(stages)
+
+
+def _shape(text: str) -> tuple[tuple[int, int], str]:
+  """``"4096x8192:float32"`` as ``((4096, 8192), "float32")``."""
+  dims, _, dtype = text.partition(":")
+  n, v = (int(d) for d in dims.split("x"))
+  return (n, v), dtype or "float32"
 
 
 def main(argv=None) -> int:
   p = _harness.parser(__doc__, repeats="timed calls per contender (default 7)")
   p.add_argument("--cases", default="", help="comma-separated cases (default: all)")
+  p.add_argument(
+    "--gpu-kernels",
+    choices=("off", "on", "both"),
+    default="off",
+    help="the row cases with kldiv_jax's opt-in Pallas Triton kernels: off (default), on "
+    "(in place of XLA's), both (side by side, in one round-robin)",
+  )
+  p.add_argument(
+    "--gpu-configs",
+    default="",
+    help="layouts of the GPU kernels to time side by side, RxTILEwWARPSsSTAGES, comma-separated",
+  )
+  p.add_argument(
+    "--shapes", default="", help="row shapes NxV:dtype, comma-separated (default: the standard)"
+  )
   args = p.parse_args(argv)
   repeats = args.repeats or 7
   result = _harness.start("device") | {
@@ -140,9 +201,13 @@ def main(argv=None) -> int:
     records.append(row)
     _harness.write_json(out / "device.json", result | {"records": records})
 
-  for (n, v), dtype in QUICK_ROW_SHAPES if args.quick else ROW_SHAPES:
+  shapes = QUICK_ROW_SHAPES if args.quick else ROW_SHAPES
+  if args.shapes:
+    shapes = [_shape(s) for s in args.shapes.split(",")]
+  for (n, v), dtype in shapes:
     for case in [c for c in cases if c in ROW_ARGS]:
-      record(_row, case, n, v, dtype, repeats, args.seed)
+      configs = [c for c in args.gpu_configs.split(",") if c]
+      record(_row, case, n, v, dtype, repeats, args.seed, args.gpu_kernels, configs)
   for case in [c for c in cases if c in FUSED_ARGS]:
     policy = case == "fused_policy"
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None

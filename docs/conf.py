@@ -17,6 +17,8 @@ extensions = [
   "sphinx.ext.autosummary",
   "sphinx.ext.napoleon",
   "sphinx.ext.mathjax",
+  # MathJax 3 from a PyPI package, copied into _static: the formulas render offline.
+  "sphinx-mathjax-offline",
   "sphinx.ext.viewcode",
 ]
 

@@ -44,3 +44,43 @@ def test_torch_install_advice_names_the_cpu_wheel():
   ]:
     for command in re.findall(r"pip install torch\b[^`\n]*", page.read_text()):
       assert "--index-url https://download.pytorch.org/whl/cpu" in command, (page.name, command)
+
+
+def test_the_offline_check_flags_scripts_from_the_network():
+  """``make docs`` runs ``check_offline.py`` over the site: a CDN script fails it."""
+  import importlib.util
+
+  spec = importlib.util.spec_from_file_location("check_offline", DOCS / "check_offline.py")
+  assert spec is not None and spec.loader is not None
+  check = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(check)
+  page = """<script src="_static/doctools.js?v=1"></script>
+  <script defer="defer" src="_static/mathjax/tex-chtml.js"></script>
+  <script async src="https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js"></script>
+  <script src='//cdnjs.cloudflare.com/ajax/libs/mathjax/2.7.7/MathJax.js'></script>
+  <SCRIPT SRC=http://example.com/x.js></SCRIPT>"""
+  assert check.remote_scripts(page) == [
+    "https://cdn.jsdelivr.net/npm/mathjax@3/es5/tex-mml-chtml.js",
+    "//cdnjs.cloudflare.com/ajax/libs/mathjax/2.7.7/MathJax.js",
+    "http://example.com/x.js",
+  ]
+
+
+def test_install_lines_name_the_package_and_extras_that_exist():
+  """``pip install kldiv_jax[x]`` and ``pip install -e '.[x]'`` in the pages: the project's
+  name and extras of pyproject.toml (no extra documented before it exists)."""
+  import tomllib
+
+  project = tomllib.loads((DOCS.parent / "pyproject.toml").read_text())["project"]
+  extras = set(project["optional-dependencies"])
+  seen = set()
+  for page in [DOCS.parent / "README.md", *DOCS.glob("*.md")]:
+    for target in re.findall(
+      r"pip install (?:-e )?'?([\w.\-]+(?:\[[\w,]+\])?)'?", page.read_text()
+    ):
+      name, _, tail = target.partition("[")
+      if name not in (".", project["name"], project["name"].replace("_", "-")):
+        continue  # another package (torch, jax, ...)
+      seen.add(name)
+      assert set(filter(None, tail.rstrip("]").split(","))) <= extras, (page.name, target)
+  assert {project["name"], "."} <= seen

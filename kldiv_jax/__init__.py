@@ -4,7 +4,7 @@ torch-parity ``kl_div``/``KLDivLoss``, Optax-compatible per-example losses,
 with finite values and gradients at zero-probability targets.
 """
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib.metadata as _metadata
 
 from kldiv_jax._distill import DistillationParts as DistillationParts
 from kldiv_jax._distill import distillation_loss as distillation_loss
@@ -14,6 +14,8 @@ from kldiv_jax._fused_distill import fused_distillation_loss as fused_distillati
 from kldiv_jax._fused_distill import fused_topk_distillation_loss as fused_topk_distillation_loss
 from kldiv_jax._fused_tokens import fused_token_log_probs as fused_token_log_probs
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
+from kldiv_jax._implementation import set_implementation as set_implementation
+from kldiv_jax._labels import shift_labels as shift_labels
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
 from kldiv_jax._logits import kl_div_from_logits as kl_div_from_logits
 from kldiv_jax._metric import DivergenceMetric as DivergenceMetric
@@ -36,9 +38,10 @@ from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
 
 try:
-  __version__ = version("kldiv_jax")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+  __version__ = _metadata.version("kldiv_jax")
+except _metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
   __version__ = "0.0.0"
+del _metadata  # dir(kldiv_jax): the public names, dunders and the private modules only
 
 __all__ = [
   "DistillationParts",
@@ -68,5 +71,7 @@ __all__ = [
   "policy_loss",
   "sequence_mean",
   "sequence_sum",
+  "set_implementation",
+  "shift_labels",
   "token_log_probs",
 ]

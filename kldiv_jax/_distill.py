@@ -1,5 +1,7 @@
 """Knowledge-distillation loss from student and teacher logits (Hinton et al.)."""
 
+from __future__ import annotations
+
 from typing import NamedTuple
 
 import jax
@@ -20,6 +22,7 @@ from kldiv_jax._divergence_ce import divergence_ce_rows
 from kldiv_jax._divergence_spec import Divergence, as_divergence
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._id_checks import check_ids, ids_differ, ids_in_range, index_array
+from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._numerics import (
   in_unit_interval,
   is_static,
@@ -60,7 +63,7 @@ class DistillationParts(NamedTuple):
   num_tokens: jax.Array
 
   @classmethod
-  def of(cls, soft, hard, num_tokens, checks=()) -> "DistillationParts":
+  def of(cls, soft, hard, num_tokens, checks=()) -> DistillationParts:
     """The parts, without gradient; NaN (the sums) unless the option ``checks`` hold."""
     soft, hard = (lax.stop_gradient(nan_unless(x, *checks)) for x in (soft, hard))
     return cls(soft, hard, lax.stop_gradient(num_tokens.astype(jnp.int32)))
@@ -260,6 +263,7 @@ def distillation_loss(
   target_softcap: float | None = None,
   teacher_vocab_size: int | None = None,
   return_parts: bool = False,
+  implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Knowledge-distillation loss: softened teacher divergence plus label cross entropy.
 
@@ -289,11 +293,25 @@ def distillation_loss(
   labels, NaN: :doc:`/conventions`; the shared arguments, the derivatives and
   ``axis_name``: :ref:`shared-arguments`, :ref:`derivatives`, :ref:`vocab-parallel`.
 
+  .. note::
+
+     ``alpha`` weights the **distillation (soft) term**, and ``1 - alpha`` the cross
+     entropy: :math:`\alpha\,T^2 D + (1 - \alpha)\,\mathrm{CE}`.
+     The Hugging Face blog's ``DistillationTrainer`` and the
+     Keras knowledge-distillation example weight the *cross entropy* with their ``alpha``
+     (:math:`\alpha_{\text{HF}}\,\mathrm{CE} + (1 - \alpha_{\text{HF}})\,T^2 D`): port
+     them with ``alpha = 1 - alpha_hf`` (their ``alpha=0.7`` is ``alpha=0.3`` here).
+     Copied unchanged, the loss is different and nothing raises.
+
   Args:
     student_logits, teacher_logits: ``[..., num_classes]``; the teacher's broadcastable.
-    labels: optional integer class indices ``[...]`` (the logits' shape without the class axis).
+    labels: optional integer class indices ``[...]`` (the logits' shape without the class
+      axis), aligned with the logits: for a causal LM, already shifted (``labels[t]`` is the
+      token after position ``t``; Hugging Face models shift inside their loss):
+      :func:`shift_labels`.
     temperature: the softmax temperature ``T`` of the divergence (Python number or traced).
-    alpha: the weight of the distillation term, in ``[0, 1]``.
+    alpha: the weight of the distillation (soft) term, in ``[0, 1]``; the cross entropy gets
+      ``1 - alpha`` (the HF blog's and Keras' ``alpha`` is the other way round: see the note).
     divergence: a name (its default parameters) or a :class:`Divergence`.
     beta: the mixture weight of ``divergence="jsd"`` given as a string (others ignore it).
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
@@ -305,6 +323,7 @@ def distillation_loss(
     axis_name: the mesh axis the classes are split over (vocabulary parallelism).
     softcap, target_softcap, teacher_vocab_size: both logit soft-caps; the teacher's class count.
     return_parts: also return the :class:`DistillationParts` (sums, for logging).
+    implementation: ``None``, ``"xla"`` or ``"pallas"``, as in :func:`divergence_from_logits`.
 
   Returns:
     A scalar in the promoted logits dtype; with ``return_parts``, ``(loss, parts)``.
@@ -330,6 +349,7 @@ def distillation_loss(
     name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
     softcap, target_softcap, return_parts, normalizer, label_smoothing, z_loss,
   )  # fmt: skip
+  impl = resolve_implementation(name, implementation)
   if axis_name is not None:
     check_axis_name(name, axis_name)
   what = ("student_logits", "teacher_logits")
@@ -364,11 +384,11 @@ def distillation_loss(
       # One kernel: off CPU one pass gives both terms' statistics.
       assert labels is not None
       safe, ok = _safe_labels(labels, valid, rows.z.shape[1])
-      soft, hard = divergence_ce_rows(rows.z, rows.y, t, masks, spec, safe, caps, ce_opts)
+      soft, hard = divergence_ce_rows(rows.z, rows.y, t, masks, spec, safe, caps, impl, ce_opts)
       soft, hard = soft * t2, nan_unless(hard, ok)
     else:
       if weights.soft:
-        soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps) * t2
+        soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps, impl) * t2
       if weights.hard:
         assert labels is not None and labelled is not None  # weights.hard: there are labels
         # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.

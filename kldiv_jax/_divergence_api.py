@@ -8,12 +8,15 @@ validate, lay out as rows
 (:func:`kldiv_jax._engine.divergence_rows`), shape the result.
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 
 from kldiv_jax._checks import Axis, check_softcap, check_temperature
 from kldiv_jax._divergence_spec import Divergence, as_divergence
 from kldiv_jax._engine import divergence_rows
+from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._rows import prepare
 from kldiv_jax._vocab_parallel import check_axis_name
@@ -38,6 +41,7 @@ def divergence_from_logits(
   softcap: float | None = None,
   target_softcap: float | None = None,
   teacher_vocab_size: int | None = None,
+  implementation: str | None = None,
 ) -> jax.Array:
   r"""Per-example divergence between two softmax distributions given as logits.
 
@@ -72,6 +76,9 @@ def divergence_from_logits(
     axis_name: the mesh axis the classes are split over (vocabulary parallelism).
     softcap, target_softcap: the student's and the teacher's logit soft-caps.
     teacher_vocab_size: the teacher's class count when it differs.
+    implementation: ``None`` (the process-wide default: :func:`set_implementation`),
+      ``"xla"`` (XLA's fusions only) or ``"pallas"`` (the TPU whole-row kernel where it
+      applies; never run on TPU hardware): :ref:`implementation`.
 
   Returns:
     The divergence per example, ``[...]`` (the inputs without ``axis``), promoted dtype.
@@ -92,8 +99,9 @@ def divergence_from_logits(
   spec = as_divergence(name, divergence)
   caps = check_softcaps(name, softcap, target_softcap)
   return per_example(
-    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps, teacher_vocab_size
-  )
+    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps,
+    teacher_vocab_size, implementation,
+  )  # fmt: skip
 
 
 def per_example(
@@ -107,6 +115,7 @@ def per_example(
   axis_name: str | None,
   caps: tuple[float | None, float | None] = (None, None),
   teacher_vocab_size: int | None = None,
+  implementation: str | None = None,
 ) -> jax.Array:
   """The body of every per-example loss from logits: validate, lay out, run, reduce.
 
@@ -117,6 +126,7 @@ def per_example(
   traced parameters are in range.
   """
   temperature, _ = check_temperature(name, temperature)
+  impl = resolve_implementation(name, implementation)
   if axis_name is not None:
     check_axis_name(name, axis_name)
   what = ("logits", "target_logits")
@@ -125,6 +135,6 @@ def per_example(
     out = jnp.zeros(rows.out_shape, rows.out_dtype)
   else:
     t = jnp.asarray(temperature).astype(rows.cdt)
-    out = divergence_rows(rows.z, rows.y, t, rows.masks, spec, axis_name, caps)
+    out = divergence_rows(rows.z, rows.y, t, rows.masks, spec, axis_name, caps, impl)
     out = rows.finish(out)
   return nan_unless(out, positive_finite(temperature), *spec.valid())

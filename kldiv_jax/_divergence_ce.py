@@ -38,7 +38,7 @@ from kldiv_jax._platform import compiled, per_platform
 from kldiv_jax._rows import is_zero, scaled
 
 
-def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels, opts):
+def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels, impl, opts):
   """``(Outcomes, (ce, m, inv_s))``: :func:`kldiv_jax._engine.statistics` and the cross entropy's
   (:func:`kldiv_jax._ce.ce_stats`, at temperature 1) of the same rows, one device. Off
   CPU, for a formula whose sums are KL sums, from one pass over both logits
@@ -46,7 +46,7 @@ def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, label
   cap_z, cap_y = caps
 
   def apart(z, y, labels, *masks):
-    rows = statistics(formula, params, needs, z, y, temperature, masks, None, caps)
+    rows = statistics(formula, params, needs, z, y, temperature, masks, None, caps, impl)
     ce, (m, inv_s, _) = ce_stats(None, cap_z, z, labels, masks, opts)
     return rows, (ce, m, inv_s)
 
@@ -70,24 +70,24 @@ def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, label
   return per_platform(apart, together, z, y, labels, *masks)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _kernel_ce(key, caps, z, y, temperature, traced, masks, labels, opts):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _kernel_ce(key, caps, impl, z, y, temperature, traced, masks, labels, opts):
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
   rows, (ce, _, _) = _statistics_ce(
-    formula, params, Needs(), z, y, temperature, masks, caps, labels, opts
+    formula, params, Needs(), z, y, temperature, masks, caps, labels, impl, opts
   )
   return rows.value[:, 0], ce[:, 0]
 
 
-def _kernel_ce_jvp(key, caps, primals, tangents):
+def _kernel_ce_jvp(key, caps, impl, primals, tangents):
   z, y, temperature, traced, masks, labels, opts = primals
   dz, dy, dtemp, dtraced, _, _, dopts = tangents
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
   dparams, needs = tangent_needs(key, dz, dy, dtemp, dtraced)
   rows, (ce, m, inv_s) = _statistics_ce(
-    formula, params, needs, z, y, temperature, masks, caps, labels, opts
+    formula, params, needs, z, y, temperature, masks, caps, labels, impl, opts
   )
   tangent = tangent_rows(
     formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, None, caps
@@ -99,7 +99,7 @@ def _kernel_ce_jvp(key, caps, primals, tangents):
 
 
 _kernel_ce.defjvp(_kernel_ce_jvp, symbolic_zeros=True)
-_kernel_ce = compiled(_kernel_ce, static_argnums=(0, 1))
+_kernel_ce = compiled(_kernel_ce, static_argnums=(0, 1, 2))
 
 
 def divergence_ce_rows(
@@ -110,12 +110,15 @@ def divergence_ce_rows(
   divergence: Divergence,
   labels: jax.Array,
   caps: tuple[float | None, float | None] = (None, None),
+  implementation: str = "pallas",
   opts: CEOptions = OFF,
 ) -> tuple[jax.Array, jax.Array]:
   """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,
   masks, cap=caps[0]))`` (values and derivatives) from one kernel, without ``axis_name``:
   off CPU the KL family's statistics and the cross entropy's come from one pass over the
-  logits (:func:`_statistics_ce`). ``labels`` ``[rows, 1]`` int32 in range; ``opts`` the
-  cross entropy's (:class:`kldiv_jax._ce.CEOptions`)."""
-  key, traced = divergence.key, divergence.traced
-  return _kernel_ce(key, tuple(caps), z, y, temperature, traced, tuple(masks), labels, opts)
+  logits (:func:`_statistics_ce`). ``labels`` ``[rows, 1]`` int32 in range. ``implementation``
+  as in :func:`kldiv_jax._engine.divergence_rows`; ``opts`` the cross entropy's
+  (:class:`kldiv_jax._ce.CEOptions`)."""
+  key, traced, impl = divergence.key, divergence.traced, implementation
+  masks = tuple(masks)
+  return _kernel_ce(key, tuple(caps), impl, z, y, temperature, traced, masks, labels, opts)

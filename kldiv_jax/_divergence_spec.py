@@ -8,6 +8,8 @@ parameters are static (Python numbers: checked at once, hashed) or traced
 :attr:`Divergence.traced` separately.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import math
 from typing import cast

@@ -77,10 +77,11 @@ from kldiv_jax._class_sums import (
 )
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, Norms
+from kldiv_jax._gpu_rows import one_pass_sums
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
-from kldiv_jax._platform import compiled, map_rows
+from kldiv_jax._platform import compiled, gpu_kernels_enabled, map_rows
 from kldiv_jax._rows import is_zero, logit_tangents, row_stats, scaled
 from kldiv_jax._vocab_parallel import combine, global_classes
 from kldiv_jax._whole_rows import row_sums
@@ -172,11 +173,12 @@ def one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums) -> Outcomes:
   return _outcomes(needs, mu, su, mv, sv, n, same, totals)
 
 
-def _two_passes(formula, params, needs, temperature, caps, local):
+def _two_passes(formula, params, needs, temperature, caps, local, implementation):
   """``(cpu, accel)``: the row functions of the two-pass statistics on one device. Per block
   on CPU, the row statistics, then the class sums; off CPU, :func:`row_sums`: both sides'
   maxes and sums of exponentials in one pass (online softmax), then the class sums in a
-  second one, the terms fused into them (no temporary), or on TPU one kernel over whole rows."""
+  second one, the terms fused into them (no temporary), or on TPU one kernel over whole rows
+  (with ``implementation="pallas"``)."""
 
   def cpu(z, y, *masks):
     u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
@@ -186,7 +188,9 @@ def _two_passes(formula, params, needs, temperature, caps, local):
     return _outcomes(needs, mu, su, mv, sv, norms(su, sv), same, sums)
 
   def accel(z, y, *masks):
-    mu, su, mv, sv, gap, *sums = row_sums(formula, params, needs, caps, z, y, temperature, masks)
+    mu, su, mv, sv, gap, *sums = row_sums(
+      formula, params, needs, caps, z, y, temperature, masks, implementation
+    )
     return _outcomes(needs, mu, su, mv, sv, norms(su, sv), gap == 0, sums)
 
   return cpu, accel
@@ -205,6 +209,13 @@ def _one_pass(one_pass, needs, temperature, caps, local):
     return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
 
   def accel(z, y, *masks):
+    if gpu_kernels_enabled():
+      # Opt-in (kldiv_jax._gpu_rows): on CUDA a Triton kernel, elsewhere the same XLA pass.
+      kind = ("kl",) if one_pass.powers is None else ("ab", *one_pass.powers)
+      mu, su, mv, sv, *sums = one_pass_sums(kind, caps, z, y, temperature, masks)
+      if one_pass.powers is None:
+        sums = [{"v": sums[0], "u": sums[1]}[k] for k in one_pass.kl_sums]
+      return outcomes(mu, su, mv, sv, tuple(sums))
     u, _ = scaled(z, temperature, masks, cap_z)
     v, _ = scaled(y, temperature, masks, cap_y)
     if one_pass.powers is not None:
@@ -216,7 +227,9 @@ def _one_pass(one_pass, needs, temperature, caps, local):
   return cpu, accel if one_pass.kl_sums or one_pass.powers is not None else None
 
 
-def statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps) -> Outcomes:
+def statistics(
+  formula, params, needs, z, y, temperature, masks, axis_name, caps, implementation="pallas"
+) -> Outcomes:
   cap_z, cap_y = caps
 
   def local(z, y, *masks):
@@ -228,7 +241,7 @@ def statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps
 
   if axis_name is None:
     one_pass = None if formula.one_pass is None else formula.one_pass(params)
-    cpu, accel = _two_passes(formula, params, needs, temperature, caps, local)
+    cpu, accel = _two_passes(formula, params, needs, temperature, caps, local, implementation)
     if one_pass is not None:
       one_cpu, accel = _one_pass(one_pass, needs, temperature, caps, local)
       cpu = one_cpu if one_pass.cpu else cpu
@@ -287,11 +300,11 @@ def tangent_rows(
   return out
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _kernel(key, axis_name, caps, z, y, temperature, traced, masks):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _kernel(key, axis_name, caps, impl, z, y, temperature, traced, masks):
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
-  rows = statistics(formula, params, Needs(), z, y, temperature, masks, axis_name, caps)
+  rows = statistics(formula, params, Needs(), z, y, temperature, masks, axis_name, caps, impl)
   return rows.value[:, 0]
 
 
@@ -308,13 +321,13 @@ def tangent_needs(key, dz, dy, dtemp, dtraced):
   return dparams, needs
 
 
-def _kernel_jvp(key, axis_name, caps, primals, tangents):
+def _kernel_jvp(key, axis_name, caps, impl, primals, tangents):
   z, y, temperature, traced, masks = primals
   dz, dy, dtemp, dtraced, _ = tangents
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
   dparams, needs = tangent_needs(key, dz, dy, dtemp, dtraced)
-  rows = statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps)
+  rows = statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps, impl)
   tangent = tangent_rows(
     formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, axis_name, caps
   )
@@ -322,7 +335,7 @@ def _kernel_jvp(key, axis_name, caps, primals, tangents):
 
 
 _kernel.defjvp(_kernel_jvp, symbolic_zeros=True)
-_kernel = compiled(_kernel, static_argnums=(0, 1, 2))
+_kernel = compiled(_kernel, static_argnums=(0, 1, 2, 3))
 
 
 def divergence_rows(
@@ -333,6 +346,7 @@ def divergence_rows(
   divergence: Divergence,
   axis_name: str | None = None,
   caps: tuple[float | None, float | None] = (None, None),
+  implementation: str = "pallas",
 ) -> jax.Array:
   """``D(softmax(y/T), softmax(z/T))`` per row of ``[rows, classes]`` logits (``[rows]``).
 
@@ -347,7 +361,10 @@ def divergence_rows(
   ``caps``: the student's and the teacher's logit soft-caps (static floats, or
   ``None``), applied before the temperature. Not tested here: the temperature's
   and traced parameters' ranges (the caller applies ``nan_unless`` with
-  ``positive_finite`` and ``divergence.valid()``).
+  ``positive_finite`` and ``divergence.valid()``). ``implementation``: ``"xla"`` or
+  ``"pallas"`` (:mod:`kldiv_jax._implementation`, resolved by the caller).
   """
-  key = divergence.key
-  return _kernel(key, axis_name, tuple(caps), z, y, temperature, divergence.traced, tuple(masks))
+  key, traced = divergence.key, divergence.traced
+  return _kernel(
+    key, axis_name, tuple(caps), implementation, z, y, temperature, traced, tuple(masks)
+  )

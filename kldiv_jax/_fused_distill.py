@@ -11,6 +11,8 @@ options are parsed by :func:`distillation_loss`'s parse (``_distill.distill_opti
 top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import functools
 from typing import Any, NamedTuple, Protocol, cast
@@ -44,11 +46,12 @@ from kldiv_jax._fused_chunks import (
   zero_head_grads,
 )
 from kldiv_jax._id_checks import teacher_classes
+from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._platform import compiled
 from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import topk_rows
 from kldiv_jax._tokens import token_mask
-from kldiv_jax._topk import check_topk_teacher, topk_teacher
+from kldiv_jax._topk import TAIL_FLOOR, check_topk_teacher, topk_teacher
 from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name
 
 
@@ -62,6 +65,7 @@ class Static(NamedTuple):
   weights: LossWeights
   shared: int  # the classes both sides have (per device): longer logits are cut per chunk
   low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (chunk_logits)
+  implementation: str = "pallas"  # "xla": no Pallas kernel (kldiv_jax._implementation)
 
 
 class Teacher(Protocol):
@@ -75,7 +79,7 @@ class Teacher(Protocol):
   """
 
   def tokens(self) -> tuple: ...
-  def chunk(self, cut) -> "Teacher": ...
+  def chunk(self, cut) -> Teacher: ...
   def rows(self, z, temperature, spec: Divergence, mask, static: Static) -> jax.Array: ...
 
 
@@ -90,14 +94,16 @@ class DenseTeacher:
   def tokens(self) -> tuple:
     return (self.hidden,)
 
-  def chunk(self, cut) -> "DenseTeacher":
+  def chunk(self, cut) -> DenseTeacher:
     return dataclasses.replace(self, hidden=cut(self.hidden))
 
   def rows(self, z, temperature, spec, mask, static: Static):
     z = z.astype(compute_dtype(z.dtype))
     y = chunk_logits(self.hidden, self.weight, self.bias, z.dtype, static.low)
     y = lax.stop_gradient(shared_classes(y, static.shared, 1))
-    return divergence_rows(z, y, temperature, (mask,), spec, static.axis_name, static.caps)
+    return divergence_rows(
+      z, y, temperature, (mask,), spec, static.axis_name, static.caps, static.implementation
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,23 +115,24 @@ class TopkTeacher:
   keep: jax.Array
   dropped: jax.Array
   bucket: bool  # static: tail="bucket"
+  floor: float = 0.0  # static: the least tail mass with the bucket
 
   def tokens(self) -> tuple:
     return (self.ids, self.lp, self.keep, self.dropped)
 
-  def chunk(self, cut) -> "TopkTeacher":
+  def chunk(self, cut) -> TopkTeacher:
     ids, lp, keep, dropped = cut(self.tokens())
     return dataclasses.replace(self, ids=ids, lp=lp, keep=keep, dropped=dropped)
 
   def rows(self, z, temperature, spec, mask, static: Static):
     return topk_rows(
       z, self.ids, self.lp, self.keep & mask, self.dropped, temperature, spec, self.bucket,
-      static.caps[0], static.axis_name,
+      static.caps[0], static.axis_name, self.floor,
     )  # fmt: skip
 
 
 jax.tree_util.register_dataclass(DenseTeacher, ["hidden", "weight", "bias"], [])
-jax.tree_util.register_dataclass(TopkTeacher, ["ids", "lp", "keep", "dropped"], ["bucket"])
+jax.tree_util.register_dataclass(TopkTeacher, ["ids", "lp", "keep", "dropped"], ["bucket", "floor"])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -233,7 +240,7 @@ def _dense_teacher(name, s: _Student, hidden, weight, bias, teacher_vocab_size, 
 
 
 def _topk_teacher(
-  name, s: _Student, indices, log_probs, tail, where, teacher_vocab_size, axis_name
+  name, s: _Student, indices, log_probs, tail, where, teacher_vocab_size, axis_name, tail_floor
 ):
   """``(TopkTeacher, shared classes per device, rows with an id out of range [n, 1])``."""
   check_float(name, ("topk_log_probs",), log_probs)
@@ -241,18 +248,27 @@ def _topk_teacher(
   shape_text = "hidden.shape[:-1]"
   args = check_topk_teacher(
     name, indices, log_probs, tail, where, s.token_shape, shape_text, global_vocab,
-    teacher_vocab_size, axis_name,
+    teacher_vocab_size, axis_name, tail_floor,
   )  # fmt: skip
   shared = min(global_vocab, args.teacher_vocab)  # equal with axis_name (checked)
   n, k = s.h.shape[0], args.indices.shape[-1]
   lp = args.log_probs.astype(compute_dtype(s.out_dtype)).reshape(n, k)
   t = topk_teacher(args.indices.reshape(n, k), lp, None, shared, args.teacher_vocab)
-  teacher = TopkTeacher(t.ids, t.lp, t.keep, t.dropped, args.bucket)
+  teacher = TopkTeacher(t.ids, t.lp, t.keep, t.dropped, args.bucket, args.floor)
   return teacher, shared // s.num_shards, t.bad[:, None]
 
 
 def _fused_loss(
-  name, o: DistillOptions, s: _Student, teacher: Teacher, vocab, bad, labels, chunk_size, axis_name
+  name,
+  o: DistillOptions,
+  s: _Student,
+  teacher: Teacher,
+  vocab,
+  bad,
+  labels,
+  chunk_size,
+  axis_name,
+  implementation="pallas",
 ):
   """The body of the fused losses once the teacher is laid out: labels, the chunked kernel,
   the mean. ``vocab``: the classes both sides share (per device)."""
@@ -285,7 +301,8 @@ def _fused_loss(
   tokens = (mask, labels, labelled)
 
   def call(chunk):
-    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low_dtype(s.out_dtype))
+    low = low_dtype(s.out_dtype)
+    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low, implementation)
     return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs, ce_opts)
 
   totals = per_platform(chunk_size, name, n, vocab * s.num_shards, call)
@@ -320,6 +337,7 @@ def fused_distillation_loss(
   target_softcap: float | None = None,
   teacher_vocab_size: int | None = None,
   return_parts: bool = False,
+  implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
 
@@ -338,18 +356,26 @@ def fused_distillation_loss(
   reverse mode only, zero gradients for the teacher and the options:
   :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
+  .. note::
+
+     ``alpha`` weights the distillation (soft) term and ``1 - alpha`` the cross entropy, as
+     in :func:`distillation_loss`; the Hugging Face blog's ``DistillationTrainer`` and the
+     Keras example weight the cross entropy with theirs: ``alpha = 1 - alpha_hf``.
+
   Args:
     hidden, weight: the student's hidden states ``[..., H]`` and LM head ``[H, V]``.
     target_hidden, target_weight: the teacher's, ``[..., H_T]`` and ``[H_T, V_T]``.
-    labels: optional integer token ids ``hidden.shape[:-1]``: adds the cross entropy.
+    labels: optional integer token ids ``hidden.shape[:-1]``: adds the cross entropy; for a
+      causal LM already shifted (``labels[t]`` is the token after ``hidden[t]``):
+      :func:`shift_labels`.
     bias, target_bias: optional biases ``[V]`` and ``[V_T]``.
     where: a token mask ``hidden.shape[:-1]``.
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of the heads is split over.
     alpha, ignore_index, temperature, divergence, beta, normalizer: as in :func:`distillation_loss`.
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
-    scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts: as
-      in :func:`distillation_loss`.
+    scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts,
+      implementation: as in :func:`distillation_loss`.
 
   Returns:
     A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
@@ -372,11 +398,12 @@ def fused_distillation_loss(
     name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
     softcap, target_softcap, return_parts, normalizer, label_smoothing, z_loss,
   )  # fmt: skip
+  impl = resolve_implementation(name, implementation)
   s = _student(name, hidden, weight, bias, where, axis_name)
   teacher, vocab = _dense_teacher(
     name, s, target_hidden, target_weight, target_bias, teacher_vocab_size, axis_name
   )
-  return _fused_loss(name, o, s, teacher, vocab, None, labels, chunk_size, axis_name)
+  return _fused_loss(name, o, s, teacher, vocab, None, labels, chunk_size, axis_name, impl)
 
 
 def fused_topk_distillation_loss(
@@ -394,6 +421,7 @@ def fused_topk_distillation_loss(
   temperature: float | jax.typing.ArrayLike = 1.0,
   divergence: str | Divergence = "forward_kl",
   tail: str = "renormalize",
+  tail_floor: float = TAIL_FLOOR,
   scale_by_temperature_squared: bool = True,
   where: jax.typing.ArrayLike | None = None,
   normalizer: float | jax.typing.ArrayLike | None = None,
@@ -417,11 +445,19 @@ def fused_topk_distillation_loss(
 
   (the cross entropy with ``label_smoothing`` and ``z_loss`` as in :func:`distillation_loss`).
 
+  .. note::
+
+     ``alpha`` weights the distillation (soft) term and ``1 - alpha`` the cross entropy, as
+     in :func:`distillation_loss`; the Hugging Face blog's ``DistillationTrainer`` and the
+     Keras example weight the cross entropy with theirs: ``alpha = 1 - alpha_hf``.
+
   Args:
     hidden, weight: the student's hidden states ``[..., H]`` and head ``[H, V]``; ``bias``: ``[V]``.
     topk_indices, topk_log_probs: the teacher's token ids and log-probabilities ``[..., k]``.
-    labels: optional token ids ``hidden.shape[:-1]``: adds the cross entropy.
-    tail: ``"renormalize"`` or ``"bucket"``, as in :func:`divergence_from_topk`.
+    labels: optional token ids ``hidden.shape[:-1]``: adds the cross entropy; for a causal LM
+      already shifted: :func:`shift_labels`.
+    tail, tail_floor: ``"renormalize"`` or ``"bucket"``, and the bucket's least tail mass
+      (TRL's ``1e-7``), as in :func:`divergence_from_topk`.
     alpha, ignore_index, temperature, divergence, where, normalizer, chunk_size, axis_name: as
       in :func:`fused_distillation_loss`.
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
@@ -449,6 +485,7 @@ def fused_topk_distillation_loss(
   )  # fmt: skip
   s = _student(name, hidden, weight, bias, where, axis_name)
   teacher, vocab, bad = _topk_teacher(
-    name, s, topk_indices, topk_log_probs, tail, where, teacher_vocab_size, axis_name
-  )
+    name, s, topk_indices, topk_log_probs, tail, where, teacher_vocab_size, axis_name,
+    tail_floor,
+  )  # fmt: skip
   return _fused_loss(name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name)

@@ -9,6 +9,8 @@ the forward pass of the fused policy losses, ``_fused_policy``). Liger Kernel's 
 cross entropy is the same design.
 """
 
+from __future__ import annotations
+
 import functools
 from typing import Any, NamedTuple, cast
 
@@ -155,7 +157,9 @@ def fused_token_log_probs(
 
   Args:
     hidden, weight: hidden states ``[..., H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
-    token_ids: the sampled token ids ``hidden.shape[:-1]``.
+    token_ids: the sampled token ids ``hidden.shape[:-1]``, aligned with ``hidden``
+      (``token_ids[t]`` the token predicted from ``hidden[t]``, the next one for a causal LM:
+      :func:`shift_labels`).
     temperature, softcap, where, ignore_index, return_entropy: as in :func:`token_log_probs`.
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of ``weight`` and ``bias`` is split over.

@@ -1,5 +1,7 @@
 """Closed-form KL divergence between diagonal Gaussians (the VAE ELBO term)."""
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 

@@ -7,6 +7,7 @@ out of range (known ones raise, traced ones make their example NaN);
 :func:`teacher_classes` is the one rule for a teacher's vocabulary size.
 """
 
+import math
 from typing import Any, cast
 
 import jax
@@ -99,8 +100,16 @@ def check_ids(
   unless a mask in ``masks`` (booleans of a prefix of the ids' shape, or as
   many as the ids in another layout) is off at it, it equals ``ignore_index``, or its ``log_probs`` is ``-inf`` (a top-k
   teacher's padding). A function with an unset ``ignore_index``
-  (``has_ignore_index``) suggests ``ignore_index=-100`` for a ``-100``.
+  (``has_ignore_index``) suggests ``ignore_index=-100`` for a ``-100``. An empty vocabulary
+  (``num_classes == 0``) with any id raises at trace time, naming the vocabulary.
   """
+  shape = getattr(ids, "shape", None)
+  if num_classes == 0 and math.prod(np.shape(cast(Any, ids)) if shape is None else shape) > 0:
+    # A shape error, known at trace time whatever the ids' values: no id can be in range.
+    raise ValueError(
+      f"{name}: the vocabulary is empty (0 classes: the class axis of the logits or of the "
+      f"LM head has size 0), so {arg} cannot index it; expected at least 1 class."
+    )
   arrays = concrete(ids, log_probs, *masks)
   if arrays is None:
     return

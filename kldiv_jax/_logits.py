@@ -8,6 +8,8 @@ derivative rules and the vocabulary-parallel passes are the engine's
 (:mod:`kldiv_jax._engine`).
 """
 
+from __future__ import annotations
+
 import jax
 
 from kldiv_jax._checks import Axis, check_choice, check_unit_interval
@@ -29,6 +31,7 @@ def kl_div_from_logits(
   softcap: float | None = None,
   target_softcap: float | None = None,
   teacher_vocab_size: int | None = None,
+  implementation: str | None = None,
 ) -> jax.Array:
   r"""Per-example KL divergence between two softmax distributions given as logits.
 
@@ -51,8 +54,8 @@ def kl_div_from_logits(
     target_logits: the teacher's logits, broadcastable to ``logits``.
     temperature: the softmax temperature ``T`` (Python number or traced).
     direction: ``"forward"`` for ``KL(p || q)``, ``"reverse"`` for ``KL(q || p)``.
-    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size: as in
-      :func:`divergence_from_logits`.
+    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size, implementation: as
+      in :func:`divergence_from_logits`.
 
   Returns:
     The divergence per example, ``[...]`` (the inputs without ``axis``), promoted dtype.
@@ -76,8 +79,9 @@ def kl_div_from_logits(
   spec = Divergence("forward_kl" if direction == "forward" else "reverse_kl")
   caps = check_softcaps(name, softcap, target_softcap)
   return per_example(
-    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps, teacher_vocab_size
-  )
+    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps,
+    teacher_vocab_size, implementation,
+  )  # fmt: skip
 
 
 def generalized_jsd(
@@ -92,6 +96,7 @@ def generalized_jsd(
   softcap: float | None = None,
   target_softcap: float | None = None,
   teacher_vocab_size: int | None = None,
+  implementation: str | None = None,
 ) -> jax.Array:
   r"""Per-example generalized Jensen-Shannon divergence from logits (TRL's GKD loss).
 
@@ -115,8 +120,8 @@ def generalized_jsd(
     target_logits: the teacher's logits, broadcastable to ``logits``.
     beta: the teacher's mixture weight, in ``[0, 1]`` (Python number or traced).
     temperature: the softmax temperature ``T`` (Python number or traced).
-    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size: as in
-      :func:`divergence_from_logits`.
+    axis, where, axis_name, softcap, target_softcap, teacher_vocab_size, implementation: as
+      in :func:`divergence_from_logits`.
 
   Returns:
     The divergence per example, shape ``[...]``, in the promoted input dtype.
@@ -141,5 +146,6 @@ def generalized_jsd(
   spec = Divergence("jsd", beta=beta)
   caps = check_softcaps(name, softcap, target_softcap)
   return per_example(
-    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps, teacher_vocab_size
-  )
+    name, spec, logits, target_logits, temperature, axis, where, axis_name, caps,
+    teacher_vocab_size, implementation,
+  )  # fmt: skip

@@ -9,6 +9,8 @@ are class methods. The values come from the engine
 (:func:`kldiv_jax._divergence_api.per_example`).
 """
 
+from __future__ import annotations
+
 import dataclasses
 from typing import Any, ClassVar, NamedTuple
 
@@ -89,7 +91,7 @@ class DivergenceMetric:
 
   options: ClassVar[_Options] = _Options(Divergence("forward_kl"), "logits", 1.0, "mean", "token")
   # The class ``configure`` derives from: the first one that was not made by ``configure``.
-  _root: ClassVar[type["DivergenceMetric"] | None] = None
+  _root: ClassVar[type[DivergenceMetric] | None] = None
 
   @classmethod
   def configure(
@@ -100,7 +102,7 @@ class DivergenceMetric:
     temperature: float | None = None,
     reduction: str | None = None,
     per: str | None = None,
-  ) -> type["DivergenceMetric"]:
+  ) -> type[DivergenceMetric]:
     """A subclass with these options; one left ``None`` keeps ``cls``'s.
 
     The same options give the same class (a jitted step compiles once);
@@ -161,7 +163,7 @@ class DivergenceMetric:
     return _CLASSES[key]
 
   @classmethod
-  def empty(cls) -> "DivergenceMetric":
+  def empty(cls) -> DivergenceMetric:
     """The metric of no data: ``m.merge(cls.empty())`` equals ``m``."""
     return cls(
       total=jnp.zeros((), _default_dtype(np.float64)),
@@ -177,8 +179,9 @@ class DivergenceMetric:
     where: jax.typing.ArrayLike | None = None,
     mask: jax.typing.ArrayLike | None = None,
     teacher_vocab_size: int | None = None,
+    implementation: str | None = None,
     **_: Any,
-  ) -> "DivergenceMetric":
+  ) -> DivergenceMetric:
     """The metric of one batch.
 
     Args:
@@ -188,6 +191,8 @@ class DivergenceMetric:
       where: a class mask broadcastable to the inputs.
       mask: which rows count (clu's): the rows' shape or a prefix of it, bool or numeric.
       teacher_vocab_size: ``target_logits``' class count when it differs.
+      implementation: ``None``, ``"xla"`` or ``"pallas"``, as in
+        :func:`~kldiv_jax.divergence_from_logits`.
       **_: ignored (a ``clu`` ``Collection`` passes every model output).
 
     Returns:
@@ -230,6 +235,7 @@ class DivergenceMetric:
       None,
       (None, None),
       teacher_vocab_size,
+      implementation,
     )
     values = values.astype(total_dtype)
     if has_mass is not None:
@@ -249,12 +255,12 @@ class DivergenceMetric:
       total, count = jnp.sum(jnp.where(keep, values, 0.0)), jnp.sum(keep)
     return cls(total=total, count=jnp.asarray(count, _default_dtype(np.int64)))
 
-  def merge(self, other: "DivergenceMetric") -> "DivergenceMetric":
+  def merge(self, other: DivergenceMetric) -> DivergenceMetric:
     """The metric of both: totals and counts added (``other`` of the same class)."""
     _check_same(self, other, "merge")
     return type(self)(total=self.total + other.total, count=self.count + other.count)
 
-  def reduce(self) -> "DivergenceMetric":
+  def reduce(self) -> DivergenceMetric:
     """Sums a metric whose fields gained a leading axis (``all_gather``, ``process_allgather``)."""
     if jnp.ndim(self.total) < 1 or jnp.ndim(self.count) < 1:
       raise ValueError(

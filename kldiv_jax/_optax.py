@@ -5,6 +5,8 @@ Same outputs as optax wherever optax is finite; finite where optax gives NaN
 per-example mask.
 """
 
+from __future__ import annotations
+
 import warnings
 
 import jax

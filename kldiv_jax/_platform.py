@@ -8,6 +8,8 @@ per platform, at lowering (``lax.platform_dependent``); :func:`compiled`
 compiles a module-level kernel once per shapes for eager calls.
 """
 
+import contextlib
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -21,6 +23,66 @@ _BLOCK_ELEMENTS = 1 << 17
 ROW_BLOCKS_SCOPE = "kldiv_jax_cpu_row_blocks"
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+# ----------------------------------------------------------------------------- GPU kernels
+# The opt-in switch of the Pallas Triton kernels (kldiv_jax._gpu_rows); read at trace time.
+# TODO(lead): the public ``implementation=`` switch (per call and global) sets this one.
+
+# The environment variable that turns the kernels on for the whole process (read at import).
+ENV_VAR = "KLDIV_JAX_GPU_KERNELS"
+
+
+def _env_default() -> bool:
+  return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _Plain:
+  """The switch where jax has no ``make_user_context`` (below 0.7.2): there the kernels stay
+  off (:func:`gpu_kernels_setting`), since a plain switch would not be part of JAX's cache
+  keys (a function jitted with one setting would keep it)."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def set_global(self, value):
+    self.value = value
+
+  @contextlib.contextmanager
+  def __call__(self, value):
+    saved, self.value = self.value, value
+    try:
+      yield
+    finally:
+      self.value = saved
+
+
+_make = getattr(jax, "make_user_context", None)
+GPU_KERNELS = _make(_env_default()) if _make is not None else _Plain(_env_default())
+
+
+def gpu_kernels_enabled() -> bool:
+  """Whether the GPU kernels are switched on (in this context; never below jax 0.7.2)."""
+  return bool(gpu_kernels_setting())
+
+
+def gpu_kernels_setting():
+  """The switch's value: ``False``, ``True`` or a tuple ``(rows per program, classes per
+  tile, warps, stages)`` of the kernels' layout (:func:`kldiv_jax._gpu_rows.layout`; for the
+  benchmarks' sweeps), hashable: a static parameter of the kernels' primitives."""
+  value = GPU_KERNELS.value if _make is not None else False
+  return tuple(value) if isinstance(value, (tuple, list)) else bool(value)
+
+
+def set_gpu_kernels(enabled: bool) -> None:
+  """Switch the GPU kernels on or off for the whole process (as ``KLDIV_JAX_GPU_KERNELS``)."""
+  GPU_KERNELS.set_global(bool(enabled))
+
+
+def gpu_kernels(enabled: bool | tuple[int, int, int, int] = True):
+  """A context manager: inside it the GPU kernels are on (or off); a ``jax.jit`` function
+  traced inside is traced and compiled again for it. A tuple ``(rows per program, classes
+  per tile, warps, stages)`` switches them on with that layout (the benchmarks' sweeps)."""
+  return GPU_KERNELS(tuple(enabled) if isinstance(enabled, (tuple, list)) else bool(enabled))
 
 
 def compiled(fn: _Fn, static_argnums: int | Sequence[int] = (), *, inline: bool = True) -> _Fn:

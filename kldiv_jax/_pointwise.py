@@ -5,20 +5,39 @@ the zero-mass convention: where the target has no mass (``t == 0``, or
 ``log t == -inf``) the term is 0 and so are all its derivatives, whatever the
 input (``-inf`` included). Everywhere else values and derivatives are torch's.
 
-Speed: the values are computed without comparisons or selects. On XLA:CPU a
-select keeps an elementwise-plus-reduce computation out of the fast fused
-reduction path and materialises the whole elementwise array, which made the
-usual double-``where`` formula about 4x slower than an unguarded one. The
-guards below use only ``max``, ``+`` and ``*`` (and IEEE overflow) instead:
+Speed: the values are computed without comparisons or selects. On XLA:CPU an
+elementwise-plus-reduce computation runs as one fused (YNNPACK) kernel only if
+every operation in it is an arithmetic one (``max``, ``min``, ``+``, ``*``,
+``exp``, ``log``, ...); a compare or select keeps it out and materialises the
+whole elementwise array, which made the usual double-``where`` formula about
+4x slower than an unguarded one. The guards below use only ``max`` clamps and
+IEEE overflow instead; with ``L = log t`` (the log-target itself with
+``log_target``) and ``M = finfo.max``:
 
-* ``Lc = max(log t, -BIG)`` is ``log t`` for every ``t > 0`` and ``-BIG`` at
-  ``t = 0`` (``max`` propagates NaN, so ``t < 0`` stays NaN).
-* ``c = (Lc + BIG) * -HUGE`` overflows to ``-inf`` whenever ``t > 0`` and is
-  ``-0`` at ``t = 0``; ``x' = max(x, c)`` is therefore ``x`` wherever ``t > 0``
-  (``-inf`` included, giving the true ``+inf``) and finite at ``t = 0``, so
-  ``t * (Lc - x')`` is exactly 0 there instead of ``0 * inf = NaN``.
+* ``Lc = max(-M/2, L)`` is ``L`` for every ``t > 0`` and ``-M/2`` at zero mass.
+* ``x' = max(-M, x)`` is ``x`` except that ``-inf`` becomes ``-M``.
+* ``D = (Lc - x') * 2`` is twice the difference ``L - x`` (exactly: a power of
+  two) where both are finite. Where ``t`` has mass and ``x = -inf``,
+  ``L + M`` rounds to ``M`` and doubling it overflows to the true ``+inf``;
+  at zero mass ``2 (-M/2 - x')`` is finite for any ``x`` from ``-inf`` up to
+  about ``M/4``, and the weight's exact 0 makes the term 0 (``x = +inf``
+  gives ``-inf`` and the term NaN, as it should).
 
-That zero is ``-0.0`` (0 times a negative number). Sums do not show it (a
+The term is then ``(w / 2) * D`` with ``w = t`` or ``exp(Lc)`` (the ``/ 2``
+folds into the exponential's kernel): one clamp per input, a subtraction and
+a scaling on top of the unguarded formula's operations. Where the target has
+mass, inputs below ``-M/2`` (about ``-1.7e38`` in float32) count as ``-inf``.
+
+NaN: XLA:CPU's fused kernels compute ``max(a, b)`` as the x86 instruction
+does: when either is NaN the result is ``b``, the *second* operand (HLO
+promises NaN). So every clamp takes its bound first and the value second, and
+the bounds go through :func:`lax.optimization_barrier` -- XLA moves a
+constant operand to the right, which would make ``max(t, -M/2)`` drop a NaN
+``t`` (or the NaN of ``log t`` for a negative ``t``) and give a finite number.
+``tests/test_pointwise.py`` checks NaN propagation at sizes that take the fused
+kernel.
+
+That zero may be ``-0.0`` (0 times a negative ``D``). Sums do not show it (a
 reduction starts from +0); the unreduced outputs go through
 :func:`positive_zero`, one cheap select in a loop that writes the array
 anyway.
@@ -27,6 +46,8 @@ The derivative rules use the ordinary double ``where`` (they write an array
 anyway, and must stay differentiable for second derivatives).
 """
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -34,16 +55,18 @@ from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import check_bool, promote_and_broadcast
 
-# Any finite log-probability is far above -BIG; BIG + any such value rounds to
-# a number that times finfo.max overflows.
-_BIG = 1e30
+
+def _bound(value: float, dtype: jnp.dtype) -> jax.Array:
+  """A scalar bound XLA keeps as the *first* operand of ``max`` (see the module docstring)."""
+  return lax.optimization_barrier(jnp.asarray(value, dtype))
 
 
 def _guards(x: jax.Array, log_t: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(Lc, x')``: the clamped log-target and the input made finite at zero mass."""
-  lc = jnp.maximum(log_t, -_BIG)
-  huge = jnp.finfo(x.dtype).max
-  return lc, jnp.maximum(x, (lc + _BIG) * -huge)
+  """``(Lc, D)``: the clamped log-target and twice its difference to the clamped input."""
+  big = float(jnp.finfo(x.dtype).max)
+  lc = jnp.maximum(_bound(-big / 2, x.dtype), log_t)
+  xc = jnp.maximum(_bound(-big, x.dtype), x)
+  return lc, (lc - xc) * 2.0
 
 
 def positive_zero(a: jax.Array) -> jax.Array:
@@ -73,8 +96,8 @@ def kl_prob_kernel(x: jax.Array, t: jax.Array) -> jax.Array:
   Same-shape, same-dtype arrays of at least float32. A negative or NaN ``t``
   gives NaN, as does a NaN (or ``+inf``) ``x``.
   """
-  lc, xc = _guards(x, jnp.log(t))
-  return t * (lc - xc)
+  _, d = _guards(x, jnp.log(t))
+  return (t * 0.5) * d
 
 
 def _kl_prob_kernel_jvp(primals, tangents):
@@ -101,8 +124,8 @@ kl_prob_kernel.defjvp(_kl_prob_kernel_jvp, symbolic_zeros=True)
 @jax.custom_jvp
 def kl_log_kernel(x: jax.Array, t: jax.Array) -> jax.Array:
   r"""``exp(t) (t - x)``, with ``0`` where ``t == -inf`` (``x = -inf`` included)."""
-  tc, xc = _guards(x, t)
-  return jnp.exp(tc) * (tc - xc)
+  tc, d = _guards(x, t)
+  return (jnp.exp(tc) * 0.5) * d
 
 
 def _kl_log_kernel_jvp(primals, tangents):

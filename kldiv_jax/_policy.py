@@ -1,5 +1,7 @@
 """policy_loss: PPO/GRPO-family policy losses from per-token log-probs (the math: _surrogates)."""
 
+from __future__ import annotations
+
 import dataclasses
 from typing import Any, NamedTuple, cast
 
@@ -60,6 +62,11 @@ def _scalar(name, option, value, test, expected):
   return out, test(out)
 
 
+def _nonnegative_finite(x):
+  """``0 <= x < inf`` (False for NaN), for a Python float or a traced scalar."""
+  return (x >= 0) & (x < np.inf)
+
+
 def _token_array(name, arg, value, shape, kind):
   a = jnp.asarray(as_array(name, arg, value))
   if not jnp.issubdtype(a.dtype, kind):
@@ -111,9 +118,13 @@ def _parse(
     raise ValueError(
       f"{name}: sapo_temperatures must be two positive numbers; got {sapo_temperatures!r}."
     )
-  beta, _ = real_scalar(name, "beta", beta)
-  entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)
-  valid = [v1, v2, v3, v4]
+  # The KL coefficient: >= 0 and finite (a negative one would reward moving away from the
+  # reference); a traced one out of range makes the loss NaN.
+  as_array(name, "beta", beta, "a real number")  # None is no KL coefficient: a TypeError
+  beta, v5 = _scalar(name, "beta", beta, _nonnegative_finite, "a finite number >= 0")
+  beta = cast(Any, beta)  # not None: as_array above refused None
+  entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)  # any real (a bonus if > 0)
+  valid = [v1, v2, v3, v4, v5]
   if normalizer is not None:
     normalizer = check_normalizer(name, normalizer)
   elif surrogate == "gmpo" and segment_ids is None and len(shape) > 1:
@@ -136,13 +147,30 @@ def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any])
     as_array(name, k, v)
 
 
+def _per_sequence(name: str, adv_shape: tuple, shape: tuple) -> bool:
+  """Whether ``advantages`` of ``adv_shape`` hold one value per sequence of tokens ``shape``
+  (``[..., T]``): the shape ``shape[:-1]`` (TRL's ``[B]``). Otherwise a scalar, or the tokens'
+  rank (``[B, 1]`` per sequence, ``[B, T]`` per token, verl's): a lower rank would be read
+  per token by broadcasting, which for ``B == T`` is ``[B]`` read per sequence: one shape,
+  two meanings, so it raises."""
+  if adv_shape == shape[:-1] and adv_shape != ():
+    return True
+  if adv_shape != () and len(adv_shape) != len(shape):
+    per_seq, col = shape[:-1], (*shape[:-1], 1)
+    raise ValueError(
+      f"{name}: advantages must have shape {per_seq} (one per sequence), {col} (one per "
+      f"sequence) or the tokens' {shape} (one per token), or be a scalar; got {adv_shape}. "
+      f"A per-token row shared by every sequence: add its axes, shape (1, ..., T)."
+    )
+  return False
+
+
 def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), keep=None):
   """``(arrays, out_dtype, weights, valid)``: the per-token arrays of ``named`` (``None``s
   left out; ``advantages`` may be one per sequence) promoted (with ``dtypes``), broadcast to
   the tokens' ``shape`` and set to 0 outside the mask (``where``, ``keep``, the padding of
   ``segment_ids``); the aggregation weights."""
-  adv_shape = np.shape(named["advantages"])
-  if len(adv_shape) == len(shape) - 1 and adv_shape == shape[:-1] and adv_shape != ():
+  if _per_sequence(name, np.shape(named["advantages"]), shape):
     named = named | {"advantages": jnp.asarray(named["advantages"])[..., None]}
   named = {k: v for k, v in named.items() if v is not None}
   arrays, out_dtype = promote_and_broadcast(name, tuple(named), *named.values())
@@ -216,23 +244,36 @@ def policy_loss(
   Args:
     log_probs: the policy's log-probs of the sampled tokens, ``[..., T]``.
     old_log_probs: the sampling policy's (``None``: ``stop_gradient(log_probs)``).
-    advantages: broadcastable to the tokens, or one per sequence ``[...]``.
+    advantages: one per sequence, ``[...]`` (TRL's ``[B]``) or ``[..., 1]``; one per token,
+      the tokens' ``[..., T]`` (verl's; any array of that rank that broadcasts to it); or a
+      scalar. Another rank raises (a ``[T]`` row would mean per token for ``B != T`` and per
+      sequence for ``B == T``).
     surrogate: ``"ppo"``, ``"gspo"``, ``"gspo-token"``, ``"gmpo"``, ``"cispo"``,
       ``"cispo-cap"``, ``"sapo"``, ``"gpg"``, ``"dppo-tv"`` or ``"dppo-kl"``.
     clip_low, clip_high, dual_clip, ratio_cap, sapo_temperatures: the bounds
-      :math:`\epsilon_l, \epsilon_h` (``clip_high`` defaults to ``clip_low``),
-      verl's dual-clip ``c > 1``, a cap on :math:`r`, SAPO's :math:`(\tau_+, \tau_-)`.
+      :math:`\epsilon_l, \epsilon_h \ge 0` (``clip_high`` defaults to ``clip_low``),
+      verl's dual-clip ``c > 1``, a cap on :math:`r` (``> 0``), SAPO's
+      :math:`(\tau_+, \tau_-)` (both ``> 0``).
     aggregation: ``"token-mean"``, ``"token-sum"``, ``"seq-mean-token-mean"``,
       ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``, ``"bnpo"``
       (``None``: verl's choice for the surrogate).
+
+      .. warning::
+         ``aggregation=None`` is ``"token-mean"`` for ``"ppo"``: TRL's ``"bnpo"`` (and
+         ``"dapo"`` with the global token count as ``normalizer``), **not TRL's**
+         ``"grpo"``, which is ``aggregation="seq-mean-token-mean", normalizer=rows``
+         (every ``loss_type``: :doc:`/cheat-sheet`).
     where: a boolean token mask, broadcastable to the tokens.
     segment_ids: ``[..., T]`` ids of packed sequences (0: padding).
     normalizer: the aggregation's denominator (``None``: this call's).
     ref_log_probs, beta, kl_estimator, kl_clip: the KL penalty
-      ``beta * kl_estimate(log_probs, ref_log_probs, estimator=, clip=)``.
+      ``beta * kl_estimate(log_probs, ref_log_probs, estimator=, clip=)``; ``beta`` is the KL
+      coefficient (TRL's and verl's ``beta``/``kl_coef``), finite and ``>= 0`` (not JSD's
+      ``beta`` in [0, 1]); ``kl_clip`` a bound ``c`` or a pair ``(low, high)``, ``low <= high``.
     kl_importance_weighted: multiply the KL by :math:`r`.
     kl_in_loss: ``False``: report the KL, leave it out of the loss.
-    entropy, entropy_coef: per-token entropy and its coefficient.
+    entropy, entropy_coef: per-token entropy and its coefficient (any real: ``> 0`` a bonus).
+      Without ``entropy`` the metric ``entropy`` is NaN (nothing measured).
     rollout_log_probs, rollout_correction, rollout_bounds: the weights
       :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`.
 
@@ -289,7 +330,14 @@ def policy_loss(
     rollout_weights=rollout,
   )  # fmt: skip
   loss = nan_unless(jnp.sum(loss_terms), *valid).astype(out_dtype)
-  return loss, reduce_metrics(metric_terms, weights)
+  return loss, _no_entropy(reduce_metrics(metric_terms, weights), entropy is None)
+
+
+def _no_entropy(metrics: PolicyMetrics, missing: bool) -> PolicyMetrics:
+  """``metrics`` with a NaN entropy where none was measured (not a 0 that looks measured)."""
+  if not missing:
+    return metrics
+  return metrics._replace(entropy=jnp.full_like(metrics.entropy, jnp.nan))
 
 
 # Options' scalar fields, passed per token to the fused engine (its per-token function is static).
@@ -370,7 +418,8 @@ def fused_policy_loss(
 
   Args:
     hidden, weight: hidden states ``[..., T, H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
-    token_ids: the sampled tokens ``[..., T]``.
+    token_ids: the sampled tokens ``[..., T]``, aligned with ``hidden`` (``token_ids[t]``
+      predicted from ``hidden[t]``: for a causal LM, shifted, :func:`shift_labels`).
     temperature, softcap, ignore_index, axis_name, chunk_size: as in
       :func:`fused_token_log_probs`; the other options as in :func:`policy_loss`.
 

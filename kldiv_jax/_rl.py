@@ -1,5 +1,7 @@
 """Per-token KL estimators and sampled tokens' log-probabilities for RL (PPO, GRPO)."""
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -164,7 +166,10 @@ def token_log_probs(
 
   Args:
     logits: ``[..., vocab]``.
-    token_ids: integer ids ``[...]`` (the logits' shape without the class axis).
+    token_ids: integer ids ``[...]`` (the logits' shape without the class axis), aligned with
+      the logits: for a causal LM's log-probabilities of its own tokens, shifted
+      (``token_ids[t]`` is the token after position ``t``: :func:`shift_labels`, or
+      ``logits[:, :-1]`` with ``tokens[:, 1:]``).
     temperature: the softmax temperature ``T`` (Python number or traced).
     softcap: the logit soft-cap (``None``: none).
     where: a per-token mask ``[...]``: masked tokens give 0 and zero gradients.

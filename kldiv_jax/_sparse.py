@@ -36,6 +36,7 @@ duplicates) is plain JAX.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -286,6 +287,23 @@ def tail_log(x: jax.Array, k: int) -> jax.Array:
   return jnp.where(x >= top, -jnp.inf, out)
 
 
+def floored_tail(log_probs: jax.Array, floor: float) -> jax.Array:
+  """``[rows, k + 1]`` log-probabilities whose last class (the tail) holds at least
+  ``-expm1(-floor)`` (about ``floor``) of the mass, the top-k's unchanged.
+
+  TRL's ``add_tail_bucket`` (``trl/experimental/sdpo/loss_utils.py``), which clamps the
+  top-k's log-mass at ``-1e-7`` before ``log(-expm1(.))``: its tail is ``max(1 - sum_j p_j,
+  -expm1(-floor))``, as here, applied to both sides. A tail that the top-k's rounding
+  empties (a peaked teacher, a top-k covering the vocabulary) then keeps a little mass on
+  both sides, so a divergence charging one side for mass the other lacks (reverse KL, JSD's
+  mixture) stays finite. A select, not a ``maximum``: an empty tail's tangent is not read.
+  """
+  low = math.log(-math.expm1(-floor))
+  last = log_probs[:, -1:]
+  last = jnp.where(last > low, last, jnp.asarray(low, log_probs.dtype))
+  return jnp.concatenate([log_probs[:, :-1], last], axis=-1)
+
+
 def _logsumexp(x: jax.Array) -> jax.Array:
   """``log sum exp`` of ``[rows, k]`` with a ``stop_gradient`` max; ``-inf`` for an all
   ``-inf`` row."""
@@ -414,6 +432,7 @@ def topk_rows(
   tail: bool,
   cap: float | None = None,
   axis_name: str | None = None,
+  floor: float = 0.0,
 ) -> jax.Array:
   """The divergence per row between a top-k teacher and the student's softmax (``[rows]``).
 
@@ -423,10 +442,13 @@ def topk_rows(
   ``keep`` the slots with mass (distinct ids: :func:`first_occurrences`);
   ``dropped`` slots whose ids only the teacher has; ``divergence`` a
   :class:`kldiv_jax._divergence_spec.Divergence`. A row without a slot with
-  mass gives 0 with zero gradients.
+  mass gives 0 with zero gradients. ``floor`` (with ``tail``, a static float ``>= 0``): each
+  side's tail mass is at least ``-expm1(-floor)`` (:func:`floored_tail`).
   """
   log_p = teacher_log_probs(lp, keep, dropped, temperature, tail)
   log_q = student_log_probs(z, ids, keep, temperature, cap, axis_name)
+  if tail and floor > 0:
+    log_p, log_q = floored_tail(log_p, floor), floored_tail(log_q, floor)
   # A row without a slot with mass (a masked token, all padding) has no teacher: 0, with
   # zero gradients (two identical rows, all the mass in the tail).
   has = jnp.any(keep | dropped, axis=-1, keepdims=True)

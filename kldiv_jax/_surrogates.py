@@ -32,6 +32,8 @@ masked tokens' inputs must already be finite (select them to 0: a ``-inf``
 padding log-prob times a weight of 0 is NaN).
 """
 
+from __future__ import annotations
+
 from typing import Any, NamedTuple
 
 import jax
@@ -99,12 +101,15 @@ class Weights(NamedTuple):
 class PolicyMetrics(NamedTuple):
   """What :func:`kldiv_jax.policy_loss` reports beside the loss (scalars, no gradient).
 
-  Means are over the counted tokens of the call (not the ``normalizer``).
+  Means are over the counted tokens of the call (not the ``normalizer``). ``entropy`` is NaN
+  where no entropy was measured (:func:`kldiv_jax.policy_loss` without ``entropy=``), so
+  that a logged value is never a 0 that looks measured; :func:`kldiv_jax.fused_policy_loss`
+  always measures it.
   """
 
   pg_loss: jax.Array  # the surrogate's part of the loss (aggregated, before beta*KL/entropy)
   kl: jax.Array  # mean KL estimate to the reference (0 without ref_log_probs)
-  entropy: jax.Array  # mean entropy (0 without entropy)
+  entropy: jax.Array  # mean entropy (NaN where none was measured)
   approx_kl: jax.Array  # mean of log pi_old - log pi (verl's ppo_kl)
   clip_low: jax.Array  # fraction clipped at the lower bound with A < 0
   clip_high: jax.Array  # fraction clipped at the upper bound with A > 0 (CISPO: capped)

@@ -10,6 +10,8 @@ recomputes the softmax in its tangent, so reverse mode saves no
 (:mod:`kldiv_jax._sparse`); this module validates and lays out.
 """
 
+from __future__ import annotations
+
 import functools
 import math
 from typing import NamedTuple
@@ -24,6 +26,7 @@ from kldiv_jax._checks import (
   check_temperature,
   compute_dtype,
   mask_array,
+  real_scalar,
 )
 from kldiv_jax._divergence_spec import Divergence, as_divergence
 from kldiv_jax._id_checks import check_ids, ids_in_range, index_array, teacher_classes
@@ -33,6 +36,22 @@ from kldiv_jax._sparse import first_occurrences, topk_rows
 from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING, check_axis_name, global_classes
 
 TAILS = ("renormalize", "bucket")
+# The least tail mass of either side with tail="bucket": TRL's (add_tail_bucket clamps the
+# top-k's log-mass at -1e-7, trl/experimental/sdpo/loss_utils.py).
+TAIL_FLOOR = 1e-7
+
+
+def check_tail_floor(name: str, value: object) -> float:
+  """``tail_floor``: a static real number in ``[0, 1)`` (a numerical guard, fixed at trace
+  time like ``softcap``)."""
+  floor, static = real_scalar(name, "tail_floor", value)
+  if not static:
+    raise TypeError(
+      f"{name}: tail_floor must be a Python number (a static constant); got a traced array."
+    )
+  if not 0.0 <= floor < 1.0:
+    raise ValueError(f"{name}: tail_floor must be a number in [0, 1); got {value!r}.")
+  return float(floor)
 
 
 def _split_mask(name, where, batch_shape, slot_shape):
@@ -68,6 +87,7 @@ class TopkArgs(NamedTuple):
   indices: jax.Array  # integer ``[..., k]``
   log_probs: jax.Array  # ``[..., k]``, as given
   bucket: bool  # tail="bucket"
+  floor: float  # the least tail mass with the bucket (0.0: none; renormalised: 0.0)
   teacher_vocab: int  # the teacher's (global) vocabulary size
   example: jax.Array | None  # ``where`` as a mask of the tokens ``token_shape``, or None
   slot: jax.Array | None  # ``where`` as a mask of the slots ``token_shape + (k,)``, or None
@@ -75,17 +95,19 @@ class TopkArgs(NamedTuple):
 
 def check_topk_teacher(
   name, indices, log_probs, tail, where, token_shape, shape_text, vocab, teacher_vocab_size,
-  axis_name,
+  axis_name, tail_floor=TAIL_FLOOR,
 ) -> TopkArgs:  # fmt: skip
   """The one parse of a top-k teacher, for :func:`divergence_from_topk` (logits) and
   :func:`kldiv_jax.fused_topk_distillation_loss` (hidden states), errors naming ``name``.
 
   ``indices`` an integer array ``token_shape + (k,)`` (``shape_text`` names that shape) with
   ``k >= 1``, ``log_probs`` the same shape (its float dtype is the caller's to check, with the
-  student's); ``tail`` one of :data:`TAILS`; ``teacher_vocab_size`` by the vocabulary rule
+  student's); ``tail`` one of :data:`TAILS`, ``tail_floor`` by :func:`check_tail_floor`;
+  ``teacher_vocab_size`` by the vocabulary rule
   (:func:`kldiv_jax._id_checks.teacher_classes`, ``vocab`` the student's global size); ``where``
   a mask of the tokens or of the slots; known ids with mass that ``where`` counts in range
-  (:func:`kldiv_jax._id_checks.check_ids`).
+  (:func:`kldiv_jax._id_checks.check_ids`); ``1 <= k <=`` the teacher's vocabulary, and a
+  student vocabulary of at least 1 class (trace-time errors).
   """
   idx = index_array(name, "topk_indices", indices, "token ids")
   lp = jnp.asarray(log_probs)
@@ -102,9 +124,22 @@ def check_topk_teacher(
   if idx.shape[-1] < 1:
     raise ValueError(f"{name}: the number of top-k entries must be at least 1; got k = 0.")
   check_choice(name, "tail", tail, TAILS)
+  floor = check_tail_floor(name, tail_floor)
   example, slot = _split_mask(name, where, tuple(token_shape), idx.shape)
   sharded = None if axis_name is None else VOCAB_PARALLEL_PADDING
   teacher_vocab = teacher_classes(name, teacher_vocab_size, vocab, sharded=sharded)
+  k = idx.shape[-1]
+  if vocab == 0:
+    raise ValueError(
+      f"{name}: the student's vocabulary is empty (0 classes: its class axis has size 0), so "
+      "no top-k id can be in it; expected at least 1 class."
+    )
+  if k > teacher_vocab:
+    raise ValueError(
+      f"{name}: topk_indices holds k = {k} entries per token, more than the teacher's "
+      f"{teacher_vocab} classes; expected k <= {teacher_vocab} (pass teacher_vocab_size= "
+      "when the teacher's vocabulary is longer than the student's)."
+    )
   check_ids(
     name,
     "topk_indices",
@@ -116,7 +151,8 @@ def check_topk_teacher(
     log_probs=lp,
     fix=TOPK_PADDING,
   )
-  return TopkArgs(idx, lp, tail == "bucket", teacher_vocab, example, slot)
+  bucket = tail == "bucket"
+  return TopkArgs(idx, lp, bucket, floor if bucket else 0.0, teacher_vocab, example, slot)
 
 
 class TopK(NamedTuple):
@@ -162,6 +198,7 @@ def topk_per_example(
   softcap: float | None,
   teacher_vocab_size: int | None,
   axis_name: str | None,
+  tail_floor: float = TAIL_FLOOR,
 ) -> jax.Array:
   """The body of the top-k losses: validate, lay out as rows, run the top-k path, reduce."""
   out_dtype = check_float(name, ("logits", "topk_log_probs"), logits, topk_log_probs)
@@ -175,7 +212,7 @@ def topk_per_example(
   vocab = global_classes(z.shape[-1], axis_name)
   teacher = check_topk_teacher(
     name, topk_indices, topk_log_probs, tail, where, z.shape[:-1], "logits.shape[:-1]", vocab,
-    teacher_vocab_size, axis_name,
+    teacher_vocab_size, axis_name, tail_floor,
   )  # fmt: skip
   idx, lp, teacher_vocab = teacher.indices, teacher.log_probs, teacher.teacher_vocab
   example, slot = teacher.example, teacher.slot
@@ -196,6 +233,7 @@ def topk_per_example(
     vocab=vocab,
     teacher_vocab=teacher_vocab,
     tail_bucket=teacher.bucket,
+    floor=teacher.floor,
     cap=cap,
     axis_name=axis_name,
     out_dtype=jnp.dtype(out_dtype),
@@ -205,7 +243,15 @@ def topk_per_example(
 
 @functools.partial(
   jax.jit,
-  static_argnames=("vocab", "teacher_vocab", "tail_bucket", "cap", "axis_name", "out_dtype"),
+  static_argnames=(
+    "vocab",
+    "teacher_vocab",
+    "tail_bucket",
+    "floor",
+    "cap",
+    "axis_name",
+    "out_dtype",
+  ),
 )
 def _topk_kernel(
   spec,
@@ -219,6 +265,7 @@ def _topk_kernel(
   vocab,
   teacher_vocab,
   tail_bucket,
+  floor,
   cap,
   axis_name,
   out_dtype,
@@ -242,8 +289,9 @@ def _topk_kernel(
     slot = ex if slot is None else slot & ex
   teacher = topk_teacher(idx, lp, slot, min(vocab, teacher_vocab), teacher_vocab)
   per_row = topk_rows(
-    z, teacher.ids, teacher.lp, teacher.keep, teacher.dropped, t, spec, tail_bucket, cap, axis_name
-  )
+    z, teacher.ids, teacher.lp, teacher.keep, teacher.dropped, t, spec, tail_bucket, cap,
+    axis_name, floor,
+  )  # fmt: skip
   per_row = nan_unless(per_row, ~teacher.bad)
   if example is not None:
     per_row = jnp.where(example.reshape(rows), per_row, 0.0)
@@ -258,6 +306,7 @@ def divergence_from_topk(
   divergence: str | Divergence = "forward_kl",
   temperature: float | jax.typing.ArrayLike = 1.0,
   tail: str = "renormalize",
+  tail_floor: float = TAIL_FLOOR,
   where: jax.typing.ArrayLike | None = None,
   softcap: float | None = None,
   teacher_vocab_size: int | None = None,
@@ -279,8 +328,23 @@ def divergence_from_topk(
   with ``tail="bucket"``, :math:`p_j = e^{l_j}` and
   :math:`p_{\text{tail}} = 1 - \sum_j p_j`. The result is :math:`D(p, q)` over
   those classes, for any divergence of :func:`divergence_from_logits`.
-  Renormalised, forward KL is :func:`kl_div_from_topk` and reverse KL may be ``+inf``;
-  with the bucket every divergence is finite and :math:`T` scales the student only.
+  Renormalised, forward KL is :func:`kl_div_from_topk` and reverse KL may be ``+inf``.
+  With the bucket :math:`T` scales the student only, and both tails are floored, as TRL's
+  ``add_tail_bucket`` does:
+
+  .. math::
+
+     p_{\text{tail}} \leftarrow \max\big(p_{\text{tail}}, 1 - e^{-\epsilon}\big), \qquad
+     q_{\text{tail}} \leftarrow \max\big(q_{\text{tail}}, 1 - e^{-\epsilon}\big),
+
+  :math:`\epsilon` = ``tail_floor`` (``1e-7``, TRL's; the top-k's masses unchanged, so a
+  floored side sums to at most :math:`1 + \epsilon`). Where the top-k holds all of the
+  teacher's mass to rounding (a peaked teacher, a top-k covering the vocabulary, masses
+  summing to 1 or more) the teacher's tail would otherwise be empty, and every divergence
+  that charges the student's tail for mass the teacher lacks (reverse KL, symmetric KL, JSD at
+  ``beta=1``) ``+inf``; with the floor every divergence is finite for finite logits.
+  ``tail_floor=0`` keeps the exact tails (an empty one where the top-k's rounding leaves
+  less than ``4 k`` ulps).
   Which tail: :doc:`/large-vocabularies`; padding, repeated ids, ids out of
   range: :doc:`/conventions`; the shared arguments and the derivatives:
   :ref:`shared-arguments`, :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
@@ -291,6 +355,9 @@ def divergence_from_topk(
     divergence: a name or a :class:`Divergence`, as in :func:`divergence_from_logits`.
     temperature: the softmax temperature ``T`` (Python number or traced); no ``T**2``.
     tail: ``"renormalize"`` or ``"bucket"``.
+    tail_floor: with ``tail="bucket"``, the least tail mass of either side (about
+      ``tail_floor``: :math:`1 - e^{-\epsilon}`), a Python number in ``[0, 1)``; ``0``: none.
+      Unused when renormalised.
     where: a per-example ``[...]`` or a per-slot ``[..., k]`` mask.
     softcap, teacher_vocab_size: the student's logit soft-cap; the teacher's vocabulary size.
     axis_name: the mesh axis the student's vocabulary is split over.
@@ -300,7 +367,8 @@ def divergence_from_topk(
 
   Raises:
     TypeError: non-floating logits or log-probabilities, non-integer ids, a non-bool ``where``.
-    ValueError: mismatched shapes, an invalid static option, an id out of range (values known).
+    ValueError: mismatched shapes, an invalid static option, an id out of range (values known),
+      more top-k entries than the teacher has classes, an empty vocabulary.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -315,7 +383,7 @@ def divergence_from_topk(
   name = "divergence_from_topk"
   spec = as_divergence(name, divergence)
   teacher = (topk_indices, topk_log_probs)
-  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name)
+  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name, tail_floor)
   return topk_per_example(name, spec, logits, *teacher, *options)
 
 
@@ -327,6 +395,7 @@ def kl_div_from_topk(
   temperature: float | jax.typing.ArrayLike = 1.0,
   where: jax.typing.ArrayLike | None = None,
   tail: str = "renormalize",
+  tail_floor: float = TAIL_FLOOR,
   softcap: float | None = None,
   teacher_vocab_size: int | None = None,
   axis_name: str | None = None,
@@ -348,7 +417,7 @@ def kl_div_from_topk(
   Args:
     logits: student logits ``[..., vocab]``.
     topk_indices, topk_log_probs: the teacher's integer ids and log-probabilities ``[..., k]``.
-    temperature, where, tail, softcap, teacher_vocab_size, axis_name: as in
+    temperature, where, tail, tail_floor, softcap, teacher_vocab_size, axis_name: as in
       :func:`divergence_from_topk`.
 
   Returns:
@@ -365,5 +434,5 @@ def kl_div_from_topk(
   name = "kl_div_from_topk"
   spec = Divergence("forward_kl")
   teacher = (topk_indices, topk_log_probs)
-  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name)
+  options = (temperature, where, tail, softcap, teacher_vocab_size, axis_name, tail_floor)
   return topk_per_example(name, spec, logits, *teacher, *options)

@@ -7,6 +7,8 @@ and type promotion, and torch's warnings. Differs from torch only where torch
 is not finite at zero-mass targets (see :func:`kl_div_pointwise`).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import warnings
 

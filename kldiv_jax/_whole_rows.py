@@ -40,7 +40,7 @@ from kldiv_jax._class_sums import (
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._numerics import is_static, max_shift
 from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts, rescale
-from kldiv_jax._platform import gpu_or_other
+from kldiv_jax._platform import gpu_kernels_setting, gpu_or_other
 from kldiv_jax._rows import scaled
 
 # Lanes of a TPU vector register: the kernel's output block is [rows, LANES].
@@ -61,7 +61,9 @@ X64_KERNEL_JAX = (0, 10)
 Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | None], int]
 
 
-def row_sums(formula, params, needs: Needs, caps, z, y, temperature, masks) -> tuple:
+def row_sums(
+  formula, params, needs: Needs, caps, z, y, temperature, masks, implementation="pallas"
+) -> tuple:
   """``(mu, su, mv, sv, gap, *sums)``, ``[rows, 1]`` each, of scaled logits ``z``, ``y``.
 
   Each side's row max (:func:`~kldiv_jax._numerics.max_shift`-ed) and sum of
@@ -69,28 +71,32 @@ def row_sums(formula, params, needs: Needs, caps, z, y, temperature, masks) -> t
   rows), and the class sums :func:`~kldiv_jax._class_sums.class_sums` gives for
   ``needs``, of ``soft_cap(z) / temperature`` and ``soft_cap(y) / temperature`` with
   ``masks``. ``params`` as :func:`~kldiv_jax._class_sums.formula_params` gives them. On one
-  device (the engine's off-CPU path); inside ``jax.shard_map`` always the XLA passes.
+  device (the engine's off-CPU path); inside ``jax.shard_map`` always the XLA passes, and
+  with ``implementation="xla"`` (:mod:`kldiv_jax._implementation`) on TPU too.
   """
   static = tuple(float(p) if is_static(p) else None for p in params)
   traced = tuple(p for p in params if not is_static(p))
   spec: Spec = (formula.name, static, needs, tuple(caps), len(masks))
-  if jax.sharding.get_abstract_mesh().manual_axes:
-    # Inside jax.shard_map: the XLA passes, whose results carry the mesh axes their
-    # operands vary over (a primitive's abstract values would have to say so themselves).
+  if implementation == "xla" or jax.sharding.get_abstract_mesh().manual_axes:
+    # "xla": the XLA passes themselves, not even the primitive. Inside jax.shard_map: the
+    # XLA passes, whose results carry the mesh axes their operands vary over (a primitive's
+    # abstract values would have to say so themselves).
     return xla_row_sums(spec, z, y, temperature, *traced, *masks)
-  return _row_sums(spec, z, y, temperature, *traced, *masks)
+  # The opt-in GPU kernels (kldiv_jax._gpu_rows), decided at trace time: a parameter of the
+  # primitive (False, True or a layout) that only its CUDA lowering reads.
+  return _row_sums(spec, gpu_kernels_setting(), z, y, temperature, *traced, *masks)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _row_sums(spec: Spec, *args):
-  return tuple(ROW_SUMS.bind(*args, spec=spec))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _row_sums(spec: Spec, gpu, *args):
+  return tuple(ROW_SUMS.bind(*args, spec=spec, gpu=gpu))
 
 
 @_row_sums.defjvp
-def _row_sums_jvp(spec, primals, tangents):
+def _row_sums_jvp(spec, gpu, primals, tangents):
   # The derivatives of the XLA passes (the maxes are constants there).
   _, out_tangents = jax.jvp(functools.partial(xla_row_sums, spec), primals, tangents)
-  return _row_sums(spec, *primals), out_tangents
+  return _row_sums(spec, gpu, *primals), out_tangents
 
 
 def _split(spec: Spec, args):
@@ -302,12 +308,12 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
   return tuple(out[:, i : i + 1] for i in range(5 + spec[2].num_sums()))
 
 
-def _abstract(*avals, spec: Spec):
+def _abstract(*avals, spec: Spec, gpu=False):
   rows, dtype = avals[0].shape[0], avals[2].dtype
   return [ShapedArray((rows, 1), dtype) for _ in range(5 + spec[2].num_sums())]
 
 
-def tpu_lowering(ctx, *args, spec: Spec, interpret: bool = False):
+def tpu_lowering(ctx, *args, spec: Spec, gpu=False, interpret: bool = False):
   """The TPU lowering of :data:`ROW_SUMS`: the Pallas kernel where it takes the operands,
   else the XLA passes. ``interpret``: the kernel in Pallas' interpreter (tests)."""
   z, y, temperature = ctx.avals_in[:3]
@@ -319,7 +325,7 @@ def tpu_lowering(ctx, *args, spec: Spec, interpret: bool = False):
   return mlir.lower_fun(lambda *a: fn(spec, *a), multiple_results=True)(ctx, *args)
 
 
-def _batched(args, dims, *, spec: Spec):
+def _batched(args, dims, *, spec: Spec, gpu=False):
   """Under ``vmap``: whole rows stacked into one call when only the logits are batched;
   otherwise the XLA passes mapped."""
   z, y, *rest = args
@@ -333,16 +339,19 @@ def _batched(args, dims, *, spec: Spec):
     x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
     return x.reshape(-1, x.shape[-1])
 
-  out = ROW_SUMS.bind(stacked(z, dims[0]), stacked(y, dims[1]), *rest, spec=spec)
+  out = ROW_SUMS.bind(stacked(z, dims[0]), stacked(y, dims[1]), *rest, spec=spec, gpu=gpu)
   return [o.reshape(size, -1, 1) for o in out], [0] * len(out)
 
 
 ROW_SUMS = Primitive("kldiv_jax_row_sums")
 ROW_SUMS.multiple_results = True
-ROW_SUMS.def_impl(lambda *args, spec: xla_row_sums(spec, *args))
+ROW_SUMS.def_impl(lambda *args, spec, gpu=False: xla_row_sums(spec, *args))
 ROW_SUMS.def_abstract_eval(_abstract)
-# Every platform but TPU: the XLA passes.
-XLA_LOWERING = mlir.lower_fun(lambda *a, spec: xla_row_sums(spec, *a), multiple_results=True)
+# Every platform but TPU: the XLA passes (CUDA: kldiv_jax._gpu_rows registers the opt-in
+# Triton kernels, ``gpu=True``).
+XLA_LOWERING = mlir.lower_fun(
+  lambda *a, spec, gpu=False: xla_row_sums(spec, *a), multiple_results=True
+)
 mlir.register_lowering(ROW_SUMS, XLA_LOWERING)
 mlir.register_lowering(ROW_SUMS, tpu_lowering, platform="tpu")
 batching.primitive_batchers[ROW_SUMS] = _batched

@@ -93,7 +93,8 @@ class PublicCall:
   def optional(self) -> tuple[str, ...]:
     """The arguments that take ``None`` (a ``None`` default, or ``None`` in the annotation:
     ``policy_loss``'s ``old_log_probs``)."""
-    params = inspect.signature(self.fn).parameters
+    # eval_str: the annotations are strings (postponed); ``Axis`` is ``int | ... | None``.
+    params = inspect.signature(self.fn, eval_str=True).parameters
     return tuple(k for k, p in params.items() if p.default is None or "None" in str(p.annotation))
 
 
@@ -295,8 +296,12 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
   )
 }
 
-# The public callables that are not a call of arrays: classes of results and specs.
-NOT_CALLS = frozenset({"DistillationParts", "Divergence", "DivergenceMetric", "PolicyMetrics"})
+# The public callables that are not a loss of float arrays: classes of results and specs, the
+# process-wide setting, the label shift (integer ids in, no derivative: tests/test_distill.py).
+NOT_CALLS = frozenset(
+  {"DistillationParts", "Divergence", "DivergenceMetric", "PolicyMetrics"}
+  | {"set_implementation", "shift_labels"}
+)
 
 
 def missing_calls() -> set[str]:

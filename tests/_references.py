@@ -368,14 +368,16 @@ def np_logits_value_and_grads(z, y, weights, temperature=1.0, *, direction="forw
   return REFERENCES[name](z, y, temperature, **params), w * gz, w * gy
 
 
-def np_topk_log_probs(z, ids, lp, temperature=1.0, tail="renormalize"):
+def np_topk_log_probs(z, ids, lp, temperature=1.0, tail="renormalize", floor=0.0):
   """float64 ``(log_q, log_p)`` ``[rows, k + 1]`` of a top-k teacher (distinct ids ``[rows,
   k]``, log-probabilities ``lp``, all with mass) and a student's logits ``z``: the ``k``
   classes and the tail, both tails from log-sum-exps (the student's over the logits outside
   the top-k, the teacher's as ``log1p(-sum p)``), never from ``1 - sum q`` in the working
   precision; ``-inf`` for an empty tail. ``tail="bucket"``: the teacher as stored and the
   temperature on the student only; ``"renormalize"``: the teacher's softmax of ``lp / T``
-  over the top-k and no tail."""
+  over the top-k and no tail. ``floor`` (bucket): both tails as TRL's ``add_tail_bucket``
+  (``trl/experimental/sdpo/loss_utils.py``) computes them, the top-k's log-mass clamped at
+  ``-floor`` before ``log(-expm1(.))``."""
   z = np.asarray(z, np.float64) / temperature
   ids, lp = np.asarray(ids), np.asarray(lp, np.float64)
   lse = np.logaddexp.reduce(z, axis=-1, keepdims=True)
@@ -384,7 +386,14 @@ def np_topk_log_probs(z, ids, lp, temperature=1.0, tail="renormalize"):
   with np.errstate(divide="ignore"):
     tail_lse = np.logaddexp.reduce(np.where(outside, z, -np.inf), axis=-1, keepdims=True)
     log_q = np.concatenate([np.take_along_axis(z, ids, -1), tail_lse], -1) - lse
-    if tail == "bucket":
+    if tail == "bucket" and floor > 0:  # TRL's add_tail_bucket on both sides
+
+      def add_tail_bucket(log_probs):
+        log_s = np.minimum(np.logaddexp.reduce(log_probs, axis=-1, keepdims=True), -floor)
+        return np.concatenate([log_probs, np.log(-np.expm1(log_s))], -1)
+
+      log_q, log_p = add_tail_bucket(log_q[:, :-1]), add_tail_bucket(lp)
+    elif tail == "bucket":
       p_tail = -np.expm1(np.logaddexp.reduce(lp, axis=-1, keepdims=True))
       log_p = np.concatenate([lp, np.log(p_tail)], -1)
     else:
@@ -394,11 +403,11 @@ def np_topk_log_probs(z, ids, lp, temperature=1.0, tail="renormalize"):
   return log_q, log_p
 
 
-def np_topk_divergence(name, params, z, ids, lp, temperature=1.0, tail="renormalize"):
+def np_topk_divergence(name, params, z, ids, lp, temperature=1.0, tail="renormalize", floor=0.0):
   """float64 per-row divergence of :func:`np_topk_log_probs`' classes from the authors'
   formula (:data:`REFERENCES`); ``+inf`` where the student has mass the teacher lacks and the
   divergence charges it (a class without mass enters as a log-probability of ``-1e300``)."""
-  log_q, log_p = np_topk_log_probs(z, ids, lp, temperature, tail)
+  log_q, log_p = np_topk_log_probs(z, ids, lp, temperature, tail, floor)
   out = REFERENCES[name](np.maximum(log_q, -1e300), np.maximum(log_p, -1e300), 1.0, **params)
   return np.where(np.abs(out) > 1e200, np.inf, out)
 

@@ -315,3 +315,35 @@ def test_trl_generalized_jsd_loss_recipes(x64, source):
   np.testing.assert_allclose(accumulated, trl(y, num_items_in_batch=7.0), rtol=1e-12)
   default = distillation_loss(s, t, y, alpha=1.0, **gkd)
   np.testing.assert_allclose(default, ns["T"] ** 2 * want["batchmean"], rtol=1e-12)
+
+
+def _hf_shift(labels, ignore_index=-100):
+  """Hugging Face's ForCausalLMLoss shift (transformers/loss/loss_utils.py) in NumPy:
+  ``nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]``."""
+  pad = [(0, 0)] * (labels.ndim - 1) + [(0, 1)]
+  return np.pad(labels, pad, constant_values=ignore_index)[..., 1:]
+
+
+def test_shift_labels_is_hugging_faces_shift(rng):
+  """``shift_labels`` equals HF's pad-then-slice (any batch rank, under jit, another
+  ``ignore_index``); with it, ``distillation_loss`` on a causal LM's logits equals the cross
+  entropy of logits[:, :-1] against labels[:, 1:] (HF's loss)."""
+  labels = rng.integers(0, 7, size=(2, 3, 5)).astype(np.int32)
+  labels[0, 1, 2:] = -100
+  np.testing.assert_array_equal(kldiv_jax.shift_labels(labels), _hf_shift(labels))
+  got = jax.jit(functools.partial(kldiv_jax.shift_labels, ignore_index=-1))(labels[0])
+  np.testing.assert_array_equal(got, _hf_shift(labels[0], -1))
+  assert kldiv_jax.shift_labels(np.zeros((2, 0), np.int32)).shape == (2, 0)
+  z = rng.normal(size=(3, 5, 7)).astype(np.float32)
+  loss = distillation_loss(z, z, kldiv_jax.shift_labels(labels[0]), alpha=0.0)
+  log_q = z[:, :-1] - np.log(np.exp(z[:, :-1]).sum(-1, keepdims=True))
+  y = labels[0][:, 1:]
+  valid = y != -100
+  picked = np.take_along_axis(log_q, np.where(valid, y, 0)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(loss, -(picked * valid).sum() / valid.sum(), rtol=1e-5)
+  with pytest.raises(TypeError, match="shift_labels: labels must be an integer array"):
+    kldiv_jax.shift_labels(np.zeros(3))
+  with pytest.raises(ValueError, match="shift_labels: labels must have a sequence axis"):
+    kldiv_jax.shift_labels(np.int32(3))
+  with pytest.raises(ValueError, match="ignore_index=-100 does not fit the labels' dtype uint8"):
+    kldiv_jax.shift_labels(np.zeros(3, np.uint8))

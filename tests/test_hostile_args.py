@@ -313,15 +313,41 @@ def test_fused_with_zero_hidden_units_uses_the_biases():
   np.testing.assert_allclose(grads[2], 2.0 * (np.exp(log_q) - np.exp(log_p)), rtol=1e-4, atol=1e-6)
 
 
-def test_distillation_with_zero_classes_gives_nan_for_labelled_tokens():
+def test_ids_into_zero_classes_raise_a_vocabulary_error():
+  """Ids (labels, sampled tokens, top-k ids) into an empty vocabulary raise at trace time,
+  naming the vocabulary (not an id's position), under jit too; without ids the divergence of
+  two empty rows is 0."""
   empty = np.zeros((3, 0), np.float32)
-  # Every label is out of range of zero classes: NaN under jit, as documented; known, raised.
   labels = np.array([0, -100, 1])
-  assert np.isnan(jax.jit(lambda y: kj.distillation_loss(empty, empty, y))(labels))
-  with pytest.raises(ValueError, match=r"in \[0, 0\) or ignore_index=-100; got 0 at position"):
-    kj.distillation_loss(empty, empty, labels)
-  assert kj.distillation_loss(empty, empty, np.array([-100, -100, -100])) == 0.0
+  vocab = r"the vocabulary is empty \(0 classes"
+  with pytest.raises(ValueError, match=f"distillation_loss: {vocab}.*so labels"):
+    jax.jit(lambda y: kj.distillation_loss(empty, empty, y))(labels)
+  with pytest.raises(ValueError, match=f"distillation_loss: {vocab}"):
+    kj.distillation_loss(empty, empty, np.array([-100, -100, -100]))
+  with pytest.raises(ValueError, match=f"token_log_probs: {vocab}.*so token_ids"):
+    kj.token_log_probs(empty, labels)
+  with pytest.raises(ValueError, match=f"fused_policy_loss: {vocab}"):
+    kj.fused_policy_loss(np.zeros((3, 2)), np.zeros((2, 0)), labels, None, np.zeros(3))
+  student = r"the student's vocabulary is empty \(0 classes"
+  with pytest.raises(ValueError, match=f"kl_div_from_topk: {student}"):
+    kj.kl_div_from_topk(empty, np.zeros((3, 1), np.int32), np.zeros((3, 1)))
   assert kj.distillation_loss(empty, empty) == 0.0
+
+
+def test_topk_with_more_entries_than_classes_raises():
+  """``k`` above the teacher's vocabulary is a layout error (found at trace time), for the
+  top-k losses from logits and from hidden states; ``k == V`` is the full distribution."""
+  ids, lp = np.zeros((2, 5), np.int32), np.full((2, 5), -np.inf, np.float32)
+  match = r"k = 5 entries per token, more than the teacher's 3 classes; expected k <= 3"
+  with pytest.raises(ValueError, match=f"kl_div_from_topk: topk_indices holds {match}"):
+    jax.jit(lambda lp: kj.kl_div_from_topk(np.zeros((2, 3), np.float32), ids, lp))(lp)
+  with pytest.raises(ValueError, match=f"divergence_from_topk: topk_indices holds {match}"):
+    kj.divergence_from_topk(np.zeros((2, 3), np.float32), ids, lp, tail="bucket")
+  with pytest.raises(ValueError, match=f"fused_topk_distillation_loss: topk_indices holds {match}"):
+    kj.fused_topk_distillation_loss(np.zeros((2, 4)), np.zeros((4, 3)), ids, lp)
+  # With a longer teacher vocabulary the teacher's size bounds k.
+  got = kj.kl_div_from_topk(np.zeros((2, 3), np.float32), ids, lp, teacher_vocab_size=5)
+  assert got.shape == (2,)
 
 
 # 9. The caller's strict dtype promotion.

@@ -416,3 +416,45 @@ def test_hessian_symmetric_at_zero_mass(x):
   h = jax.hessian(f, argnums=(0, 1))(jnp.array([x]), jnp.array([0.0]))
   got = np.array([[float(h[i][j][0, 0]) for j in range(2)] for i in range(2)])
   np.testing.assert_array_equal(got, [[0.0, -1.0], [-1.0, 0.0]])
+
+
+# ---------------------------------------------------------------------------
+# XLA:CPU runs an elementwise-plus-sum over a few thousand elements or more as
+# one fused (YNNPACK) kernel, whose max returns its second operand when either
+# is NaN; the small arrays above never reach it. One special element per row of
+# (rows, 1024): (x, t) with t a probability (its log with log_target).
+FUSED_CASES = [
+  (NAN, 0.0),  # NaN input at zero mass
+  (-1.0, NAN),  # NaN target
+  (NAN, 0.5),  # NaN input where the target has mass
+  (-INF, 0.0),  # masked input at zero mass: 0
+  (INF, 0.0),  # +inf is no log-probability: NaN
+  (-INF, 0.5),  # mass where the input has none: +inf
+  (-2.0, 0.0),
+  (-1.0, -0.5),  # negative probability: NaN (log_target: a valid log-probability)
+]
+
+
+@pytest.mark.parametrize("log_target", [False, True])
+def test_conventions_hold_in_the_fused_cpu_reduction(log_target, rng):
+  from kldiv_jax import kl_div, kl_divergence, kl_divergence_with_log_targets
+
+  rows, v = len(FUSED_CASES), 1024
+  x = np.array(jax.nn.log_softmax(rng.standard_normal((rows, v))), np.float32)
+  t = np.array(jax.nn.softmax(rng.standard_normal((rows, v))), np.float32)
+  if log_target:
+    t = np.log(t)
+  for i, (xi, ti) in enumerate(FUSED_CASES):
+    x[i, 7] = xi
+    with np.errstate(all="ignore"):
+      t[i, 7] = np.log(ti) if log_target and ti != -0.5 else ti
+  expected = np_pointwise(x, t, log_target).sum(axis=-1)
+  per_example = kl_divergence_with_log_targets if log_target else kl_divergence
+  rows_sum = jax.vmap(lambda a, b: kl_div(a, b, reduction="sum", log_target=log_target))
+  for got in (jax.jit(per_example)(x, t), jax.jit(rows_sum)(x, t)):
+    np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=2e-5)
+  # And in a whole-array sum: one NaN anywhere makes it NaN.
+  total = jax.jit(lambda a, b: kl_div(a, b, reduction="sum", log_target=log_target))
+  assert np.isnan(float(total(x, t)))
+  finite = [i for i, r in enumerate(expected) if np.isfinite(r)]
+  np.testing.assert_allclose(float(total(x[finite], t[finite])), expected[finite].sum(), rtol=2e-5)

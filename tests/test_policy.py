@@ -367,9 +367,49 @@ def test_jit_vmap_bf16(rng):
       "segment_ids must have the tokens' shape",
     ),
     (dict(kl_in_loss=1), TypeError, "kl_in_loss must be a bool"),
+    (dict(beta=-0.1), ValueError, "beta must be a finite number >= 0"),
+    (dict(beta=np.inf), ValueError, "beta must be a finite number >= 0"),
   ],
 )
 def test_bad_options_raise(kw, error, match):
   x = np.zeros((B, T), np.float32)
   with pytest.raises(error, match=f"policy_loss: {match}"):
     policy_loss(x, x, x, **kw)
+
+
+def test_a_negative_traced_beta_is_nan():
+  """``beta`` is a KL coefficient (>= 0), not JSD's [0, 1]: 2.0 is valid, a traced -0.1 NaN."""
+  x = jnp.zeros((B, T))
+  ref = x - 0.5
+  loss = jax.jit(lambda b: policy_loss(x, x, x, ref_log_probs=ref, beta=b)[0])
+  assert np.isfinite(loss(2.0)) and np.isnan(loss(-0.1))
+
+
+def test_advantages_shapes_have_one_meaning(rng):
+  """``[B]`` and ``[B, 1]`` are per sequence, ``[B, T]`` per token; a ``[T]`` row (per token
+  for ``B != T``, but per sequence for ``B == T``) raises, naming the shapes."""
+  logp, old, _, mask = batch(rng)
+  adv = rng.normal(size=B)
+  f = functools.partial(policy_loss, logp, old, where=mask > 0)
+  want = f(np.repeat(adv[:, None], T, 1))[0]
+  np.testing.assert_allclose(f(adv)[0], want, rtol=1e-6)
+  np.testing.assert_allclose(f(adv[:, None])[0], want, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"advantages must have shape \(4,\) .* got \(6,\)"):
+    f(rng.normal(size=T))
+  with pytest.raises(ValueError, match=r"advantages must have shape"):
+    f(rng.normal(size=(1, B, T)))
+  square = np.zeros((3, 3))  # B == T: [3] is per sequence
+  per_seq = np.array([1.0, -1.0, 2.0])
+  got = policy_loss(square - 0.1, square - 0.2, per_seq, aggregation="token-sum")[0]
+  want = policy_loss(square - 0.1, square - 0.2, np.repeat(per_seq[:, None], 3, 1),
+                     aggregation="token-sum")[0]  # fmt: skip
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_entropy_metric_is_nan_when_not_given(rng):
+  """No ``entropy``: the metric is NaN (nothing measured), not a 0 that looks measured."""
+  logp, old, adv, mask = batch(rng)
+  _, m = policy_loss(logp, old, adv, where=mask > 0)
+  assert np.isnan(m.entropy)
+  _, m = policy_loss(logp, old, adv, where=mask > 0, entropy=np.full((B, T), 0.5))
+  np.testing.assert_allclose(m.entropy, 0.5, rtol=1e-6)

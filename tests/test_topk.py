@@ -5,12 +5,20 @@ temperature ``T`` and compares it with the student's full-vocabulary softmax,
 one example at a time with explicit loops (no shared code with the library).
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import TOLERANCES, enable_x64, np_log_softmax, np_topk_divergence
+from _references import (
+  TOLERANCES,
+  enable_x64,
+  np_log_softmax,
+  np_topk_divergence,
+  np_topk_log_probs,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
@@ -19,6 +27,7 @@ from kldiv_jax import (
   Divergence,
   divergence_from_logits,
   divergence_from_topk,
+  fused_topk_distillation_loss,
   kl_div_from_logits,
   kl_div_from_topk,
 )
@@ -432,7 +441,8 @@ def test_bucket_tail_below_the_top_k_rounding_is_finite(scale):
   # The student's tail holds e^-50 (e^-20 at scale 0.4) of its mass, the teacher's 0.5.
   z = np.array([[0.0, -50.0, -60.0]]) * scale
   ids, lp = np.array([[0]]), np.log(np.array([[0.5]]))
-  fn = lambda z: divergence_from_topk(z, ids, lp, tail="bucket").sum()  # noqa: E731
+  # tail_floor=0: the exact tails (the default floors the student's at 1e-7, as TRL does).
+  fn = lambda z: divergence_from_topk(z, ids, lp, tail="bucket", tail_floor=0.0).sum()  # noqa: E731
   value, grad = jax.value_and_grad(fn)(z.astype(np.float32))
   ref = lambda z: np_topk_divergence("forward_kl", {}, z, ids, lp, 1.0, "bucket")  # noqa: E731
   np.testing.assert_allclose(value, ref(z).sum(), rtol=2e-6)  # 24.3068 at scale 1
@@ -486,7 +496,11 @@ def test_shift_invariance_and_tiny_tails(case, dtype):
     for tail in ("renormalize", "bucket"):
 
       def fn(z, tail=tail):
-        return divergence_from_topk(z, ids, lp, divergence=spec, temperature=SHIFT_T, tail=tail)
+        # tail_floor=0: the exact tails, whose precision this checks (the default floor,
+        # 1e-7, would replace the 2e-31 tail).
+        return divergence_from_topk(
+          z, ids, lp, divergence=spec, temperature=SHIFT_T, tail=tail, tail_floor=0.0
+        )
 
       out[tail] = (fn(z), jax.grad(lambda z, fn=fn: fn(z).sum())(z))
     return out
@@ -571,3 +585,54 @@ def test_accelerator_path_derivatives(accelerator_platform, rng, x64, k):
   )
   # k = 100: the gather and its scatter, second order on CPU elsewhere; first order here.
   check_grads(f, (z,), order=2 if k == 4 else 1, modes=("fwd", "rev"))
+
+
+def _floored_reference(name, z, ids, lp, floor):
+  """float64: the divergence over the top-k and the tail, both tails as TRL's
+  ``add_tail_bucket`` floors them (``np_topk_log_probs(floor=)``), summed term by term over
+  the k + 1 classes (nothing renormalised, as TRL)."""
+  log_q, log_p = np_topk_log_probs(z, ids, lp, 1.0, "bucket", floor)
+  p, q = np.exp(log_p), np.exp(log_q)
+  m = 0.5 * (p + q)
+  terms = {
+    "forward_kl": p * (log_p - log_q),
+    "reverse_kl": q * (log_q - log_p),
+    "jsd": 0.5 * p * (log_p - np.log(m)) + 0.5 * q * (log_q - np.log(m)),
+    "tvd": 0.5 * np.abs(p - q),
+  }
+  return terms[name].sum(-1)
+
+
+@pytest.mark.parametrize("name", ["reverse_kl", "jsd", "tvd", "forward_kl"])
+def test_bucket_tail_floor_keeps_every_divergence_finite(name, rng):
+  """A teacher whose top-k holds all its mass to rounding (row 0: masses summing to 1 in
+  float32; row 1: one token at 1 - 1e-9) has an empty tail where the student's has mass:
+  reverse KL is +inf without a floor. With TRL's floor (1e-7, the default) every
+  divergence is finite and equals TRL's add_tail_bucket on both sides in float64, values
+  and gradients; ``tail_floor=0`` keeps the exact (empty) tail."""
+  z = rng.normal(size=(2, 8)).astype(np.float32)
+  ids = np.array([[0, 3, 5], [2, 0, 1]])
+  lp = np.log(np.array([[0.5, 0.3, 0.2], [1 - 1e-9, 1e-30, 1e-30]])).astype(np.float32)
+  fn = functools.partial(divergence_from_topk, topk_indices=ids, topk_log_probs=lp,
+                         divergence=name, tail="bucket")  # fmt: skip
+  value, grad = fn(z), jax.grad(lambda z: fn(z).sum())(z)
+  want = _floored_reference(name, z, ids, lp, 1e-7)
+  assert np.all(np.isfinite(value)) and np.all(np.isfinite(grad))
+  np.testing.assert_allclose(value, want, rtol=2e-5, atol=1e-7)
+  ref = lambda z: _floored_reference(name, z, ids, lp, 1e-7)  # noqa: E731
+  np.testing.assert_allclose(grad, _fd_grad(ref, z), rtol=2e-4, atol=1e-6)
+  if name == "reverse_kl":  # the student's tail charged for mass the teacher lacks
+    assert np.all(np.isposinf(fn(z, tail_floor=0.0)))
+  # The fused loss from hidden states (an identity head: the logits are z) floors alike.
+  fused = fused_topk_distillation_loss(z, np.eye(8, dtype=np.float32), ids, lp, divergence=name,
+                                       tail="bucket")  # fmt: skip
+  np.testing.assert_allclose(fused, value.mean(), rtol=1e-5)
+
+
+def test_tail_floor_must_be_a_static_number_in_the_unit_interval():
+  z, ids, lp = np.zeros((1, 4), np.float32), np.array([[0]]), np.zeros((1, 1), np.float32)
+  for bad in (1.0, -1e-7, np.nan):
+    with pytest.raises(ValueError, match=r"divergence_from_topk: tail_floor must be a number in"):
+      divergence_from_topk(z, ids, lp, tail="bucket", tail_floor=bad)
+  with pytest.raises(TypeError, match="kl_div_from_topk: tail_floor must be a Python number"):
+    jax.jit(lambda f: kl_div_from_topk(z, ids, lp, tail="bucket", tail_floor=f))(1e-7)

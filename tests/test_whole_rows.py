@@ -257,3 +257,64 @@ def test_exported_for_every_platform_runs_on_cpu():
   got = export.deserialize(exported.serialize()).call(z, y)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(program(z, y))):
     np.testing.assert_array_equal(g, w)
+
+
+def test_implementation_xla_keeps_the_kernel_out_per_call_and_globally(monkeypatch):
+  """``implementation="xla"`` leaves no Mosaic call in a program lowered for TPU, for every
+  public loss that can reach the kernel (the loss and its gradient); so do
+  ``set_implementation("xla")`` and ``$KLDIV_JAX_IMPLEMENTATION=xla``, read at trace time;
+  ``"pallas"`` (the default) keeps the kernel. Values: the interpreted kernel and the XLA
+  passes agree on CPU."""
+  z, y = _logits(16, 256, jnp.float32)
+  w = jnp.eye(256, dtype=jnp.float32)  # the fused loss's heads: its logits are z and y
+  labels = jnp.arange(16) % 256
+  losses = {
+    "divergence_from_logits": lambda z, y, **kw: kd.divergence_from_logits(
+      z, y, divergence="tvd", **kw
+    ),
+    "generalized_jsd": lambda z, y, **kw: kd.generalized_jsd(z, y, beta=0.3, **kw),
+    "distillation_loss": lambda z, y, **kw: kd.distillation_loss(
+      z, y, labels, divergence="jsd", **kw
+    ),
+    "fused_distillation_loss": lambda z, y, **kw: kd.fused_distillation_loss(
+      z, w, y, w, labels, divergence="jsd", **kw
+    ),
+    "metric": lambda z, y, **kw: (
+      kd.DivergenceMetric.configure(divergence="tvd").from_model_output(z, y, **kw).total
+    ),
+  }
+  for name, loss in losses.items():
+
+    def grad(z, loss=loss, **kw):
+      return jax.grad(lambda z: jnp.sum(loss(z, y, **kw)))(z)
+
+    assert "tpu_custom_call" in _tpu_text(grad, z), name
+    assert "tpu_custom_call" not in _tpu_text(functools.partial(grad, implementation="xla"), z)
+  loss = losses["divergence_from_logits"]
+
+  def fresh(**kw):  # a new function: jax.jit caches a function's trace, and the default is
+    return lambda z, y: loss(z, y, **kw)  # read when tracing
+
+  previous = kd.set_implementation("xla")
+  try:
+    assert "tpu_custom_call" not in _tpu_text(fresh(), z, y)
+    # A per-call choice wins over the default.
+    assert "tpu_custom_call" in _tpu_text(fresh(implementation="pallas"), z, y)
+  finally:
+    assert kd.set_implementation(previous) == "xla"
+  monkeypatch.setenv("KLDIV_JAX_IMPLEMENTATION", "xla")
+  assert "tpu_custom_call" not in _tpu_text(fresh(), z, y)
+  monkeypatch.setenv("KLDIV_JAX_IMPLEMENTATION", "pallas")
+  assert "tpu_custom_call" in _tpu_text(fresh(), z, y)
+  monkeypatch.setenv("KLDIV_JAX_IMPLEMENTATION", "mosaic")
+  with pytest.raises(
+    ValueError, match=r"KLDIV_JAX_IMPLEMENTATION must be one of 'xla', 'pallas'; got 'mosaic'"
+  ):
+    loss(z, y)
+  monkeypatch.delenv("KLDIV_JAX_IMPLEMENTATION")
+  with pytest.raises(ValueError, match="divergence_from_logits: implementation must be"):
+    loss(z, y, implementation="triton")
+  with tpu_kernel():
+    pallas = jax.jit(loss)(z, y)
+    xla = jax.jit(functools.partial(loss, implementation="xla"))(z, y)
+  np.testing.assert_allclose(pallas, xla, rtol=2e-5, atol=1e-6)

@@ -1,0 +1,485 @@
+"""Opt-in Pallas Triton kernels for NVIDIA GPUs: the engine's row statistics and class sums.
+
+XLA:GPU's row reductions moved the divergences' HBM floor at 7-23% of an H200's bandwidth
+(``benchmarks/README.md``). These kernels compute the same per-row statistics with Pallas'
+Triton backend, tiled over columns so that a row of 131072 classes need not fit one SM: a
+grid ``(row blocks, column splits)`` whose programs each reduce a block of rows over a
+contiguous run of column tiles and write per-split partials ``[splits, rows]``, combined
+in XLA (online softmax: the partial maxes and rescaled sums, Milakov & Gimelshein 2018).
+
+- :func:`triton_one_pass_sums`: the one-pass statistics of the KL family
+  (:func:`kldiv_jax._online_kl.online_kl_sums`: both sides' maxes and sums of exponentials
+  and the weighted log-ratio sums) and of alpha-beta at static ``alpha, beta > 0``
+  (:func:`kldiv_jax._online_ab.online_ab_sums`) from one read of the logits, as the
+  :data:`ONE_PASS_SUMS` primitive.
+- :func:`triton_row_sums`: the CUDA lowering of :data:`kldiv_jax._whole_rows.ROW_SUMS`
+  (JSD, skew KL, skew reverse KL, TVD: terms that need both normalisers first): a
+  statistics kernel, then a class-sums kernel given the combined row statistics.
+
+Both compute from the raw logits (the soft-cap, temperature and masks of rows or classes
+applied in the kernel, so no scaled copy is written), with the per-class formulas of
+:mod:`kldiv_jax._class_sums` (:func:`~kldiv_jax._rows.scaled`,
+:func:`~kldiv_jax._class_sums.normalized`, :func:`~kldiv_jax._class_sums.summands`,
+:func:`~kldiv_jax._class_sums.identical_gap`). Their derivatives (hessians) are those of
+the XLA passes. The engine's derivative rule (its elementwise pass) stays XLA's.
+
+**Opt-in** (off by default) until ``make bench-device`` measures it faster: the switch
+:data:`~kldiv_jax._platform.GPU_KERNELS` (``jax.make_user_context``, part of JAX's tracing
+and compilation cache keys), set for the process by the environment variable
+``KLDIV_JAX_GPU_KERNELS=1`` (read at import) or :func:`set_gpu_kernels`, and for a block
+of code (a call) by ``with gpu_kernels(True): ...``, also inside a traced function. It is
+read at trace time: by the engine for the KL family, by :func:`kldiv_jax._whole_rows.row_sums`
+for the others (the primitive's ``gpu`` parameter, which only its CUDA lowering reads).
+
+.. TODO(lead): wire ``gpu_kernels`` into the public ``implementation=`` switch when merging.
+"""
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from kldiv_jax._alpha_beta import ab_pass_terms
+from kldiv_jax._class_sums import identical_gap, normalized, norms, summands
+from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS
+from kldiv_jax._numerics import is_static, max_shift
+from kldiv_jax._online_ab import _combiner, _two_pass_ab_sums, online_ab_sums
+from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums, online_kl_sums
+from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
+  ENV_VAR,
+  GPU_KERNELS,
+  gpu_kernels,
+  gpu_kernels_enabled,
+  gpu_kernels_setting,
+  set_gpu_kernels,
+)
+from kldiv_jax._rows import scaled
+from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split
+
+# ---------------------------------------------------------------------------- the layout
+
+# Rows per program and classes per tile (powers of 2, as Triton's blocks must be): a tile of
+# [4, 1024] is 32 elements of each input per thread at 4 warps.
+BLOCK_ROWS = 4
+TILE = 1024
+# Programs the grid aims at (an H100 has 132 SMs): the columns are split while the row blocks
+# alone are fewer, down to splits of at least MIN_TILES tiles.
+PROGRAMS = 1024
+MIN_TILES = 4
+NUM_WARPS = 4
+NUM_STAGES = 3
+
+# (rows per program, classes per tile, tiles per split, splits)
+Layout = tuple[int, int, int, int]
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def layout(rows: int, classes: int, block_rows=None, tile=None, splits=None) -> Layout:
+  """The grid of the kernels: ``(rows per program, tile, tiles per split, splits)``."""
+  block_rows = block_rows or min(BLOCK_ROWS, _pow2(rows))
+  tile = tile or max(32, min(TILE, _pow2(classes)))
+  tiles = -(-classes // tile)
+  row_blocks = -(-rows // block_rows)
+  if splits is None:
+    splits = max(1, min(-(-PROGRAMS // row_blocks), tiles // MIN_TILES))
+  per_split = -(-tiles // splits)
+  return block_rows, tile, per_split, -(-tiles // per_split)
+
+
+def takes(z, y, temperature, masks=()) -> bool:
+  """Whether the kernels take these operands (avals): float32 computation, float32, bfloat16
+  or float16 logits ``[rows, classes]``, masks of rows ``[rows or 1, 1]`` or of classes
+  ``[1, classes]`` (masks of single elements keep the XLA passes)."""
+  floats = {jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)}
+  if jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2 or z.shape != y.shape:
+    return False
+  if {jnp.dtype(z.dtype), jnp.dtype(y.dtype)} - floats:
+    return False
+  if any(m.shape[0] != 1 and m.shape[1] != 1 for m in masks):
+    return False
+  return z.shape[0] > 0 and z.shape[1] > 0
+
+
+# ---------------------------------------------------------------------------- the kernels
+
+
+def _masks_in(masks, rows: int):
+  """The masks as kernel operands: int32 ``[rows]`` (a mask of rows, or a ``[1, 1]`` one
+  broadcast) or ``[classes]`` (a mask of classes), with their kinds (static)."""
+  kinds, arrays = [], []
+  for m in masks:
+    if m.shape[1] > 1:
+      kinds.append("classes")
+      arrays.append(m[0].astype(jnp.int32))
+    else:
+      kinds.append("rows")
+      arrays.append(jnp.broadcast_to(m[:, 0], (rows,)).astype(jnp.int32))
+  return tuple(kinds), arrays
+
+
+class _Tiles:
+  """A program's view of the logits: its block of rows, its run of column tiles."""
+
+  def __init__(self, shape, grid: Layout, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    self.pl, self.plgpu = pl, plgpu
+    self.rows, self.classes = shape
+    self.block_rows, self.tile, self.per_split, _ = grid
+    self.z_ref, self.y_ref, self.caps = z_ref, y_ref, caps
+    self.temperature = scalars_ref[0]
+    self.r0 = pl.program_id(0) * self.block_rows
+    self.first_tile = pl.program_id(1) * self.per_split
+    row_ids = self.r0 + lax.broadcasted_iota(jnp.int32, (self.block_rows, 1), 0)
+    self.row_in = row_ids < self.rows
+    self.row_keep = []
+    self.class_refs = []
+    for kind, ref in zip(kinds, mask_refs):
+      if kind == "rows":
+        m = plgpu.load(ref.at[pl.ds(self.r0, self.block_rows)], mask=self.row_in[:, 0], other=0)
+        self.row_keep.append(m.reshape(self.block_rows, 1) != 0)
+      else:
+        self.class_refs.append(ref)
+
+  def load(self, t):
+    """``(u, v)``: the scaled logits of tile ``t`` of this program's split, ``-inf`` outside
+    the logits and where a mask is off."""
+    pl, plgpu = self.pl, self.plgpu
+    c0 = (self.first_tile + t) * self.tile
+    col_in = c0 + lax.broadcasted_iota(jnp.int32, (1, self.tile), 1) < self.classes
+    inside = self.row_in & col_in
+    block = (pl.ds(self.r0, self.block_rows), pl.ds(c0, self.tile))
+    z = plgpu.load(self.z_ref.at[block], mask=inside, other=-jnp.inf)
+    y = plgpu.load(self.y_ref.at[block], mask=inside, other=-jnp.inf)
+    keep = [*self.row_keep]
+    for ref in self.class_refs:
+      m = plgpu.load(ref.at[pl.ds(c0, self.tile)], mask=col_in[0], other=0)
+      keep.append(m.reshape(1, self.tile) != 0)
+    u, _ = scaled(z, self.temperature, tuple(keep), self.caps[0])
+    v, _ = scaled(y, self.temperature, tuple(keep), self.caps[1])
+    return u, v
+
+  def loop(self, body, init):
+    return lax.fori_loop(jnp.int32(0), jnp.int32(self.per_split), body, init)
+
+
+def _row_sum(x):
+  return jnp.sum(x, axis=-1, keepdims=True)
+
+
+def _tile_softmax(u):
+  """A tile's raw row max (``-inf`` without mass) and sum of ``exp(u - max_shift(max))``,
+  with the shifted logits and exponentials."""
+  m = jnp.max(u, axis=-1, keepdims=True)
+  u0 = u - max_shift(m)
+  e = jnp.where(u != -jnp.inf, jnp.exp(u0), 0.0)
+  return m, _row_sum(e), u0, e
+
+
+# A one-pass form (static): ("kl",) for the KL family's sums (online_kl_sums'), or
+# ("ab", alpha, beta) for alpha-beta's at static alpha, beta > 0 (online_ab_sums').
+Kind = tuple
+
+
+def _one_pass_form(kind: Kind):
+  """``(per-class terms of (u0, v0, eu, ev), combiner of two partial states, the XLA pass
+  of (u, v), its two-pass form of (u, v))`` of a one-pass form: the states are ``(mu, su,
+  mv, sv, *sums)`` with raw maxes and sums relative to ``max_shift`` of them."""
+  if kind[0] == "kl":
+
+    def kl_terms(u0, v0, eu, ev):
+      return (*FORWARD_PASS.terms(u0, v0, eu, ev), *REVERSE_PASS.terms(u0, v0, eu, ev))
+
+    return kl_terms, _combine_online, online_kl_sums, _two_pass_kl_sums
+  _, alpha, beta = kind
+
+  def ab_terms(u0, v0, eu, ev):
+    return ab_pass_terms(alpha, beta, u0, v0)
+
+  return (
+    ab_terms,
+    _combiner(alpha, beta),
+    functools.partial(online_ab_sums, alpha, beta),
+    functools.partial(_two_pass_ab_sums, alpha, beta),
+  )
+
+
+def _num_sums(kind: Kind) -> int:
+  return 2 if kind[0] == "kl" else 3
+
+
+def _stats_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, kind):
+  """Partial row statistics of one program: ``(mu, su, mv, sv, gap)`` (maxes raw), or with
+  a one-pass ``kind`` ``(mu, su, mv, sv, *sums)`` (:func:`_one_pass_form`'s)."""
+  mask_refs, out_refs = refs[: len(kinds)], refs[len(kinds) :]
+  tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
+
+  def body(t, carry):
+    u, v = tiles.load(t)
+    mu, su, u0, eu = _tile_softmax(u)
+    mv, sv, v0, ev = _tile_softmax(v)
+    if kind is not None:
+      terms, combine, _, _ = _one_pass_form(kind)
+      sums = tuple(_row_sum(t) for t in terms(u0, v0, eu, ev))
+      return combine(carry, (mu, su, mv, sv, *sums))
+    (mu, su), (mv, sv) = _merge(carry[:2], (mu, su)), _merge(carry[2:4], (mv, sv))
+    return mu, su, mv, sv, carry[4] + _row_sum(identical_gap(u, v))
+
+  none = jnp.full((grid[0], 1), -jnp.inf, jnp.float32)
+  zero = jnp.zeros((grid[0], 1), jnp.float32)
+  extra = _num_sums(kind) if kind is not None else 1
+  out = tiles.loop(body, (none, zero, none, zero) + (zero,) * extra)
+  for ref, x in zip(out_refs, out):
+    ref[...] = x.reshape(grid[0])
+
+
+def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, formula_spec):
+  """Partial class sums of one program, given the combined row statistics ``(mu, inv_su,
+  log_su, mv, inv_sv, log_sv)`` (blocks ``[rows per program]``)."""
+  name, static, needs = formula_spec
+  num = len(kinds)
+  mask_refs, stat_refs, out_refs = refs[:num], refs[num : num + 6], refs[num + 6 :]
+  tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
+  traced = iter(scalars_ref[i] for i in range(1, 1 + sum(s is None for s in static)))
+  params = tuple(next(traced) if s is None else s for s in static)
+  stats = tuple(r[...].reshape(grid[0], 1) for r in stat_refs)
+
+  def body(t, sums):
+    u, v = tiles.load(t)
+    terms = summands(FORMULAS[name], params, needs, normalized(u, v, *stats), False)
+    return tuple(s + _row_sum(x) for s, x in zip(sums, terms))
+
+  zero = jnp.zeros((grid[0], 1), jnp.float32)
+  out = tiles.loop(body, (zero,) * needs.num_sums())
+  for ref, x in zip(out_refs, out):
+    ref[...] = x.reshape(grid[0])
+
+
+def _config(setting) -> tuple[int | None, int | None, int, int]:
+  """``(rows per program, tile, warps, stages)`` of the switch's value (``True``: the
+  defaults, :data:`BLOCK_ROWS` etc.; a tuple: a layout of the benchmarks' sweeps)."""
+  if isinstance(setting, tuple):
+    return setting
+  return None, None, NUM_WARPS, NUM_STAGES
+
+
+def _call(
+  kernel, num_out, z, y, scalars, masks, extra=(), grid=None, setting=True, interpret=False
+):
+  """``kernel`` over the grid ``(row blocks, splits)``: partials ``[splits, rows]`` each."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+
+  rows, classes = z.shape
+  block_rows, tile, warps, stages = _config(setting)
+  block_rows, tile, per_split, splits = grid or layout(rows, classes, block_rows, tile)
+  grid = (block_rows, tile, per_split, splits)
+  row_blocks = -(-rows // block_rows)
+  padded = row_blocks * block_rows
+  kinds, mask_arrays = _masks_in(masks, rows)
+  # The scalars (temperature, traced parameters) padded to a power of 2 (a Triton block).
+  scalars = jnp.pad(scalars, (0, _pow2(scalars.shape[0]) - scalars.shape[0]))
+  whole = pl.no_block_spec
+  per_row = pl.BlockSpec((block_rows,), lambda i, s: (i,))
+  extra = [jnp.pad(x[:, 0], (0, padded - rows)) for x in extra]
+  out = pl.pallas_call(
+    functools.partial(kernel, (rows, classes), grid, kinds),
+    grid=(row_blocks, splits),
+    in_specs=[whole, whole, whole, *(whole for _ in masks), *(per_row for _ in extra)],
+    out_specs=[pl.BlockSpec((None, block_rows), lambda i, s: (s, i)) for _ in range(num_out)],
+    out_shape=[jax.ShapeDtypeStruct((splits, padded), jnp.float32) for _ in range(num_out)],
+    compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+    interpret=interpret,
+    name="kldiv_jax_gpu_rows",
+  )(scalars, z, y, *mask_arrays, *extra)
+  return [x[:, :rows] for x in out]
+
+
+def _reduce_splits(parts, init, combine):
+  """Per-split partials ``[splits, rows]`` reduced over the splits to ``[rows, 1]``."""
+  out = lax.reduce(tuple(parts), tuple(jnp.asarray(x, jnp.float32) for x in init), combine, (0,))
+  return [x[:, None] for x in out]
+
+
+def triton_one_pass_sums(
+  kind: Kind, caps, z, y, temperature, *masks, grid=None, setting=True, interpret=False
+):
+  """A one-pass form's sums (:func:`kldiv_jax._online_kl.online_kl_sums`' or
+  :func:`kldiv_jax._online_ab.online_ab_sums`') of the scaled logits ``soft_cap(z) / T``,
+  ``soft_cap(y) / T`` (with ``masks``) in one Triton kernel: ``(mu, su, mv, sv, *sums)``,
+  ``[rows, 1]`` each. ``grid``: a :func:`layout` (tests); ``setting``: the switch's value
+  (``True`` or a layout); ``interpret``: Pallas' interpreter."""
+  scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
+  num = 4 + _num_sums(kind)
+  parts = _call(
+    functools.partial(_stats_kernel, caps=caps, kind=kind),
+    num,
+    z,
+    y,
+    scalars,
+    masks,
+    grid=grid,
+    setting=setting,
+    interpret=interpret,
+  )
+  inf = -jnp.inf
+  init = (inf, 0, inf, 0) + (0,) * (num - 4)
+  mu, su, mv, sv, *sums = _reduce_splits(parts, init, _one_pass_form(kind)[1])
+  return (max_shift(mu), su, max_shift(mv), sv, *sums)
+
+
+def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False) -> tuple:
+  """:func:`kldiv_jax._whole_rows.xla_row_sums` from two Triton kernels: the statistics and
+  identical-rows gap (one read of the logits), then the class sums (a second)."""
+  name, static, needs, caps, _ = spec
+  z, y, temperature, params, masks = _split(spec, args)
+  traced = [p for p in params if not is_static(p)]
+  scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
+  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid, setting=setting)
+  parts = run(functools.partial(_stats_kernel, caps=caps, kind=None), 5, interpret=interpret)
+
+  def combine(a, b):
+    return (*_merge(a[:2], b[:2]), *_merge(a[2:4], b[2:4]), a[4] + b[4])
+
+  inf = -jnp.inf
+  mu, su, mv, sv, gap = _reduce_splits(parts, (inf, 0, inf, 0, 0), combine)
+  mu, mv = max_shift(mu), max_shift(mv)
+  n = norms(su, sv)
+  stats = (mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv)
+  sums = run(
+    functools.partial(_sums_kernel, caps=caps, formula_spec=(name, static, needs)),
+    needs.num_sums(),
+    extra=stats,
+    interpret=interpret,
+  )
+  return (mu, su, mv, sv, gap, *(jnp.sum(s, axis=0)[:, None] for s in sums))
+
+
+# ---------------------------------------------------------------------------- ROW_SUMS on CUDA
+
+
+def _lower(fn, ctx, args):
+  """``fn`` lowered in a primitive's lowering rule, without jax's deprecation warning of the
+  Pallas Triton backend (``jax-pallas-triton``, from jax 0.11: Mosaic GPU is its successor):
+  the kernels are opt-in, and the warning would reach every caller that opted in, as an
+  error under ``-W error``. TODO(issue 37): port the kernels to Mosaic GPU."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings(
+      "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning
+    )
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def cuda_lowering(ctx, *args, spec: Spec, gpu=False, interpret: bool = False):
+  """The CUDA lowering of :data:`~kldiv_jax._whole_rows.ROW_SUMS`: the Triton kernels where
+  switched on when traced (``gpu``, from :data:`GPU_KERNELS`) and they take the operands,
+  else the XLA passes."""
+  z, y, temperature = ctx.avals_in[:3]
+  masks = ctx.avals_in[len(ctx.avals_in) - spec[4] :] if spec[4] else ()
+  if not (gpu and takes(z, y, temperature, masks)):
+    return XLA_LOWERING(ctx, *args, spec=spec)
+  fn = functools.partial(triton_row_sums, setting=gpu, interpret=interpret)
+  return _lower(lambda *a: fn(spec, *a), ctx, args)
+
+
+mlir.register_lowering(ROW_SUMS, cuda_lowering, platform="cuda")
+
+
+# ---------------------------------------------------------------------------- ONE_PASS_SUMS
+
+
+def _scaled(caps, z, y, temperature, masks):
+  u, _ = scaled(z, temperature, masks, caps[0])
+  v, _ = scaled(y, temperature, masks, caps[1])
+  return u, v
+
+
+def xla_one_pass_sums(kind: Kind, caps, z, y, temperature, *masks):
+  """:data:`ONE_PASS_SUMS` as XLA fusions (every platform but CUDA, and what the kernel does
+  not take): the scaled logits' ``online_kl_sums`` or ``online_ab_sums``."""
+  return tuple(_one_pass_form(kind)[2](*_scaled(caps, z, y, temperature, masks)))
+
+
+def one_pass_sums(kind: Kind, caps, z, y, temperature, masks) -> tuple:
+  """``(mu, su, mv, sv, *sums)`` of a one-pass form (``("kl",)``: ``gv, gu`` of
+  :func:`~kldiv_jax._online_kl.online_kl_sums`; ``("ab", alpha, beta)``: ``G, H, T`` of
+  :func:`~kldiv_jax._online_ab.online_ab_sums`) for the scaled logits of ``z`` and ``y``:
+  the Triton kernel in a program lowered for CUDA, the XLA pass elsewhere. For the engine
+  when :func:`gpu_kernels_enabled` (on one device)."""
+  kind, caps = tuple(kind), tuple(caps)
+  if jax.sharding.get_abstract_mesh().manual_axes:  # inside jax.shard_map, as row_sums
+    return xla_one_pass_sums(kind, caps, z, y, temperature, *masks)
+  return _one_pass_sums(kind, caps, gpu_kernels_setting(), z, y, temperature, *masks)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _one_pass_sums(kind, caps, setting, *args):
+  return tuple(ONE_PASS_SUMS.bind(*args, kind=kind, caps=caps, setting=setting))
+
+
+@_one_pass_sums.defjvp
+def _one_pass_sums_jvp(kind, caps, setting, primals, tangents):
+  # Second and higher derivatives only, as online_kl_sums' and online_ab_sums': the
+  # two-pass sums' (the maxes are constants there).
+  def two_pass(z, y, temperature, *masks):
+    return _one_pass_form(kind)[3](*_scaled(caps, z, y, temperature, masks))
+
+  _, out = jax.jvp(two_pass, primals, tangents)
+  return _one_pass_sums(kind, caps, setting, *primals), out
+
+
+def _abstract(z, *avals, kind, caps, setting):
+  return [ShapedArray((z.shape[0], 1), avals[1].dtype) for _ in range(4 + _num_sums(kind))]
+
+
+def one_pass_cuda_lowering(ctx, *args, kind, caps, setting, interpret: bool = False):
+  """The CUDA lowering of :data:`ONE_PASS_SUMS`: the Triton kernel where it takes the
+  operands, else the XLA pass."""
+  z, y, temperature, *masks = ctx.avals_in
+  fn = xla_one_pass_sums
+  if takes(z, y, temperature, masks):
+    fn = functools.partial(triton_one_pass_sums, setting=setting, interpret=interpret)
+  return _lower(lambda *a: fn(kind, caps, *a), ctx, args)
+
+
+def _batched(args, dims, *, kind, caps, setting):
+  """Under ``vmap``: the rows of the batch stacked into one call when only the logits are
+  batched, otherwise (masks, a batched temperature) the XLA pass mapped."""
+  z, y, temperature, *masks = args
+  num = 4 + _num_sums(kind)
+  if masks or any(d is not None for d in dims[2:]):
+    out = jax.vmap(functools.partial(xla_one_pass_sums, kind, caps), in_axes=dims)(*args)
+    return out, (0,) * num
+  size = next(x.shape[d] for x, d in zip((z, y), dims[:2]) if d is not None)
+
+  def stacked(x, d):
+    x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+    return x.reshape(-1, x.shape[-1])
+
+  out = ONE_PASS_SUMS.bind(
+    stacked(z, dims[0]), stacked(y, dims[1]), temperature, kind=kind, caps=caps, setting=setting
+  )
+  return [o.reshape(size, -1, 1) for o in out], [0] * num
+
+
+def _xla(*args, kind, caps, setting):
+  return xla_one_pass_sums(kind, caps, *args)
+
+
+ONE_PASS_SUMS = Primitive("kldiv_jax_gpu_one_pass_sums")
+ONE_PASS_SUMS.multiple_results = True
+ONE_PASS_SUMS.def_impl(_xla)
+ONE_PASS_SUMS.def_abstract_eval(_abstract)
+ONE_PASS_XLA_LOWERING = mlir.lower_fun(_xla, multiple_results=True)
+mlir.register_lowering(ONE_PASS_SUMS, ONE_PASS_XLA_LOWERING)
+mlir.register_lowering(ONE_PASS_SUMS, one_pass_cuda_lowering, platform="cuda")
+batching.primitive_batchers[ONE_PASS_SUMS] = _batched

@@ -1,0 +1,380 @@
+"""The opt-in Pallas Triton kernels of the row statistics for NVIDIA GPUs (``_gpu_rows``).
+
+Without a GPU the kernels run in Pallas' interpreter on CPU (the CUDA lowerings registered
+for CPU, every ``lax.platform_dependent`` on its CUDA branch); with one (``jax.default_backend()
+== "gpu"``, as ``.gpu-check`` runs this file) they are compiled by Triton for real and
+compared with the XLA path on the same device. Against the XLA passes they replace: the KL
+family's one-pass statistics and the class sums of JSD, skew KL, skew reverse KL and TVD,
+on rows with ``-inf``, NaN and ``+inf`` logits, identical rows, rows without mass, shapes
+that are no multiple of a block or a split, bfloat16, soft-caps, masks of rows and classes
+and traced parameters; the public losses through them (values, gradients, a hessian,
+``vmap``); the switch (off by default, on in its context, the jit caches keyed by it); and
+the program lowered for CUDA (a Triton custom call where switched on, none where off).
+"""
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _references import enable_x64, platform_branch
+from jax import export
+from jax.experimental.pallas import triton as plgpu
+from jax.interpreters import mlir
+
+import kldiv_jax as kd
+from kldiv_jax import _gpu_rows
+from kldiv_jax._class_sums import Needs
+from kldiv_jax._gpu_rows import (
+  ONE_PASS_SUMS,
+  gpu_kernels,
+  gpu_kernels_enabled,
+  layout,
+  triton_one_pass_sums,
+  triton_row_sums,
+  xla_one_pass_sums,
+)
+from kldiv_jax._whole_rows import ROW_SUMS, xla_row_sums
+
+# The switch needs jax.make_user_context (jax 0.7.2): below it the kernels stay off.
+# (jax 0.11 deprecates Pallas' Triton backend: the library lowers the kernels without the
+# warning, and the tests ignore it should it come from elsewhere.)
+pytestmark = [
+  pytest.mark.skipif(
+    not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
+  ),
+  pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+
+# (name, static params (None where traced), traced values)
+TWO_PASS = [
+  ("jsd", (0.5,), ()),
+  ("jsd", (None,), (0.3,)),
+  ("skew_kl", (0.1,), ()),
+  ("skew_reverse_kl", (None,), (0.2,)),
+  ("tvd", (), ()),
+]
+# A grid of several row blocks, splits and tiles for the small test shapes (rows and classes
+# no multiple of any of them): the last split holds fewer tiles, the last tile is partial.
+SMALL = dict(block_rows=4, tile=32, splits=3)
+
+
+def _logits(rows, classes, dtype, seed=0):
+  """Two ``[rows, classes]`` logits with hostile rows: ``-inf`` classes, a row without
+  teacher mass, identical rows, a NaN, a ``+inf``, a row without any mass, a row whose mass
+  sits in one tile of the last split, and large logits (no overflow)."""
+  rng = np.random.default_rng(seed)
+  z = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
+  y = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
+  z[0, :5] = -np.inf
+  y[1] = -np.inf
+  y[2] = z[2]
+  z[3, 7] = np.nan
+  z[4, 2] = np.inf
+  z[5] = y[5] = -np.inf
+  z[6, : classes - 3] = -np.inf
+  z[7] += 500.0
+  return jnp.asarray(z, dtype), jnp.asarray(y, dtype)
+
+
+@contextlib.contextmanager
+def gpu_kernel():
+  """Inside the block the GPU kernels are switched on; on CPU the CUDA path runs with the
+  kernels in Pallas' interpreter (and restored after)."""
+  if ON_GPU:
+    with gpu_kernels(True):
+      yield
+    return
+  with platform_branch("cuda"), gpu_kernels(True):
+    mlir.register_lowering(
+      ROW_SUMS, functools.partial(_gpu_rows.cuda_lowering, interpret=True), platform="cpu"
+    )
+    mlir.register_lowering(
+      ONE_PASS_SUMS,
+      functools.partial(_gpu_rows.one_pass_cuda_lowering, interpret=True),
+      platform="cpu",
+    )
+    try:
+      yield
+    finally:
+      from kldiv_jax._whole_rows import XLA_LOWERING
+
+      mlir.register_lowering(ROW_SUMS, XLA_LOWERING, platform="cpu")
+      mlir.register_lowering(ONE_PASS_SUMS, _gpu_rows.ONE_PASS_XLA_LOWERING, platform="cpu")
+
+
+@contextlib.contextmanager
+def xla_path():
+  """The reference: the same CUDA branch (XLA's passes) with the kernels off."""
+  if ON_GPU:
+    yield
+    return
+  with platform_branch("cuda"):
+    yield
+
+
+def _close(got, want, used, tol):
+  """Finite/infinite/NaN on the same used rows; the finite values to ``tol`` relative to
+  ``1 + |want|``."""
+  got, want = np.asarray(got, np.float64)[used], np.asarray(want, np.float64)[used]
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+  finite = np.isfinite(want)
+  err = np.abs(got[finite] - want[finite]) / (1.0 + np.abs(want[finite]))
+  assert err.max(initial=0.0) < tol, err.max()
+
+
+@pytest.mark.parametrize("kind", [("kl",), ("ab", 0.5, 0.3)], ids=["kl", "ab"])
+@pytest.mark.parametrize(
+  "rows,classes,dtype,caps,masked,grid",
+  [
+    (13, 300, jnp.float32, (None, None), False, SMALL),
+    (13, 300, jnp.float32, (None, None), False, None),  # the default layout: one split
+    (10, 200, jnp.bfloat16, (None, None), False, SMALL),
+    (9, 250, jnp.float32, (20.0, 30.0), True, dict(block_rows=2, tile=64, splits=2)),
+  ],
+)
+def test_one_pass_sums_match_the_xla_pass(kind, rows, classes, dtype, caps, masked, grid):
+  """The one-pass statistics ``(mu, su, mv, sv, *sums)`` against ``online_kl_sums`` (``gv,
+  gu``) and ``online_ab_sums`` (``G, H, T``)."""
+  z, y = _logits(rows, classes, dtype)
+  masks = ()
+  if masked:
+    masks = (jnp.arange(rows)[:, None] % 4 != 1, jnp.arange(classes)[None, :] % 5 != 0)
+  grid = grid and layout(rows, classes, **grid)
+  kernel = functools.partial(triton_one_pass_sums, kind, caps, grid=grid, interpret=INTERPRET)
+  got = np.concatenate(jax.jit(kernel)(z, y, jnp.float32(2.0), *masks), 1)
+  xla = functools.partial(xla_one_pass_sums, kind, caps)
+  want = np.concatenate(jax.jit(xla)(z, y, 2.0, *masks), 1)
+  assert got.shape == want.shape == (rows, 6 if kind == ("kl",) else 7)
+  # The maxes exactly (but on row 3: Triton's max skips a NaN, XLA's returns it; the sums
+  # are NaN either way); rows without mass: zeros; rows 3 and 4 (NaN, +inf): NaN sums.
+  rows_ = np.arange(rows) != 3
+  np.testing.assert_array_equal(got[rows_][:, [0, 2]], want[rows_][:, [0, 2]])
+  np.testing.assert_array_equal(got[5], 0.0)
+  assert np.isnan(got[[3, 4], 1]).all()
+  valid = np.isfinite(want[:, 1]) & np.isfinite(want[:, 3])
+  assert valid.sum() >= rows - 2
+  _close(got, want, valid, 1e-5)
+  if masked:  # a masked row has no mass on either side
+    np.testing.assert_array_equal(got[1::4], 0.0)
+
+
+@pytest.mark.parametrize("formula", TWO_PASS, ids=lambda f: f"{f[0]}{f[1]}")
+@pytest.mark.parametrize(
+  "rows,classes,dtype,caps,masked",
+  [
+    (13, 300, jnp.float32, (None, None), False),
+    (10, 200, jnp.bfloat16, (None, 25.0), True),
+  ],
+)
+def test_row_sums_match_the_xla_passes(formula, rows, classes, dtype, caps, masked):
+  """The statistics, identical-rows gap and class sums of the two-pass formulas against
+  ``xla_row_sums``."""
+  name, static, traced = formula
+  needs = Needs(a=True, b=True, params=tuple(s is None for s in static))
+  z, y = _logits(rows, classes, dtype)
+  masks = ()
+  if masked:
+    masks = (jnp.arange(rows)[:, None] % 4 != 1, jnp.arange(classes)[None, :] % 5 != 0)
+  spec = (name, static, needs, caps, len(masks))
+  args = (z, y, jnp.float32(2.0), *(jnp.float32(t) for t in traced), *masks)
+  grid = layout(rows, classes, **SMALL)
+  kernel = functools.partial(triton_row_sums, spec, grid=grid, interpret=INTERPRET)
+  got = np.concatenate(jax.jit(kernel)(*args), 1)
+  want = np.concatenate(jax.jit(functools.partial(xla_row_sums, spec))(*args), 1)
+  assert got.shape == want.shape == (rows, 5 + needs.num_sums())
+  np.testing.assert_array_equal(got[:, 4] == 0, want[:, 4] == 0)  # identical rows
+  assert got[5, 4] == 0 and (got[2, 4] == 0) == (caps[0] == caps[1])
+  assert np.isnan(got[[3, 4], 1]).all()
+  used = np.isfinite(want[:, 1]) & np.isfinite(want[:, 3]) & (want[:, 4] != 0)
+  assert used.sum() >= rows - 5 - 3 * masked
+  _close(got, want, used, 1e-4)
+
+
+def _loss(name, *, where=None, **params):
+  divergence = kd.Divergence(name, **params)
+  return lambda z, y: kd.divergence_from_logits(
+    z, y, divergence=divergence, temperature=2.0, where=where
+  )
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+  """The default layout with tiles of 32 classes and no minimum of tiles per split, so that
+  the small test rows take several splits."""
+  monkeypatch.setattr(_gpu_rows, "TILE", 32)
+  monkeypatch.setattr(_gpu_rows, "MIN_TILES", 1)
+
+
+@pytest.mark.parametrize(
+  "name,params",
+  [
+    ("forward_kl", {}),
+    ("reverse_kl", {}),
+    ("symmetric_kl", {}),
+    ("jsd", {"beta": 0.5}),
+    ("skew_kl", {"alpha": 0.1}),
+    ("tvd", {}),
+    ("alpha_beta", {"alpha": 0.5, "beta": 0.3}),
+  ],
+)
+def test_public_loss_through_the_kernels(name, params, small_tiles):
+  """Per-row values and gradients (student and teacher) of ``divergence_from_logits`` with
+  the kernels against the XLA path, on hostile rows and in bfloat16, with a mask of rows."""
+  z, y = _logits(11, 150, jnp.float32, seed=1)
+  where = jnp.arange(11)[:, None] != 9
+  loss = _loss(name, where=where, **params)
+  total = lambda z, y: jnp.sum(jnp.nan_to_num(loss(z, y), nan=0.0, posinf=0.0))  # noqa: E731
+  run = lambda z, y: (loss(z, y), jax.value_and_grad(total, (0, 1))(z, y))  # noqa: E731
+  with xla_path():
+    want = jax.jit(run)(z, y)
+    want16 = jax.jit(run)(z.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
+  with gpu_kernel():
+    got = jax.jit(run)(z, y)
+    got16 = jax.jit(run)(z.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
+    text = str(jax.make_jaxpr(loss)(z, y))
+  one_pass = name in ("forward_kl", "reverse_kl", "symmetric_kl", "alpha_beta")
+  assert ("kldiv_jax_gpu_one_pass_sums" in text) == one_pass
+  assert ("kldiv_jax_row_sums" in text) == (not one_pass)
+  per_row = np.asarray(got[0])
+  assert np.isnan(per_row[[3, 4]]).all() and per_row[2] == 0 and per_row[5] == 0
+  assert per_row[9] == 0  # masked by where
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+  for g, w in zip(jax.tree.leaves(got16), jax.tree.leaves(want16)):
+    np.testing.assert_allclose(
+      np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-3
+    )
+
+
+def test_hessian_and_vmap_through_the_kernels(small_tiles):
+  """A hessian (the statistics differentiated: the XLA passes' derivatives) and ``vmap``
+  (a batch of logits stacked into one call) of forward KL and JSD."""
+  rng = np.random.default_rng(2)
+  z = jnp.asarray(rng.standard_normal((3, 70)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((3, 70)), jnp.float32)
+  zb, yb = jnp.stack([z, 2 * z]), jnp.stack([y, y + 1])
+  programs = []
+  for name, params in (("forward_kl", {}), ("jsd", {"beta": 0.3})):
+    loss = _loss(name, **params)
+    programs.append(jax.jit(jax.hessian(lambda z, loss=loss: jnp.sum(loss(z, y)))))
+    programs.append(jax.jit(jax.vmap(jax.grad(lambda z, y, loss=loss: jnp.sum(loss(z, y))))))
+  with xla_path():
+    want = [programs[0](z), programs[1](zb, yb), programs[2](z), programs[3](zb, yb)]
+  with gpu_kernel():
+    got = [programs[0](z), programs[1](zb, yb), programs[2](z), programs[3](zb, yb)]
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_the_switch():
+  """Off by default; on inside ``gpu_kernels(True)``; a jitted loss traced again for each
+  (the switch is part of JAX's cache keys): the kernel's primitive only where on."""
+  assert not gpu_kernels_enabled()
+  z, y = _logits(8, 64, jnp.float32)
+  loss = jax.jit(_loss("forward_kl"))
+  seen = []
+  original = _gpu_rows.one_pass_sums
+
+  def spy(*args):
+    seen.append(gpu_kernels_enabled())
+    return original(*args)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr("kldiv_jax._engine.one_pass_sums", spy)
+    with xla_path():
+      off = loss(z, y)
+    with gpu_kernel():
+      assert gpu_kernels_enabled()
+      on = loss(z, y)
+    with xla_path():
+      off_again = loss(z, y)
+  assert seen == [True]
+  np.testing.assert_array_equal(off, off_again)
+  np.testing.assert_allclose(on, off, rtol=2e-5, atol=1e-6, equal_nan=True)
+
+
+def _cuda_text(fn, *args):
+  """The module of ``fn`` lowered for CUDA (without a GPU: Pallas' Triton lowering needs none
+  up to jax 0.10; from 0.11 it asks for one, and the test is skipped)."""
+  checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+  try:
+    exported = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
+  except RuntimeError as err:
+    if "No supported GPU devices" not in str(err):
+      raise
+    pytest.skip("this jax's Pallas lowers a Triton kernel only with a GPU attached")
+  return exported.mlir_module()
+
+
+@pytest.mark.parametrize("name", ["forward_kl", "jsd"])
+def test_the_cuda_program_holds_the_kernels(name):
+  """Lowered for CUDA with the kernels on, the loss and its gradient hold Triton calls (one
+  for the KL family's statistics, two for JSD's); off, none; masks of single elements keep
+  the XLA passes."""
+  z, y = _logits(16, 256, jnp.float32)
+  grad = jax.grad(lambda z: jnp.sum(_loss(name)(z, y)))
+  assert TRITON_CALL not in _cuda_text(grad, z)
+  with gpu_kernels(True):
+    text = _cuda_text(grad, z)
+    element = _cuda_text(_loss(name, where=jnp.ones((16, 256), bool)), z, y)
+  assert text.count(f"@{TRITON_CALL}") == {"forward_kl": 1, "jsd": 2}[name], text.count(TRITON_CALL)
+  assert TRITON_CALL not in element
+
+
+def test_the_switch_inside_a_traced_function():
+  """Entered inside a jitted function (as a per-call option would), the switch reaches the
+  CUDA lowering of the two-pass statistics, which runs after the trace has left it."""
+  z, y = _logits(16, 256, jnp.float32)
+  loss = _loss("tvd")
+
+  def on(z, y):
+    with gpu_kernels(True):
+      return loss(z, y)
+
+  assert _cuda_text(on, z, y).count(f"@{TRITON_CALL}") == 2
+  assert TRITON_CALL not in _cuda_text(loss, z, y)
+
+
+def test_a_layout_for_the_benchmarks_sweeps():
+  """A layout in the switch, ``(rows per program, tile, warps, stages)``, reaches the Triton
+  calls of both primitives (their launch parameters), and its results are the same."""
+  z, y = _logits(16, 256, jnp.float32)
+  for name in ("forward_kl", "tvd"):
+    with gpu_kernels((2, 64, 8, 2)):
+      text = _cuda_text(_loss(name), z, y)
+    assert "num_warps = 8 : i32" in text and "num_stages = 2 : i32" in text
+    assert "num_warps = 4 : i32" not in text
+  with xla_path():
+    want = jax.jit(_loss("jsd", beta=0.3))(z, y)
+  with gpu_kernel(), gpu_kernels((2, 64, 8, 2)):
+    got = jax.jit(_loss("jsd", beta=0.3))(z, y)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_x64(small_tiles):
+  """Under ``jax_enable_x64`` float32 logits take the kernels (int32 indices beside int64
+  Python ints), with the values and gradients of the XLA path; float64 keeps the XLA path."""
+  z, y = _logits(11, 150, jnp.float32, seed=4)
+  with enable_x64():
+    for name in ("forward_kl", "jsd"):
+      loss = _loss(name)
+      run = jax.jit(
+        lambda z, y, loss=loss: (loss(z, y), jax.grad(lambda z: jnp.nansum(loss(z, y)))(z))
+      )
+      with xla_path():
+        want = run(z, y)
+        want64 = run(z.astype(jnp.float64), y.astype(jnp.float64))
+      with gpu_kernel():
+        got = run(z, y)
+        got64 = run(z.astype(jnp.float64), y.astype(jnp.float64))
+        assert "kldiv_jax_gpu_one_pass_sums" in str(jax.make_jaxpr(loss)(z, y)) or name == "jsd"
+      assert got[0].dtype == jnp.float32 and got64[0].dtype == jnp.float64
+      for g, w in zip((*got, *got64), (*want, *want64)):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
