@@ -101,7 +101,7 @@ def divergence_ce_rows(
   divergence: Divergence,
   labels: jax.Array,
   caps: tuple[float | None, float | None] = (None, None),
-  implementation: str = "pallas",
+  implementation: str = "auto",
 ) -> tuple[jax.Array, jax.Array]:
   """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,
   masks, cap=caps[0]))`` (values and derivatives) from one kernel, without ``axis_name``:
