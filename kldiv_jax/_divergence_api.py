@@ -76,9 +76,10 @@ def divergence_from_logits(
     axis_name: the mesh axis the classes are split over (vocabulary parallelism).
     softcap, target_softcap: the student's and the teacher's logit soft-caps.
     teacher_vocab_size: the teacher's class count when it differs.
-    implementation: ``None`` (the process-wide default: :func:`set_implementation`),
-      ``"xla"`` (XLA's fusions only) or ``"pallas"`` (the TPU whole-row kernel where it
-      applies; never run on TPU hardware): :ref:`implementation`.
+    implementation: ``None`` (the process-wide default: :func:`set_implementation`; unset,
+      the TPU whole-row kernel on TPU and XLA elsewhere), ``"xla"`` (XLA's fusions only) or
+      ``"pallas"`` (the Pallas kernels where they apply: the TPU whole-row kernel, never run
+      on TPU hardware, and the opt-in Triton kernels on NVIDIA GPUs): :ref:`implementation`.
 
   Returns:
     The divergence per example, ``[...]`` (the inputs without ``axis``), promoted dtype.

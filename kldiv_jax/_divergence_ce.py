@@ -110,7 +110,7 @@ def divergence_ce_rows(
   divergence: Divergence,
   labels: jax.Array,
   caps: tuple[float | None, float | None] = (None, None),
-  implementation: str = "pallas",
+  implementation: str = "auto",
   opts: CEOptions = OFF,
 ) -> tuple[jax.Array, jax.Array]:
   """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,

@@ -81,7 +81,7 @@ from kldiv_jax._gpu_rows import one_pass_sums
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
-from kldiv_jax._platform import compiled, gpu_kernels_enabled, map_rows
+from kldiv_jax._platform import compiled, gpu_kernels_for, map_rows
 from kldiv_jax._rows import is_zero, logit_tangents, row_stats, scaled
 from kldiv_jax._vocab_parallel import combine, global_classes
 from kldiv_jax._whole_rows import row_sums
@@ -196,7 +196,7 @@ def _two_passes(formula, params, needs, temperature, caps, local, implementation
   return cpu, accel
 
 
-def _one_pass(one_pass, needs, temperature, caps, local):
+def _one_pass(one_pass, needs, temperature, caps, local, implementation):
   """``(cpu, accel)``: the row functions of a one-pass formula on one device. Per block on
   CPU, the sums of exponentials and the formula's unnormalised sums; off CPU the maxes in the
   same pass too (:func:`online_kl_sums`, :func:`online_ab_sums`), or ``None`` (the CPU's)."""
@@ -209,10 +209,11 @@ def _one_pass(one_pass, needs, temperature, caps, local):
     return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
 
   def accel(z, y, *masks):
-    if gpu_kernels_enabled():
+    gpu = gpu_kernels_for(implementation)
+    if gpu:
       # Opt-in (kldiv_jax._gpu_rows): on CUDA a Triton kernel, elsewhere the same XLA pass.
       kind = ("kl",) if one_pass.powers is None else ("ab", *one_pass.powers)
-      mu, su, mv, sv, *sums = one_pass_sums(kind, caps, z, y, temperature, masks)
+      mu, su, mv, sv, *sums = one_pass_sums(kind, caps, z, y, temperature, masks, gpu)
       if one_pass.powers is None:
         sums = [{"v": sums[0], "u": sums[1]}[k] for k in one_pass.kl_sums]
       return outcomes(mu, su, mv, sv, tuple(sums))
@@ -228,7 +229,7 @@ def _one_pass(one_pass, needs, temperature, caps, local):
 
 
 def statistics(
-  formula, params, needs, z, y, temperature, masks, axis_name, caps, implementation="pallas"
+  formula, params, needs, z, y, temperature, masks, axis_name, caps, implementation="auto"
 ) -> Outcomes:
   cap_z, cap_y = caps
 
@@ -243,7 +244,7 @@ def statistics(
     one_pass = None if formula.one_pass is None else formula.one_pass(params)
     cpu, accel = _two_passes(formula, params, needs, temperature, caps, local, implementation)
     if one_pass is not None:
-      one_cpu, accel = _one_pass(one_pass, needs, temperature, caps, local)
+      one_cpu, accel = _one_pass(one_pass, needs, temperature, caps, local, implementation)
       cpu = one_cpu if one_pass.cpu else cpu
     return _per_block(cpu, (z, y, *masks), z.shape[0], accel=accel)
 
@@ -346,7 +347,7 @@ def divergence_rows(
   divergence: Divergence,
   axis_name: str | None = None,
   caps: tuple[float | None, float | None] = (None, None),
-  implementation: str = "pallas",
+  implementation: str = "auto",
 ) -> jax.Array:
   """``D(softmax(y/T), softmax(z/T))`` per row of ``[rows, classes]`` logits (``[rows]``).
 
@@ -361,8 +362,8 @@ def divergence_rows(
   ``caps``: the student's and the teacher's logit soft-caps (static floats, or
   ``None``), applied before the temperature. Not tested here: the temperature's
   and traced parameters' ranges (the caller applies ``nan_unless`` with
-  ``positive_finite`` and ``divergence.valid()``). ``implementation``: ``"xla"`` or
-  ``"pallas"`` (:mod:`kldiv_jax._implementation`, resolved by the caller).
+  ``positive_finite`` and ``divergence.valid()``). ``implementation``: ``"xla"``,
+  ``"pallas"`` or ``"auto"`` (:mod:`kldiv_jax._implementation`, resolved by the caller).
   """
   key, traced = divergence.key, divergence.traced
   return _kernel(

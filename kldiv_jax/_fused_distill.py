@@ -268,7 +268,7 @@ def _fused_loss(
   labels,
   chunk_size,
   axis_name,
-  implementation="pallas",
+  implementation="auto",
 ):
   """The body of the fused losses once the teacher is laid out: labels, the chunked kernel,
   the mean. ``vocab``: the classes both sides share (per device)."""

@@ -23,15 +23,16 @@ applied in the kernel, so no scaled copy is written), with the per-class formula
 :func:`~kldiv_jax._class_sums.identical_gap`). Their derivatives (hessians) are those of
 the XLA passes. The engine's derivative rule (its elementwise pass) stays XLA's.
 
-**Opt-in** (off by default) until ``make bench-device`` measures it faster: the switch
-:data:`~kldiv_jax._platform.GPU_KERNELS` (``jax.make_user_context``, part of JAX's tracing
-and compilation cache keys), set for the process by the environment variable
-``KLDIV_JAX_GPU_KERNELS=1`` (read at import) or :func:`set_gpu_kernels`, and for a block
-of code (a call) by ``with gpu_kernels(True): ...``, also inside a traced function. It is
-read at trace time: by the engine for the KL family, by :func:`kldiv_jax._whole_rows.row_sums`
-for the others (the primitive's ``gpu`` parameter, which only its CUDA lowering reads).
-
-.. TODO(lead): wire ``gpu_kernels`` into the public ``implementation=`` switch when merging.
+**Opt-in** (off by default: on an H200 they measured 0.91-1.14x the time of XLA's
+fusions, ``benchmarks/README.md``): the losses' ``implementation="pallas"``, per call or
+process-wide (:func:`kldiv_jax.set_implementation`, ``KLDIV_JAX_IMPLEMENTATION=pallas``:
+:mod:`kldiv_jax._implementation`), resolved at trace time and turned into the kernels'
+setting by :func:`~kldiv_jax._platform.gpu_kernels_for`: by the engine for the KL family,
+by :func:`kldiv_jax._whole_rows.row_sums` for the others (the primitive's ``gpu``
+parameter, which only its CUDA lowering reads). The private context
+:func:`~kldiv_jax._platform.gpu_kernels` (``jax.make_user_context``, part of JAX's tracing
+and compilation cache keys) switches them on for a block of code with the default
+implementation, or gives them a layout (the benchmarks' sweeps).
 """
 
 import functools
@@ -51,12 +52,10 @@ from kldiv_jax._numerics import is_static, max_shift
 from kldiv_jax._online_ab import _combiner, _two_pass_ab_sums, online_ab_sums
 from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums, online_kl_sums
 from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
-  ENV_VAR,
   GPU_KERNELS,
   gpu_kernels,
   gpu_kernels_enabled,
   gpu_kernels_setting,
-  set_gpu_kernels,
 )
 from kldiv_jax._rows import scaled
 from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split
@@ -409,16 +408,17 @@ def xla_one_pass_sums(kind: Kind, caps, z, y, temperature, *masks):
   return tuple(_one_pass_form(kind)[2](*_scaled(caps, z, y, temperature, masks)))
 
 
-def one_pass_sums(kind: Kind, caps, z, y, temperature, masks) -> tuple:
+def one_pass_sums(kind: Kind, caps, z, y, temperature, masks, gpu=True) -> tuple:
   """``(mu, su, mv, sv, *sums)`` of a one-pass form (``("kl",)``: ``gv, gu`` of
   :func:`~kldiv_jax._online_kl.online_kl_sums`; ``("ab", alpha, beta)``: ``G, H, T`` of
   :func:`~kldiv_jax._online_ab.online_ab_sums`) for the scaled logits of ``z`` and ``y``:
   the Triton kernel in a program lowered for CUDA, the XLA pass elsewhere. For the engine
-  when :func:`gpu_kernels_enabled` (on one device)."""
+  when :func:`~kldiv_jax._platform.gpu_kernels_for` its ``implementation`` (on one device);
+  ``gpu``: that setting (``True`` or a layout)."""
   kind, caps = tuple(kind), tuple(caps)
   if jax.sharding.get_abstract_mesh().manual_axes:  # inside jax.shard_map, as row_sums
     return xla_one_pass_sums(kind, caps, z, y, temperature, *masks)
-  return _one_pass_sums(kind, caps, gpu_kernels_setting(), z, y, temperature, *masks)
+  return _one_pass_sums(kind, caps, gpu, z, y, temperature, *masks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))

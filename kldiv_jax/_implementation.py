@@ -5,12 +5,14 @@ the kernels of ``jax.experimental.pallas.ops``): a per-call ``implementation=`` 
 a process-wide default.
 
 * ``"xla"``: XLA's fusions only, on every platform: no custom kernel is lowered.
-* ``"pallas"``: the Pallas kernels where the library has one for the platform and the
-  operands take it (today the TPU whole-row kernel of :mod:`kldiv_jax._whole_rows`), XLA
-  elsewhere. The GPU kernels of later releases take the same switch.
+* ``"pallas"``: the Pallas kernels wherever the library has one for the platform and the
+  operands take it: the TPU whole-row kernel (:mod:`kldiv_jax._whole_rows`) and the opt-in
+  Triton kernels for NVIDIA GPUs (:mod:`kldiv_jax._gpu_rows`); XLA elsewhere.
 * ``None`` (every loss's default): the process-wide default, :func:`set_implementation`'s
   value, else the environment variable :data:`ENV_VAR` (``KLDIV_JAX_IMPLEMENTATION``), else
-  ``"pallas"``.
+  the library's choice per platform (:data:`AUTO`): the Pallas kernel on TPU, XLA on GPUs
+  (the Triton kernels measured no faster than XLA's fusions on an H200:
+  ``benchmarks/README.md``), XLA on CPU.
 
 The choice is read when a loss is traced (it is a static argument of the kernels): a
 function already traced and compiled under ``jax.jit`` keeps the implementation it was
@@ -23,7 +25,9 @@ import os
 
 ENV_VAR = "KLDIV_JAX_IMPLEMENTATION"
 IMPLEMENTATIONS = ("xla", "pallas")
-DEFAULT = "pallas"
+# The resolved value of ``None`` with nothing set: Pallas on TPU, XLA on GPUs and CPU.
+AUTO = "auto"
+DEFAULT = AUTO
 
 # set_implementation's value (None: the environment variable, else DEFAULT).
 _default: str | None = None
@@ -40,7 +44,7 @@ def _checked(where: str, value: object, none: bool = True) -> str:
 
 def default_implementation() -> str:
   """The process-wide default: :func:`set_implementation`'s, else ``$KLDIV_JAX_IMPLEMENTATION``
-  (read now), else ``"pallas"``."""
+  (read now), else :data:`AUTO` (the library's choice per platform)."""
   if _default is not None:
     return _default
   env = os.environ.get(ENV_VAR)
@@ -50,8 +54,9 @@ def default_implementation() -> str:
 
 
 def resolve_implementation(name: str, implementation: object) -> str:
-  """A loss's ``implementation=`` checked and resolved at trace time: ``"xla"`` or
-  ``"pallas"`` (``None``: :func:`default_implementation`); errors name ``name``."""
+  """A loss's ``implementation=`` checked and resolved at trace time: ``"xla"``,
+  ``"pallas"`` or, for ``None`` with no default set, :data:`AUTO` (:func:`default_implementation`);
+  errors name ``name``."""
   if implementation is None:
     return default_implementation()
   return _checked(f"{name}: implementation", implementation)
@@ -61,9 +66,10 @@ def set_implementation(implementation: str | None) -> str | None:
   """Sets the implementation every loss uses when its ``implementation=`` is ``None``.
 
   ``"xla"`` turns the library's Pallas kernels off everywhere (XLA's fusions only);
-  ``"pallas"`` turns them on where they exist (the TPU whole-row kernel; the default);
-  ``None`` goes back to the environment variable ``KLDIV_JAX_IMPLEMENTATION`` (``"xla"``
-  or ``"pallas"``), and without it to ``"pallas"``. Read when a loss is traced: functions
+  ``"pallas"`` turns them on wherever they exist (the TPU whole-row kernel, and the opt-in
+  Triton kernels on NVIDIA GPUs); ``None`` goes back to the environment variable
+  ``KLDIV_JAX_IMPLEMENTATION`` (``"xla"`` or ``"pallas"``), and without it to the library's
+  choice per platform (the TPU kernel on, the GPU kernels off). Read when a loss is traced: functions
   already compiled keep theirs. Returns the previous setting (``None`` if unset), so that a
   caller can restore it.
 

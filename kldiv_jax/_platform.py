@@ -9,7 +9,6 @@ compiles a module-level kernel once per shapes for eager calls.
 """
 
 import contextlib
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -25,15 +24,10 @@ ROW_BLOCKS_SCOPE = "kldiv_jax_cpu_row_blocks"
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 # ----------------------------------------------------------------------------- GPU kernels
-# The opt-in switch of the Pallas Triton kernels (kldiv_jax._gpu_rows); read at trace time.
-# TODO(lead): the public ``implementation=`` switch (per call and global) sets this one.
-
-# The environment variable that turns the kernels on for the whole process (read at import).
-ENV_VAR = "KLDIV_JAX_GPU_KERNELS"
-
-
-def _env_default() -> bool:
-  return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+# The Pallas Triton kernels (kldiv_jax._gpu_rows) are chosen by the losses' public
+# ``implementation=`` (kldiv_jax._implementation): ``gpu_kernels_for``. The private context
+# below switches them on for a block of code under the default implementation, or gives them
+# a layout (the benchmarks' sweeps); read at trace time.
 
 
 class _Plain:
@@ -57,7 +51,7 @@ class _Plain:
 
 
 _make = getattr(jax, "make_user_context", None)
-GPU_KERNELS = _make(_env_default()) if _make is not None else _Plain(_env_default())
+GPU_KERNELS = _make(False) if _make is not None else _Plain(False)
 
 
 def gpu_kernels_enabled() -> bool:
@@ -73,9 +67,18 @@ def gpu_kernels_setting():
   return tuple(value) if isinstance(value, (tuple, list)) else bool(value)
 
 
-def set_gpu_kernels(enabled: bool) -> None:
-  """Switch the GPU kernels on or off for the whole process (as ``KLDIV_JAX_GPU_KERNELS``)."""
-  GPU_KERNELS.set_global(bool(enabled))
+def gpu_kernels_for(implementation: str):
+  """The GPU kernels' setting (``False``, ``True`` or a layout) for a loss's resolved
+  ``implementation`` (:mod:`kldiv_jax._implementation`): off with ``"xla"``; on with
+  ``"pallas"`` (with the context's layout, if it gives one); with ``"auto"``, the default,
+  whatever the private context :func:`gpu_kernels` says (off outside it). Never below jax
+  0.7.2, where the switch could not be part of JAX's cache keys."""
+  if implementation == "xla" or _make is None:
+    return False
+  setting = gpu_kernels_setting()
+  if implementation == "pallas":
+    return setting if isinstance(setting, tuple) else True
+  return setting
 
 
 def gpu_kernels(enabled: bool | tuple[int, int, int, int] = True):

@@ -40,7 +40,7 @@ from kldiv_jax._class_sums import (
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._numerics import is_static, max_shift
 from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts, rescale
-from kldiv_jax._platform import gpu_kernels_setting, gpu_or_other
+from kldiv_jax._platform import gpu_kernels_for, gpu_or_other
 from kldiv_jax._rows import scaled
 
 # Lanes of a TPU vector register: the kernel's output block is [rows, LANES].
@@ -62,7 +62,7 @@ Spec = tuple[str, tuple[float | None, ...], Needs, tuple[float | None, float | N
 
 
 def row_sums(
-  formula, params, needs: Needs, caps, z, y, temperature, masks, implementation="pallas"
+  formula, params, needs: Needs, caps, z, y, temperature, masks, implementation="auto"
 ) -> tuple:
   """``(mu, su, mv, sv, gap, *sums)``, ``[rows, 1]`` each, of scaled logits ``z``, ``y``.
 
@@ -82,9 +82,11 @@ def row_sums(
     # XLA passes, whose results carry the mesh axes their operands vary over (a primitive's
     # abstract values would have to say so themselves).
     return xla_row_sums(spec, z, y, temperature, *traced, *masks)
-  # The opt-in GPU kernels (kldiv_jax._gpu_rows), decided at trace time: a parameter of the
-  # primitive (False, True or a layout) that only its CUDA lowering reads.
-  return _row_sums(spec, gpu_kernels_setting(), z, y, temperature, *traced, *masks)
+  # The opt-in GPU kernels (kldiv_jax._gpu_rows), decided at trace time from
+  # ``implementation``: a parameter of the primitive (False, True or a layout) that only its
+  # CUDA lowering reads.
+  gpu = gpu_kernels_for(implementation)
+  return _row_sums(spec, gpu, z, y, temperature, *traced, *masks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))

@@ -328,6 +328,38 @@ def test_the_cuda_program_holds_the_kernels(name):
   assert TRITON_CALL not in element
 
 
+@pytest.mark.parametrize("name", ["forward_kl", "tvd"])
+def test_the_public_switch_chooses_the_gpu_kernels(name, monkeypatch):
+  """The losses' ``implementation=``: ``"pallas"`` per call, process-wide
+  (``set_implementation``) or from ``KLDIV_JAX_IMPLEMENTATION`` puts the Triton kernels in a
+  program lowered for CUDA; ``None`` with nothing set (the library's choice: XLA on GPUs) and
+  ``"xla"`` keep them out, ``"xla"`` even inside the private context."""
+  z, y = _logits(16, 256, jnp.float32)
+
+  def loss(implementation=None):
+    return lambda z, y: kd.divergence_from_logits(
+      z, y, divergence=name, temperature=2.0, implementation=implementation
+    )
+
+  def calls(fn):
+    return _cuda_text(fn, z, y).count(f"@{TRITON_CALL}")
+
+  kernels = {"forward_kl": 1, "tvd": 2}[name]
+  assert calls(loss()) == 0
+  assert calls(loss("pallas")) == kernels
+  assert calls(loss("xla")) == 0
+  with gpu_kernels(True):
+    assert calls(loss("xla")) == 0
+  previous = kd.set_implementation("pallas")
+  try:
+    assert calls(loss()) == kernels
+    assert calls(loss("xla")) == 0
+  finally:
+    kd.set_implementation(previous)
+  monkeypatch.setenv("KLDIV_JAX_IMPLEMENTATION", "pallas")
+  assert calls(loss()) == kernels
+
+
 def test_the_switch_inside_a_traced_function():
   """Entered inside a jitted function (as a per-call option would), the switch reaches the
   CUDA lowering of the two-pass statistics, which runs after the trace has left it."""
