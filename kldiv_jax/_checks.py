@@ -322,6 +322,15 @@ def check_unit_interval(name: str, option: str, value: object) -> tuple[float | 
   return out, static
 
 
+def check_nonnegative(name: str, option: str, value: object) -> tuple[float | jax.Array, bool]:
+  """Returns ``(value, is_static)``; a static one must be non-negative and finite (a
+  penalty's coefficient: ``z_loss``)."""
+  out, static = real_scalar(name, option, value)
+  if static and not (np.isfinite(out) and out >= 0):
+    raise ValueError(f"{name}: {option} must be a non-negative, finite number; got {value!r}.")
+  return out, static
+
+
 def check_normalizer(name: str, value: object) -> float | jax.Array:
   """A loss's ``normalizer``: a real scalar; a static one must be positive and finite.
 

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._ce import ce_rows
+from kldiv_jax._ce import OFF, CEOptions, ce_rows
 from kldiv_jax._checks import (
   check_bool,
   check_int,
+  check_nonnegative,
   check_normalizer,
   check_temperature,
   check_unit_interval,
@@ -22,7 +23,13 @@ from kldiv_jax._divergence_spec import Divergence, as_divergence
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._id_checks import check_ids, ids_differ, ids_in_range, index_array
 from kldiv_jax._implementation import resolve_implementation
-from kldiv_jax._numerics import in_unit_interval, is_static, nan_unless, positive_finite
+from kldiv_jax._numerics import (
+  in_unit_interval,
+  is_static,
+  nan_unless,
+  nonnegative_finite,
+  positive_finite,
+)
 from kldiv_jax._rows import prepare
 from kldiv_jax._vocab_parallel import any_class, check_axis_name, global_classes
 
@@ -43,7 +50,8 @@ class DistillationParts(NamedTuple):
   """The parts of a distillation loss, for logging: sums over the valid tokens.
 
   ``soft``: the sum of the distillation term, :math:`T^2 D` per token (without
-  ``alpha``); ``hard``: the sum of the label cross entropy (0 without labels);
+  ``alpha``); ``hard``: the sum of the label cross entropy (0 without labels; with
+  ``label_smoothing`` the smoothed one, and with ``z_loss`` its penalty included);
   ``num_tokens``: the number of valid tokens (int32). Sums, not means, so that
   they add up over micro-batches, devices (``lax.psum``) and hosts; divide by
   the summed ``num_tokens`` to log means. They carry no gradient
@@ -87,16 +95,17 @@ def loss_weights(alpha, alpha_static: bool, labelled: bool, parts: bool) -> Loss
   return LossWeights(soft, hard, labelled)
 
 
-def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None) -> jax.Array:
+def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None, opts=OFF) -> jax.Array:
   """The cross entropy per row (``[rows]``) of the student's raw logits at temperature 1.
 
   ``labels`` ``[rows, 1]`` in their own dtype; ``labelled`` which count (not
   ``ignore_index``, not masked). A labelled row whose label is outside the (global) class
   axis is NaN (the callers raise first when the labels are known,
-  :func:`check_labels`); the others are those of :func:`kldiv_jax._ce.ce_rows`.
+  :func:`check_labels`); the others are those of :func:`kldiv_jax._ce.ce_rows`, with its
+  ``opts`` (label smoothing, the z-loss: :meth:`DistillOptions.ce_options`).
   """
   safe, ok = _safe_labels(labels, labelled, global_classes(z.shape[1], axis_name))
-  return nan_unless(ce_rows(z, safe, masks, axis_name, cap), ok)
+  return nan_unless(ce_rows(z, safe, masks, axis_name, cap, opts), ok)
 
 
 def _safe_labels(labels, labelled, num_classes):
@@ -142,6 +151,8 @@ class DistillOptions(NamedTuple):
   caps: tuple[float | None, float | None]  # (softcap, target_softcap)
   return_parts: bool
   normalizer: float | jax.Array | None
+  label_smoothing: float | jax.Array  # of the cross entropy; static 0: off
+  z_loss: float | jax.Array  # the cross entropy's z-loss coefficient; static 0: off
 
   def labels(self, name, labels, token_shape, shape_text, num_classes, counted):
     """:func:`check_labels` with the loss's ``ignore_index``: ``(labels, labelled)``."""
@@ -152,6 +163,22 @@ class DistillOptions(NamedTuple):
   def weights(self, labelled: bool) -> LossWeights:
     """The terms to compute (:func:`loss_weights`), with labels or without."""
     return loss_weights(self.alpha, self.alpha_static, labelled, self.return_parts)
+
+  def ce_options(self, name: str, labelled: bool, dtype) -> CEOptions:
+    """The cross entropy's options in ``dtype``; ``None`` for a static 0 (off: the program
+    without it). Without labels there is no cross entropy: a static non-zero option raises."""
+    given = {"label_smoothing": self.label_smoothing, "z_loss": self.z_loss}
+    on = {k: v for k, v in given.items() if not (is_static(v) and v == 0.0)}
+    if not labelled:
+      static = [k for k, v in on.items() if is_static(v)]
+      if static:
+        raise ValueError(
+          f"{name}: {' and '.join(static)} apply to the label cross entropy; pass labels "
+          f"(without labels there is no cross entropy), or leave them at 0."
+        )
+      return CEOptions()
+    opts = {k: jnp.asarray(v).astype(dtype) for k, v in on.items()}
+    return CEOptions(**opts)
 
   def t2(self, t):
     """The divergence's factor: :math:`T^2` (``t`` the temperature in the compute dtype,
@@ -168,6 +195,8 @@ class DistillOptions(NamedTuple):
       in_unit_interval(self.alpha),
       in_unit_interval(self.beta),
       *self.spec.valid(),
+      in_unit_interval(self.label_smoothing),
+      nonnegative_finite(self.z_loss),
     )
     if self.normalizer is not None:
       checks = (*checks, positive_finite(self.normalizer))
@@ -192,7 +221,7 @@ class DistillOptions(NamedTuple):
 
 def distill_options(
   name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
-  softcap, target_softcap, return_parts, normalizer, /,
+  softcap, target_softcap, return_parts, normalizer, label_smoothing, z_loss, /,
 ) -> DistillOptions:  # fmt: skip
   """The options of a distillation loss checked, errors naming ``name`` (the public
   function called); the arguments in this order, named as the losses name them."""
@@ -206,9 +235,11 @@ def distill_options(
   return_parts = check_bool(name, "return_parts", return_parts)
   if normalizer is not None:
     normalizer = check_normalizer(name, normalizer)
+  label_smoothing, _ = check_unit_interval(name, "label_smoothing", label_smoothing)
+  z_loss, _ = check_nonnegative(name, "z_loss", z_loss)
   return DistillOptions(
     alpha, alpha_static, beta, spec, temperature, t_static, scale_t2, ignore_index, caps,
-    return_parts, normalizer,
+    return_parts, normalizer, label_smoothing, z_loss,
   )  # fmt: skip
 
 
@@ -223,6 +254,8 @@ def distillation_loss(
   beta: float | jax.typing.ArrayLike = 0.5,
   scale_by_temperature_squared: bool = True,
   ignore_index: int = -100,
+  label_smoothing: float | jax.typing.ArrayLike = 0.0,
+  z_loss: float | jax.typing.ArrayLike = 0.0,
   where: jax.typing.ArrayLike | None = None,
   normalizer: float | jax.typing.ArrayLike | None = None,
   axis_name: str | None = None,
@@ -244,7 +277,19 @@ def distillation_loss(
   :math:`D` any divergence of :func:`divergence_from_logits` and :math:`N` the
   number of valid tokens (``labels != ignore_index`` and ``where``; at least 1,
   so an all-ignored batch gives 0) or ``normalizer``. Without ``labels``:
-  :math:`T^2 D` alone. Which divergence: :doc:`/distillation`; ``-inf``, masks,
+  :math:`T^2 D` alone. The cross entropy is at temperature 1, of the soft-capped
+  logits; with ``label_smoothing`` :math:`\varepsilon` and ``z_loss`` :math:`\lambda` its
+  term (weighted by :math:`1 - \alpha` as a whole) is
+
+  .. math::
+
+     -(1 - \varepsilon) \log \mathrm{softmax}(s)_{y}
+     - \frac{\varepsilon}{K} \sum_{k} \log \mathrm{softmax}(s)_k
+     + \lambda \Big(\log \sum_k e^{s_k}\Big)^2
+
+  with :math:`K` the classes ``where`` keeps (optax's ``smooth_labels``, torch's
+  ``label_smoothing``; PaLM's z-loss, MaxText's ``z_loss``). Which divergence, the
+  hard term's options: :doc:`/distillation`; ``-inf``, masks,
   labels, NaN: :doc:`/conventions`; the shared arguments, the derivatives and
   ``axis_name``: :ref:`shared-arguments`, :ref:`derivatives`, :ref:`vocab-parallel`.
 
@@ -271,6 +316,8 @@ def distillation_loss(
     beta: the mixture weight of ``divergence="jsd"`` given as a string (others ignore it).
     scale_by_temperature_squared: multiply the divergence by :math:`T^2`.
     ignore_index: the label of tokens to leave out.
+    label_smoothing: :math:`\varepsilon` in ``[0, 1]``, the cross entropy's label smoothing.
+    z_loss: :math:`\lambda \ge 0`, the cross entropy's z-loss coefficient (0: none).
     where: a per-token mask ``[...]``, or a class mask broadcastable to the logits.
     normalizer: the denominator instead of the number of valid tokens (a global count).
     axis_name: the mesh axis the classes are split over (vocabulary parallelism).
@@ -300,7 +347,7 @@ def distillation_loss(
   name = "distillation_loss"
   o = distill_options(
     name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
-    softcap, target_softcap, return_parts, normalizer,
+    softcap, target_softcap, return_parts, normalizer, label_smoothing, z_loss,
   )  # fmt: skip
   impl = resolve_implementation(name, implementation)
   if axis_name is not None:
@@ -323,6 +370,7 @@ def distillation_loss(
     masks = (*masks, labelled)
   cdt, spec, caps = rows.cdt, o.spec, o.caps
   weights = o.weights(labels is not None)
+  ce_opts = o.ce_options(name, labels is not None, cdt)
   t = jnp.asarray(o.temperature).astype(cdt)
   t2 = o.t2(t)
   if rows.empty:
@@ -336,7 +384,7 @@ def distillation_loss(
       # One kernel: off CPU one pass gives both terms' statistics.
       assert labels is not None
       safe, ok = _safe_labels(labels, valid, rows.z.shape[1])
-      soft, hard = divergence_ce_rows(rows.z, rows.y, t, masks, spec, safe, caps, impl)
+      soft, hard = divergence_ce_rows(rows.z, rows.y, t, masks, spec, safe, caps, impl, ce_opts)
       soft, hard = soft * t2, nan_unless(hard, ok)
     else:
       if weights.soft:
@@ -344,7 +392,7 @@ def distillation_loss(
       if weights.hard:
         assert labels is not None and labelled is not None  # weights.hard: there are labels
         # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
-        hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0])
+        hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0], ce_opts)
     soft, hard = jnp.sum(soft), jnp.sum(hard)
   total = weights.mix(soft, hard, o.alpha, cdt)
   loss = total / o.denominator(valid, cdt)

@@ -14,7 +14,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax._ce import ce_finish, ce_stats
+from kldiv_jax._ce import (
+  OFF,
+  CEOptions,
+  ce_finish,
+  ce_stats,
+  ce_tangent,
+  smoothing_count,
+  target_logits,
+)
 from kldiv_jax._checks import compute_dtype
 from kldiv_jax._class_sums import Needs, formula_params
 from kldiv_jax._divergence_spec import Divergence
@@ -27,10 +35,10 @@ from kldiv_jax._engine import (
 )
 from kldiv_jax._online_kl import online_kl_ce_sums
 from kldiv_jax._platform import compiled, per_platform
-from kldiv_jax._rows import ce_grad, is_zero, label_hit, row_sum, scaled
+from kldiv_jax._rows import is_zero, scaled
 
 
-def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels, impl):
+def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels, impl, opts):
   """``(Outcomes, (ce, m, inv_s))``: :func:`kldiv_jax._engine.statistics` and the cross entropy's
   (:func:`kldiv_jax._ce.ce_stats`, at temperature 1) of the same rows, one device. Off
   CPU, for a formula whose sums are KL sums, from one pass over both logits
@@ -39,7 +47,7 @@ def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, label
 
   def apart(z, y, labels, *masks):
     rows = statistics(formula, params, needs, z, y, temperature, masks, None, caps, impl)
-    ce, (m, inv_s, _) = ce_stats(None, cap_z, z, labels, masks)
+    ce, (m, inv_s, _) = ce_stats(None, cap_z, z, labels, masks, opts)
     return rows, (ce, m, inv_s)
 
   one_pass = None if formula.one_pass is None else formula.one_pass(params)
@@ -50,42 +58,43 @@ def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, label
     u, _ = scaled(z, temperature, masks, cap_z)
     v, _ = scaled(y, temperature, masks, cap_y)
     w, _ = scaled(z, jnp.ones((), compute_dtype(z.dtype)), masks, cap_z)
-    hit = label_hit(labels, w.shape)
-    kl, (m, s, picked) = online_kl_ce_sums(u, v, w, jnp.where(hit, w, 0.0))
+    count = None if opts.label_smoothing is None else smoothing_count(masks, z.shape[1])
+    picked = target_logits(w, labels, masks, opts, count)
+    kl, (m, s, picked) = online_kl_ce_sums(u, v, w, picked)
     mu, su, mv, sv, gv, gu = kl
     sums = tuple({"v": gv, "u": gu}[k] for k in one_pass.kl_sums)
     rows = one_pass_outcomes(one_pass, needs, mu, su, mv, sv, sums)
-    ce, (m, inv_s) = ce_finish(m, s, picked)
+    ce, (m, inv_s) = ce_finish(m, s, picked, opts)
     return rows, (ce, m, inv_s)
 
   return per_platform(apart, together, z, y, labels, *masks)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _kernel_ce(key, caps, impl, z, y, temperature, traced, masks, labels):
+def _kernel_ce(key, caps, impl, z, y, temperature, traced, masks, labels, opts):
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
   rows, (ce, _, _) = _statistics_ce(
-    formula, params, Needs(), z, y, temperature, masks, caps, labels, impl
+    formula, params, Needs(), z, y, temperature, masks, caps, labels, impl, opts
   )
   return rows.value[:, 0], ce[:, 0]
 
 
 def _kernel_ce_jvp(key, caps, impl, primals, tangents):
-  z, y, temperature, traced, masks, labels = primals
-  dz, dy, dtemp, dtraced, _, _ = tangents
+  z, y, temperature, traced, masks, labels, opts = primals
+  dz, dy, dtemp, dtraced, _, _, dopts = tangents
   formula = FORMULAS[key[0]]
   params = formula_params(key, traced, temperature.dtype)
   dparams, needs = tangent_needs(key, dz, dy, dtemp, dtraced)
   rows, (ce, m, inv_s) = _statistics_ce(
-    formula, params, needs, z, y, temperature, masks, caps, labels, impl
+    formula, params, needs, z, y, temperature, masks, caps, labels, impl, opts
   )
   tangent = tangent_rows(
     formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, None, caps
   )
   d_ce = jnp.zeros_like(ce)
-  if not is_zero(dz):
-    d_ce = row_sum(ce_grad(z, labels, masks, m, inv_s, caps[0]), dz)
+  if not all(x is None or is_zero(x) for x in (dz, *dopts)):
+    d_ce = ce_tangent(z, labels, masks, m, inv_s, caps[0], opts, (dz, dopts))
   return (rows.value[:, 0], ce[:, 0]), (tangent[:, 0], d_ce[:, 0])
 
 
@@ -102,11 +111,14 @@ def divergence_ce_rows(
   labels: jax.Array,
   caps: tuple[float | None, float | None] = (None, None),
   implementation: str = "auto",
+  opts: CEOptions = OFF,
 ) -> tuple[jax.Array, jax.Array]:
   """``(divergence_rows(z, y, temperature, masks, divergence, caps=caps), ce_rows(z, labels,
   masks, cap=caps[0]))`` (values and derivatives) from one kernel, without ``axis_name``:
   off CPU the KL family's statistics and the cross entropy's come from one pass over the
   logits (:func:`_statistics_ce`). ``labels`` ``[rows, 1]`` int32 in range. ``implementation``
-  as in :func:`kldiv_jax._engine.divergence_rows`."""
+  as in :func:`kldiv_jax._engine.divergence_rows`; ``opts`` the cross entropy's
+  (:class:`kldiv_jax._ce.CEOptions`)."""
   key, traced, impl = divergence.key, divergence.traced, implementation
-  return _kernel_ce(key, tuple(caps), impl, z, y, temperature, traced, tuple(masks), labels)
+  masks = tuple(masks)
+  return _kernel_ce(key, tuple(caps), impl, z, y, temperature, traced, masks, labels, opts)

@@ -136,13 +136,18 @@ jax.tree_util.register_dataclass(TopkTeacher, ["ids", "lp", "keep", "dropped"], 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(static: Static, h, w, b, teacher: Teacher, temperature, params, tokens, coefs) -> tuple:
-  return _fused_fwd(static, h, w, b, teacher, temperature, params, tokens, coefs)[0]
+def _fused(
+  static: Static, h, w, b, teacher: Teacher, temperature, params, tokens, coefs, ce_opts
+) -> tuple:
+  return _fused_fwd(static, h, w, b, teacher, temperature, params, tokens, coefs, ce_opts)[0]
 
 
-def _fused_fwd(static: Static, h, w, b, teacher: Teacher, temperature, params, tokens, coefs):
+def _fused_fwd(
+  static: Static, h, w, b, teacher: Teacher, temperature, params, tokens, coefs, ce_opts
+):
   """``(loss, soft, hard)`` summed over the chunks, and the gradients of ``loss`` wrt ``h``,
-  ``w`` and ``b``: each chunk's logit gradient folded in as the chunk is computed."""
+  ``w`` and ``b``: each chunk's logit gradient folded in as the chunk is computed.
+  ``ce_opts``: the cross entropy's (``_ce.CEOptions``)."""
   weights, axis_name = static.weights, static.axis_name
   # The divergence of the chunks: its static part from ``static``, traced parameters from ``params``.
   spec = Divergence.tree_unflatten(static.key, params)
@@ -162,7 +167,8 @@ def _fused_fwd(static: Static, h, w, b, teacher: Teacher, temperature, params, t
         soft = jnp.sum(teacher_c.rows(z, temperature, spec, mask, static))
       if weights.hard:
         wide = z.astype(acc)
-        hard = jnp.sum(hard_rows(wide, labels, labelled, (mask,), axis_name, static.caps[0]))
+        cap = static.caps[0]
+        hard = jnp.sum(hard_rows(wide, labels, labelled, (mask,), axis_name, cap, ce_opts))
       return coefs[0] * soft + coefs[1] * hard, (soft, hard)
 
     loss, vjp, parts = jax.vjp(objective, z, has_aux=True)
@@ -177,7 +183,7 @@ def _fused_fwd(static: Static, h, w, b, teacher: Teacher, temperature, params, t
   zero = token_zero(h, *teacher.tokens(), *tokens).astype(acc)
   carry = ((zero, zero, zero), zero_head_grads(h, w, acc))
   totals, grads = chunks(h.shape[0], static.chunk, part, carry)
-  return totals, (grads, (h, w, b, teacher, temperature, params, tokens, coefs))
+  return totals, (grads, (h, w, b, teacher, temperature, params, tokens, coefs, ce_opts))
 
 
 def _fused_bwd(static, residuals, g):
@@ -274,6 +280,7 @@ def _fused_loss(
     mask = labelled = mask & labelled  # a masked token's label is not read (no NaN from it)
   check_chunk(name, chunk_size, n, vocab * s.num_shards)  # a bad chunk_size fails early
   weights = o.weights(labels is not None)
+  ce_opts = o.ce_options(name, labels is not None, cdt)
   checks = o.checks()
   if bad is not None:
     checks = (*checks, ~jnp.any(bad & mask))
@@ -296,7 +303,7 @@ def _fused_loss(
   def call(chunk):
     low = low_dtype(s.out_dtype)
     static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low, implementation)
-    return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs)
+    return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs, ce_opts)
 
   totals = per_platform(chunk_size, name, n, vocab * s.num_shards, call)
   # Arrays: the cast restates ``_fused``'s annotation, which the checker loses
@@ -314,6 +321,8 @@ def fused_distillation_loss(
   *,
   alpha: float | jax.typing.ArrayLike = 0.5,
   ignore_index: int = -100,
+  label_smoothing: float | jax.typing.ArrayLike = 0.0,
+  z_loss: float | jax.typing.ArrayLike = 0.0,
   bias: jax.typing.ArrayLike | None = None,
   target_bias: jax.typing.ArrayLike | None = None,
   temperature: float | jax.typing.ArrayLike = 1.0,
@@ -342,7 +351,8 @@ def fused_distillation_loss(
          D\big(\mathrm{softmax}(t/T), \mathrm{softmax}(s/T)\big)
          + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)\Big]
 
-  (:math:`T^2 D` alone without ``labels``). The chunks: :doc:`/large-vocabularies`;
+  (:math:`T^2 D` alone without ``labels``; ``label_smoothing`` and ``z_loss`` change the
+  cross entropy as in :func:`distillation_loss`). The chunks: :doc:`/large-vocabularies`;
   reverse mode only, zero gradients for the teacher and the options:
   :ref:`derivatives`; ``axis_name``: :ref:`vocab-parallel`.
 
@@ -363,6 +373,7 @@ def fused_distillation_loss(
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of the heads is split over.
     alpha, ignore_index, temperature, divergence, beta, normalizer: as in :func:`distillation_loss`.
+    label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
     scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts,
       implementation: as in :func:`distillation_loss`.
 
@@ -385,7 +396,7 @@ def fused_distillation_loss(
   name = "fused_distillation_loss"
   o = distill_options(
     name, alpha, beta, divergence, temperature, scale_by_temperature_squared, ignore_index,
-    softcap, target_softcap, return_parts, normalizer,
+    softcap, target_softcap, return_parts, normalizer, label_smoothing, z_loss,
   )  # fmt: skip
   impl = resolve_implementation(name, implementation)
   s = _student(name, hidden, weight, bias, where, axis_name)
@@ -404,6 +415,8 @@ def fused_topk_distillation_loss(
   *,
   alpha: float | jax.typing.ArrayLike = 0.5,
   ignore_index: int = -100,
+  label_smoothing: float | jax.typing.ArrayLike = 0.0,
+  z_loss: float | jax.typing.ArrayLike = 0.0,
   bias: jax.typing.ArrayLike | None = None,
   temperature: float | jax.typing.ArrayLike = 1.0,
   divergence: str | Divergence = "forward_kl",
@@ -428,7 +441,9 @@ def fused_topk_distillation_loss(
   .. math::
 
      \alpha\, T^2\, D_k\big(p, \mathrm{softmax}(s/T)\big)
-     + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big).
+     + (1 - \alpha)\, \big(-\log \mathrm{softmax}(s)_{y}\big)
+
+  (the cross entropy with ``label_smoothing`` and ``z_loss`` as in :func:`distillation_loss`).
 
   .. note::
 
@@ -445,6 +460,7 @@ def fused_topk_distillation_loss(
       (TRL's ``1e-7``), as in :func:`divergence_from_topk`.
     alpha, ignore_index, temperature, divergence, where, normalizer, chunk_size, axis_name: as
       in :func:`fused_distillation_loss`.
+    label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
     scale_by_temperature_squared, softcap, teacher_vocab_size, return_parts: as in
       :func:`fused_distillation_loss`.
 
@@ -465,7 +481,7 @@ def fused_topk_distillation_loss(
   name = "fused_topk_distillation_loss"
   o = distill_options(
     name, alpha, 0.5, divergence, temperature, scale_by_temperature_squared, ignore_index,
-    softcap, None, return_parts, normalizer,
+    softcap, None, return_parts, normalizer, label_smoothing, z_loss,
   )  # fmt: skip
   s = _student(name, hidden, weight, bias, where, axis_name)
   teacher, vocab, bad = _topk_teacher(

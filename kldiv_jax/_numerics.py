@@ -96,6 +96,11 @@ def positive_finite(x):
   return (x > 0) & (x < jnp.inf)
 
 
+def nonnegative_finite(x):
+  """The range test of a penalty's coefficient (``z_loss``): ``0 <= x < inf`` (NaN fails)."""
+  return (x >= 0) & (x < jnp.inf)
+
+
 def in_unit_interval(x):
   """The range test of ``alpha`` and ``beta``: ``0 <= x <= 1`` (NaN fails)."""
   return (x >= 0) & (x <= 1)

@@ -206,17 +206,42 @@ def label_hit(labels: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return lax.broadcasted_iota(labels.dtype, shape, 1) == labels
 
 
-def ce_grad(z, labels, masks, m, inv_s, cap=None):
+def ce_targets(labels, shape, masks, smoothing=None, count=None):
+  """The cross entropy's target per class of ``[rows, classes]``: ``onehot(label)`` (bool),
+  or with label smoothing ``eps`` (``smoothing``) ``(1 - eps) onehot(label) + eps / K`` on
+  the classes every mask keeps (``count``: their number ``K``, global, ``[rows or 1, 1]`` or an
+  int) and 0 on the others, optax's ``smooth_labels`` with ``where``; ``-inf`` logits are
+  classes, whose logit then makes the cross entropy ``+inf`` (optax's, torch's)."""
+  hit = label_hit(labels, shape)
+  if smoothing is None:
+    return hit
+  assert count is not None  # the smoothing's class count
+  k = count if isinstance(count, int) else jnp.maximum(count, 1).astype(smoothing.dtype)
+  spread = jnp.broadcast_to(smoothing / k, shape)
+  for m in masks:
+    spread = jnp.where(m, spread, 0.0)
+  return spread + jnp.where(hit, 1.0 - smoothing, 0.0)
+
+
+def ce_grad(z, labels, masks, m, inv_s, cap=None, smoothing=None, count=None, z_loss=None):
   """``d CE / dz``: ``softmax(z) - onehot(label)`` per class, 0 on rows without mass.
 
   ``m`` and ``inv_s`` are the row max and inverse sum of exponentials of the
   (masked, soft-capped by ``cap``) logits, ``labels`` index the classes of
   ``z`` (local ones for the vocabulary-parallel kernel, where a label on
-  another device hits nothing). With ``cap``, times the cap's slope.
+  another device hits nothing). With ``cap``, times the cap's slope. With label
+  smoothing (``smoothing``, ``count``) the target is :func:`ce_targets`'; with ``z_loss``
+  ``c`` (the penalty ``c lse**2``, ``lse`` the row's log-sum-exp) the softmax is scaled by
+  ``1 + 2 c lse`` (MaxText's and T5X's rule).
   """
   u, _ = scaled(z, jnp.ones((), inv_s.dtype), masks, cap)
-  hit = label_hit(labels, u.shape).astype(inv_s.dtype)
-  g = jnp.where(inv_s != 0, jnp.exp(u - m) * inv_s - hit, 0.0)
+  target = ce_targets(labels, u.shape, masks, smoothing, count).astype(inv_s.dtype)
+  has = inv_s != 0
+  p = jnp.exp(u - m) * inv_s
+  if z_loss is not None:
+    lse = m - jnp.log(jnp.where(has, inv_s, 1.0))
+    p = p * (1.0 + 2.0 * z_loss * lse)
+  g = jnp.where(has, p - target, 0.0)
   return times_slope(g, u, cap)
 
 

@@ -228,6 +228,7 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
       kd.fused_topk_distillation_loss,
       (*_HEADS, ("topk_indices", "idx"), ("topk_log_probs", "topk_lp"), ("labels", "labels")),
       argnums=(0, 1),
+      options={"label_smoothing": 0.1},  # the cross entropy's (see test_distill_ce_options)
       rows=True,
       axis_name=True,
       reverse_only=True,

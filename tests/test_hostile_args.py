@@ -396,6 +396,12 @@ def _strict_calls(dtype, traced):
       lambda a: kj.distillation_loss(a, y, labels, alpha=c(0.5), normalizer=c(4.0)),
       Z,
     ),
+    "distillation_loss label_smoothing z_loss class where": (
+      lambda a: kj.distillation_loss(
+        a, y, labels, label_smoothing=c(0.1), z_loss=c(0.01), where=np.arange(5) != 3
+      ),
+      Z,
+    ),
   }
 
 
@@ -407,6 +413,7 @@ STRICT_WITH_OPTIONS = {
   "kl_div_from_logits reverse",
   "distillation_loss jsd",
   "distillation_loss normalizer",
+  "distillation_loss label_smoothing z_loss class where",
 }
 
 

@@ -208,6 +208,23 @@ def _cases():
     (rows,),
     meshes=("8", "4x2"),
   )
+  scalar_case(  # the cross entropy's options: K, the kept classes, counted over the devices
+    "distill[labels,class_mask,label_smoothing,z_loss,normalizer]",
+    lambda a, b, y, m, axis_name=None: distill(
+      a,
+      b,
+      y,
+      temperature=2.0,
+      where=m,
+      normalizer=valid,
+      label_smoothing=0.2,
+      z_loss=0.01,
+      axis_name=axis_name,
+    ),
+    (labels, mask_with_labels),
+    (rows, classes),
+    meshes=TWO,
+  )
   scalar_case(
     "distill[forward_kl,labels,mean]",
     lambda a, b, y, axis_name=None: distill(a, b, y, temperature=3.0, axis_name=axis_name),
@@ -251,6 +268,16 @@ def _cases():
     normalizer=n_where,
   )
   fused_case("fused[forward_kl,mean]", ("8",))
+  fused_labels = np.arange(BATCH) * 5 % VOCAB
+  fused_labels[3] = -100
+  fused_case(  # the tokens whole on the 1-D mesh: the labels a constant
+    "fused[labels,label_smoothing,z_loss,chunk=3]",
+    ("8",),
+    labels=fused_labels,
+    label_smoothing=0.2,
+    z_loss=0.01,
+    chunk_size=3,
+  )
   return cases
 
 
