@@ -408,7 +408,7 @@ def xla_one_pass_sums(kind: Kind, caps, z, y, temperature, *masks):
   return tuple(_one_pass_form(kind)[2](*_scaled(caps, z, y, temperature, masks)))
 
 
-def one_pass_sums(kind: Kind, caps, z, y, temperature, masks, gpu=True) -> tuple:
+def one_pass_sums(kind: Kind, caps, z, y, temperature, masks, gpu: bool | tuple = True) -> tuple:
   """``(mu, su, mv, sv, *sums)`` of a one-pass form (``("kl",)``: ``gv, gu`` of
   :func:`~kldiv_jax._online_kl.online_kl_sums`; ``("ab", alpha, beta)``: ``G, H, T`` of
   :func:`~kldiv_jax._online_ab.online_ab_sums`) for the scaled logits of ``z`` and ``y``:
