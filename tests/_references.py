@@ -897,6 +897,86 @@ def collectives(hlo_text):
   return [[m.group(2), m.group(1).strip()] for m in COLLECTIVE_RE.finditer(hlo_text)]
 
 
+# ----------------------------------------------------------------- optimised HLO, read
+
+_HLO_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) \(.*\{\s*$")
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
+
+
+def _hlo_instruction(rest):
+  """``(opcode, operand names, called computation, parameter number)`` of an instruction's
+  text after ``=``."""
+  m = re.search(r" ([a-z][a-z0-9\-]*)\(", rest)
+  if m is None:
+    return None, [], None, None
+  depth, i = 1, m.end()
+  while depth and i < len(rest):
+    depth += {"(": 1, ")": -1}.get(rest[i], 0)
+    i += 1
+  args = rest[m.end() : i - 1]
+  calls = re.search(r"calls=%([\w.\-]+)", rest[i:])
+  param = int(args) if m.group(1) == "parameter" else None
+  return m.group(1), re.findall(r"%([\w.\-]+)", args), calls and calls.group(1), param
+
+
+def hlo_graph(hlo_text):
+  """``{computation: {instruction: (opcode, operands, called, parameter number)}}`` of an
+  optimised module's text (``compiled.as_text()``)."""
+  comps, cur = {}, None
+  for line in hlo_text.splitlines():
+    header = _HLO_HEADER.match(line)
+    if header:
+      cur = comps.setdefault(header.group(1), {})
+      continue
+    m = _HLO_INSTR.match(line)
+    if m and cur is not None:
+      cur[m.group(1)] = _hlo_instruction(m.group(2))
+  return comps
+
+
+def shared_exponentials(hlo_text):
+  """``(computation, reduce, exponential)`` for each exponential that feeds two operands of
+  one variadic reduce of an optimised module: through the reduce's fusion, its parameters
+  (the operands of the fusions calling it) and the fusions computing them (every exponential
+  inside). What XLA:GPU does not fuse into a reduction (an expensive producer read twice) and
+  writes out as a temporary of the operands' size."""
+  comps = hlo_graph(hlo_text)
+  callers: dict[str, list] = {}
+  for cname, comp in comps.items():
+    for op, args, called, _ in comp.values():
+      if op == "fusion" and called:
+        callers.setdefault(called, []).append((cname, args))
+
+  def exps(cname, name, seen, out):
+    if (cname, name) in seen or name not in comps.get(cname, {}):
+      return out
+    seen.add((cname, name))
+    op, args, called, param = comps[cname][name]
+    if op == "exponential":
+      out.add((cname, name))
+    elif op == "parameter":
+      for caller, operands in callers.get(cname, []):
+        if param < len(operands):
+          exps(caller, operands[param], seen, out)
+    elif op == "fusion" and called:
+      out.update((called, n) for n, (o, *_) in comps[called].items() if o == "exponential")
+    for a in args:
+      exps(cname, a, seen, out)
+    return out
+
+  found = []
+  for cname, comp in comps.items():
+    for name, (op, args, _, _) in comp.items():
+      if op != "reduce" or len(args) < 4:  # a variadic reduce: operands, then initial values
+        continue
+      readers: dict[tuple[str, str], int] = {}
+      for a in args[: len(args) // 2]:
+        for e in exps(cname, a, set(), set()):
+          readers[e] = readers.get(e, 0) + 1
+      found += [(cname, name, e[1]) for e, k in readers.items() if k > 1]
+  return found
+
+
 def lm_inputs(rows, vocab, hidden, k, *, seed, scale):
   """Seeded float32 inputs of every language-model loss: ``s``/``t`` logits ``[rows, vocab]``
   (scale ``scale``), ``labels``, the teacher's top-``k`` ``idx``/``topk_lp``, and hidden

@@ -1006,6 +1006,32 @@ def test_accelerator_path_alpha_beta_one_pass(accelerator_branch, x64):
   check_grads(f, (z[3:], y[3:]), order=2, modes=("fwd", "rev"))
 
 
+@pytest.mark.parametrize(
+  ("divergence", "temperature"),
+  [("forward_kl", 1.0), ("reverse_kl", 1.0), ("forward_kl", "array 1.0"), ("forward_kl", 2.0)],
+)
+def test_unit_temperature_shares_no_exponential(accelerator_branch, divergence, temperature):
+  """distillation_loss off CPU: the divergence's KL sums and the cross entropy's statistics
+  come from one reduction. At T = 1 (the default; or a constant array) XLA folds ``z / 1``
+  and the two sides' logits are one value: no exponential may then feed two operands of the
+  reduction. One did (the classes' masses, ``exp(u - u)`` on both sides, merged by XLA's
+  CSE), and XLA:GPU wrote it out as an [N, V] float32 temporary (compiled for an H100:
+  1 GiB and 3.35x the HBM floor at (2048, 131072) bf16, where T = 2 gave 14 MiB and 1.69x).
+  Read from the optimised module of the accelerator branch compiled for CPU, whose CSE
+  merges the same way (its fusions differ: the temporary itself shows only on XLA:GPU,
+  in ``make bench-accel``). T = 2: the control."""
+  s = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+  labels = jax.ShapeDtypeStruct((64,), jnp.int32)
+  t = jnp.float32(1.0) if temperature == "array 1.0" else temperature
+
+  def loss(a, b, y):
+    return kd.distillation_loss(a, b, y, temperature=t, divergence=divergence)
+
+  hlo = jax.jit(jax.value_and_grad(loss)).lower(s, s, labels).compile().as_text()
+  assert re.search(r"\) reduce\(", hlo), "no variadic reduce: the one-pass path was not taken"
+  assert refs.shared_exponentials(hlo) == []
+
+
 @pytest.mark.parametrize("x64_mode", [False, True])
 def test_accelerator_path_tokens_and_distillation(accelerator_branch, x64_mode):
   """token_log_probs (± entropy) and distillation_loss on the accelerator path (one
