@@ -1025,9 +1025,10 @@ def test_unit_temperature_shares_no_exponential(accelerator_branch, loss, diverg
   operands. One did (the classes' masses, ``exp(u - u)`` on both sides, merged by XLA's
   CSE), and XLA:GPU wrote it out as an [N, V] float32 temporary (compiled for an H100:
   1 GiB and 3.35x the HBM floor at (2048, 131072) bf16, where T = 2 gave 14 MiB and 1.69x;
-  1 GiB more per chunk of the fused loss). Read from the optimised module of the
-  accelerator branch compiled for CPU, whose CSE merges the same way (its fusions differ:
-  the temporary itself shows only on XLA:GPU, in ``make bench-accel``). T = 2: the control."""
+  the fused loss, a [chunk, V] float32 array: 1 GiB at 4096 x 65536). Read from the
+  optimised module of the accelerator branch compiled for CPU, whose CSE merges the same
+  way (its fusions differ: the temporary itself shows only on XLA:GPU, in ``make
+  bench-accel``). T = 2: the control."""
   t = jnp.float32(1.0) if temperature == "array 1.0" else temperature
   n, h, v = 64, 16, 512
   labels = jax.ShapeDtypeStruct((n,), jnp.int32)
