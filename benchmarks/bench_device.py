@@ -1,8 +1,9 @@
 """The accelerator cases run for real: ``bench_accel``'s estimates, timed on an attached GPU or TPU.
 
 The same row and fused cases as ``bench_accel.py`` (``value_and_grad`` wrt the student
-against the straightforward code, or for the fused losses against the same loss on
-materialised ``hidden @ weight`` logits), on random data, on the default device: medians
+against the straightforward code, the row cases with a temperature at T = 1 and T = 2,
+or for the fused losses against the same loss on materialised ``hidden @ weight``
+logits), on random data, on the default device: medians
 of round-robin timed calls (``_harness.time_contenders``), XLA's temp of each compiled
 program, the bandwidth at which each row kernel moves its HBM floor (both inputs read
 once, the gradient written once), and each pair's values side by side. Nothing here is
@@ -42,6 +43,8 @@ from bench_accel import (
   TOPK,
   _fused_contenders,
   _row_contenders,
+  _temperature,
+  row_temperatures,
   with_gpu_kernels,
 )
 
@@ -84,15 +87,18 @@ def _value(out) -> float:
 
 
 def _row(
-  case: str, n: int, v: int, dtype: str, repeats: int, seed: int, gpu: str = "off", configs=()
+  case: str, n: int, v: int, dtype: str, T, repeats: int, seed: int, gpu: str = "off", configs=()
 ) -> dict[str, Any]:
+  """A row case at temperature ``T`` (``None``: a case without one); ``gpu``: the opt-in GPU
+  kernels off, on, or both side by side; ``configs``: their layouts to sweep."""
   kinds, floor_arrays = ROW_ARGS[case]
   dt = jnp.dtype(dtype)
   args = _inputs(kinds, n, v, None, dt, seed)
   if case == "kl_div":  # torch's semantics: log-probabilities and probabilities
     args = [jax.nn.log_softmax(args[0].astype(jnp.float32)).astype(dt), jax.nn.softmax(args[1])]
   row: dict[str, Any] = {"case": case, "kind": "row", "shape": [n, v], "dtype": dtype}
-  fns = _row_contenders(case)
+  row["temperature"] = T
+  fns = _row_contenders(case, T or 1.0)
   if gpu == "on":
     fns["kldiv_jax"] = with_gpu_kernels(fns["kldiv_jax"])
   elif gpu == "both":
@@ -129,7 +135,8 @@ def _line(row: dict[str, Any]) -> str:
   a, b = ("naive", "kldiv_jax") if row["kind"] == "row" else ("materialised", "fused")
   shape = "x".join(map(str, row["shape"]))
   text = (
-    f"{row['case']:<24} {shape:<17} {row['dtype']:<9} {b} {row[b]['median_ms']:8.3f} ms"
+    f"{row['case']:<24} {shape:<17} {row['dtype']:<9} {_temperature(row):<4} {b}"
+    f" {row[b]['median_ms']:8.3f} ms"
     f" / {a} {row[a]['median_ms']:8.3f} ms = {fmt_ratio(row['time_ratio'])}"
     f"  temp {fmt_bytes(row[b]['temp_bytes'])} ({fmt_bytes(row[a]['temp_bytes'])})"
     f"  values {row[b]['value']:.6g} / {row[a]['value']:.6g}"
@@ -207,7 +214,8 @@ def main(argv=None) -> int:
   for (n, v), dtype in shapes:
     for case in [c for c in cases if c in ROW_ARGS]:
       configs = [c for c in args.gpu_configs.split(",") if c]
-      record(_row, case, n, v, dtype, repeats, args.seed, args.gpu_kernels, configs)
+      for T in row_temperatures(case):  # T = 1 (the default) and T = 2
+        record(_row, case, n, v, dtype, T, repeats, args.seed, args.gpu_kernels, configs)
   for case in [c for c in cases if c in FUSED_ARGS]:
     policy = case == "fused_policy"
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None

@@ -55,7 +55,9 @@ def _online_kl_parts(u, v):
   # on one side only gives +inf to that side's log-ratio sum (as _kl_pass_terms does).
   # Each operand tests for mass its own way (!=, >, ==): XLA:GPU (jax 0.11) wrote a mask
   # that several operands shared out as a [rows, classes] temporary (symmetric KL, which
-  # reads both sums, at 1.33x the straightforward code's time on an H200).
+  # reads both sums, at 1.33x the straightforward code's time on an H200). The masses are
+  # ``exp(u - u)`` here and ``u - u + 1`` in online_softmax_parts: never one expression,
+  # which XLA would merge where a cross entropy's logits equal ``u`` (temperature 1).
   inf = jnp.asarray(jnp.inf, u.dtype)
   su = jnp.where(u != -inf, jnp.exp(u - u), 0.0)  # 1, or NaN at a NaN or +inf logit
   sv = jnp.where(v != -inf, jnp.exp(v - v), 0.0)

@@ -906,6 +906,104 @@ def collectives(hlo_text):
   return [[m.group(2), m.group(1).strip()] for m in COLLECTIVE_RE.finditer(hlo_text)]
 
 
+# ----------------------------------------------------------------- optimised HLO, read
+
+_HLO_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+) \(.*\{\s*$")
+_HLO_INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+) = (.*)$")
+
+
+def _hlo_instruction(rest):
+  """``(opcode, operand names, called computation, number, size)`` of an instruction's text
+  after ``=``; the number: a parameter's, or a ``get-tuple-element``'s index; the size: its
+  element count (``None`` for a tuple)."""
+  m = re.search(r" ([a-z][a-z0-9\-]*)\(", rest)
+  if m is None:
+    return None, [], None, None, None
+  depth, i = 1, m.end()
+  while depth and i < len(rest):
+    depth += {"(": 1, ")": -1}.get(rest[i], 0)
+    i += 1
+  args, attrs = rest[m.end() : i - 1], rest[i:]
+  calls = re.search(r"calls=%([\w.\-]+)", attrs)
+  index = re.search(r"index=(\d+)", attrs)
+  number = int(args) if m.group(1) == "parameter" else index and int(index.group(1))
+  dims = re.fullmatch(r"\s*[a-z0-9]+\[([\d,]*)\](?:\{[^}]*\})?\s*", rest[: m.start()])
+  size = dims and int(np.prod([int(d) for d in dims.group(1).split(",") if d]))
+  return m.group(1), re.findall(r"%([\w.\-]+)", args), calls and calls.group(1), number, size
+
+
+def hlo_graph(hlo_text):
+  """``({computation: {instruction: (opcode, operands, called, number, size)}},
+  {computation: its root})`` of an optimised module's text (``compiled.as_text()``)."""
+  comps, roots, cur = {}, {}, None
+  for line in hlo_text.splitlines():
+    header = _HLO_HEADER.match(line)
+    if header:
+      cur = header.group(1)
+      comps[cur] = {}
+      continue
+    m = _HLO_INSTR.match(line)
+    if m and cur is not None:
+      comps[cur][m.group(2)] = _hlo_instruction(m.group(3))
+      if m.group(1):
+        roots[cur] = m.group(2)
+  return comps, roots
+
+
+def shared_exponentials(hlo_text):
+  """The exponentials of an optimised module that feed two operands of its reduces (one
+  variadic reduce, or sibling reduces), each an operand's size: ``[(computation, name)]``.
+
+  Followed through fusions (their roots, the tuple elements read), their parameters (the
+  operands of the fusions calling them) and the other instructions' operands, not through
+  an earlier reduce (its outputs are reduced values). XLA:GPU does not fuse an expensive
+  producer read twice into a reduction, and writes it out: a temporary of the operands' size.
+  """
+  comps, roots = hlo_graph(hlo_text)
+  callers: dict[str, list] = {}
+  for cname, comp in comps.items():
+    for op, args, called, _, _ in comp.values():
+      if op == "fusion" and called:
+        callers.setdefault(called, []).append((cname, args))
+
+  def exps(cname, name, seen, out, element=None):
+    key = (cname, name, element)
+    if key in seen or name not in comps.get(cname, {}):
+      return out
+    seen.add(key)
+    op, args, called, number, size = comps[cname][name]
+    if op == "exponential":
+      out.add((cname, name, size))
+    if op == "reduce":  # reduced values (a two-stage row reduction's partials), not the exp
+      return out
+    if op == "parameter":
+      for caller, operands in callers.get(cname, []):
+        if number < len(operands):
+          exps(caller, operands[number], seen, out)
+    elif op == "get-tuple-element":
+      exps(cname, args[0], seen, out, number)
+    elif op == "tuple" and element is not None:
+      exps(cname, args[element], seen, out)
+    elif op == "fusion" and called:
+      exps(called, roots[called], seen, out, element)
+    else:
+      for a in args:
+        exps(cname, a, seen, out)
+    return out
+
+  readers: dict[tuple[str, str], int] = {}
+  for cname, comp in comps.items():
+    for op, args, _, _, _ in comp.values():
+      if op != "reduce":
+        continue
+      for a in args[: len(args) // 2]:  # the operands, then their initial values
+        size = comp[a][4] if a in comp else None
+        for c, e, s in exps(cname, a, set(), set()):
+          if s == size:
+            readers[(c, e)] = readers.get((c, e), 0) + 1
+  return sorted(e for e, k in readers.items() if k > 1)
+
+
 def lm_inputs(rows, vocab, hidden, k, *, seed, scale):
   """Seeded float32 inputs of every language-model loss: ``s``/``t`` logits ``[rows, vocab]``
   (scale ``scale``), ``labels``, the teacher's top-``k`` ``idx``/``topk_lp``, and hidden

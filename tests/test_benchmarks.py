@@ -184,17 +184,54 @@ def test_llm_section_runs_and_reports_its_targets(tmp_path):
 
 
 def test_device_section_times_a_case_and_compares_values(monkeypatch, tmp_path):
-  """bench_device (the accelerator cases run for real) on CPU at --quick sizes, one case:
-  both contenders timed, their temps and their values recorded, the values equal."""
+  """bench_device (the accelerator cases run for real) on CPU at --quick sizes, one case at
+  T = 1 and T = 2: both contenders timed, their temps and their values recorded, the values
+  equal (and different between the temperatures: each ran at its own)."""
   monkeypatch.syspath_prepend(str(BENCH))
   import bench_device
 
   argv = ["--quick", "--cases", "jsd", "--repeats", "1", "--out", str(tmp_path)]
   assert bench_device.main(argv) == 0
-  (row,) = json.loads((tmp_path / "device.json").read_text())["records"]
-  assert row["case"] == "jsd" and row["time_ratio"] > 0 and row["floor_tb_per_s"] > 0
-  assert row["kldiv_jax"]["temp_bytes"] < row["naive"]["temp_bytes"]
-  assert abs(row["kldiv_jax"]["value"] - row["naive"]["value"]) <= 1e-5 * row["naive"]["value"]
+  rows = json.loads((tmp_path / "device.json").read_text())["records"]
+  assert [(r["case"], r["temperature"]) for r in rows] == [("jsd", 1.0), ("jsd", 2.0)]
+  for row in rows:
+    assert row["time_ratio"] > 0 and row["floor_tb_per_s"] > 0
+    assert row["kldiv_jax"]["temp_bytes"] < row["naive"]["temp_bytes"]
+    naive = row["naive"]["value"]
+    assert abs(row["kldiv_jax"]["value"] - naive) <= 1e-5 * naive
+  at_1, at_2 = (r["naive"]["value"] for r in rows)
+  assert abs(at_1 - at_2) > 1e-3 * at_2
+
+
+def test_accel_fused_temp_is_the_looped_program(monkeypatch):
+  """bench_accel unrolls the fused losses' loops to count flops and bytes (XLA counts a loop
+  body once), then reads the temp of the program users run: looped. The library's kernels
+  are jitted, their traces cached by shapes, and at N = 2 chunks the unrolled trace was
+  reused (H100, N = 8192, V = 65536: 4.06 GiB of temp reported for the fused distillation,
+  2.31 GiB in the looped program). Outside ``_unrolled_loops`` the chunk loop is back."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_accel
+  import jax
+  import jax.numpy as jnp
+
+  import kldiv_jax as kd
+
+  c, h, v = 8, 4, 16
+  h2, w = jnp.ones((2 * c, h)), jnp.ones((h, v))
+  y = jnp.zeros((2 * c,), jnp.int32)
+
+  def jaxpr(hidden, labels):
+    def loss(hidden, w):
+      return jnp.sum(kd.fused_token_log_probs(hidden, w, labels, chunk_size=c))
+
+    return str(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(hidden, w))
+
+  # Two chunks: the chunk loops (forward and backward) are scans of length 2, unrolled
+  # (unroll=2) inside the context and looped (unroll=1) outside it.
+  with bench_accel._unrolled_loops():
+    assert "unroll=2" in jaxpr(h2, y)
+  looped = jaxpr(h2, y)
+  assert "length=2" in looped and "unroll=2" not in looped
 
 
 def test_accel_section_parses_and_is_opt_in(monkeypatch):

@@ -1006,6 +1006,55 @@ def test_accelerator_path_alpha_beta_one_pass(accelerator_branch, x64):
   check_grads(f, (z[3:], y[3:]), order=2, modes=("fwd", "rev"))
 
 
+@pytest.mark.parametrize(
+  ("loss", "divergence", "temperature"),
+  [
+    ("materialised", "forward_kl", 1.0),
+    ("materialised", "reverse_kl", 1.0),
+    ("materialised", "forward_kl", "array 1.0"),
+    ("materialised", "forward_kl", 2.0),
+    ("fused", "forward_kl", 1.0),
+    ("fused", "forward_kl", 2.0),
+  ],
+)
+def test_unit_temperature_shares_no_exponential(accelerator_branch, loss, divergence, temperature):
+  """distillation_loss and the fused head off CPU: the divergence's KL sums and the cross
+  entropy's statistics come from reductions over the same logits (one variadic reduction,
+  or sibling ones per chunk). At T = 1 (the default; or a constant array) XLA folds ``z / 1``
+  and the two sides' logits are one value: no exponential may then feed two of their
+  operands. One did (the classes' masses, ``exp(u - u)`` on both sides, merged by XLA's
+  CSE), and XLA:GPU wrote it out as an [N, V] float32 temporary (compiled for an H100:
+  1 GiB and 3.35x the HBM floor at (2048, 131072) bf16, where T = 2 gave 14 MiB and 1.69x;
+  the fused loss, a [chunk, V] float32 array: 1 GiB at 4096 x 65536). Read from the
+  optimised module of the accelerator branch compiled for CPU, whose CSE merges the same
+  way (its fusions differ: the temporary itself shows only on XLA:GPU, in ``make
+  bench-accel``). T = 2: the control."""
+  t = jnp.float32(1.0) if temperature == "array 1.0" else temperature
+  n, h, v = 64, 16, 512
+  labels = jax.ShapeDtypeStruct((n,), jnp.int32)
+  if loss == "materialised":
+    args, argnums = (jax.ShapeDtypeStruct((n, v), jnp.float32),) * 2 + (labels,), 0
+
+    def fn(s, y, labels):
+      return kd.distillation_loss(s, y, labels, temperature=t, divergence=divergence)
+
+  else:
+    hidden, head = (
+      jax.ShapeDtypeStruct((n, h), jnp.float32),
+      jax.ShapeDtypeStruct((h, v), jnp.float32),
+    )
+    args, argnums = (hidden, head, hidden, head, labels), (0, 1)
+
+    def fn(hs, ws, ht, wt, labels):
+      return kd.fused_distillation_loss(
+        hs, ws, ht, wt, labels=labels, temperature=t, divergence=divergence, chunk_size=32
+      )
+
+  hlo = jax.jit(jax.value_and_grad(fn, argnums)).lower(*args).compile().as_text()
+  assert re.search(r"\) reduce\(", hlo), "no variadic reduce: the one-pass path was not taken"
+  assert refs.shared_exponentials(hlo) == []
+
+
 @pytest.mark.parametrize("x64_mode", [False, True])
 def test_accelerator_path_tokens_and_distillation(accelerator_branch, x64_mode):
   """token_log_probs (± entropy) and distillation_loss on the accelerator path (one
