@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kldiv_jax._divergences import Classes, Formula, Norms
+from kldiv_jax._numerics import at_least
 from kldiv_jax._online_softmax import joint_reduce
 from kldiv_jax._rows import normalizer
 
@@ -33,8 +34,8 @@ def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
 def identical_gap(u, v):
   """``|u - v|`` per class, ``-inf`` raised to the lowest float: its row sum is 0 exactly
   where :func:`identical_rows` is true."""
-  lowest = jnp.finfo(u.dtype).min
-  return jnp.abs(jnp.maximum(u, lowest) - jnp.maximum(v, lowest))
+  lowest = float(jnp.finfo(u.dtype).min)
+  return jnp.abs(at_least(lowest, u) - at_least(lowest, v))
 
 
 def plain_sums(*arrays):

@@ -11,6 +11,16 @@
   outside its range raises ``ValueError`` at trace time instead (``_checks``).
 * A divergence is never below 0: :func:`nonnegative` clamps the value after
   rounding; its derivative is that of the unclamped formula.
+* A clamp keeps a NaN: :func:`at_least` and :func:`at_most`, never
+  ``jnp.maximum(x, c)``. XLA:CPU's fused elementwise-plus-reduce kernels
+  (YNNPACK, from a few thousand elements on) compute ``max``/``min`` as the
+  x86 instructions do: when either operand is NaN the result is the *second*
+  one (HLO promises NaN), and XLA moves a constant operand to the right, so
+  ``max(x, c)`` turns a NaN ``x`` into ``c``. The helpers put the bound first,
+  behind :func:`lax.optimization_barrier` (a constant XLA keeps on the left).
+* A NaN is never masked away by a comparison: a mask built from a value
+  (a trust region, an importance-weight bound) is written so that NaN keeps
+  the token (``~(x > high)``, not ``x <= high``) and its NaN reaches the loss.
 * No NaN is produced and then selected away, so that ``jax.debug_nans``
   raises only for results that are NaN: arguments are made safe before a
   partial operation (double ``where``), not after.
@@ -36,6 +46,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def max_shift(m: jax.Array) -> jax.Array:
@@ -48,6 +59,25 @@ def max_shift(m: jax.Array) -> jax.Array:
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
+def bound(value: jax.typing.ArrayLike, dtype) -> jax.Array:
+  """A bound that XLA keeps as the *first* operand of ``max``/``min`` (module docstring).
+
+  A Python number or a traced array alike (the barrier is free on a scalar, and an array
+  that XLA can fold into a constant would be moved right too).
+  """
+  return lax.optimization_barrier(jnp.asarray(value, dtype))
+
+
+def at_least(low, x: jax.Array) -> jax.Array:
+  """``max(low, x)`` that keeps a NaN ``x`` NaN on every backend (the bound first)."""
+  return jnp.maximum(bound(low, x.dtype), x)
+
+
+def at_most(high, x: jax.Array) -> jax.Array:
+  """``min(high, x)`` that keeps a NaN ``x`` NaN on every backend (the bound first)."""
+  return jnp.minimum(bound(high, x.dtype), x)
+
+
 @jax.custom_jvp
 def nonnegative(x: jax.Array) -> jax.Array:
   """``max(x, 0)`` for a divergence rounded below 0; NaN propagates.
@@ -56,7 +86,7 @@ def nonnegative(x: jax.Array) -> jax.Array:
   its gradient: the derivative is that of ``x`` itself (the rule below), so
   gradients stay continuous and equal the kernels' exact ones.
   """
-  return jnp.maximum(x, 0.0)
+  return at_least(0.0, x)
 
 
 nonnegative.defjvp(lambda primals, tangents: (nonnegative(primals[0]), tangents[0]))
@@ -201,7 +231,7 @@ def exp_expm1(l0: jax.Array, delta: jax.Array, top: jax.Array | None = None) -> 
   the exponent, and ``exp`` turns them into relative error.
   """
   up = delta > 0
-  big = l0 + jnp.maximum(delta, 0.0) if top is None else jnp.where(up, top, l0)
+  big = l0 + at_least(0.0, delta) if top is None else jnp.where(up, top, l0)
   return jnp.where(up, -1.0, 1.0) * jnp.exp(big) * jnp.expm1(-jnp.abs(delta))
 
 

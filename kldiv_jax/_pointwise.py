@@ -33,7 +33,8 @@ does: when either is NaN the result is ``b``, the *second* operand (HLO
 promises NaN). So every clamp takes its bound first and the value second, and
 the bounds go through :func:`lax.optimization_barrier` -- XLA moves a
 constant operand to the right, which would make ``max(t, -M/2)`` drop a NaN
-``t`` (or the NaN of ``log t`` for a negative ``t``) and give a finite number.
+``t`` (or the NaN of ``log t`` for a negative ``t``) and give a finite number
+(:func:`kldiv_jax._numerics.at_least`, the clamp every loss uses).
 ``tests/test_pointwise.py`` checks NaN propagation at sizes that take the fused
 kernel.
 
@@ -54,18 +55,14 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._checks import check_bool, promote_and_broadcast
-
-
-def _bound(value: float, dtype: jnp.dtype) -> jax.Array:
-  """A scalar bound XLA keeps as the *first* operand of ``max`` (see the module docstring)."""
-  return lax.optimization_barrier(jnp.asarray(value, dtype))
+from kldiv_jax._numerics import at_least
 
 
 def _guards(x: jax.Array, log_t: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(Lc, D)``: the clamped log-target and twice its difference to the clamped input."""
   big = float(jnp.finfo(x.dtype).max)
-  lc = jnp.maximum(_bound(-big / 2, x.dtype), log_t)
-  xc = jnp.maximum(_bound(-big, x.dtype), x)
+  lc = at_least(-big / 2, log_t)
+  xc = at_least(-big, x)
   return lc, (lc - xc) * 2.0
 
 

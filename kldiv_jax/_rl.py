@@ -19,7 +19,13 @@ from kldiv_jax._checks import (
   real_scalar,
   split_where,
 )
-from kldiv_jax._numerics import clamp, exp_minus_one_minus, nan_unless, positive_finite
+from kldiv_jax._numerics import (
+  at_most,
+  clamp,
+  exp_minus_one_minus,
+  nan_unless,
+  positive_finite,
+)
 from kldiv_jax._tokens import token_layout, token_log_prob_rows, token_outputs, token_rows
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
@@ -291,7 +297,7 @@ def distillation_advantages(
   valid = ()
   if sampling_log_probs is not None:
     high = 80.0 if importance_cap is None else jnp.log(jnp.asarray(importance_cap, out[0].dtype))
-    advantage = jnp.exp(jnp.minimum(out[0] - out[2], high)) * advantage
+    advantage = jnp.exp(at_most(high, out[0] - out[2])) * advantage
     if importance_cap is not None and not isinstance(importance_cap, (int, float)):
       valid = (positive_finite(jnp.asarray(importance_cap)),)
   if mask is not None:

@@ -45,7 +45,7 @@ from jax import lax
 from kldiv_jax._class_sums import formula_params, identical_rows
 from kldiv_jax._compat import take_along_last_axis_filled
 from kldiv_jax._divergences import FORMULAS, classes
-from kldiv_jax._numerics import max_shift, nonnegative, soft_cap
+from kldiv_jax._numerics import at_most, max_shift, nonnegative, soft_cap
 from kldiv_jax._online_softmax import online_softmax
 from kldiv_jax._platform import compiled, gpu_or_other, map_rows, per_platform
 from kldiv_jax._rows import is_zero, normalizer, row_stats, times_slope
@@ -277,7 +277,7 @@ def tail_log(x: jax.Array, k: int) -> jax.Array:
   ``-log 2``, so a tail holding almost all the mass keeps its digits too. NaN stays NaN.
   """
   top = jnp.log1p(jnp.asarray(-4.0 * k * jnp.finfo(x.dtype).eps, x.dtype))
-  x_ = jnp.minimum(x, top)
+  x_ = at_most(top, x)
   near = x_ > -jnp.log(2.0)
   out = jnp.where(
     near,

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._numerics import at_most
 from kldiv_jax._rl import kl_estimate
 
 SURROGATES = (
@@ -228,7 +229,7 @@ def sequence_log_ratio(log_probs, old_log_probs, advantages, weights: Weights, o
 def _clipped_surrogate(ratio, advantages, options: Options):
   """PPO's clipped surrogate with clip-higher, verl's dual clip and TRL's ``delta`` cap."""
   low, high = _bounds(options, ratio.dtype)
-  capped = ratio if options.ratio_cap is None else jnp.minimum(ratio, options.ratio_cap)
+  capped = ratio if options.ratio_cap is None else at_most(options.ratio_cap, ratio)
   loss1 = -advantages * capped
   loss2 = -advantages * jnp.clip(ratio, 1.0 - low, 1.0 + high)
   clipped = jnp.maximum(loss1, loss2)
@@ -243,16 +244,20 @@ def _clipped_surrogate(ratio, advantages, options: Options):
 
 
 def _dppo_valid(log_probs, old_log_probs, advantages, options: Options):
-  """DPPO's trust region (verl's ``dppo_tv``/``dppo_kl``): which tokens keep their gradient."""
+  """DPPO's trust region (verl's ``dppo_tv``/``dppo_kl``): which tokens keep their gradient.
+
+  Written as "not outside", so that a NaN log-probability keeps its token (and the loss
+  NaN) instead of being masked away as outside the region.
+  """
   low, high = _bounds(options, log_probs.dtype)
   p, p_old = jnp.exp(log_probs), jnp.exp(old_log_probs)
   if options.surrogate == "dppo-tv":
-    positive, negative = p - p_old <= high, p - p_old >= -low
+    positive, negative = ~(p - p_old > high), ~(p - p_old < -low)
   else:  # the binary KL of (p_old, 1 - p_old) to (p, 1 - p), with verl's 1e-8
     bkl = p_old * (old_log_probs - log_probs) + (1.0 - p_old) * jnp.log(
       (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
     )
-    positive, negative = (bkl <= high) | (p <= p_old), (bkl <= low) | (p >= p_old)
+    positive, negative = ~((bkl > high) & (p > p_old)), ~((bkl > low) & (p < p_old))
   return lax.stop_gradient(jnp.where(advantages > 0, positive, negative))
 
 
@@ -286,10 +291,10 @@ def token_losses(
   clip_low = clip_high = dual = false
   if s in ("ppo", "gspo", "gspo-token"):
     if s == "gspo":  # the sequence's ratio, its gradient spread over the tokens (TRL's)
-      ratio = jnp.exp(jnp.minimum(seq_log_ratio, GSPO_LOG_RATIO_CAP))
+      ratio = jnp.exp(at_most(GSPO_LOG_RATIO_CAP, seq_log_ratio))
     elif s == "gspo-token":  # sg[s_i] * pi_t / sg[pi_t] (verl's gspo)
       log_ratio = log_probs - lax.stop_gradient(log_probs) + lax.stop_gradient(seq_log_ratio)
-      ratio = jnp.exp(jnp.minimum(log_ratio, GSPO_LOG_RATIO_CAP))
+      ratio = jnp.exp(at_most(GSPO_LOG_RATIO_CAP, log_ratio))
     pg, clip_low, clip_high, dual = _clipped_surrogate(ratio, advantages, options)
   elif s == "gmpo":  # -A exp(mean clipped log-ratio), a sequence mean of the tokens' A
     ratio = jnp.exp(seq_log_ratio)
@@ -304,7 +309,7 @@ def token_losses(
       clip_low = ratio < 1.0 - low
       clip_high = ratio > 1.0 + high
     else:  # TRL: min(r, cap), TRL's epsilon_high being the cap
-      weight = jnp.minimum(ratio, options.ratio_cap)
+      weight = at_most(options.ratio_cap, ratio)
       clip_high = (ratio > options.ratio_cap) & (advantages > 0)
     pg = -lax.stop_gradient(weight) * advantages * log_probs
   elif s == "sapo":  # a sigmoid gate in place of the clip
@@ -316,7 +321,7 @@ def token_losses(
   else:  # dppo-tv, dppo-kl
     cap = 20.0 if options.ratio_cap is None else options.ratio_cap
     valid = _dppo_valid(log_probs, old_log_probs, advantages, options)
-    pg = -advantages * lax.stop_gradient(jnp.minimum(ratio, cap)) * log_probs * valid
+    pg = -advantages * lax.stop_gradient(at_most(cap, ratio)) * log_probs * valid
     clip_high = ~valid
     dual = (ratio > cap) & valid
   if rollout_weights is not None:
@@ -395,10 +400,10 @@ def rollout_weights(old_log_probs, rollout_log_probs, weights: Weights, mode, bo
   if mode.endswith("truncate"):
     w = jnp.clip(w, low, high)
   else:
-    keep = jnp.ones_like(weights.mask)
+    keep = jnp.ones_like(weights.mask)  # "not outside": a NaN weight keeps its token (NaN)
     if low is not None:
-      keep = keep & (w >= low)
+      keep = keep & ~(w < low)
     if high is not None:
-      keep = keep & (w <= high)
+      keep = keep & ~(w > high)
     w = jnp.where(keep, w, 0.0)
   return lax.stop_gradient(w)

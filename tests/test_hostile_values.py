@@ -200,6 +200,95 @@ def test_nan_teacher_vocab_parallel_is_nan():
   np.testing.assert_allclose(kl[1], ref_forward_kl(student[1:], teacher[1:])[0], rtol=1e-5)
 
 
+# --- 1b. ... at the sizes XLA:CPU runs as one fused kernel ---------------------------
+# From about 4096 elements on, XLA:CPU runs an elementwise-then-sum computation as one
+# fused (YNNPACK) kernel whose max/min return their second operand when either is NaN,
+# and XLA moves a constant operand to the right: `max(x, 0)` then turns a NaN `x` into
+# 0 (`_numerics.at_least`). Every public call, jitted, at 4096 rows (the per-row values
+# summed: 4096 elements) of 4 classes (16384 elements), NaN planted mid-array.
+
+FUSED_ROWS = 4096
+
+FUSED_VARIANTS = {
+  "kl_div log_target": NAN_VARIANTS["kl_div log_target"],
+  "kl_div_from_logits reverse": NAN_VARIANTS["kl_div_from_logits reverse"],
+  "generalized_jsd beta=0": NAN_VARIANTS["generalized_jsd beta=0"],
+  "distillation_loss tvd": dataclasses.replace(
+    PUBLIC_CALLS["distillation_loss"], options={"divergence": "tvd"}
+  ),
+  "divergence_from_logits alpha_beta": dataclasses.replace(
+    PUBLIC_CALLS["divergence_from_logits"],
+    options={"divergence": kd.Divergence("alpha_beta", alpha=0.5, beta=0.3)},
+  ),
+  "distillation_advantages sampling": dataclasses.replace(
+    PUBLIC_CALLS["distillation_advantages"],
+    inputs=(*PUBLIC_CALLS["distillation_advantages"].inputs, ("sampling_log_probs", "adv")),
+  ),
+  **{
+    f"policy_loss {name}": dataclasses.replace(PUBLIC_CALLS["policy_loss"], options=options)
+    for name, options in {
+      "dppo-tv": {"surrogate": "dppo-tv"},
+      "dppo-kl": {"surrogate": "dppo-kl"},
+      "cispo-cap": {"surrogate": "cispo-cap", "ratio_cap": 4.0},
+      "ppo ratio_cap": {"ratio_cap": 4.0},
+      "gspo": {"surrogate": "gspo"},
+    }.items()
+  },
+  "policy_loss rollout token_mask": dataclasses.replace(
+    PUBLIC_CALLS["policy_loss"],
+    inputs=(*PUBLIC_CALLS["policy_loss"].inputs[:3], ("rollout_log_probs", "lp")),
+    options={"rollout_correction": "token_mask", "rollout_bounds": (0.5, 2.0)},
+  ),
+}
+
+
+@pytest.fixture(scope="module")
+def fused_data():
+  return public_inputs(FUSED_ROWS, 4, 3, 4, seed=4)  # a top-k over every class: finite
+
+
+@pytest.mark.filterwarnings("ignore:The function convex_kl_divergence is deprecated")
+@pytest.mark.parametrize("name", [*PUBLIC_CALLS, *FUSED_VARIANTS])
+def test_nan_in_any_input_gives_nan_at_fused_sizes(name, fused_data):
+  """NaN in each float argument (and a negative probability): the jitted sum is NaN, and
+  so is its gradient wrt the float arguments (somewhere: d/dx of t (log t - x) is -t even
+  for a NaN x, and a NaN token's derivative of a linear or stop-gradient loss is exact)."""
+  call = {**PUBLIC_CALLS, **FUSED_VARIANTS}[name]
+  floats = [i for i, r in enumerate(call.roles) if fused_data[r].dtype == np.float32]
+  argnums = call.argnums if call.reverse_only else tuple(floats)
+  exact_gradient = name in ("sequence_sum", "sequence_mean") or "advantages" in name
+  f = call.positional()
+  value_and_grad = jax.jit(
+    jax.value_and_grad(lambda *a: jnp.sum(jnp.asarray(f(*a), jnp.float32)), argnums)
+  )
+  clean = [fused_data[r] for r in call.roles]
+  value, _ = value_and_grad(*clean)
+  assert np.isfinite(value), (name, value)
+  finite = []
+  for i in floats:
+    for bad_value in (NAN, -0.25) if call.roles[i] == "p" else (NAN,):
+      arrays = [a.copy() for a in clean]
+      arrays[i].flat[arrays[i].size // 2] = bad_value
+      value, grads = value_and_grad(*arrays)
+      grads_nan = any(np.isnan(g).any() for g in grads)
+      if not np.isnan(value) or not (grads_nan or exact_gradient or bad_value == -0.25):
+        finite.append(f"{bad_value} in {call.args[i]}: value {value}, NaN gradient {grads_nan}")
+  assert not finite, f"{name}: " + "; ".join(finite)
+
+
+def test_masked_nan_stays_out_at_fused_sizes(fused_data):
+  """The other side of the contract: a NaN selected away by a mask cannot leak."""
+  s, t = fused_data["s"].copy(), fused_data["t"].copy()
+  keep = np.ones(FUSED_ROWS, bool)
+  keep[FUSED_ROWS // 2] = False
+  s[FUSED_ROWS // 2, 1] = t[FUSED_ROWS // 2, 2] = NAN
+  loss = jax.jit(lambda s, t: jnp.sum(kd.kl_div_from_logits(s, t, where=keep)))
+  value, grad = jax.value_and_grad(loss)(s, t)
+  expected = ref_forward_kl(s[keep], t[keep]).sum()
+  np.testing.assert_allclose(value, expected, rtol=1e-4)
+  assert np.isfinite(grad).all()
+
+
 # --- 2. invalid traced options give NaN -----------------------------------------
 
 _H = np.random.default_rng(2).normal(size=(3, 4)).astype(np.float32)
