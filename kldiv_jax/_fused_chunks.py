@@ -140,9 +140,29 @@ def matmul(a, w, b, dtype):
   return out if b is None else out + b.astype(dtype)[None, :]
 
 
-def low_dtype(out_dtype):
-  """The ``low`` of :func:`chunk_logits` for inputs promoted to ``out_dtype``: that dtype when
-  it is computed in a wider one (bf16/f16), else ``None``."""
+def low_dtype(name, out_dtype, logits_dtype=None):
+  """The ``low`` of :func:`chunk_logits` for inputs promoted to ``out_dtype``, and the check of
+  the fused losses' ``logits_dtype`` option: ``None`` (default), the inputs' dtype when it is
+  computed in a wider one (bf16/f16), else ``None`` (float32 and float64 are held as they are);
+  float32 (``jnp.float32``, ``np.float32`` or ``"float32"``): ``None``, the logits and their
+  gradient held in the matmuls' float32 accumulators (float64 for float64 inputs).
+
+  The one rule every fused loss reads (both heads and both backward matmuls of a chunk, the
+  top-k path, ``axis_name``): Liger Kernel's ``accum_dtype`` of its fused linear cross entropy
+  answers the same complaint (bf16 training that loses the gradient's digits), for its
+  weight-gradient buffers, which here are float32 always.
+  """
+  if logits_dtype is not None:
+    try:
+      wide = jnp.dtype(logits_dtype) == jnp.float32 and not isinstance(logits_dtype, bool)
+    except (TypeError, ValueError):
+      wide = False
+    if not wide:
+      raise ValueError(
+        f"{name}: logits_dtype must be None (the inputs' dtype) or float32 (jnp.float32); got "
+        f"{logits_dtype!r}."
+      )
+    return None
   return None if compute_dtype(out_dtype) == out_dtype else out_dtype
 
 

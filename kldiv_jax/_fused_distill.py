@@ -246,10 +246,12 @@ def _topk_teacher(
 
 
 def _fused_loss(
-  name, o: DistillOptions, s: _Student, teacher: Teacher, vocab, bad, labels, chunk_size, axis_name
-):
+  name, o: DistillOptions, s: _Student, teacher: Teacher, vocab, bad, labels, chunk_size, axis_name,
+  logits_dtype,
+):  # fmt: skip
   """The body of the fused losses once the teacher is laid out: labels, the chunked kernel,
   the mean. ``vocab``: the classes both sides share (per device)."""
+  low = low_dtype(name, s.out_dtype, logits_dtype)
   n, mask, cdt = s.h.shape[0], s.mask, compute_dtype(s.out_dtype)
   labelled = None
   if labels is not None:
@@ -278,7 +280,7 @@ def _fused_loss(
   tokens = (mask, labels, labelled)
 
   def call(chunk):
-    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low_dtype(s.out_dtype))
+    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low)
     return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs)
 
   totals = per_platform(chunk_size, name, n, vocab * s.num_shards, call)
@@ -311,6 +313,7 @@ def fused_distillation_loss(
   target_softcap: float | None = None,
   teacher_vocab_size: int | None = None,
   return_parts: bool = False,
+  logits_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
 
@@ -365,7 +368,7 @@ def fused_distillation_loss(
   teacher, vocab = _dense_teacher(
     name, s, target_hidden, target_weight, target_bias, teacher_vocab_size, axis_name
   )
-  return _fused_loss(name, o, s, teacher, vocab, None, labels, chunk_size, axis_name)
+  return _fused_loss(name, o, s, teacher, vocab, None, labels, chunk_size, axis_name, logits_dtype)
 
 
 def fused_topk_distillation_loss(
@@ -389,6 +392,7 @@ def fused_topk_distillation_loss(
   softcap: float | None = None,
   teacher_vocab_size: int | None = None,
   return_parts: bool = False,
+  logits_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Distillation loss from the student's hidden states and LM head and a top-k teacher.
 
@@ -435,4 +439,4 @@ def fused_topk_distillation_loss(
   teacher, vocab, bad = _topk_teacher(
     name, s, topk_indices, topk_log_probs, tail, where, teacher_vocab_size, axis_name
   )
-  return _fused_loss(name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name)
+  return _fused_loss(name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name, logits_dtype)

@@ -143,6 +143,7 @@ def fused_token_log_probs(
   return_entropy: bool = False,
   chunk_size: int | None = None,
   axis_name: str | None = None,
+  logits_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Sampled tokens' log-probabilities (and the entropy) from hidden states and an LM head.
 
@@ -194,12 +195,12 @@ def fused_token_log_probs(
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
   check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
+  low = low_dtype(name, out_dtype, logits_dtype)
   if n == 0 or vocab == 0:  # every counted id is out of range (NaN)
     log_p = entropy = jnp.zeros(n, t.dtype)
   else:
     h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
     w_arr, b_arr = vary_like_tokens(weight, bias, h, safe, mask)
-    low = low_dtype(out_dtype)
     call = lambda chunk: fused_tokens(  # noqa: E731
       TokenKernel(chunk, axis_name, cap, low), h, w_arr, b_arr, safe, t, mask
     )

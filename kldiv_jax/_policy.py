@@ -358,6 +358,7 @@ def fused_policy_loss(
   ignore_index: int | None = None,
   axis_name: str | None = None,
   chunk_size: int | None = None,
+  logits_dtype: jax.typing.DTypeLike | None = None,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r""":func:`policy_loss` from hidden states and the LM head, with no ``[tokens, vocab]`` array.
 
@@ -466,7 +467,7 @@ def fused_policy_loss(
     h, weight, bias, jnp.asarray(token_ids).reshape(n), static_fn, args,
     where=weights.mask.reshape(n), temperature=temperature, softcap=softcap,
     axis_name=axis_name, chunk_size=chunk_size, with_entropy=with_entropy, has_aux=True,
-    two_pass=two_pass, name=name, loss_dtype=out_dtype,
+    two_pass=two_pass, name=name, loss_dtype=out_dtype, logits_dtype=logits_dtype,
   )  # fmt: skip
   terms = outs.aux._replace(entropy=args["token"] * outs.entropy.astype(dtype))
   return nan_unless(loss, *valid), reduce_metrics(terms, weights)
