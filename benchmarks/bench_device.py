@@ -11,6 +11,10 @@ an estimate; the figures are only as good as the one machine and run they come f
   python benchmarks/bench_device.py                 # full sizes (needs about 40 GB)
   python benchmarks/bench_device.py --quick         # small sizes, a smoke test (any device)
   python benchmarks/bench_device.py --cases jsd,tvd,fused_distillation --repeats 11
+  python benchmarks/bench_device.py --cases fused_distillation+logits_f32,fused_policy+logits_f32
+
+A fused case ending ``+logits_f32`` runs the loss with ``logits_dtype=jnp.float32`` and times
+the default (bf16 chunk logits) fused loss beside it, in the same round robin.
 """
 
 import json
@@ -25,6 +29,7 @@ from _harness import fmt_bytes, fmt_ratio
 from bench_accel import (
   FUSED_ARGS,
   FUSED_SHAPE,
+  LOGITS_F32,
   POLICY_SHAPE,
   QUICK_FUSED_SHAPE,
   QUICK_POLICY_SHAPE,
@@ -96,9 +101,19 @@ def _fused(case: str, shape, repeats: int, seed: int) -> dict[str, Any]:
   kinds, _ = FUSED_ARGS[case]
   args = _inputs(kinds, n, v, h, jnp.dtype("bfloat16"), seed)
   materialised, fused = _fused_contenders(case)
+  fns = {"materialised": materialised, "fused": fused(None)}
+  base = case.removesuffix(LOGITS_F32)
+  if base != case:  # logits_dtype=float32: timed beside the default (bf16) fused loss too
+    fns["fused_default"] = _fused_contenders(base)[1](None)
   row: dict[str, Any] = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16"}
-  row |= _pair({"materialised": materialised, "fused": fused(None)}, args, (0, 1), repeats)
+  row |= _pair(fns, args, (0, 1), repeats)
   row["time_ratio"] = row["fused"]["median_ms"] / row["materialised"]["median_ms"]
+  if "fused_default" in row:
+    ours, default = row["fused"], row["fused_default"]
+    row["vs_default"] = {
+      "time": ours["median_ms"] / default["median_ms"],
+      "temp": ours["temp_bytes"] / max(default["temp_bytes"], 1),
+    }
   return row
 
 
@@ -111,6 +126,11 @@ def _line(row: dict[str, Any]) -> str:
     f"  temp {fmt_bytes(row[b]['temp_bytes'])} ({fmt_bytes(row[a]['temp_bytes'])})"
     f"  values {row[b]['value']:.6g} / {row[a]['value']:.6g}"
   )
+  if "vs_default" in row:
+    text += (
+      f"  vs default {row['fused_default']['median_ms']:8.3f} ms:"
+      f" time {fmt_ratio(row['vs_default']['time'])}, temp {fmt_ratio(row['vs_default']['temp'])}"
+    )
   if row["kind"] == "row":
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
   return text
@@ -144,7 +164,7 @@ def main(argv=None) -> int:
     for case in [c for c in cases if c in ROW_ARGS]:
       record(_row, case, n, v, dtype, repeats, args.seed)
   for case in [c for c in cases if c in FUSED_ARGS]:
-    policy = case == "fused_policy"
+    policy = case.startswith("fused_policy")
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None
     shape = shape or (QUICK_FUSED_SHAPE if args.quick else FUSED_SHAPE)
     record(_fused, case, shape, max(3, repeats // 2), args.seed + 1)
