@@ -342,6 +342,14 @@ def fused_distillation_loss(
     alpha, ignore_index, temperature, divergence, beta, normalizer: as in :func:`distillation_loss`.
     scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts: as
       in :func:`distillation_loss`.
+    logits_dtype: bf16/f16 inputs: what each chunk's logits (both sides) and their gradient
+      are held in between the matmuls and the softmax. ``None`` (default): the inputs' dtype,
+      as in the materialised ``hidden @ weight`` (half the bytes on GPUs); where the logits are
+      large and close together (``|z|`` in the tens or more: bf16's step is ``|z| / 128``)
+      that rounding costs the gradient its digits. ``jnp.float32``: the matmuls' float32
+      results, the loss on float32 logits of the same inputs (the two backward matmuls take a
+      float32 operand: their cost, at JAX's default matmul precision, and the float32
+      ``[chunk, V]`` traffic: :ref:`fused-logits-dtype`). No effect on float32/float64 inputs.
 
   Returns:
     A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
@@ -413,7 +421,7 @@ def fused_topk_distillation_loss(
     tail: ``"renormalize"`` or ``"bucket"``, as in :func:`divergence_from_topk`.
     alpha, ignore_index, temperature, divergence, where, normalizer, chunk_size, axis_name: as
       in :func:`fused_distillation_loss`.
-    scale_by_temperature_squared, softcap, teacher_vocab_size, return_parts: as in
+    scale_by_temperature_squared, softcap, teacher_vocab_size, return_parts, logits_dtype: as in
       :func:`fused_distillation_loss`.
 
   Returns:

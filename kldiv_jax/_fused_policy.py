@@ -234,7 +234,8 @@ def fused_token_loss(
   in float32 (float64 for float64 inputs); ``per_token_fn`` sees that dtype;
   for bf16/f16 inputs each chunk's logits and their gradient are held in the
   inputs' dtype between the matmuls and the softmax, as the materialised
-  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused_chunks.chunk_logits`);
+  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused_chunks.chunk_logits`), or in
+  float32 with ``logits_dtype=jnp.float32`` (:func:`kldiv_jax._fused_chunks.low_dtype`);
   the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
   ``hidden`` and ``weight``), NaN for an invalid traced temperature.
   """

@@ -160,6 +160,10 @@ def fused_token_log_probs(
     temperature, softcap, where, ignore_index, return_entropy: as in :func:`token_log_probs`.
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of ``weight`` and ``bias`` is split over.
+    logits_dtype: bf16/f16 inputs: ``None`` (default) holds each chunk's logits and their
+      gradient in the inputs' dtype, as the materialised ``hidden @ weight``; ``jnp.float32``
+      keeps the matmuls' float32 results (the accuracy of float32 logits, at a cost:
+      :ref:`fused-logits-dtype`), as in :func:`fused_distillation_loss`.
 
   Returns:
     The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``, ``(lp, entropy)``.

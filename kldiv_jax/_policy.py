@@ -372,8 +372,10 @@ def fused_policy_loss(
   Args:
     hidden, weight: hidden states ``[..., T, H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
     token_ids: the sampled tokens ``[..., T]``.
-    temperature, softcap, ignore_index, axis_name, chunk_size: as in
-      :func:`fused_token_log_probs`; the other options as in :func:`policy_loss`.
+    temperature, softcap, ignore_index, axis_name, chunk_size, logits_dtype: as in
+      :func:`fused_token_log_probs` (``logits_dtype=jnp.float32``: bf16 inputs' chunk logits
+      and their gradient in float32, :ref:`fused-logits-dtype`); the other options as in
+      :func:`policy_loss`.
 
   Returns:
     ``(loss, metrics)`` as :func:`policy_loss`.
