@@ -481,31 +481,41 @@ def test_bf16_float32_logits_equal_materialised_float32_logits(rng, teacher):
     np.testing.assert_allclose(g, r, rtol=2**-7, atol=1e-3 * np.abs(r).max())
 
 
+@pytest.mark.parametrize("low", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("logits_dtype", [None, jnp.float32])
-def test_bf16_matmul_dtypes_follow_logits_dtype(rng, logits_dtype):
-  """The jaxpr of value_and_grad (dense teacher): every matmul accumulates in float32; by
-  default both heads' chunk logits are converted to bf16 and the backward matmuls take bf16
-  operands; with ``logits_dtype=jnp.float32`` no [chunk, V] array is converted to bf16 and
-  the two backward matmuls take the float32 logit gradient."""
-  h, w, th, tw = _liger_jsd_inputs(rng, n=7, hidden=16, vocab=24)
+def test_bf16_matmul_dtypes_follow_logits_dtype(rng, low, logits_dtype):
+  """The jaxpr of value_and_grad (dense teacher), bf16 and f16 inputs: every matmul
+  accumulates in float32; by default both heads' chunk logits are converted to the inputs'
+  dtype and the backward matmuls take operands in it; with ``logits_dtype=jnp.float32`` no
+  [chunk, V] array is converted to it and the two backward matmuls take the float32 logit
+  gradient."""
+  h, w, th, tw = (a.astype(low) for a in _liger_jsd_inputs(rng, n=7, hidden=16, vocab=24))
 
   def loss(h, w):
     return fused_distillation_loss(h, w, th, tw, chunk_size=4, logits_dtype=logits_dtype)
 
   jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(h, w).jaxpr
-  dots, to_bf16 = matmuls_and_casts(jaxpr, jnp.bfloat16)
+  dots, to_low = matmuls_and_casts(jaxpr, low)
   assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
-  chunks = [(4, 24), (3, 24)]  # a full chunk and the last one
-  wide = [e for e in dots if any(v.aval.dtype == jnp.float32 for v in e.invars)]
+  chunks = {(4, 24), (3, 24)}  # a full chunk and the last one
+  wide = {v.aval.shape for e in dots for v in e.invars if v.aval.dtype == jnp.float32}
   if logits_dtype is None:
-    assert all(c in to_bf16 for c in chunks) and not wide
-  else:
-    assert not any(c in to_bf16 for c in chunks)
-    # grad_h and grad_w (the CPU and accelerator branches) of each of the two chunk bodies
-    assert {v.aval.shape for e in wide for v in e.invars if v.aval.dtype == jnp.float32} >= {
-      (4, 24),
-      (3, 24),
-    }
+    assert chunks <= set(to_low) and not wide
+  else:  # grad_h and grad_w of each of the two chunk bodies
+    assert not chunks & set(to_low) and chunks <= wide
+
+
+def test_logits_dtype_leaves_float32_and_float64_inputs_alone(x64, rng):
+  """float32 and float64 (x64) inputs: ``logits_dtype=jnp.float32`` traces the same program
+  as the default (their logits are not narrowed, nor float64 ones rounded to float32)."""
+
+  def trace(logits_dtype, h, w, th, tw):
+    loss = lambda h: fused_distillation_loss(h, w, th, tw, logits_dtype=logits_dtype)  # noqa: E731
+    return str(jax.make_jaxpr(jax.grad(loss))(h))
+
+  for dtype in (jnp.float32, jnp.float64):
+    args = [a.astype(dtype) for a in _liger_jsd_inputs(rng, n=7, hidden=16, vocab=24)]
+    assert trace(jnp.float32, *args) == trace(None, *args)
 
 
 # Bad input.
