@@ -23,6 +23,7 @@ from _references import (
   ref_forward_kl,
   ref_jsd,
   ref_reverse_kl,
+  rounded_matmul_outputs,
 )
 from jax.test_util import check_grads
 
@@ -481,28 +482,43 @@ def test_bf16_float32_logits_equal_materialised_float32_logits(rng, teacher):
     np.testing.assert_allclose(g, r, rtol=2**-7, atol=1e-3 * np.abs(r).max())
 
 
+def _chunk_matmuls(dots, chunks) -> tuple[int, set]:
+  """``(how many of ``dots`` take a [chunk, V] operand, the dtypes of those operands)``: the
+  backward matmuls of a fused loss (the forward ones take [chunk, H] and [H, V])."""
+  backward = [e for e in dots if any(v.aval.shape in chunks for v in e.invars)]
+  dtypes = {v.aval.dtype for e in backward for v in e.invars if v.aval.shape in chunks}
+  return len(backward), dtypes
+
+
 @pytest.mark.parametrize("low", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("logits_dtype", [None, jnp.float32])
-def test_bf16_matmul_dtypes_follow_logits_dtype(rng, low, logits_dtype):
+def test_low_precision_matmul_dtypes_follow_logits_dtype(rng, low):
   """The jaxpr of value_and_grad (dense teacher), bf16 and f16 inputs: every matmul
-  accumulates in float32; by default both heads' chunk logits are converted to the inputs'
-  dtype and the backward matmuls take operands in it; with ``logits_dtype=jnp.float32`` no
-  [chunk, V] array is converted to it and the two backward matmuls take the float32 logit
-  gradient."""
+  accumulates in float32. By default both heads' chunk logits are rounded to the inputs'
+  dtype and the backward matmuls take the logit gradient in it. ``logits_dtype=float32``: no
+  matmul result is rounded; the backward matmuls take, for bf16 inputs, the float32 gradient
+  as two bf16 terms (twice the matmuls, each operand bf16: no float32 GEMM, no platform
+  rounding of a float32 operand), for f16 inputs the float32 gradient itself."""
   h, w, th, tw = (a.astype(low) for a in _liger_jsd_inputs(rng, n=7, hidden=16, vocab=24))
-
-  def loss(h, w):
-    return fused_distillation_loss(h, w, th, tw, chunk_size=4, logits_dtype=logits_dtype)
-
-  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(h, w).jaxpr
-  dots, to_low = matmuls_and_casts(jaxpr, low)
-  assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
   chunks = {(4, 24), (3, 24)}  # a full chunk and the last one
-  wide = {v.aval.shape for e in dots for v in e.invars if v.aval.dtype == jnp.float32}
-  if logits_dtype is None:
-    assert chunks <= set(to_low) and not wide
-  else:  # grad_h and grad_w of each of the two chunk bodies
-    assert not chunks & set(to_low) and chunks <= wide
+
+  def program(logits_dtype):
+    def loss(h, w):
+      return fused_distillation_loss(h, w, th, tw, chunk_size=4, logits_dtype=logits_dtype)
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(h, w).jaxpr
+    dots, _ = matmuls_and_casts(jaxpr, low)
+    assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+    return rounded_matmul_outputs(jaxpr, low), *_chunk_matmuls(dots, chunks)
+
+  rounded, backward, dtypes = program(None)
+  # both heads' logits, per chunk body (the full chunks' loop and the last chunk)
+  assert rounded == 4 and dtypes == {jnp.dtype(low)}
+  rounded_f32, backward_f32, dtypes_f32 = program(jnp.float32)
+  assert rounded_f32 == 0
+  if low == jnp.bfloat16:
+    assert backward_f32 == 2 * backward and dtypes_f32 == {jnp.dtype(low)}
+  else:
+    assert backward_f32 == backward and dtypes_f32 == {jnp.dtype(jnp.float32)}
 
 
 def test_logits_dtype_leaves_float32_and_float64_inputs_alone(x64, rng):

@@ -21,6 +21,7 @@ from _references import (
   loop_dot_generals,
   matmuls_and_casts,
   np_log_softmax,
+  rounded_matmul_outputs,
   vocab_sharded_and_whole,
 )
 
@@ -214,23 +215,29 @@ def test_bf16_float32_logits_keep_the_gradient(rng):
 
 @pytest.mark.parametrize("two_pass", [False, True])
 def test_bf16_float32_logits_matmul_dtypes(rng, two_pass):
-  """``logits_dtype=jnp.float32`` (one pass, and two: the recomputing backward pass): every
-  matmul accumulates in float32, no chunk's logits are converted to bf16, and the backward
-  matmuls take the float32 logit gradient."""
+  """``logits_dtype=jnp.float32`` with bf16 inputs (one pass, and two: the recomputing
+  backward pass): every matmul takes bf16 operands and accumulates in float32, no matmul
+  result is rounded to bf16 (by default: each chunk's logits), and each backward matmul (a
+  [chunk, V] operand) runs twice, on the float32 gradient's two bf16 terms."""
   h, w, b, ids, where, old, adv = _data(rng)
   h, w, b = (jnp.asarray(a, jnp.bfloat16) for a in (h, w, b))
   fn, args = (gspo, _gspo_args(old, adv)) if two_pass else (ppo, _ppo_args(where, old, adv))
 
-  def loss(h, w, b):
-    return fused_token_loss(h, w, b, ids, fn, args, has_aux=fn is ppo, two_pass=two_pass,
-                            chunk_size=5, logits_dtype=jnp.float32)[0]  # fmt: skip
+  def program(logits_dtype):
+    def loss(h, w, b):
+      return fused_token_loss(h, w, b, ids, fn, args, has_aux=fn is ppo, two_pass=two_pass,
+                              chunk_size=5, logits_dtype=logits_dtype)[0]  # fmt: skip
 
-  dots, to_bf16 = matmuls_and_casts(jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(h, w, b).jaxpr,
-                                    jnp.bfloat16)  # fmt: skip
-  assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
-  assert (5, VOCAB) not in to_bf16 and (2, VOCAB) not in to_bf16  # 12 tokens: 5, 5 and 2
-  wide = {v.aval.shape for e in dots for v in e.invars if v.aval.dtype == jnp.float32}
-  assert {(5, VOCAB), (2, VOCAB)} <= wide
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(h, w, b).jaxpr
+    dots, _ = matmuls_and_casts(jaxpr, jnp.bfloat16)
+    assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    chunks = {(5, VOCAB), (2, VOCAB)}  # 12 tokens: 5, 5 and 2
+    backward = sum(any(v.aval.shape in chunks for v in e.invars) for e in dots)
+    return rounded_matmul_outputs(jaxpr, jnp.bfloat16), backward
+
+  (rounded, backward), (rounded_f32, backward_f32) = program(None), program(jnp.float32)
+  assert rounded > 0 and rounded_f32 == 0 and backward_f32 == 2 * backward > 0
 
 
 def test_constants_out_of_range_and_errors(rng):
