@@ -347,9 +347,10 @@ def fused_distillation_loss(
       as in the materialised ``hidden @ weight`` (half the bytes on GPUs); where the logits are
       large and close together (``|z|`` in the tens or more: bf16's step is ``|z| / 128``)
       that rounding costs the gradient its digits. ``jnp.float32``: the matmuls' float32
-      results, the loss on float32 logits of the same inputs (the two backward matmuls take a
-      float32 operand: their cost, at JAX's default matmul precision, and the float32
-      ``[chunk, V]`` traffic: :ref:`fused-logits-dtype`). No effect on float32/float64 inputs.
+      results, the loss on float32 logits of the same inputs, at the cost of the float32
+      ``[chunk, V]`` traffic and, for bf16, the two backward matmuls run twice (on the
+      gradient's two bf16 terms, :ref:`fused-logits-dtype`). No effect on float32/float64
+      inputs.
 
   Returns:
     A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
