@@ -17,6 +17,7 @@ first use): this script re-runs itself there as a worker per target.
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import json
 import os
@@ -79,7 +80,7 @@ ROW_CASES = tuple(ROW_ARGS)
 # The row cases without a temperature (one run each).
 NO_TEMPERATURE = ("token_log_probs", "token_log_probs_entropy", "kl_div")
 # Reported, not among the issue's targets (its floor and straightforward code differ: a gather).
-UNCHECKED = ("divergence_from_topk",)
+UNCHECKED = ("divergence_from_topk",)  # and the fused cases with LOGITS_F32 (below)
 # The policy loss's target (issue 23), at its own shape: time <= 1.05x the materialised
 # loss's (token_log_probs on hidden @ weight, then policy_loss).
 POLICY_SHAPE = (8192, 1024, 65536)  # N, H, V (bfloat16)
@@ -99,6 +100,11 @@ FUSED_ARGS = {
   "fused_token_log_probs": (["h", "w", "ids"], 3),
   "fused_policy": (["h", "w", "ids", "per_token", "per_token"], 2),
 }
+# Each fused loss again with ``logits_dtype=jnp.float32`` (bf16 inputs' chunk logits and their
+# gradient kept in float32): reported beside the default (bf16) fused loss of the same run,
+# what the option costs in time and temp; not among the targets.
+LOGITS_F32 = "+logits_f32"
+FUSED_ARGS |= {case + LOGITS_F32: FUSED_ARGS[case] for case in list(FUSED_ARGS)}
 FUSED_CASES = tuple(FUSED_ARGS)
 
 
@@ -175,12 +181,17 @@ def _row_contenders(case: str, T: float) -> dict[str, Callable]:
 
 
 def _fused_contenders(case: str) -> tuple[Callable, Callable[[int | None], Callable]]:
-  """``(materialised loss, chunk_size -> fused loss)`` of a fused case (``FUSED_ARGS``)."""
+  """``(materialised loss, chunk_size -> fused loss)`` of a fused case (``FUSED_ARGS``); a
+  ``LOGITS_F32`` case: the fused loss with ``logits_dtype=jnp.float32``, the materialised
+  loss the same (bf16 logits)."""
   import jax.numpy as jnp
 
   import kldiv_jax as k
 
   mm = jnp.matmul
+  base = case.removesuffix(LOGITS_F32)
+  if base != case:
+    k = _WithOptions(k, logits_dtype=jnp.float32)
 
   def total(out):  # log-probabilities with an entropy bonus
     lp, h = out
@@ -215,7 +226,21 @@ def _fused_contenders(case: str) -> tuple[Callable, Callable[[int | None], Calla
         )[0]
       ),
     ),
-  }[case]
+  }[base]
+
+
+class _WithOptions:
+  """``kldiv_jax`` with keyword options added to its fused losses."""
+
+  FUSED = ("fused_distillation_loss", "fused_topk_distillation_loss", "fused_token_log_probs",
+           "fused_policy_loss")  # fmt: skip
+
+  def __init__(self, module, **options):
+    self._module, self._options = module, options
+
+  def __getattr__(self, name):
+    fn = getattr(self._module, name)
+    return functools.partial(fn, **self._options) if name in self.FUSED else fn
 
 
 # ----------------------------------------------------------------------------- the worker
@@ -400,8 +425,22 @@ def _fused_records(target: str, dev, shape, cases, chunk: int | None) -> list[di
     row = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16", "chunk": c}
     row["chunk_source"] = "given" if chunk else f"default for {platform}"
     records.append(_fused_row(row, target, dev, chunk))
+    with_default(row, records)
     _progress(target, row)
   return records
+
+
+def with_default(row: dict[str, Any], records: list[dict[str, Any]]) -> None:
+  """A ``LOGITS_F32`` row: its time and temp over those of the default fused loss's row in
+  ``records`` (same shape and chunk), as ``row["vs_default"]``."""
+  base = row["case"].removesuffix(LOGITS_F32)
+  for r in records:
+    same = r["case"] == base and r["shape"] == row["shape"] and r["chunk"] == row["chunk"]
+    if base != row["case"] and same and "time_ratio" in r and "time_ratio" in row:
+      row["vs_default"] = {
+        "time": row["fused"]["seconds"] / r["fused"]["seconds"],
+        "temp": row["fused"]["temp_bytes"] / max(r["fused"]["temp_bytes"], 1),
+      }
 
 
 def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict[str, Any]:
@@ -461,11 +500,12 @@ def worker(args: argparse.Namespace) -> int:
   shapes = QUICK_ROW_SHAPES if args.quick else ROW_SHAPES
   fused_shape = QUICK_FUSED_SHAPE if args.quick else FUSED_SHAPE
   records = _row_records(args.worker, dev, shapes, cases)
-  others = [c for c in cases if c != "fused_policy"]
+  policy = [c for c in cases if c.startswith("fused_policy")]
+  others = [c for c in cases if c not in policy]
   records += _fused_records(args.worker, dev, fused_shape, others, args.chunk)
-  if "fused_policy" in cases:
+  if policy:
     policy_shape = QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE
-    records += _fused_records(args.worker, dev, policy_shape, ["fused_policy"], args.chunk)
+    records += _fused_records(args.worker, dev, policy_shape, policy, args.chunk)
   payload = {"target": args.worker, "device_kind": dev.device_kind, "jax": jax.__version__}
   Path(args.worker_out).write_text(json.dumps(payload | {"records": records}, indent=1) + "\n")
   return 0
@@ -522,7 +562,7 @@ def _temperature(row: dict[str, Any]) -> str:
 
 def _line(row: dict[str, Any]) -> str:
   shape = "x".join(str(s) for s in row["shape"])
-  what = f"{row['case']:24} {shape:>18} {row['dtype'][:4]:4} {_temperature(row):4}"
+  what = f"{row['case']:30} {shape:>18} {row['dtype'][:4]:4} {_temperature(row):4}"
   if row["kind"] == "row":
     ours = row.get("kldiv_jax", {})
     if "time_ratio" not in row:
@@ -549,6 +589,12 @@ def _line(row: dict[str, Any]) -> str:
     f"{fmt_bytes(row['materialised']['temp_bytes'])})  intensity {fused['chunk_intensity']:.0f}"
     f" (weights {fused.get('weight_intensity', 0):.0f})"
     f"  {fused['seconds'] * 1e3:8.2f} ms"
+    + (
+      f"  vs default: time {fmt_ratio(row['vs_default']['time'])}x,"
+      f" temp {fmt_ratio(row['vs_default']['temp'])}x"
+      if "vs_default" in row
+      else ""
+    )
   )
 
 
@@ -557,7 +603,7 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
   out = []
   for r in records:
     name = f"{r['case']} {'x'.join(map(str, r['shape']))} {r['dtype']} {_temperature(r)}".strip()
-    if r["case"] in UNCHECKED:
+    if r["case"] in UNCHECKED or (r["case"].endswith(LOGITS_F32) and "time_ratio" in r):
       continue
     if r["kind"] == "row" and "time_ratio" in r:
       heavy = r["naive_hbm_ratio"] > HEAVY_NAIVE

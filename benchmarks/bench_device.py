@@ -13,6 +13,7 @@ an estimate; the figures are only as good as the one machine and run they come f
   python benchmarks/bench_device.py --quick         # small sizes, a smoke test (any device)
   python benchmarks/bench_device.py --cases jsd,tvd,fused_distillation --repeats 11
   python benchmarks/bench_device.py --cases forward_kl,jsd --gpu-kernels both  # opt-in kernels
+  python benchmarks/bench_device.py --cases fused_distillation+logits_f32,fused_policy+logits_f32
 
 ``--gpu-kernels both`` adds to each row case a third contender, ``kldiv_jax_gpu``: the same
 loss traced with the opt-in Pallas Triton kernels on (``kldiv_jax._gpu_rows``; on a GPU
@@ -20,6 +21,9 @@ only), timed round-robin with the other two, its ratio to ``kldiv_jax`` (XLA) an
 which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax``.
 ``--gpu-configs 2x2048w8s3,...`` adds one such contender per layout of the kernels (rows per
 program x classes per tile, warps, pipeline stages), ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
+
+A fused case ending ``+logits_f32`` runs the loss with ``logits_dtype=jnp.float32`` and times
+the default (bf16 chunk logits) fused loss beside it, in the same round robin.
 """
 
 import json
@@ -34,6 +38,7 @@ from _harness import fmt_bytes, fmt_ratio
 from bench_accel import (
   FUSED_ARGS,
   FUSED_SHAPE,
+  LOGITS_F32,
   POLICY_SHAPE,
   QUICK_FUSED_SHAPE,
   QUICK_POLICY_SHAPE,
@@ -125,9 +130,19 @@ def _fused(case: str, shape, repeats: int, seed: int) -> dict[str, Any]:
   kinds, _ = FUSED_ARGS[case]
   args = _inputs(kinds, n, v, h, jnp.dtype("bfloat16"), seed)
   materialised, fused = _fused_contenders(case)
+  fns = {"materialised": materialised, "fused": fused(None)}
+  base = case.removesuffix(LOGITS_F32)
+  if base != case:  # logits_dtype=float32: timed beside the default (bf16) fused loss too
+    fns["fused_default"] = _fused_contenders(base)[1](None)
   row: dict[str, Any] = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16"}
-  row |= _pair({"materialised": materialised, "fused": fused(None)}, args, (0, 1), repeats)
+  row |= _pair(fns, args, (0, 1), repeats)
   row["time_ratio"] = row["fused"]["median_ms"] / row["materialised"]["median_ms"]
+  if "fused_default" in row:
+    ours, default = row["fused"], row["fused_default"]
+    row["vs_default"] = {
+      "time": ours["median_ms"] / default["median_ms"],
+      "temp": ours["temp_bytes"] / max(default["temp_bytes"], 1),
+    }
   return row
 
 
@@ -141,6 +156,11 @@ def _line(row: dict[str, Any]) -> str:
     f"  temp {fmt_bytes(row[b]['temp_bytes'])} ({fmt_bytes(row[a]['temp_bytes'])})"
     f"  values {row[b]['value']:.6g} / {row[a]['value']:.6g}"
   )
+  if "vs_default" in row:
+    text += (
+      f"  vs default {row['fused_default']['median_ms']:8.3f} ms:"
+      f" time {fmt_ratio(row['vs_default']['time'])}, temp {fmt_ratio(row['vs_default']['temp'])}"
+    )
   if row["kind"] == "row":
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
   for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
@@ -217,7 +237,7 @@ def main(argv=None) -> int:
       for T in row_temperatures(case):  # T = 1 (the default) and T = 2
         record(_row, case, n, v, dtype, T, repeats, args.seed, args.gpu_kernels, configs)
   for case in [c for c in cases if c in FUSED_ARGS]:
-    policy = case == "fused_policy"
+    policy = case.startswith("fused_policy")
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None
     shape = shape or (QUICK_FUSED_SHAPE if args.quick else FUSED_SHAPE)
     record(_fused, case, shape, max(3, repeats // 2), args.seed + 1)

@@ -6,7 +6,9 @@ The contract measured and its derivation (data, the bounds ``eps_f32 * S`` on th
 (``tests/_references.py``); each case is measured on the bf16 inputs and on the same values
 cast to float32, values and gradients from one jitted ``jax.vjp``. Also: identical logits at
 ``V = 248320``, ``distillation_loss``, ``fused_distillation_loss``, ``kl_div_from_logits``,
-``generalized_jsd``, ``kl_div_from_topk`` at ``k = V`` and the straightforward bf16 forward KL.
+``generalized_jsd``, ``kl_div_from_topk`` at ``k = V``, the straightforward bf16 forward KL and
+the fused losses' ``logits_dtype`` (bf16 chunk logits or float32) on Liger Kernel's fused-linear
+JSD bf16 test and on ordinary logits.
 
   python benchmarks/bench_precision.py            # V = 131072 (about 3 minutes on 2 cores)
   python benchmarks/bench_precision.py --quick    # V = 16384, 4 rows: a smoke test
@@ -251,6 +253,88 @@ def fused_records(rows, vocab, hidden, std, deltas, temperatures, seed) -> list[
   return records
 
 
+def logits_dtype_records(seed: int, quick: bool) -> list[dict[str, Any]]:
+  """The fused losses' ``logits_dtype`` on bf16 inputs: the default (bf16 chunk logits and
+  gradient) and ``jnp.float32``, against float64 from the same bf16 values.
+
+  Two setups: Liger Kernel's fused-linear JSD bf16 test (``test_fused_linear_jsd.py``: inputs
+  and heads drawn from ``U[0, 1)``, the student's hidden size 512 and the teacher's 1024,
+  V = 4096, so logits near 128 and 256 where bf16's step is 1 and 2), and ordinary logits
+  (``N(0, 1)`` hidden states, heads ``N(0, 4^2 / H)``, H = 512 for both sides). Per setup:
+  ``fused_distillation_loss`` (JSD, beta 0.5, the mean over tokens) and
+  ``fused_token_log_probs`` (the sum of the sampled tokens' log-probabilities; the engine of
+  ``fused_policy_loss`` too), errors of the value and of the gradients wrt the student's
+  hidden states and head: norm-wise, and the share of entries off by more than 5%.
+  """
+  rows, hidden, vocab = (64, 512, 2048) if quick else (256, 512, 4096)
+  rng = np.random.default_rng(seed + 2)
+  bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)  # noqa: E731
+  setups = {
+    "Liger JSD test (U[0, 1), logits ~128)": lambda shape, scale: rng.random(shape),
+    "ordinary (N(0, 1) hidden, logit std 4)": lambda shape, scale: rng.normal(size=shape) * scale,
+  }
+  jsd = {"beta": 0.5}
+
+  def distill(h, w, th, tw, logits_dtype):
+    return kd.fused_distillation_loss(h, w, th, tw, divergence="jsd", logits_dtype=logits_dtype)
+
+  def tokens(h, w, ids, logits_dtype):
+    lp = kd.fused_token_log_probs(h, w, ids, logits_dtype=logits_dtype)
+    return jnp.sum(lp.astype(jnp.float32))
+
+  def off(got, want):
+    got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+    return float(np.mean(np.abs(got - want) > 0.05 * np.abs(want)))
+
+  records = []
+  for setup, draw in setups.items():
+    h = bf16(draw((rows, hidden), 1.0))
+    w = bf16(draw((hidden, vocab), 4 / math.sqrt(hidden)))
+    th = bf16(draw((rows, 2 * hidden), 1.0))
+    tw = bf16(draw((2 * hidden, vocab), 4 / math.sqrt(2 * hidden)))
+    ids = jnp.asarray(rng.integers(0, vocab, size=rows))
+    h64, w64 = as64(h), as64(w)
+    z = h64 @ w64
+    v, gz, _, _, _ = np_divergence_value_and_grads("jsd", jsd, z, as64(th) @ as64(tw), 1.0)
+    dz = gz / rows
+    lq = np_log_softmax(z)
+    hit = np.zeros_like(lq)
+    hit[np.arange(rows), np.asarray(ids)] = 1.0
+    # (loss, its other arguments, float64 value, gradients wrt h and w)
+    cases = {
+      "fused_distillation_loss (JSD)": (distill, (th, tw), np.mean(v), (dz @ w64.T, h64.T @ dz)),
+      "fused_token_log_probs": (
+        tokens, (ids,), np.sum(lq[np.arange(rows), np.asarray(ids)]),
+        ((hit - np.exp(lq)) @ w64.T, h64.T @ (hit - np.exp(lq))),
+      ),
+    }  # fmt: skip
+    for function, (fn, args, want, want_grads) in cases.items():
+      for logits_dtype in (None, "float32"):
+        vg = jax.jit(jax.value_and_grad(partial(fn, logits_dtype=logits_dtype), (0, 1)))
+        value, grads = vg(h, w, *args)
+        record = {"setup": setup, "function": function, "logits_dtype": logits_dtype or "default"}
+        record |= {"rows": rows, "hidden": hidden, "vocab": vocab, "logit_mean": float(z.mean())}
+        record["value_rel_err"] = float(abs(as64(value) - want) / abs(want))
+        for side, g, r in zip(("hidden", "weight"), grads, want_grads):
+          record[f"grad_{side}"] = grad_errors(as64(g), r)["rel_norm"]
+          record[f"grad_{side}_off_5pct"] = off(g, r)
+        records.append(record)
+  return records
+
+
+def print_logits_dtype(records: list[dict[str, Any]]) -> None:
+  print("\nThe fused losses' logits_dtype on bf16 inputs (float64 reference from the same values;")
+  print("gradient errors norm-wise, and the share of entries off by more than 5%):")
+  columns = [("setup", "40"), ("function", "30"), ("logits", "8"), ("value", ">8.1e")]
+  columns += [("d hidden", ">8.1e"), ("> 5%", ">6.1%"), ("d weight", ">8.1e"), ("> 5%", ">6.1%")]
+  keys = ("value_rel_err", "grad_hidden", "grad_hidden_off_5pct", "grad_weight")
+  rows = [
+    [r["setup"], r["function"], r["logits_dtype"], *(r[k] for k in keys), r["grad_weight_off_5pct"]]
+    for r in records
+  ]
+  print_table(columns, rows)
+
+
 def naive_forward_kl(s, t, temperature=1.0):
   """Forward KL as often written: ``log_softmax`` of both sides and the sum, in the inputs' dtype."""
   lq = jax.nn.log_softmax(s / temperature, axis=-1)
@@ -406,6 +490,7 @@ def print_report(result: dict[str, Any]) -> None:
       f"  T={r['temperature']:g} delta={fmt_delta(r['delta'])}: min value {r['min_value']:+.4f}, "
       f"value error {r['max_abs_value_err']:.2e}, {grad}"
     )
+  print_logits_dtype(result.get("logits_dtype", []))
   checks = result["checks"]
   print("\nChecks:")
   for name, ok in checks.items():
@@ -433,6 +518,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     every.append("straightforward forward KL")
     identical += identical_checks(rows, EASYDEL_VOCAB, args.std, args.seed, every)
   naive = straightforward_records(base, noise, deltas, temperatures)
+  log("the fused losses' logits_dtype:")
+  logits_dtype = logits_dtype_records(args.seed, args.quick)
   grads = ("grad_student_bf16", "grad_student_f32", "grad_teacher_bf16", "grad_teacher_f32")
   fused_grads = ("grad_hidden_bf16", "grad_hidden_f32", "grad_weight_bf16", "grad_weight_f32")
   table = summary(records, grads) + summary(fused, fused_grads)
@@ -445,6 +532,13 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     "no value is negative": all(min(r["min_value_bf16"], r["min_value_f32"]) >= 0 for r in measured)
     and all(r["min_value"] >= 0 for r in identical if "straight" not in r["function"]),
     "bf16 values are the float32 values rounded": all(r["bf16_is_f32_rounded"] for r in records),
+    "logits_dtype=float32: the fused losses' bf16 gradients within 2**-8 of float64, norm-wise, "
+    "on Liger's JSD test and ordinary logits": all(
+      r[k] <= U_BF16
+      for r in logits_dtype
+      if r["logits_dtype"] == "float32"
+      for k in ("grad_hidden", "grad_weight")
+    ),
     "bf16 gradients are the float32 ones rounded (norm-wise error <= 2**-8 (1 + e) + e, e the "
     "float32 error)": all(
       r[k + "_bf16"]["rel_norm"]
@@ -459,7 +553,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
   settings |= dict(eps_f32=EPS32, u_bf16=U_BF16, seconds=time.perf_counter() - start)
   result = {"section": "precision", "machine": machine_info(), "settings": settings}
   result |= {"records": records + fused, "summary": table, "identical": identical}
-  return result | {"straightforward": naive, "checks": checks}
+  return result | {"straightforward": naive, "logits_dtype": logits_dtype, "checks": checks}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

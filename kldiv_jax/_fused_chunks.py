@@ -140,9 +140,29 @@ def matmul(a, w, b, dtype):
   return out if b is None else out + b.astype(dtype)[None, :]
 
 
-def low_dtype(out_dtype):
-  """The ``low`` of :func:`chunk_logits` for inputs promoted to ``out_dtype``: that dtype when
-  it is computed in a wider one (bf16/f16), else ``None``."""
+def low_dtype(name, out_dtype, logits_dtype=None):
+  """The ``low`` of :func:`chunk_logits` for inputs promoted to ``out_dtype``, and the check of
+  the fused losses' ``logits_dtype`` option: ``None`` (default), the inputs' dtype when it is
+  computed in a wider one (bf16/f16), else ``None`` (float32 and float64 are held as they are);
+  float32 (``jnp.float32``, ``np.float32`` or ``"float32"``): ``None``, the logits and their
+  gradient held in the matmuls' float32 accumulators (float64 for float64 inputs).
+
+  The one rule every fused loss reads (both heads and both backward matmuls of a chunk, the
+  top-k path, ``axis_name``): Liger Kernel's ``accum_dtype`` of its fused linear cross entropy
+  answers the same complaint (bf16 training that loses the gradient's digits), for its
+  weight-gradient buffers, which here are float32 always.
+  """
+  if logits_dtype is not None:
+    try:
+      wide = jnp.dtype(logits_dtype) == jnp.float32 and not isinstance(logits_dtype, bool)
+    except (TypeError, ValueError):
+      wide = False
+    if not wide:
+      raise ValueError(
+        f"{name}: logits_dtype must be None (the inputs' dtype) or float32 (jnp.float32); got "
+        f"{logits_dtype!r}."
+      )
+    return None
   return None if compute_dtype(out_dtype) == out_dtype else out_dtype
 
 
@@ -201,15 +221,14 @@ def fold_logit_grad(carry, start, hc, w, dz, axis_name, acc, grad_dtype=None):
 
   ``grad_b += sum(dz)``; ``dz W^T`` into rows ``start:`` of ``grad_h`` (summed over
   ``axis_name``: each device holds a slice of the head) and ``hc^T dz`` added to ``grad_w``
-  (:func:`_add_weight_grad`); ``dz`` in ``grad_dtype`` for the two matmuls when given (the
-  cotangent of logits in that dtype, as autodiff's of the materialised ``hc @ w``; see
-  :func:`chunk_logits`).
+  (:func:`_add_weight_grad`); ``dz`` enters the two matmuls as :func:`grad_operands`.
   """
   grad_h, grad_w, grad_b = carry
   grad_b = grad_b + jnp.sum(dz, axis=0, dtype=acc)
-  if grad_dtype is not None:
-    dz = dz.astype(grad_dtype)
-  gh = lax.dot_general(dz, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+  dz = grad_operands(dz, hc, w, grad_dtype)
+  gh = _sum_dots(
+    dz, lambda d: lax.dot_general(d, w, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+  )
   if axis_name is not None:  # each device holds a slice of the head: sum the parts
     gh = lax.psum(gh, axis_name)
   grad_h = lax.dynamic_update_slice_in_dim(grad_h, gh, start, axis=0)
@@ -217,8 +236,38 @@ def fold_logit_grad(carry, start, hc, w, dz, axis_name, acc, grad_dtype=None):
   return grad_h, grad_w, grad_b
 
 
+def grad_operands(dz, hc, w, grad_dtype=None) -> tuple:
+  """A chunk's logit gradient ``dz`` (in the accumulation dtype) as the operands of the
+  backward matmuls, whose products are summed (:func:`fold_logit_grad`).
+
+  ``grad_dtype`` given (bf16/f16 inputs, the default ``logits_dtype``): ``dz`` in it, the
+  cotangent of logits in that dtype, as autodiff's of the materialised ``hc @ w`` (see
+  :func:`chunk_logits`). bf16 inputs without it (``logits_dtype=float32``): two bf16 terms,
+  ``hi = bf16(dz)`` and ``lo = bf16(dz - hi)``, whose sum is ``dz`` to ``2**-17`` relative:
+  each matmul runs as two bf16 passes, with bf16 operands, so no platform rounds a float32
+  operand (TPUs take one bf16 pass of a float32 matmul at JAX's default precision, NVIDIA
+  GPUs TF32) and XLA:GPU does not run it as a float32 GEMM. Otherwise (float32/float64
+  inputs, f16 with ``logits_dtype=float32``) ``dz`` itself.
+  """
+  if grad_dtype is not None:
+    return (dz.astype(grad_dtype),)
+  if hc.dtype == w.dtype == jnp.bfloat16:
+    hi = dz.astype(jnp.bfloat16)
+    return hi, (dz - hi.astype(dz.dtype)).astype(jnp.bfloat16)
+  return (dz,)
+
+
+def _sum_dots(parts, dot):
+  """``dot(parts[0]) + dot(parts[1]) + ...``."""
+  out = dot(parts[0])
+  for part in parts[1:]:
+    out = out + dot(part)
+  return out
+
+
 def _add_weight_grad(grad_w, hc, dz, axis_name, acc):
-  """``grad_w += hc^T dz``, the way of the platform the program is lowered for.
+  """``grad_w += hc^T dz`` (``dz``: :func:`grad_operands`, their products summed), the way of
+  the platform the program is lowered for.
 
   CPU: a block of vocabulary columns at a time (a dot writes a fresh buffer, so a
   whole ``[H, V]`` product is a second ``[H, V]`` array in cache-unfriendly passes).
@@ -237,7 +286,8 @@ def _add_weight_grad(grad_w, hc, dz, axis_name, acc):
 
     def one(j, grad_w, width):
       cols = lambda a: lax.dynamic_slice_in_dim(a, j, width, axis=1)  # noqa: E731
-      gw = lax.dot_general(hc, cols(dz), (((0,), (0,)), ((), ())), preferred_element_type=acc)
+      gw = _sum_dots(dz, lambda d: lax.dot_general(hc, cols(d), (((0,), (0,)), ((), ())),
+                                                    preferred_element_type=acc))  # fmt: skip
       return lax.dynamic_update_slice_in_dim(grad_w, cols(grad_w) + gw, j, axis=1)
 
     with jax.named_scope(f"{FUSED_GRAD_W_SCOPE}{block}"):
@@ -248,7 +298,9 @@ def _add_weight_grad(grad_w, hc, dz, axis_name, acc):
 
   def whole(grad_w, hc, dz):
     with jax.named_scope(f"{FUSED_GRAD_W_SCOPE}whole"):
-      gw = lax.dot_general(hc, dz, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+      gw = _sum_dots(
+        dz, lambda d: lax.dot_general(hc, d, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+      )
       return grad_w + gw
 
   return lax.platform_dependent(grad_w, hc, dz, cpu=blocked, default=whole)

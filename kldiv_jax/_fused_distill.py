@@ -268,10 +268,12 @@ def _fused_loss(
   labels,
   chunk_size,
   axis_name,
+  logits_dtype=None,
   implementation="auto",
 ):
   """The body of the fused losses once the teacher is laid out: labels, the chunked kernel,
   the mean. ``vocab``: the classes both sides share (per device)."""
+  low = low_dtype(name, s.out_dtype, logits_dtype)
   n, mask, cdt = s.h.shape[0], s.mask, compute_dtype(s.out_dtype)
   labelled = None
   if labels is not None:
@@ -301,7 +303,6 @@ def _fused_loss(
   tokens = (mask, labels, labelled)
 
   def call(chunk):
-    low = low_dtype(s.out_dtype)
     static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low, implementation)
     return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs, ce_opts)
 
@@ -337,6 +338,7 @@ def fused_distillation_loss(
   target_softcap: float | None = None,
   teacher_vocab_size: int | None = None,
   return_parts: bool = False,
+  logits_dtype: jax.typing.DTypeLike | None = None,
   implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""The whole distillation loss from hidden states and LM heads, chunked over tokens.
@@ -376,6 +378,15 @@ def fused_distillation_loss(
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
     scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts,
       implementation: as in :func:`distillation_loss`.
+    logits_dtype: bf16/f16 inputs: what each chunk's logits (both sides) and their gradient
+      are held in between the matmuls and the softmax. ``None`` (default): the inputs' dtype,
+      as in the materialised ``hidden @ weight`` (half the bytes on GPUs); where the logits are
+      large and close together (``|z|`` in the tens or more: bf16's step is ``|z| / 128``)
+      that rounding costs the gradient its digits. ``jnp.float32``: the matmuls' float32
+      results, the loss on float32 logits of the same inputs, at the cost of the float32
+      ``[chunk, V]`` traffic and, for bf16, the two backward matmuls run twice (on the
+      gradient's two bf16 terms, :ref:`fused-logits-dtype`). No effect on float32/float64
+      inputs.
 
   Returns:
     A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
@@ -403,7 +414,9 @@ def fused_distillation_loss(
   teacher, vocab = _dense_teacher(
     name, s, target_hidden, target_weight, target_bias, teacher_vocab_size, axis_name
   )
-  return _fused_loss(name, o, s, teacher, vocab, None, labels, chunk_size, axis_name, impl)
+  return _fused_loss(
+    name, o, s, teacher, vocab, None, labels, chunk_size, axis_name, logits_dtype, impl
+  )
 
 
 def fused_topk_distillation_loss(
@@ -430,6 +443,7 @@ def fused_topk_distillation_loss(
   softcap: float | None = None,
   teacher_vocab_size: int | None = None,
   return_parts: bool = False,
+  logits_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Distillation loss from the student's hidden states and LM head and a top-k teacher.
 
@@ -461,7 +475,7 @@ def fused_topk_distillation_loss(
     alpha, ignore_index, temperature, divergence, where, normalizer, chunk_size, axis_name: as
       in :func:`fused_distillation_loss`.
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
-    scale_by_temperature_squared, softcap, teacher_vocab_size, return_parts: as in
+    scale_by_temperature_squared, softcap, teacher_vocab_size, return_parts, logits_dtype: as in
       :func:`fused_distillation_loss`.
 
   Returns:
@@ -488,4 +502,4 @@ def fused_topk_distillation_loss(
     name, s, topk_indices, topk_log_probs, tail, where, teacher_vocab_size, axis_name,
     tail_floor,
   )  # fmt: skip
-  return _fused_loss(name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name)
+  return _fused_loss(name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name, logits_dtype)

@@ -203,6 +203,7 @@ def fused_token_loss(
   two_pass: bool = False,
   name: str = "fused_token_loss",
   loss_dtype: Any = None,
+  logits_dtype: Any = None,
 ) -> tuple[jax.Array, TokenOutputs]:
   """``(sum_i per_token_fn(log p, H, args)_i, TokenOutputs)`` from ``hidden @ weight + bias``.
 
@@ -233,7 +234,8 @@ def fused_token_loss(
   in float32 (float64 for float64 inputs); ``per_token_fn`` sees that dtype;
   for bf16/f16 inputs each chunk's logits and their gradient are held in the
   inputs' dtype between the matmuls and the softmax, as the materialised
-  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused_chunks.chunk_logits`);
+  ``hidden @ weight + bias``'s (:func:`kldiv_jax._fused_chunks.chunk_logits`), or in
+  float32 with ``logits_dtype=jnp.float32`` (:func:`kldiv_jax._fused_chunks.low_dtype`);
   the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
   ``hidden`` and ``weight``), NaN for an invalid traced temperature.
   """
@@ -262,7 +264,8 @@ def fused_token_loss(
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
   check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
-  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux, low_dtype(out_dtype))
+  low = low_dtype(name, out_dtype, logits_dtype)
+  static = _Static(per_token_fn, 0, axis_name, cap, with_entropy, has_aux, low)
   # What per_token_fn returns, checked once on abstract values.
   token = jax.ShapeDtypeStruct((n,), t.dtype)
   loss_shape, aux_shapes = jax.eval_shape(

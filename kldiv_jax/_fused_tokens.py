@@ -145,6 +145,7 @@ def fused_token_log_probs(
   return_entropy: bool = False,
   chunk_size: int | None = None,
   axis_name: str | None = None,
+  logits_dtype: jax.typing.DTypeLike | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Sampled tokens' log-probabilities (and the entropy) from hidden states and an LM head.
 
@@ -163,6 +164,10 @@ def fused_token_log_probs(
     temperature, softcap, where, ignore_index, return_entropy: as in :func:`token_log_probs`.
     chunk_size: tokens per chunk (``None``: a power of two per platform).
     axis_name: the mesh axis the V axis of ``weight`` and ``bias`` is split over.
+    logits_dtype: bf16/f16 inputs: ``None`` (default) holds each chunk's logits and their
+      gradient in the inputs' dtype, as the materialised ``hidden @ weight``; ``jnp.float32``
+      keeps the matmuls' float32 results (the accuracy of float32 logits, at a cost:
+      :ref:`fused-logits-dtype`), as in :func:`fused_distillation_loss`.
 
   Returns:
     The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``, ``(lp, entropy)``.
@@ -198,12 +203,12 @@ def fused_token_log_probs(
   mask = jnp.ones((n, 1), jnp.bool_) if mask is None else mask
   t = jnp.asarray(temperature, compute_dtype(out_dtype))
   check_chunk(name, chunk_size, n, vocab * num_shards)  # a bad chunk_size fails early
+  low = low_dtype(name, out_dtype, logits_dtype)
   if n == 0 or vocab == 0:  # every counted id is out of range (NaN)
     log_p = entropy = jnp.zeros(n, t.dtype)
   else:
     h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
     w_arr, b_arr = vary_like_tokens(weight, bias, h, safe, mask)
-    low = low_dtype(out_dtype)
     call = lambda chunk: fused_tokens(  # noqa: E731
       TokenKernel(chunk, axis_name, cap, low), h, w_arr, b_arr, safe, t, mask
     )

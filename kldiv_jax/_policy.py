@@ -406,6 +406,7 @@ def fused_policy_loss(
   ignore_index: int | None = None,
   axis_name: str | None = None,
   chunk_size: int | None = None,
+  logits_dtype: jax.typing.DTypeLike | None = None,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r""":func:`policy_loss` from hidden states and the LM head, with no ``[tokens, vocab]`` array.
 
@@ -420,8 +421,10 @@ def fused_policy_loss(
     hidden, weight: hidden states ``[..., T, H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
     token_ids: the sampled tokens ``[..., T]``, aligned with ``hidden`` (``token_ids[t]``
       predicted from ``hidden[t]``: for a causal LM, shifted, :func:`shift_labels`).
-    temperature, softcap, ignore_index, axis_name, chunk_size: as in
-      :func:`fused_token_log_probs`; the other options as in :func:`policy_loss`.
+    temperature, softcap, ignore_index, axis_name, chunk_size, logits_dtype: as in
+      :func:`fused_token_log_probs` (``logits_dtype=jnp.float32``: bf16 inputs' chunk logits
+      and their gradient in float32, :ref:`fused-logits-dtype`); the other options as in
+      :func:`policy_loss`.
 
   Returns:
     ``(loss, metrics)`` as :func:`policy_loss`.
@@ -515,7 +518,7 @@ def fused_policy_loss(
     h, weight, bias, jnp.asarray(token_ids).reshape(n), static_fn, args,
     where=weights.mask.reshape(n), temperature=temperature, softcap=softcap,
     axis_name=axis_name, chunk_size=chunk_size, with_entropy=with_entropy, has_aux=True,
-    two_pass=two_pass, name=name, loss_dtype=out_dtype,
+    two_pass=two_pass, name=name, loss_dtype=out_dtype, logits_dtype=logits_dtype,
   )  # fmt: skip
   terms = outs.aux._replace(entropy=args["token"] * outs.entropy.astype(dtype))
   return nan_unless(loss, *valid), reduce_metrics(terms, weights)

@@ -75,6 +75,19 @@ def matmuls_and_casts(jaxpr, dtype) -> tuple[list, list]:
   return dots, casts
 
 
+def rounded_matmul_outputs(jaxpr, dtype) -> int:
+  """How many ``dot_general`` results ``jaxpr`` (and the jaxprs inside it) converts to ``dtype``:
+  a fused loss's chunk logits rounded to the inputs' dtype."""
+  eqns = all_eqns(jaxpr)
+  outs = {id(e.outvars[0]) for e in eqns if e.primitive.name == "dot_general"}
+  return sum(
+    e.primitive.name == "convert_element_type"
+    and e.params["new_dtype"] == dtype
+    and id(e.invars[0]) in outs
+    for e in eqns
+  )
+
+
 def dot_generals(jaxpr) -> int:
   """The ``dot_general``s one platform runs in ``jaxpr``: a loop body counted once, and of
   a ``cond`` (``lax.platform_dependent``'s per-platform branches) its largest branch."""

@@ -261,3 +261,26 @@ def test_accel_section_parses_and_is_opt_in(monkeypatch):
     "temp GiB": True,
     "chip balance / chunk weight intensity": False,  # 197e12 / 819e9 = 240 flops per byte > 100
   }
+
+
+def test_accel_logits_f32_cases_report_their_cost_and_are_not_targets(monkeypatch):
+  """bench_accel's ``+logits_f32`` cases (the fused losses with ``logits_dtype=float32``):
+  one per fused loss, their time and temp over the default fused loss's row of the same
+  shape and chunk, and not among the targets (their compile is)."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_accel
+
+  base = [c for c in bench_accel.FUSED_CASES if not c.endswith(bench_accel.LOGITS_F32)]
+  assert {c + bench_accel.LOGITS_F32 for c in base} <= set(bench_accel.FUSED_CASES)
+  row = lambda case, seconds, temp: {  # noqa: E731
+    "case": case, "kind": "fused", "shape": [8, 2, 4], "dtype": "bfloat16", "chunk": 4,
+    "time_ratio": 1.0, "fused": {"seconds": seconds, "temp_bytes": temp, "weight_intensity": 1.0},
+  }  # fmt: skip
+  default, option = row("fused_topk", 2.0, 100), row("fused_topk+logits_f32", 3.0, 150)
+  bench_accel.with_default(option, [default])
+  assert option["vs_default"] == {"time": 1.5, "temp": 1.5}
+  assert bench_accel.check_targets("v5e", [option], True) == []
+  failed = {k: v for k, v in option.items() if k != "time_ratio"}
+  assert [c["target"] for c in bench_accel.check_targets("v5e", [failed], True)] == [
+    "fused_topk+logits_f32 8x2x4 bfloat16: compiled"
+  ]

@@ -16,10 +16,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import ref_forward_kl, ref_jsd, ref_reverse_kl
+from _references import (
+  docs_snippet,
+  enable_x64,
+  matmuls_and_casts,
+  ref_forward_kl,
+  ref_jsd,
+  ref_reverse_kl,
+  rounded_matmul_outputs,
+)
 from jax.test_util import check_grads
 
-from kldiv_jax import distillation_loss, fused_distillation_loss
+from kldiv_jax import (
+  distillation_loss,
+  divergence_from_topk,
+  fused_distillation_loss,
+  fused_topk_distillation_loss,
+)
 
 F32 = {"rtol": 1e-5, "atol": 1e-6}
 # bf16 inputs, float32 accumulation: the value and the gradients are rounded to
@@ -356,6 +369,171 @@ def test_bf16_against_float32_reference(rng, divergence):
     np.testing.assert_allclose(g, r, rtol=BF16["rtol"], atol=BF16["atol"] * np.abs(r).max())
 
 
+# bf16 with logits_dtype=float32: Liger Kernel's fused-linear JSD bf16 test
+# (test/transformers/test_fused_linear_jsd.py: heads and inputs drawn from U[0, 1), the
+# student's hidden size half the teacher's), at 8 tokens and 256 classes. The logits are
+# sums of 512 and 1024 products near 0.25: about 128 and 256, where bf16's step is 1 and 2.
+
+
+def _liger_jsd_inputs(rng, n=8, hidden=1024, vocab=256):
+  bf16 = lambda *shape: jnp.asarray(rng.random(shape, np.float32), jnp.bfloat16)  # noqa: E731
+  return bf16(n, hidden // 2), bf16(hidden // 2, vocab), bf16(n, hidden), bf16(hidden, vocab)
+
+
+def _float64_jsd(h, w, th, tw):
+  """The mean JSD (beta 0.5) of the bf16 inputs' exact logits and its gradients wrt ``h``
+  and ``w``, in float64 JAX from TRL's formula (``ref_jsd``): no rounding but the inputs'."""
+  with enable_x64():
+    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+    y = f64(th) @ f64(tw)
+    loss = lambda h, w: jnp.mean(ref_jsd(h @ w, y, beta=0.5, xp=jnp))  # noqa: E731
+    value, grads = jax.value_and_grad(loss, (0, 1))(f64(h), f64(w))
+    return np.asarray(value), tuple(np.asarray(g) for g in grads)
+
+
+def _jsd_fused(logits_dtype):
+  loss = lambda h, w, th, tw: fused_distillation_loss(  # noqa: E731
+    h, w, th, tw, divergence="jsd", chunk_size=4, logits_dtype=logits_dtype
+  )
+  return jax.jit(jax.value_and_grad(loss, (0, 1)))
+
+
+def test_bf16_float32_logits_keep_the_gradient_liger_jsd(rng):
+  """bf16 logits (the default) cost the gradient its digits on Liger's JSD test (most
+  entries off by over 5% of the float64 value); ``logits_dtype=jnp.float32`` matches float64
+  to the gradient's own bf16 rounding (2**-9 relative, plus a small absolute part where
+  the entries cancel)."""
+  h, w, th, tw = _liger_jsd_inputs(rng)
+  want, want_grads = _float64_jsd(h, w, th, tw)
+  for logits_dtype in (None, jnp.float32):
+    value, grads = _jsd_fused(logits_dtype)(h, w, th, tw)
+    assert value.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.float64(value), want, rtol=2**-8)
+    for g, r in zip(grads, want_grads, strict=True):
+      assert g.dtype == jnp.bfloat16
+      err = np.abs(np.asarray(g, np.float64) - r)
+      if logits_dtype is None:
+        assert np.mean(err > 0.05 * np.abs(r)) > 0.5
+      else:
+        np.testing.assert_array_less(err, 2**-8 * np.abs(r) + 1e-3 * np.abs(r).max())
+
+
+def test_docs_logits_dtype_snippet():
+  """large-vocabularies.md's ``logits_dtype`` snippet runs and says what it shows: its bf16
+  gradient far from float64 (over 10% norm-wise), the float32 option's within 2**-8."""
+  ns: dict = {}
+  exec(docs_snippet("large-vocabularies.md", "### bf16 inputs: `logits_dtype`"), ns)
+  _, (want, _) = _float64_jsd(ns["h"], ns["w"], ns["th"], ns["tw"])
+  error = lambda g: np.linalg.norm(np.asarray(g, np.float64) - want) / np.linalg.norm(want)  # noqa: E731
+  assert error(ns["grad_bf16"]) > 0.1 and error(ns["grad_f32"]) < 2**-8
+
+
+def _materialised_f32(h, w, b, th, tw, **kw):
+  """``distillation_loss`` of the float32 logits of the bf16 inputs (unrounded)."""
+  dot = lambda a, m: jax.lax.dot_general(  # noqa: E731
+    a, m, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )
+  z = dot(h, w) + b.astype(jnp.float32)[None]
+  return distillation_loss(z, jax.lax.stop_gradient(dot(th, tw)), **kw)
+
+
+def _topk_teacher(th, tw, k=5):
+  y = np.asarray(th, np.float64) @ np.asarray(tw, np.float64)
+  lp = y - y.max(-1, keepdims=True)
+  lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+  ids = np.argsort(-lp, axis=-1)[..., :k]
+  return ids.astype(np.int32), np.take_along_axis(lp, ids, -1).astype(np.float32)
+
+
+@pytest.mark.parametrize("teacher", ["dense", "topk"])
+def test_bf16_float32_logits_equal_materialised_float32_logits(rng, teacher):
+  """``logits_dtype=jnp.float32``: value and gradients (hidden, weight, bias) equal the
+  materialised loss on the float32 logits of the same bf16 inputs, with labels (the cross
+  entropy too), dense and top-k teachers; to the result's bf16 rounding."""
+  h, w, th, tw = _liger_jsd_inputs(rng, n=7, hidden=64, vocab=40)
+  b = jnp.asarray(rng.normal(size=40), jnp.bfloat16)
+  labels = jnp.asarray(rng.integers(0, 40, size=7))
+  kw = {"temperature": 2.0, "divergence": "reverse_kl", "alpha": 0.7}
+  if teacher == "dense":
+    fused_loss = lambda h, w, b: fused_distillation_loss(  # noqa: E731
+      h, w, th, tw, labels, bias=b, chunk_size=3, logits_dtype=jnp.float32, **kw
+    )
+    want_loss = lambda h, w, b: _materialised_f32(h, w, b, th, tw, labels=labels, **kw)  # noqa: E731
+  else:
+    ids, lp = _topk_teacher(th, tw)
+    fused_loss = lambda h, w, b: fused_topk_distillation_loss(  # noqa: E731
+      h, w, ids, lp, labels, bias=b, chunk_size=3, logits_dtype="float32", tail="bucket", **kw
+    )
+
+    def want_loss(h, w, b):
+      z = jax.lax.dot_general(h, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      z = z + b.astype(jnp.float32)[None]
+      soft = divergence_from_topk(z, ids, lp, temperature=2.0, divergence="reverse_kl",
+                                  tail="bucket")  # fmt: skip
+      hard = -jnp.take_along_axis(jax.nn.log_softmax(z), labels[:, None], -1)[:, 0]
+      return jnp.mean(0.7 * 4.0 * soft + 0.3 * hard)
+
+  value, grads = jax.jit(jax.value_and_grad(fused_loss, (0, 1, 2)))(h, w, b)
+  want, want_grads = jax.jit(jax.value_and_grad(want_loss, (0, 1, 2)))(h, w, b)
+  np.testing.assert_allclose(np.float32(value), want, rtol=2**-8)
+  for g, r in zip(grads, want_grads, strict=True):
+    assert g.dtype == r.dtype == jnp.bfloat16
+    g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+    np.testing.assert_allclose(g, r, rtol=2**-7, atol=1e-3 * np.abs(r).max())
+
+
+def _chunk_matmuls(dots, chunks) -> tuple[int, set]:
+  """``(how many of ``dots`` take a [chunk, V] operand, the dtypes of those operands)``: the
+  backward matmuls of a fused loss (the forward ones take [chunk, H] and [H, V])."""
+  backward = [e for e in dots if any(v.aval.shape in chunks for v in e.invars)]
+  dtypes = {v.aval.dtype for e in backward for v in e.invars if v.aval.shape in chunks}
+  return len(backward), dtypes
+
+
+@pytest.mark.parametrize("low", [jnp.bfloat16, jnp.float16])
+def test_low_precision_matmul_dtypes_follow_logits_dtype(rng, low):
+  """The jaxpr of value_and_grad (dense teacher), bf16 and f16 inputs: every matmul
+  accumulates in float32. By default both heads' chunk logits are rounded to the inputs'
+  dtype and the backward matmuls take the logit gradient in it. ``logits_dtype=float32``: no
+  matmul result is rounded; the backward matmuls take, for bf16 inputs, the float32 gradient
+  as two bf16 terms (twice the matmuls, each operand bf16: no float32 GEMM, no platform
+  rounding of a float32 operand), for f16 inputs the float32 gradient itself."""
+  h, w, th, tw = (a.astype(low) for a in _liger_jsd_inputs(rng, n=7, hidden=16, vocab=24))
+  chunks = {(4, 24), (3, 24)}  # a full chunk and the last one
+
+  def program(logits_dtype):
+    def loss(h, w):
+      return fused_distillation_loss(h, w, th, tw, chunk_size=4, logits_dtype=logits_dtype)
+
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(h, w).jaxpr
+    dots, _ = matmuls_and_casts(jaxpr, low)
+    assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+    return rounded_matmul_outputs(jaxpr, low), *_chunk_matmuls(dots, chunks)
+
+  rounded, backward, dtypes = program(None)
+  # both heads' logits, per chunk body (the full chunks' loop and the last chunk)
+  assert rounded == 4 and dtypes == {jnp.dtype(low)}
+  rounded_f32, backward_f32, dtypes_f32 = program(jnp.float32)
+  assert rounded_f32 == 0
+  if low == jnp.bfloat16:
+    assert backward_f32 == 2 * backward and dtypes_f32 == {jnp.dtype(low)}
+  else:
+    assert backward_f32 == backward and dtypes_f32 == {jnp.dtype(jnp.float32)}
+
+
+def test_logits_dtype_leaves_float32_and_float64_inputs_alone(x64, rng):
+  """float32 and float64 (x64) inputs: ``logits_dtype=jnp.float32`` traces the same program
+  as the default (their logits are not narrowed, nor float64 ones rounded to float32)."""
+
+  def trace(logits_dtype, h, w, th, tw):
+    loss = lambda h: fused_distillation_loss(h, w, th, tw, logits_dtype=logits_dtype)  # noqa: E731
+    return str(jax.make_jaxpr(jax.grad(loss))(h))
+
+  for dtype in (jnp.float32, jnp.float64):
+    args = [a.astype(dtype) for a in _liger_jsd_inputs(rng, n=7, hidden=16, vocab=24)]
+    assert trace(jnp.float32, *args) == trace(None, *args)
+
+
 # Bad input.
 
 
@@ -402,6 +580,9 @@ def test_bad_shapes_and_dtypes(rng, change, error, match):
     ({"normalizer": np.ones(2)}, ValueError, "normalizer"),
     ({"normalizer": 0.0}, ValueError, "normalizer"),
     ({"normalizer": -3}, ValueError, "normalizer"),
+    ({"logits_dtype": jnp.bfloat16}, ValueError, "logits_dtype must be None"),
+    ({"logits_dtype": "f32x"}, ValueError, "logits_dtype must be None"),
+    ({"logits_dtype": True}, ValueError, "logits_dtype must be None"),
   ],
 )
 def test_bad_options(rng, kw, error, match):

@@ -18,6 +18,7 @@ from _references import dot_generals, matmuls_and_casts, vocab_sharded_and_whole
 from jax import export
 
 from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
+from kldiv_jax import fused_token_log_probs as kd_fused_token_log_probs
 from kldiv_jax._fused_chunks import FUSED_CHUNK_SCOPE, default_chunk_size, platform_chunk_size
 
 B, T, HIDDEN, VOCAB = 3, 5, 6, 24  # N = 15 tokens: chunks of 4 leave a remainder
@@ -158,6 +159,33 @@ def test_bf16_head_logits_and_gradient_in_bf16(rng, surrogate):
   assert (4, VOCAB) in to_bf16 and (3, VOCAB) in to_bf16  # a full chunk and the last one
 
 
+@pytest.mark.parametrize("surrogate", ["ppo", "gspo"])
+def test_bf16_head_float32_logits(rng, surrogate):
+  """bf16 hidden and weight with ``logits_dtype=jnp.float32``: the materialised loss of the
+  same inputs' float32 logits ``h @ w + b`` (unrounded; one pass and two), the loss and
+  metrics to float32 rounding, the gradients to their bf16 rounding."""
+  h, w, b, ids, where, old, adv, _ = _data(rng)
+  h, w, b = (jnp.asarray(x, jnp.bfloat16) for x in (h, w, b))
+  opts = dict(where=where, entropy_coef=0.01, surrogate=surrogate)
+  fused, _ = _pair(ids, old, adv, logits_dtype=jnp.float32, **opts)
+  _, materialised = _pair(ids, old, adv, acc=jnp.float32, **opts)
+  (got, got_grads), (want, want_grads) = jax.jit(fused)(h, w, b), jax.jit(materialised)(h, w, b)
+  _assert_equal((got, ()), (want, ()), {"rtol": 1e-5, "atol": 1e-6})
+  for x, y in zip(got_grads, want_grads, strict=True):
+    assert x.dtype == y.dtype == jnp.bfloat16
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    np.testing.assert_allclose(x, y, rtol=2**-7, atol=1e-3 * np.abs(y).max())
+
+
+def test_bad_logits_dtype(rng):
+  h, w, _, ids, _, old, adv, _ = _data(rng)
+  for bad in (jnp.bfloat16, "float", 32):
+    with pytest.raises(ValueError, match="fused_policy_loss: logits_dtype must be None"):
+      fused_policy_loss(h, w, ids, old, adv, logits_dtype=bad)
+    with pytest.raises(ValueError, match="fused_token_log_probs: logits_dtype must be None"):
+      kd_fused_token_log_probs(h, w, ids, logits_dtype=bad)
+
+
 @pytest.mark.parametrize(("surrogate", "dots"), [("ppo", 3), ("gspo", 4)])
 def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots):
   """value_and_grad: the token-level loss's one pass has three matmuls per chunk (logits,
@@ -227,3 +255,22 @@ def test_vocab_parallel_equals_unsharded(cpu_devices):
 
     got, want = vocab_sharded_and_whole(loss, mesh, h, w, b)
     _assert_equal(got, want)
+
+
+@pytest.mark.multidevice
+def test_vocab_parallel_bf16_float32_logits(cpu_devices):
+  """axis_name with bf16 heads and ``logits_dtype=jnp.float32``: the unsharded call's value and
+  gradients (to their bf16 rounding)."""
+  h, w, b, ids, where, old, adv, _ = _data(np.random.default_rng(4))
+  h, w, b = (jnp.asarray(x, jnp.bfloat16) for x in (h, w, b))
+  mesh = jax.sharding.Mesh(np.array(cpu_devices), ("vocab",))
+
+  def loss(h, w, b, axis_name=None):
+    return fused_policy_loss(h, w, ids, old, adv, bias=b, where=where, entropy_coef=0.01,
+                             chunk_size=4, axis_name=axis_name, logits_dtype=jnp.float32)  # fmt: skip
+
+  (got, got_grads), (want, want_grads) = vocab_sharded_and_whole(loss, mesh, h, w, b)
+  _assert_equal((got, ()), (want, ()))
+  for x, y in zip(got_grads, want_grads, strict=True):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    np.testing.assert_allclose(x, y, rtol=2**-7, atol=1e-3 * np.abs(y).max())

@@ -16,7 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import enable_x64, loop_dot_generals, np_log_softmax, vocab_sharded_and_whole
+from _references import (
+  enable_x64,
+  loop_dot_generals,
+  matmuls_and_casts,
+  np_log_softmax,
+  rounded_matmul_outputs,
+  vocab_sharded_and_whole,
+)
 
 import kldiv_jax as kd
 from kldiv_jax._fused_policy import fused_token_loss
@@ -166,6 +173,71 @@ def test_dtypes(rng, dtype):
       np.testing.assert_allclose(
         np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=tol, atol=tol
       )
+
+
+def _liger_scale(rng, n=8, hidden=512, vocab=256):
+  """bf16 hidden states and head drawn from U[0, 1) (Liger Kernel's fused-linear bf16
+  tests): logits near 128, where bf16's step is 1."""
+  bf16 = lambda *shape: jnp.asarray(rng.random(shape, np.float32), jnp.bfloat16)  # noqa: E731
+  return bf16(n, hidden), bf16(hidden, vocab), rng.integers(0, vocab, size=n)
+
+
+def test_bf16_float32_logits_keep_the_gradient(rng):
+  """fused_token_log_probs (the backward pass recomputes the chunks) on logits near 128: the
+  gradient of ``sum(log p) + sum(H)`` with bf16 chunk logits (the default) is off by over 5% in
+  most entries against float64 of the same inputs; with ``logits_dtype=jnp.float32`` it
+  matches to the gradient's own bf16 rounding."""
+  h, w, ids = _liger_scale(rng)
+  with enable_x64():
+    hw = [jnp.asarray(np.asarray(a, np.float64)) for a in (h, w)]
+
+    def want_loss(h, w):
+      lp = jax.nn.log_softmax(h @ w)
+      return jnp.sum(jnp.take_along_axis(lp, ids[:, None], -1)) - jnp.sum(jnp.exp(lp) * lp)
+
+    want_grads = [np.asarray(g) for g in jax.grad(want_loss, (0, 1))(*hw)]
+  for logits_dtype in (None, jnp.float32):
+
+    def loss(h, w, logits_dtype=logits_dtype):
+      lp, ent = kd.fused_token_log_probs(
+        h, w, ids, return_entropy=True, chunk_size=3, logits_dtype=logits_dtype
+      )
+      return jnp.sum(lp.astype(jnp.float32)) + jnp.sum(ent.astype(jnp.float32))
+
+    for g, r in zip(jax.jit(jax.grad(loss, (0, 1)))(h, w), want_grads, strict=True):
+      assert g.dtype == jnp.bfloat16
+      err = np.abs(np.asarray(g, np.float64) - r)
+      if logits_dtype is None:
+        assert np.mean(err > 0.05 * np.abs(r)) > 0.5
+      else:
+        np.testing.assert_array_less(err, 2**-8 * np.abs(r) + 1e-3 * np.abs(r).max())
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_bf16_float32_logits_matmul_dtypes(rng, two_pass):
+  """``logits_dtype=jnp.float32`` with bf16 inputs (one pass, and two: the recomputing
+  backward pass): every matmul takes bf16 operands and accumulates in float32, no matmul
+  result is rounded to bf16 (by default: each chunk's logits), and each backward matmul (a
+  [chunk, V] operand) runs twice, on the float32 gradient's two bf16 terms."""
+  h, w, b, ids, where, old, adv = _data(rng)
+  h, w, b = (jnp.asarray(a, jnp.bfloat16) for a in (h, w, b))
+  fn, args = (gspo, _gspo_args(old, adv)) if two_pass else (ppo, _ppo_args(where, old, adv))
+
+  def program(logits_dtype):
+    def loss(h, w, b):
+      return fused_token_loss(h, w, b, ids, fn, args, has_aux=fn is ppo, two_pass=two_pass,
+                              chunk_size=5, logits_dtype=logits_dtype)[0]  # fmt: skip
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(h, w, b).jaxpr
+    dots, _ = matmuls_and_casts(jaxpr, jnp.bfloat16)
+    assert dots and all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+    assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+    chunks = {(5, VOCAB), (2, VOCAB)}  # 12 tokens: 5, 5 and 2
+    backward = sum(any(v.aval.shape in chunks for v in e.invars) for e in dots)
+    return rounded_matmul_outputs(jaxpr, jnp.bfloat16), backward
+
+  (rounded, backward), (rounded_f32, backward_f32) = program(None), program(jnp.float32)
+  assert rounded > 0 and rounded_f32 == 0 and backward_f32 == 2 * backward > 0
 
 
 def test_constants_out_of_range_and_errors(rng):
