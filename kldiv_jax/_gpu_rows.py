@@ -48,7 +48,7 @@ from jax.interpreters import batching, mlir
 from kldiv_jax._alpha_beta import ab_pass_terms
 from kldiv_jax._class_sums import identical_gap, normalized, norms, summands
 from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS
-from kldiv_jax._numerics import is_static, max_shift
+from kldiv_jax._numerics import in_kernel, is_static, max_shift
 from kldiv_jax._online_ab import _combiner, _two_pass_ab_sums, online_ab_sums
 from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums, online_kl_sums
 from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
@@ -291,7 +291,7 @@ def _call(
   per_row = pl.BlockSpec((block_rows,), lambda i, s: (i,))
   extra = [jnp.pad(x[:, 0], (0, padded - rows)) for x in extra]
   out = pl.pallas_call(
-    functools.partial(kernel, (rows, classes), grid, kinds),
+    in_kernel(functools.partial(kernel, (rows, classes), grid, kinds)),
     grid=(row_blocks, splits),
     in_specs=[whole, whole, whole, *(whole for _ in masks), *(per_row for _ in extra)],
     out_specs=[pl.BlockSpec((None, block_rows), lambda i, s: (s, i)) for _ in range(num_out)],

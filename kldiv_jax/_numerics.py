@@ -18,6 +18,9 @@
   one (HLO promises NaN), and XLA moves a constant operand to the right, so
   ``max(x, c)`` turns a NaN ``x`` into ``c``. The helpers put the bound first,
   behind :func:`lax.optimization_barrier` (a constant XLA keeps on the left).
+  Inside a Pallas kernel's body (:func:`in_kernel`) the bound is plain: Pallas'
+  Triton and Mosaic lowerings have no ``optimization_barrier``, and a kernel's
+  ``max`` is not XLA:CPU's fused one.
 * A NaN is never masked away by a comparison: a mask built from a value
   (a trust region, an importance-weight bound) is written so that NaN keeps
   the token (``~(x > high)``, not ``x <= high``) and its NaN reaches the loss.
@@ -40,6 +43,7 @@ Gaussian KL, the k3 estimator) and :func:`clamp` (``torch.clamp``'s gradient
 at the bounds).
 """
 
+import contextvars
 import functools
 from collections.abc import Callable
 
@@ -59,13 +63,38 @@ def max_shift(m: jax.Array) -> jax.Array:
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
+# True while a Pallas kernel's body is traced (in_kernel): bounds without the barrier.
+_IN_KERNEL = contextvars.ContextVar("kldiv_jax_in_kernel", default=False)
+
+
+def in_kernel(body: Callable) -> Callable:
+  """``body``, a Pallas kernel's body, traced with plain bounds (:func:`bound`): Pallas'
+  Triton and Mosaic lowerings have no ``optimization_barrier`` ("Unimplemented primitive in
+  Pallas Triton lowering", seen on an H200), and inside a kernel ``max`` is the kernel
+  language's, not XLA:CPU's fused one. A partial stays a partial of the wrapped function, so
+  that Pallas names the kernel after the body (``functools.wraps``: name and source)."""
+  if isinstance(body, functools.partial):
+    return functools.partial(in_kernel(body.func), *body.args, **body.keywords)
+
+  @functools.wraps(body)
+  def traced(*args, **kwargs):
+    token = _IN_KERNEL.set(True)
+    try:
+      return body(*args, **kwargs)
+    finally:
+      _IN_KERNEL.reset(token)
+
+  return traced
+
+
 def bound(value: jax.typing.ArrayLike, dtype) -> jax.Array:
   """A bound that XLA keeps as the *first* operand of ``max``/``min`` (module docstring).
 
   A Python number or a traced array alike (the barrier is free on a scalar, and an array
   that XLA can fold into a constant would be moved right too).
   """
-  return lax.optimization_barrier(jnp.asarray(value, dtype))
+  value = jnp.asarray(value, dtype)
+  return value if _IN_KERNEL.get() else lax.optimization_barrier(value)
 
 
 def at_least(low, x: jax.Array) -> jax.Array:

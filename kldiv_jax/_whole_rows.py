@@ -38,7 +38,7 @@ from kldiv_jax._class_sums import (
   summands,
 )
 from kldiv_jax._divergences import FORMULAS
-from kldiv_jax._numerics import is_static, max_shift
+from kldiv_jax._numerics import in_kernel, is_static, max_shift
 from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts, rescale
 from kldiv_jax._platform import gpu_kernels_for, gpu_or_other
 from kldiv_jax._rows import scaled
@@ -284,7 +284,7 @@ def pallas_row_sums(spec: Spec, *args, interpret: bool = False) -> tuple:
     return pl.BlockSpec((1, width if m.shape[1] > 1 else 1), _first_block)
 
   out = pl.pallas_call(
-    functools.partial(_kernel, spec, classes, tile),
+    in_kernel(functools.partial(_kernel, spec, classes, tile)),
     grid=(-(-rows // block),),
     in_specs=[
       pl.BlockSpec(scalars.shape, _first_item, memory_space=pltpu.SMEM),
