@@ -14,16 +14,18 @@ cast to float32, values and gradients from one jitted ``jax.vjp``. Also: identic
 
 import argparse
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _harness import describe_machine, machine_info, parser, print_table, save
+from _harness import describe_machine, machine_info, parser, print_table, save, write_json
 from _references import (
   np_divergence_terms,
   np_divergence_value_and_grads,
@@ -628,7 +630,11 @@ def token_sweep_records(vocab, dtype, seed) -> list[dict[str, Any]]:
   return records
 
 
-def vocab_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+def vocab_sweep(
+  args: argparse.Namespace,
+  log: Callable[[str], None] = print,
+  partial_out: Callable[[dict[str, Any]], Any] | None = None,
+) -> dict[str, Any]:
   """Every divergence, path, vocabulary size, logit scale and dtype: errors against float64,
   the library's and the straightforward formula's."""
   vocabs = QUICK_SWEEP_VOCABS if args.quick else SWEEP_VOCABS
@@ -644,11 +650,17 @@ def vocab_sweep(args: argparse.Namespace, log: Callable[[str], None] = print) ->
           records += fused_sweep_records(name, spec, vocab, args.seed)
       records += token_sweep_records(vocab, dtype, args.seed)
       log(f"  V = {vocab}, {jnp.dtype(dtype).name}: {time.perf_counter() - start:.0f} s")
+      if partial_out is not None:  # what is done so far, should the run be cut short
+        partial_out(sweep_result(vocabs, records, args.seed, start))
+  return sweep_result(vocabs, records, args.seed, start)
+
+
+def sweep_result(vocabs, records, seed, start) -> dict[str, Any]:
   settings = dict(vocabs=list(vocabs), scales=list(SWEEP_SCALES), rows=SWEEP_ROWS)
-  settings |= dict(hidden=FUSED_HIDDEN, topk=TOPK, seed=args.seed)
+  settings |= dict(hidden=FUSED_HIDDEN, topk=TOPK, seed=seed)
   settings |= dict(seconds=time.perf_counter() - start)
   result = {"section": "precision_sweep", "machine": machine_info(), "settings": settings}
-  return result | {"records": records}
+  return result | {"records": list(records)}
 
 
 def sweep_ratio(record: dict[str, Any], key: str) -> float:
@@ -879,9 +891,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   )
   p.add_argument("--every-case", action="store_true", help="--sweep: print every case")
   p.add_argument("--vocabs", default=None, help="--sweep: the vocabulary sizes (comma-separated)")
+  p.add_argument("--report", default=None, help="--sweep: print the sweep saved in this JSON")
   args = p.parse_args(argv)
+  if args.sweep and args.report:
+    print_sweep(json.loads(Path(args.report).read_text()), args.every_case)
+    return 0
   if args.sweep:
-    swept = vocab_sweep(args)
+    swept = vocab_sweep(args, partial_out=lambda r: write_json(Path(args.out) / "partial.json", r))
     print_sweep(swept, args.every_case)
     save(swept, args.out, f" ({swept['settings']['seconds']:.0f} s)")
     return 0 if all(r["pass"] for r in swept["records"]) else 1
