@@ -55,7 +55,7 @@ def compiled(fn: _Fn, static_argnums: int | Sequence[int] = (), *, inline: bool 
   return cast(_Fn, jax.jit(fn, static_argnums=static_argnums, inline=inline))
 
 
-def _per_device_code() -> bool:
+def per_device_code() -> bool:
   """Whether the arrays being traced live on one device.
 
   True with a single device, or inside ``jax.shard_map`` (manual axes: the
@@ -74,7 +74,7 @@ def map_rows(fn, arrays, num_rows, num_classes=None, accel=None):
   ``fn`` returns a tuple of ``[rows, 1]`` arrays. On CPU the rows go through
   ``fn`` a block at a time (:func:`_row_blocks`); on other platforms, when one
   block holds every row, or under ``jax.jit`` with several devices (see
-  :func:`_per_device_code`), ``fn`` runs once. ``num_classes`` sets the rows
+  :func:`per_device_code`), ``fn`` runs once. ``num_classes`` sets the rows
   per block (default: the arrays' class axis; the vocabulary-parallel kernels
   pass the global one, so that a device's blocks shrink with its slice of the
   classes).
@@ -106,7 +106,7 @@ def map_rows(fn, arrays, num_rows, num_classes=None, accel=None):
     return lambda *a: tuple(lax.convert_element_type(r, r.dtype) for r in f(*a))
 
   plain = strong(fn)
-  if not _per_device_code():
+  if not per_device_code():
     return plain(*arrays)
   off_cpu = plain if accel is None else strong(accel)
   if num_rows <= block:
@@ -127,9 +127,9 @@ def per_platform(cpu, accel, *arrays):
 
   A whole kernel chosen per platform (:func:`map_rows` chooses its row statistics): both
   are staged out with ``lax.platform_dependent`` and lowering keeps the platform's own.
-  ``cpu`` everywhere under ``jax.jit`` with several devices (see :func:`_per_device_code`).
+  ``cpu`` everywhere under ``jax.jit`` with several devices (see :func:`per_device_code`).
   """
-  if not _per_device_code():
+  if not per_device_code():
     return cpu(*arrays)
   out = lax.platform_dependent(*arrays, cpu=cpu, default=accel)
   # Strongly typed, as :func:`map_rows`' results.

@@ -1,16 +1,24 @@
-"""Row reductions over the class axis as a tree: float32 sums of long rows stay accurate.
+"""Sums over the class axis: on CPU a tree, so that float32 sums of long rows stay accurate.
 
 Every sum over a vocabulary (sums of exponentials, a divergence's class sums, the tangents'
-contractions, the one-pass variadic reductions off CPU) goes through :func:`class_sum` or
-:func:`class_reduce`. Both split a row of ``V`` classes into groups of at most
-:data:`GROUP` and reduce level by level (``[rows, V] -> [rows, V / GROUP] -> ...``), each
-level behind ``lax.optimization_barrier``: XLA merges a reduction of a reduction into one
-otherwise, and XLA:CPU adds a long row in one sequential run where it is given one. It does
-so for a row reduced alone (a block of one row: the CPU row loop at ``V >= 2**17``), about
-``sqrt(V)`` times the rounding error of a pairwise sum, and for every row of a variadic
-reduction (the online softmax's combiner), up to ``V`` times. A tree of groups bounds each
-sequential run by the group's length; the partial results (``[rows, V / GROUP]``) are the
-only temporary. Rows of at most one group are reduced as they were.
+contractions, the one-pass variadic reductions of the accelerator code) goes through
+:func:`class_sum` or :func:`class_reduce`. In a program lowered for CPU both split a row of
+``V`` classes into groups of at most :data:`GROUP` and reduce level by level (``[rows, V] ->
+[rows, V / GROUP] -> ...``), each level behind ``lax.optimization_barrier`` (XLA merges a
+reduction of a reduction into one otherwise). XLA:CPU adds a long row in one sequential run
+where it is given one: a row reduced alone (a block of one row: the CPU row loop at ``V >=
+2**17``), about ``sqrt(V)`` times the rounding error of a pairwise sum, and every row of a
+variadic reduction (the online softmax's combiner), up to ``V`` times. The tree bounds each
+sequential run by a group; the groups' results (``[rows, V / GROUP]``) are the only
+temporary, and a row reduced alone is faster (XLA:CPU splits the groups over its threads).
+
+Elsewhere the sums are XLA's own reductions, which GPUs and TPUs compute as trees already:
+on TPU the reshape into groups would change the logits' tiled layout, and XLA then writes
+the reductions' operands out (XLA's estimate for v5e: 7 GiB of temporaries and ten times
+the time at ``[2048, 131072]``). The choice is the platform the program is lowered for
+(``lax.platform_dependent``, bound here at import: a test that runs the accelerator code's
+branches on CPU still sums as the CPU needs), and the plain reduction under ``jax.jit``
+with several devices (a class axis sharded by XLA's partitioner is not regrouped).
 """
 
 from collections.abc import Callable, Sequence
@@ -19,9 +27,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._platform import per_device_code
+
 # Classes per group of the tree: XLA:CPU vectorises a group's reduction (and adds a
 # variadic one in sequence), and a level of partial results is ``1 / GROUP`` of the data.
 GROUP = 256
+# The platform choice as jax defines it (a test may patch ``lax.platform_dependent`` to run
+# another platform's branches on CPU; the summation order stays the running backend's).
+_PLATFORM_DEPENDENT = lax.platform_dependent
+
+
+def _on_cpu(tree, plain, *args):
+  """``tree(*args)`` in a program lowered for CPU, ``plain(*args)`` elsewhere (and under
+  ``jax.jit`` with several devices)."""
+  if not per_device_code():
+    return plain(*args)
+  return _PLATFORM_DEPENDENT(*args, cpu=tree, default=plain)
 
 
 def _levels(x: jax.Array, init, group: int) -> jax.Array:
@@ -35,15 +56,21 @@ def _levels(x: jax.Array, init, group: int) -> jax.Array:
 
 
 def class_sum(x: jax.Array, group: int | None = None) -> jax.Array:
-  """``sum(x, axis=-1, keepdims=True)`` as a tree of groups of ``group`` classes.
+  """``sum(x, axis=-1, keepdims=True)``; on CPU a tree of groups of ``group`` classes.
 
   Differentiable (the sum's derivatives: the barrier is the identity). ``group``: default
   :data:`GROUP`, read at trace time.
   """
   group = GROUP if group is None else group
-  while x.shape[-1] > group:
-    x = lax.optimization_barrier(jnp.sum(_levels(x, 0, group), axis=-1))
-  return jnp.sum(x, axis=-1, keepdims=True)
+  if x.shape[-1] <= group:
+    return jnp.sum(x, axis=-1, keepdims=True)
+
+  def tree(x):
+    while x.shape[-1] > group:
+      x = lax.optimization_barrier(jnp.sum(_levels(x, 0, group), axis=-1))
+    return jnp.sum(x, axis=-1, keepdims=True)
+
+  return _on_cpu(tree, lambda x: jnp.sum(x, axis=-1, keepdims=True), x)
 
 
 def class_reduce(
@@ -52,16 +79,25 @@ def class_reduce(
   combine: Callable[[tuple, tuple], tuple],
   group: int | None = None,
 ) -> tuple[jax.Array, ...]:
-  """``lax.reduce(operands, inits, combine, (last axis,))`` as a tree of groups of ``group``.
+  """``lax.reduce(operands, inits, combine, (last axis,))``; on CPU a tree of groups of ``group``.
 
   ``combine`` must be associative up to rounding (a monoid with ``inits`` its identity:
   padding takes the ``inits``). The results drop the class axis. ``group``: as
   :func:`class_sum`'s.
   """
   group = GROUP if group is None else group
-  ops = tuple(operands)
+  ops, inits = tuple(operands), tuple(inits)
   axis = ops[0].ndim - 1
-  while ops[0].shape[-1] > group:
-    grouped = tuple(_levels(x, i, group) for x, i in zip(ops, inits))
-    ops = lax.optimization_barrier(tuple(lax.reduce(grouped, tuple(inits), combine, (axis + 1,))))
-  return tuple(lax.reduce(ops, tuple(inits), combine, (axis,)))
+
+  def plain(*ops):
+    return tuple(lax.reduce(ops, inits, combine, (axis,)))
+
+  def tree(*ops):
+    while ops[0].shape[-1] > group:
+      grouped = tuple(_levels(x, i, group) for x, i in zip(ops, inits))
+      ops = lax.optimization_barrier(tuple(lax.reduce(grouped, inits, combine, (axis + 1,))))
+    return plain(*ops)
+
+  if ops[0].shape[-1] <= group:
+    return plain(*ops)
+  return _on_cpu(tree, plain, *ops)
