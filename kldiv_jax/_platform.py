@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._sums import cpu_sums
+
 # Elements per block of rows for the CPU row statistics (512 KiB of float32).
 _BLOCK_ELEMENTS = 1 << 17
 # The name scope of the CPU row loop: it marks the path in a lowered module's locations.
@@ -109,13 +111,14 @@ def map_rows(fn, arrays, num_rows, num_classes=None, accel=None):
   if not per_device_code():
     return plain(*arrays)
   off_cpu = plain if accel is None else strong(accel)
-  if num_rows <= block:
-    if accel is None:
-      return plain(*arrays)
-    cpu = plain
-  else:
+  if num_rows <= block and accel is None:
+    return plain(*arrays)
 
-    def cpu(*a):
+  def cpu(*a):
+    # The CPU code's class sums are trees (kldiv_jax._sums.cpu_sums).
+    with cpu_sums():
+      if num_rows <= block:
+        return plain(*a)
       with jax.named_scope(ROW_BLOCKS_SCOPE):
         return _row_blocks(plain, a, num_rows, block)
 
@@ -131,7 +134,12 @@ def per_platform(cpu, accel, *arrays):
   """
   if not per_device_code():
     return cpu(*arrays)
-  out = lax.platform_dependent(*arrays, cpu=cpu, default=accel)
+
+  def on_cpu(*a):
+    with cpu_sums():
+      return cpu(*a)
+
+  out = lax.platform_dependent(*arrays, cpu=on_cpu, default=accel)
   # Strongly typed, as :func:`map_rows`' results.
   return jax.tree.map(lambda r: lax.convert_element_type(r, r.dtype), out)
 

@@ -11,38 +11,49 @@ where it is given one: a row reduced alone (a block of one row: the CPU row loop
 variadic reduction (the online softmax's combiner), up to ``V`` times. The tree bounds each
 sequential run by a group; the groups' results (``[rows, V / GROUP]``) are the only
 temporary, and a row reduced alone is faster (XLA:CPU splits the groups over its threads).
+Rows of at most :data:`SHORT` classes are XLA's own reduction.
 
 Elsewhere the sums are XLA's own reductions, which GPUs and TPUs compute as trees already:
 on TPU the reshape into groups would change the logits' tiled layout, and XLA then writes
 the reductions' operands out (XLA's estimate for v5e: 7 GiB of temporaries and ten times
-the time at ``[2048, 131072]``). The choice is the platform the program is lowered for
-(``lax.platform_dependent``, bound here at import: a test that runs the accelerator code's
-branches on CPU still sums as the CPU needs), and the plain reduction under ``jax.jit``
-with several devices (a class axis sharded by XLA's partitioner is not regrouped).
+the time at ``[2048, 131072]``). The CPU code is traced inside :func:`cpu_sums`: the CPU
+branch of :func:`kldiv_jax._platform.map_rows` and :func:`kldiv_jax._platform.per_platform`
+(a ``lax.platform_dependent`` of its own per sum would put every sum of a program exported
+for several platforms in a conditional, apart from the producer XLA fuses into it). Tests
+that run the accelerator code on CPU enter it too: XLA:CPU then sums that code's rows.
 """
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._platform import per_device_code
-
 # Classes per group of the tree: XLA:CPU vectorises a group's reduction (and adds a
 # variadic one in sequence), and a level of partial results is ``1 / GROUP`` of the data.
 GROUP = 256
-# The platform choice as jax defines it (a test may patch ``lax.platform_dependent`` to run
-# another platform's branches on CPU; the summation order stays the running backend's).
-_PLATFORM_DEPENDENT = lax.platform_dependent
+# Rows of at most this many classes are reduced as XLA reduces them (a run of at most 4096
+# adds; programs of short rows are the same as without the tree).
+SHORT = 16 * GROUP
+# Whether the code being traced is for CPU (:func:`cpu_sums`), innermost last.
+_FOR_CPU: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def cpu_sums(on: bool = True):
+  """Inside the block, :func:`class_sum` and :func:`class_reduce` trace the tree (``on``) or
+  XLA's plain reduction: the CPU branch of a platform choice is traced inside it."""
+  _FOR_CPU.append(on)
+  try:
+    yield
+  finally:
+    _FOR_CPU.pop()
 
 
 def _on_cpu(tree, plain, *args):
-  """``tree(*args)`` in a program lowered for CPU, ``plain(*args)`` elsewhere (and under
-  ``jax.jit`` with several devices)."""
-  if not per_device_code():
-    return plain(*args)
-  return _PLATFORM_DEPENDENT(*args, cpu=tree, default=plain)
+  """``tree(*args)`` when tracing for CPU (:func:`cpu_sums`), else ``plain(*args)``."""
+  return tree(*args) if _FOR_CPU[-1] else plain(*args)
 
 
 def _levels(x: jax.Array, init, group: int) -> jax.Array:
@@ -62,7 +73,7 @@ def class_sum(x: jax.Array, group: int | None = None) -> jax.Array:
   :data:`GROUP`, read at trace time.
   """
   group = GROUP if group is None else group
-  if x.shape[-1] <= group:
+  if x.shape[-1] <= max(group, SHORT):
     return jnp.sum(x, axis=-1, keepdims=True)
 
   def tree(x):
@@ -98,6 +109,6 @@ def class_reduce(
       ops = lax.optimization_barrier(tuple(lax.reduce(grouped, inits, combine, (axis + 1,))))
     return plain(*ops)
 
-  if ops[0].shape[-1] <= group:
+  if ops[0].shape[-1] <= max(group, SHORT):
     return plain(*ops)
   return _on_cpu(tree, plain, *ops)
