@@ -34,40 +34,43 @@ SPECS = {n: Divergence(n) for n in NAMES} | {
 }
 
 
-def straightforward(name: str, params: dict[str, float]) -> Callable[..., jax.Array]:
-  """The per-token formula on ``log_softmax`` outputs, as the authors' code writes it."""
+def per_token(name: str, params: dict[str, float], lq: jax.Array, lp: jax.Array) -> jax.Array:
+  """The divergence per token of ``log_softmax`` outputs, as the authors' code writes it
+  (reduced over the last axis with XLA's own sum)."""
+  q, p = jnp.exp(lq), jnp.exp(lp)
+  if name == "forward_kl":
+    return jnp.sum(p * (lp - lq), -1)
+  if name == "reverse_kl":
+    return jnp.sum(q * (lq - lp), -1)
+  if name == "jsd":  # TRL: logsumexp of the stacked log-mixture terms
+    beta = params["beta"]
+    lm = jax.nn.logsumexp(jnp.stack([lq + np.log1p(-beta), lp + np.log(beta)]), axis=0)
+    return jnp.sum(beta * p * (lp - lm) + (1 - beta) * q * (lq - lm), -1)
+  if name == "symmetric_kl":
+    lam = params["lam"]
+    return jnp.sum((1 - lam) * p * (lp - lq) + lam * q * (lq - lp), -1)
+  if name == "skew_kl":
+    alpha = params["alpha"]
+    return jnp.sum(p * (lp - jnp.log(alpha * p + (1 - alpha) * q)), -1)
+  if name == "skew_reverse_kl":
+    alpha = params["alpha"]
+    return jnp.sum(q * (lq - jnp.log((1 - alpha) * p + alpha * q)), -1)
+  if name == "tvd":
+    return 0.5 * jnp.sum(jnp.abs(p - q), -1)
+  if name == "alpha_beta":
+    a, b = params["alpha"], params["beta"]
+    terms = p**a * q**b - a / (a + b) * p ** (a + b) - b / (a + b) * q ** (a + b)
+    return -jnp.sum(terms, -1) / (a * b)
+  raise ValueError(name)
 
-  def per_token(lq, lp):
-    q, p = jnp.exp(lq), jnp.exp(lp)
-    if name == "forward_kl":
-      return jnp.sum(p * (lp - lq), -1)
-    if name == "reverse_kl":
-      return jnp.sum(q * (lq - lp), -1)
-    if name == "jsd":  # TRL: logsumexp of the stacked log-mixture terms
-      beta = params["beta"]
-      lm = jax.nn.logsumexp(jnp.stack([lq + np.log1p(-beta), lp + np.log(beta)]), axis=0)
-      return jnp.sum(beta * p * (lp - lm) + (1 - beta) * q * (lq - lm), -1)
-    if name == "symmetric_kl":
-      lam = params["lam"]
-      return jnp.sum((1 - lam) * p * (lp - lq) + lam * q * (lq - lp), -1)
-    if name == "skew_kl":
-      alpha = params["alpha"]
-      return jnp.sum(p * (lp - jnp.log(alpha * p + (1 - alpha) * q)), -1)
-    if name == "skew_reverse_kl":
-      alpha = params["alpha"]
-      return jnp.sum(q * (lq - jnp.log((1 - alpha) * p + alpha * q)), -1)
-    if name == "tvd":
-      return 0.5 * jnp.sum(jnp.abs(p - q), -1)
-    if name == "alpha_beta":
-      a, b = params["alpha"], params["beta"]
-      terms = p**a * q**b - a / (a + b) * p ** (a + b) - b / (a + b) * q ** (a + b)
-      return -jnp.sum(terms, -1) / (a * b)
-    raise ValueError(name)
+
+def straightforward(name: str, params: dict[str, float]) -> Callable[..., jax.Array]:
+  """The mean over tokens of :func:`per_token` on ``log_softmax`` outputs."""
 
   def loss(s, t, temperature):
     lq = jax.nn.log_softmax(s / temperature)
     lp = jax.nn.log_softmax(t / temperature)
-    return jnp.mean(per_token(lq, lp))
+    return jnp.mean(per_token(name, params, lq, lp))
 
   return loss
 

@@ -15,20 +15,32 @@ JSD bf16 test and on ordinary logits.
 """
 
 import argparse
+import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _harness import describe_machine, machine_info, parser, print_table, save
-from _references import np_divergence_value_and_grads, np_log_softmax
-from bench_divergences import NAMES
+from _harness import describe_machine, machine_info, parser, print_table, save, write_json
+from _references import (
+  np_divergence_terms,
+  np_divergence_value_and_grads,
+  np_log_softmax,
+  np_topk_log_probs,
+  platform_branch,
+  tpu_kernel,
+)
+from bench_divergences import NAMES, per_token
 
 import kldiv_jax as kd
+from kldiv_jax._class_sums import Needs
+from kldiv_jax._whole_rows import takes_whole_rows
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
 U_BF16 = 2.0**-8  # bf16's unit roundoff: round-to-nearest error bound, relative
@@ -398,6 +410,418 @@ def straightforward_records(base, noise, deltas, temperatures) -> list[dict[str,
   return out
 
 
+# ------------------------------------------------------------------ the vocabulary sweep
+
+SWEEP_VOCABS = (2**13, 2**16, 2**17, 2**18, 2**20)
+QUICK_SWEEP_VOCABS = (2**13, 2**17)
+SWEEP_SCALES = (1.0, 3.0, 10.0)
+SWEEP_ROWS = 2  # rows per logit scale: one program holds every scale's rows
+FUSED_HIDDEN = 16
+TOPK = 256
+# The formulas of the whole-row TPU kernel (the others have a one-pass form off CPU).
+WHOLE_ROWS = ("jsd", "skew_kl", "skew_reverse_kl", "tvd")
+
+
+def half_ulp(dtype) -> float:
+  """Half a unit in the last place at 1 of ``dtype``: the rounding of a result to it."""
+  return float(jnp.finfo(dtype).eps) / 2
+
+
+def rel_value(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(got - want) / np.abs(want)))
+
+
+def rel_norm(got, want) -> float:
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def sweep_logits(vocab: int, dtype, seed: int):
+  """Student and teacher logits ``scale * N(0, 1)``, :data:`SWEEP_ROWS` rows per scale of
+  :data:`SWEEP_SCALES`, rounded to ``dtype``; and the same values in float64."""
+  rng = np.random.default_rng(seed + vocab)
+  scale = np.repeat(SWEEP_SCALES, SWEEP_ROWS)[:, None]
+  s, t = (jnp.asarray(scale * rng.normal(size=(len(scale), vocab)), dtype) for _ in range(2))
+  return s, t, as64(s), as64(t)
+
+
+def per_row_vg(fn):
+  """jit of ``(fn(*args), gradients of sum(fn) wrt every argument)``, outputs in float64."""
+  vg = value_and_grads(fn)
+
+  def run(*args):
+    value, grads = vg(*args)
+    return as64(value), [as64(g) for g in grads]
+
+  return run
+
+
+def groups(rows: int) -> list[slice]:
+  """The rows of each scale of :data:`SWEEP_SCALES`."""
+  return [slice(i * rows, (i + 1) * rows) for i in range(len(SWEEP_SCALES))]
+
+
+def sweep_errors(got, want, rows: int = SWEEP_ROWS) -> list[dict[str, float]]:
+  """Per scale: the value's largest relative error over its rows, and each gradient's
+  norm-wise relative error over them (``got``, ``want``: ``(values, [gradients])``)."""
+  out = []
+  for g in groups(rows):
+    grads = [rel_norm(a[g], b[g]) for a, b in zip(got[1], want[1]) if b is not None]
+    out.append({"value": rel_value(got[0][g], want[0][g]), "grad": max(grads)})
+  return out
+
+
+def straightforward_rows(name, params, dtype):
+  """The straightforward formula (``log_softmax``, :func:`per_token`, XLA's sum) in float32 on
+  the ``dtype`` values, its outputs rounded to ``dtype`` as the library's are."""
+
+  def fn(s, t):
+    lq = jax.nn.log_softmax(s.astype(jnp.float32), axis=-1)
+    lp = jax.nn.log_softmax(t.astype(jnp.float32), axis=-1)
+    return per_token(name, params, lq, lp)
+
+  def rounded(s, t):
+    value, pullback = jax.vjp(fn, s.astype(jnp.float32), t.astype(jnp.float32))
+    grads = pullback(jnp.ones_like(value))
+    return value.astype(dtype), tuple(g.astype(dtype) for g in grads)
+
+  run = jax.jit(rounded)
+  return lambda s, t: (lambda v, g: (as64(v), [as64(x) for x in g]))(*run(s, t))
+
+
+def divergence_paths(name: str) -> dict[str, Any]:
+  """The engine's paths that compute divergence ``name`` on CPU: the CPU row blocks, the
+  accelerator code (its TPU/default branch, and XLA:GPU's where it differs), the whole-row
+  TPU kernel in Pallas' interpreter."""
+  paths = {"CPU rows": contextlib.nullcontext, "accel (TPU branch)": platform_branch}
+  if name in WHOLE_ROWS:
+    paths["accel (GPU branch)"] = partial(platform_branch, "cuda")
+    paths["TPU kernel (interpreted)"] = tpu_kernel
+  return paths
+
+
+def engine_records(name, spec, vocab, dtype, seed) -> list[dict[str, Any]]:
+  """``divergence_from_logits`` on every path of :func:`divergence_paths` against float64 and
+  the straightforward formula."""
+  s, t, s64, t64 = sweep_logits(vocab, dtype, seed)
+  v, gz, gy, _, _ = np_divergence_value_and_grads(name, dict(spec.params), s64, t64, 1.0)
+  want = (v, [gz, gy])
+  base = sweep_errors(straightforward_rows(name, dict(spec.params), dtype)(s, t), want)
+  lq, lp = np_log_softmax(s64), np_log_softmax(t64)
+  kappas = sweep_kappas(lq, lp, gz)
+  kappa_values = value_kappas(np_divergence_terms(name, dict(spec.params), lp, lq)[0])
+  records = []
+  for path, context in divergence_paths(name).items():
+    fn = partial(kd.divergence_from_logits, divergence=spec)
+    with context():
+      if path.startswith("TPU kernel") and not kernel_takes(spec, s, t):
+        continue
+      got = per_row_vg(fn)(s, t)
+    errors = sweep_errors(got, want)
+    records += sweep_records(name, path, vocab, dtype, errors, base, kappas, kappa_values)
+  return records
+
+
+def kernel_takes(spec, s, t) -> bool:
+  """Whether the whole-row TPU kernel takes these logits (else the XLA passes run)."""
+  needs = Needs(a=True, b=True)
+  static = tuple(float(p) for p in dict(spec.params).values())
+  kernel_spec = (spec.name, static, needs, (None, None), 0)
+  return takes_whole_rows(kernel_spec, s, t, jnp.float32(1.0), ())
+
+
+def floors(dtype, kappa: float, kappa_value: float = 1.0) -> dict[str, float]:
+  """Errors below which the comparison is rounding against rounding: two float32 ulps, or
+  half an ulp of the output dtype (its rounding of the result), times the value's condition
+  ``kappa_value`` (the sum of the terms' magnitudes over the value's: a value that cancels)
+  for the value; for the gradient also ``eps * kappa``, what float32 probabilities allow
+  (:func:`gradient_condition`, ``docs/precision.md``)."""
+  value = max(2 * EPS32 * max(kappa_value, 1.0), half_ulp(dtype))
+  return {"value": value, "grad": max(value, EPS32 * kappa)}
+
+
+def passes(record: dict[str, Any]) -> bool:
+  """Whether the library's errors are within twice the target's reference
+  (:func:`sweep_ratio`)."""
+  return all(sweep_ratio(record, k) <= 2 for k in ("value", "grad"))
+
+
+def value_kappas(f, rows: int = SWEEP_ROWS) -> list[float]:
+  """Per scale: the largest ``sum |f| / |sum f|`` over the rows of the float64 terms ``f``."""
+  ratio = np.sum(np.abs(f), -1) / np.abs(np.sum(f, -1))
+  return [float(np.max(ratio[g])) for g in groups(rows)]
+
+
+def sweep_records(
+  name, path, vocab, dtype, errors, base, kappas, kappa_values=None
+) -> list[dict[str, Any]]:
+  """One record per scale: the library's and the straightforward formula's errors, and
+  whether the library's are within twice the straightforward formula's (or twice
+  :func:`floors` where that is larger)."""
+  out = []
+  kappa_values = kappa_values or [1.0] * len(SWEEP_SCALES)
+  for scale, ours, theirs, kappa, kv in zip(SWEEP_SCALES, errors, base, kappas, kappa_values):
+    record = {"divergence": name, "path": path, "vocab": vocab, "scale": scale}
+    record |= {"dtype": jnp.dtype(dtype).name, "ours": ours, "straightforward": theirs}
+    record |= {"kappa": kappa, "kappa_value": kv, "floors": floors(dtype, kappa, kv)}
+    record["pass"] = passes(record)
+    out.append(record)
+  return out
+
+
+def sweep_kappas(lq, lp, grad, rows: int = SWEEP_ROWS) -> list[float]:
+  """Per scale: :func:`gradient_condition`'s ``kappa`` of the rows (float64 log-probabilities
+  ``lq``, ``lp`` (or ``None``), the reference gradient ``grad``; ``T = 1``)."""
+  out = []
+  for g in groups(rows):
+    size = np.linalg.norm(np.exp(lq[g]) * lq[g])
+    if lp is not None:
+      size += np.linalg.norm(np.exp(lp[g]) * lp[g])
+    norm = np.linalg.norm(grad[g])
+    out.append(float(size / norm) if norm else 1.0)  # no gradient: no relief
+  return out
+
+
+def fused_sweep_records(name, spec, vocab, seed) -> list[dict[str, Any]]:
+  """``fused_distillation_loss`` (float32 hidden states and heads, ``H =`` :data:`FUSED_HIDDEN`)
+  per scale: the mean over the scale's rows, gradients wrt the student's hidden states and
+  head, against float64 and the straightforward formula on the materialised logits."""
+  rng = np.random.default_rng(seed + vocab + 1)
+  hs, ht = (rng.normal(size=(SWEEP_ROWS, FUSED_HIDDEN)) for _ in range(2))
+  unit = [rng.normal(size=(FUSED_HIDDEN, vocab)) / math.sqrt(FUSED_HIDDEN) for _ in range(2)]
+  params = dict(spec.params)
+
+  def fused(hs, w, ht, wt):
+    return kd.fused_distillation_loss(hs, w, ht, wt, divergence=spec)
+
+  def plain(hs, w, ht, wt):
+    hp = jax.lax.Precision.HIGHEST
+    lq = jax.nn.log_softmax(jnp.matmul(hs, w, precision=hp), axis=-1)
+    lp = jax.nn.log_softmax(jnp.matmul(ht, wt, precision=hp), axis=-1)
+    return jnp.mean(per_token(name, params, lq, lp))
+
+  ours_vg, plain_vg = (jax.jit(jax.value_and_grad(f, argnums=(0, 1))) for f in (fused, plain))
+  ours, theirs, kappas, kappa_values = [], [], [], []
+  for scale in SWEEP_SCALES:
+    args = [jnp.asarray(x, jnp.float32) for x in (hs, unit[0] * scale, ht, unit[1] * scale)]
+    h64, w64, th64, tw64 = (as64(x) for x in args)
+    v, gz, _, _, _ = np_divergence_value_and_grads(name, params, h64 @ w64, th64 @ tw64, 1.0)
+    dz = gz / SWEEP_ROWS
+    want = (np.mean(v), [dz @ w64.T, h64.T @ dz])
+    lq, lp = np_log_softmax(h64 @ w64), np_log_softmax(th64 @ tw64)
+    kappas.append(sweep_kappas(lq, lp, gz)[0])  # the scale's rows are the first group
+    f = np_divergence_terms(name, params, lp, lq)[0]
+    kappa_values.append(float(np.sum(np.abs(f)) / abs(np.sum(f))))  # the mean's condition
+    for vg, out in ((ours_vg, ours), (plain_vg, theirs)):
+      value, grads = vg(*args)
+      errs = [rel_norm(as64(g), w) for g, w in zip(grads, want[1])]
+      out.append({"value": rel_value(as64(value), want[0]), "grad": max(errs)})
+  return sweep_records(name, "fused head", vocab, jnp.float32, ours, theirs, kappas, kappa_values)
+
+
+def np_topk_bucket(name, params, z64, ids, lp64):
+  """float64 ``(value, grad wrt z, terms)`` of a top-k teacher with the tail as a bucket (``T = 1``):
+  the divergence over the ``k + 1`` classes (:func:`np_divergence_terms`), the gradient
+  ``s_v (b_j / q_j - sum b)`` with ``s = softmax(z)``, ``j`` the class ``v`` falls in."""
+  log_q, log_p = np_topk_log_probs(z64, ids, lp64, 1.0, "bucket")
+  f, _, b = np_divergence_terms(name, params, log_p, log_q)
+  soft = np.exp(np_log_softmax(z64))
+  ratio = np.broadcast_to(b[:, -1:] / np.exp(log_q[:, -1:]), z64.shape).copy()
+  np.put_along_axis(ratio, ids, b[:, :-1] / np.exp(log_q[:, :-1]), axis=-1)
+  return np.sum(f, -1), soft * (ratio - np.sum(b, -1, keepdims=True)), f
+
+
+def topk_sweep_records(name, spec, vocab, dtype, seed) -> list[dict[str, Any]]:
+  """``divergence_from_topk`` (``tail="bucket"``, ``k`` up to :data:`TOPK`: the teacher's top
+  float32 log-probabilities) on the CPU path and the accelerator code, against float64 and
+  the straightforward formula (``log_softmax`` of the student, its top-k and its tail as a
+  log-sum-exp of the classes outside, the teacher's tail as ``log1p(-sum p)``)."""
+  s, _, s64, t64 = sweep_logits(vocab, dtype, seed)
+  order = np.argsort(-t64, axis=-1)
+  sorted_lp = np.take_along_axis(np_log_softmax(t64), order, -1)
+  # The top classes that leave at least 1e-3 of every row's mass to the tail (a teacher tail
+  # below float32's resolution of the stored log-probabilities is another question).
+  held = np.sum(np.cumsum(np.exp(sorted_lp), -1) <= 1 - 1e-3, -1)
+  k = int(np.clip(np.min(held), 1, TOPK))
+  ids, lp = order[:, :k], jnp.asarray(sorted_lp[:, :k], jnp.float32)
+  ids = jnp.asarray(ids, jnp.int32)
+  params = dict(spec.params)
+  v, gz, f = np_topk_bucket(name, params, s64, np.asarray(ids), as64(lp))
+  want = (v, [gz])
+
+  def plain(s):
+    lq = jax.nn.log_softmax(s.astype(jnp.float32), axis=-1)
+    outside = jnp.ones(s.shape, bool).at[jnp.arange(s.shape[0])[:, None], ids].set(False)
+    tail = jax.nn.logsumexp(jnp.where(outside, lq, -jnp.inf), axis=-1, keepdims=True)
+    lq_k = jnp.concatenate([jnp.take_along_axis(lq, ids, -1), tail], -1)
+    p_tail = -jnp.expm1(jax.nn.logsumexp(lp, axis=-1, keepdims=True))
+    lp_k = jnp.concatenate([lp, jnp.log(p_tail)], -1)
+    return per_token(name, params, lq_k, lp_k).astype(dtype)
+
+  def ours(s):
+    return kd.divergence_from_topk(s, ids, lp, divergence=spec, tail="bucket")
+
+  base = sweep_errors(per_row_vg(plain)(s), want)
+  kappas = sweep_kappas(np_log_softmax(s64), np_log_softmax(t64), gz)
+  kappa_values = value_kappas(f)
+  records = []
+  for path, context in (("top-k, CPU", contextlib.nullcontext), ("top-k, accel", platform_branch)):
+    with context():
+      got = per_row_vg(ours)(s)
+    errors = sweep_errors(got, want)
+    records += sweep_records(name, path, vocab, dtype, errors, base, kappas, kappa_values)
+  return records
+
+
+def token_sweep_records(vocab, dtype, seed) -> list[dict[str, Any]]:
+  """``token_log_probs`` with the entropy (the CPU path and the accelerator code) against
+  float64 and ``log_softmax``: the sampled token's log-probability, and the entropy, each
+  with its gradient wrt the logits."""
+  s, _, s64, _ = sweep_logits(vocab, dtype, seed)
+  ids = jnp.asarray(np.random.default_rng(seed).integers(0, vocab, s.shape[0]), jnp.int32)
+  lq = np_log_softmax(s64)
+  q = np.exp(lq)
+  entropy = -np.sum(q * lq, -1)
+  onehot = np.zeros_like(q)
+  np.put_along_axis(onehot, np.asarray(ids)[:, None], 1.0, -1)
+  picked = np.take_along_axis(lq, np.asarray(ids)[:, None], -1)[:, 0]
+  want = {
+    "token log-prob": (picked, [onehot - q]),
+    "entropy": (entropy, [-q * (lq + entropy[:, None])]),
+  }
+
+  def plain(which):
+    def fn(s):
+      lq = jax.nn.log_softmax(s.astype(jnp.float32), axis=-1)
+      if which == "entropy":
+        return (-jnp.sum(jnp.exp(lq) * lq, -1)).astype(dtype)
+      return jnp.take_along_axis(lq, ids[:, None], -1)[:, 0].astype(dtype)
+
+    return fn
+
+  def ours(which):
+    def fn(s):
+      log_probs, entropy = kd.token_log_probs(s, ids, return_entropy=True)
+      return entropy if which == "entropy" else log_probs
+
+    return fn
+
+  records = []
+  for which, ref in want.items():
+    base = sweep_errors(per_row_vg(plain(which))(s), ref)
+    kappas = sweep_kappas(lq, None, ref[1][0])
+    for path, context in (("CPU rows", contextlib.nullcontext), ("accel", platform_branch)):
+      with context():
+        got = per_row_vg(ours(which))(s)
+      records += sweep_records(which, path, vocab, dtype, sweep_errors(got, ref), base, kappas)
+  return records
+
+
+def vocab_sweep(
+  args: argparse.Namespace,
+  log: Callable[[str], None] = print,
+  partial_out: Callable[[dict[str, Any]], Any] | None = None,
+) -> dict[str, Any]:
+  """Every divergence, path, vocabulary size, logit scale and dtype: errors against float64,
+  the library's and the straightforward formula's."""
+  vocabs = QUICK_SWEEP_VOCABS if args.quick else SWEEP_VOCABS
+  if args.vocabs:
+    vocabs = tuple(int(v) for v in args.vocabs.split(","))
+  records, start = [], time.perf_counter()
+  for vocab in vocabs:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      for name, spec in SPECS.items():
+        records += engine_records(name, spec, vocab, dtype, args.seed)
+        records += topk_sweep_records(name, spec, vocab, dtype, args.seed)
+        if dtype == jnp.float32:
+          records += fused_sweep_records(name, spec, vocab, args.seed)
+      records += token_sweep_records(vocab, dtype, args.seed)
+      log(f"  V = {vocab}, {jnp.dtype(dtype).name}: {time.perf_counter() - start:.0f} s")
+      if partial_out is not None:  # what is done so far, should the run be cut short
+        partial_out(sweep_result(vocabs, records, args.seed, start))
+  return sweep_result(vocabs, records, args.seed, start)
+
+
+def sweep_result(vocabs, records, seed, start) -> dict[str, Any]:
+  settings = dict(vocabs=list(vocabs), scales=list(SWEEP_SCALES), rows=SWEEP_ROWS)
+  settings |= dict(hidden=FUSED_HIDDEN, topk=TOPK, seed=seed)
+  settings |= dict(seconds=time.perf_counter() - start)
+  result = {"section": "precision_sweep", "machine": machine_info(), "settings": settings}
+  return result | {"records": list(records)}
+
+
+def sweep_ratio(record: dict[str, Any], key: str) -> float:
+  """The library's error over the straightforward formula's (or :func:`floors`, where
+  larger): the target is at most 2."""
+  theirs = record["straightforward"][key]
+  theirs = theirs if np.isfinite(theirs) else math.inf  # the straightforward formula's NaN
+  ours = record["ours"][key]
+  ours = ours if np.isfinite(ours) else math.inf
+  return ours / max(theirs, record["floors"][key]) if np.isfinite(ours) else math.inf
+
+
+def print_sweep(result: dict[str, Any], every_case: bool = False) -> None:
+  s = result["settings"]
+  print(describe_machine(result["machine"]))
+  print(
+    f"{s['rows']} rows per logit scale {s['scales']} of scale * N(0, 1), T = 1, float32 and "
+    "bf16 logits, jitted value and gradients; errors against float64 NumPy from the same "
+    "values: the value's largest relative error over the rows, the gradient's norm-wise "
+    "relative error (the worst of its arguments). Target: at most 2x the straightforward "
+    "float32 formula's (log_softmax, the divergence, XLA's sum; outputs rounded to the "
+    "inputs' dtype), or 2x the floor where that is larger (two float32 ulps or half a bf16 "
+    "ulp, times the value's condition; eps * kappa for the gradient: floors())."
+  )
+  if every_case:
+    columns = [("divergence", "16"), ("path", "24"), ("V", ">7"), ("scale", ">5g")]
+    columns += [("dtype", "8"), ("value ours", ">10.1e"), ("value sf", ">9.1e")]
+    columns += [("grad ours", ">9.1e"), ("grad sf", ">8.1e"), ("", "4")]
+    rows = []
+    for r in result["records"]:
+      o, t = r["ours"], r["straightforward"]
+      head = [r["divergence"], r["path"], r["vocab"], r["scale"], r["dtype"]]
+      verdict = "PASS" if r["pass"] else "FAIL"
+      rows.append([*head, o["value"], t["value"], o["grad"], t["grad"], verdict])
+    print_table(columns, rows)
+  vocabs = s["vocabs"]
+  print(
+    "\nWorst ratio, ours / straightforward (value / gradient), over the scales and dtypes, "
+    "per V; FAIL where a case exceeds 2:"
+  )
+  for r in result["records"]:
+    r["pass"] = passes(r)
+  cells: dict[tuple[str, str], dict[int, list[dict[str, Any]]]] = {}
+  for r in result["records"]:
+    cells.setdefault((r["divergence"], r["path"]), {}).setdefault(r["vocab"], []).append(r)
+  columns = [("divergence", "16"), ("path", "24")] + [
+    (f"V=2^{v.bit_length() - 1}", ">11") for v in vocabs
+  ]
+  columns.append(("", "4"))
+  rows = []
+  for (name, path), per_vocab in cells.items():
+    row = [name, path]
+    for v in vocabs:
+      rs = per_vocab.get(v, [])
+      if not rs:
+        row.append("-")
+        continue
+      value = max(sweep_ratio(r, "value") for r in rs)
+      grad = max(sweep_ratio(r, "grad") for r in rs)
+      row.append(f"{value:.1f} / {grad:.1f}")
+    row.append("PASS" if all(r["pass"] for rs in per_vocab.values() for r in rs) else "FAIL")
+    rows.append(row)
+  print_table(columns, rows)
+  failed = [r for r in result["records"] if not r["pass"]]
+  print(f"\n{len(result['records']) - len(failed)} of {len(result['records'])} cases PASS")
+  for r in failed:
+    o, t = r["ours"], r["straightforward"]
+    print(
+      f"  FAIL {r['divergence']} / {r['path']} V={r['vocab']} scale={r['scale']:g} {r['dtype']}: "
+      f"value {o['value']:.1e} vs {t['value']:.1e}, gradient {o['grad']:.1e} vs {t['grad']:.1e}"
+    )
+
+
 # ------------------------------------------------------------------ report
 
 
@@ -564,7 +988,24 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--deltas", default="1e-3,1e-2,1e-1", help="student perturbations")
   p.add_argument("--temperatures", default="1,2")
   p.add_argument("--hidden", type=int, default=256, help="H of the fused head")
+  p.add_argument(
+    "--sweep",
+    action="store_true",
+    help="the vocabulary sweep instead: every divergence and path, V = 2**13 to 2**20 "
+    "(--quick: 2**13 and 2**17), logit scales 1, 3, 10, float32 and bf16",
+  )
+  p.add_argument("--every-case", action="store_true", help="--sweep: print every case")
+  p.add_argument("--vocabs", default=None, help="--sweep: the vocabulary sizes (comma-separated)")
+  p.add_argument("--report", default=None, help="--sweep: print the sweep saved in this JSON")
   args = p.parse_args(argv)
+  if args.sweep and args.report:
+    print_sweep(json.loads(Path(args.report).read_text()), args.every_case)
+    return 0
+  if args.sweep:
+    swept = vocab_sweep(args, partial_out=lambda r: write_json(Path(args.out) / "partial.json", r))
+    print_sweep(swept, args.every_case)
+    save(swept, args.out, f" ({swept['settings']['seconds']:.0f} s)")
+    return 0 if all(r["pass"] for r in swept["records"]) else 1
   result = run(args)
   print_report(result)
   save(result, args.out, f" ({result['settings']['seconds']:.0f} s)")

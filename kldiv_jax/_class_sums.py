@@ -17,6 +17,7 @@ from kldiv_jax._divergences import Classes, Formula, Norms
 from kldiv_jax._numerics import at_least
 from kldiv_jax._online_softmax import joint_reduce
 from kldiv_jax._rows import normalizer
+from kldiv_jax._sums import class_sum
 
 
 def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
@@ -28,7 +29,7 @@ def identical_rows(u: jax.Array, v: jax.Array) -> jax.Array:
   boolean ``all`` or a select inside the reduction costs 3 to 6 times more).
   A NaN makes the row not identical (it is NaN anyway).
   """
-  return jnp.sum(identical_gap(u, v), -1, keepdims=True) == 0
+  return class_sum(identical_gap(u, v)) == 0
 
 
 def identical_gap(u, v):
@@ -90,7 +91,7 @@ def class_sums(formula: Formula, params, needs: Needs, c: Classes, barrier=True)
   its own ``jnp.sum`` of terms written out per block, off CPU one variadic reduction."""
   out = summands(formula, params, needs, c, barrier)
   if barrier:
-    return tuple(jnp.sum(x, axis=-1, keepdims=True) for x in out)
+    return tuple(class_sum(x) for x in out)
   return joint_reduce(plain_sums(*out))[0]
 
 
@@ -111,7 +112,7 @@ def class_sums_apart(formula: Formula, params, needs: Needs, u, v, *stats):
     *copy, tag = lax.optimization_barrier((*stats, jnp.asarray(k, u.dtype)))
     copy[0] = copy[0] + 0.0 * tag  # never simplified away (0 * x is not 0 for floats)
     x = summands(formula, params, needs, normalized(u, v, *copy), False)[k]
-    sums.append(jnp.sum(x, axis=-1, keepdims=True))
+    sums.append(class_sum(x))
   return tuple(sums)
 
 

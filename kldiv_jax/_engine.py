@@ -83,6 +83,7 @@ from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
 from kldiv_jax._platform import compiled, gpu_kernels_for, map_rows
 from kldiv_jax._rows import is_zero, logit_tangents, row_stats, scaled
+from kldiv_jax._sums import class_sum
 from kldiv_jax._vocab_parallel import combine, global_classes
 from kldiv_jax._whole_rows import row_sums
 
@@ -206,7 +207,7 @@ def _one_pass(one_pass, needs, temperature, caps, local, implementation):
   def cpu(z, y, *masks):
     u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
     terms = one_pass.terms(u - mu, v - mv, eu, ev)
-    return outcomes(mu, su, mv, sv, tuple(jnp.sum(t, axis=-1, keepdims=True) for t in terms))
+    return outcomes(mu, su, mv, sv, tuple(class_sum(t) for t in terms))
 
   def accel(z, y, *masks):
     gpu = gpu_kernels_for(implementation)

@@ -17,6 +17,7 @@ from kldiv_jax._alpha_beta import ab_pass_terms
 from kldiv_jax._numerics import max_shift
 from kldiv_jax._online_softmax import joint_reduce, rescale
 from kldiv_jax._rows import row_stats
+from kldiv_jax._sums import class_sum
 
 
 def _combiner(alpha: float, beta: float):
@@ -94,7 +95,7 @@ def _two_pass_ab_sums(alpha, beta, u, v):
   mu, _, su = row_stats(u)
   mv, _, sv = row_stats(v)
   sums = ab_pass_terms(alpha, beta, u - mu, v - mv)
-  return (mu, su, mv, sv, *(jnp.sum(x, axis=-1, keepdims=True) for x in sums))
+  return (mu, su, mv, sv, *(class_sum(x) for x in sums))
 
 
 @online_ab_sums.defjvp

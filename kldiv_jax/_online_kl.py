@@ -16,6 +16,7 @@ from kldiv_jax._divergences import FORWARD_PASS, REVERSE_PASS
 from kldiv_jax._numerics import max_shift
 from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts, rescale, two_pass_softmax
 from kldiv_jax._rows import row_stats
+from kldiv_jax._sums import class_sum
 
 
 def _combine_online(a, b):
@@ -96,7 +97,7 @@ def _two_pass_kl_sums(u, v):
   u0, v0 = u - mu, v - mv
   (gv,) = FORWARD_PASS.terms(u0, v0, eu, ev)
   (gu,) = REVERSE_PASS.terms(u0, v0, eu, ev)
-  total = lambda x: jnp.sum(x, axis=-1, keepdims=True)  # noqa: E731
+  total = lambda x: class_sum(x)  # noqa: E731
   return mu, su, mv, sv, total(gv), total(gu)
 
 

@@ -17,6 +17,7 @@ from jax import lax
 
 from kldiv_jax._numerics import max_shift
 from kldiv_jax._rows import row_stats
+from kldiv_jax._sums import class_reduce, class_sum
 
 
 def rescale(m, total):
@@ -114,7 +115,7 @@ def joint_reduce(*parts):
       i += k
     return tuple(out)
 
-  res = [x[:, None] for x in lax.reduce(ops, init, combine, (1,))]
+  res = [x[:, None] for x in class_reduce(ops, init, combine)]
   outs, i = [], 0
   for (_, _, _, finish), k in zip(parts, sizes):
     outs.append(tuple(finish(res[i : i + k])))
@@ -127,11 +128,11 @@ def two_pass_softmax(centred, u, raw, picked):
   m, e, s = row_stats(u)
   out = [m, s]
   if centred:
-    out.append(jnp.sum(e * jnp.where(u != -jnp.inf, u - m, 0.0), axis=-1, keepdims=True))
+    out.append(class_sum(e * jnp.where(u != -jnp.inf, u - m, 0.0)))
   if raw is not None:
     out.append(lax.stop_gradient(jnp.max(raw.astype(u.dtype), axis=-1, keepdims=True)))
   if picked is not None:
-    out.append(jnp.sum(picked.astype(u.dtype), axis=-1, keepdims=True))
+    out.append(class_sum(picked.astype(u.dtype)))
   return tuple(out)
 
 

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._sums import cpu_sums
+
 # Elements per block of rows for the CPU row statistics (512 KiB of float32).
 _BLOCK_ELEMENTS = 1 << 17
 # The name scope of the CPU row loop: it marks the path in a lowered module's locations.
@@ -120,7 +122,7 @@ def compiled(fn: _Fn, static_argnums: int | Sequence[int] = (), *, inline: bool 
   return cast(_Fn, jax.jit(fn, static_argnums=static_argnums, inline=inline))
 
 
-def _per_device_code() -> bool:
+def per_device_code() -> bool:
   """Whether the arrays being traced live on one device.
 
   True with a single device, or inside ``jax.shard_map`` (manual axes: the
@@ -139,7 +141,7 @@ def map_rows(fn, arrays, num_rows, num_classes=None, accel=None):
   ``fn`` returns a tuple of ``[rows, 1]`` arrays. On CPU the rows go through
   ``fn`` a block at a time (:func:`_row_blocks`); on other platforms, when one
   block holds every row, or under ``jax.jit`` with several devices (see
-  :func:`_per_device_code`), ``fn`` runs once. ``num_classes`` sets the rows
+  :func:`per_device_code`), ``fn`` runs once. ``num_classes`` sets the rows
   per block (default: the arrays' class axis; the vocabulary-parallel kernels
   pass the global one, so that a device's blocks shrink with its slice of the
   classes).
@@ -171,16 +173,17 @@ def map_rows(fn, arrays, num_rows, num_classes=None, accel=None):
     return lambda *a: tuple(lax.convert_element_type(r, r.dtype) for r in f(*a))
 
   plain = strong(fn)
-  if not _per_device_code():
+  if not per_device_code():
     return plain(*arrays)
   off_cpu = plain if accel is None else strong(accel)
-  if num_rows <= block:
-    if accel is None:
-      return plain(*arrays)
-    cpu = plain
-  else:
+  if num_rows <= block and accel is None:
+    return plain(*arrays)
 
-    def cpu(*a):
+  def cpu(*a):
+    # The CPU code's class sums are trees (kldiv_jax._sums.cpu_sums).
+    with cpu_sums():
+      if num_rows <= block:
+        return plain(*a)
       with jax.named_scope(ROW_BLOCKS_SCOPE):
         return _row_blocks(plain, a, num_rows, block)
 
@@ -192,11 +195,16 @@ def per_platform(cpu, accel, *arrays):
 
   A whole kernel chosen per platform (:func:`map_rows` chooses its row statistics): both
   are staged out with ``lax.platform_dependent`` and lowering keeps the platform's own.
-  ``cpu`` everywhere under ``jax.jit`` with several devices (see :func:`_per_device_code`).
+  ``cpu`` everywhere under ``jax.jit`` with several devices (see :func:`per_device_code`).
   """
-  if not _per_device_code():
+  if not per_device_code():
     return cpu(*arrays)
-  out = lax.platform_dependent(*arrays, cpu=cpu, default=accel)
+
+  def on_cpu(*a):
+    with cpu_sums():
+      return cpu(*a)
+
+  out = lax.platform_dependent(*arrays, cpu=on_cpu, default=accel)
   # Strongly typed, as :func:`map_rows`' results.
   return jax.tree.map(lambda r: lax.convert_element_type(r, r.dtype), out)
 

@@ -28,6 +28,7 @@ from kldiv_jax._checks import (
 )
 from kldiv_jax._id_checks import teacher_classes
 from kldiv_jax._numerics import divide_logits, max_shift, soft_cap, soft_cap_slope
+from kldiv_jax._sums import class_sum
 from kldiv_jax._vocab_parallel import VOCAB_PARALLEL_PADDING
 
 
@@ -62,7 +63,7 @@ def row_stats(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
   """
   m = lax.stop_gradient(max_shift(jnp.max(x, axis=-1, keepdims=True)))
   e = jnp.exp(x - m)
-  return m, e, jnp.sum(e, axis=-1, keepdims=True)
+  return m, e, class_sum(e)
 
 
 def normalizer(s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -198,7 +199,7 @@ def shared_classes(x: jax.typing.ArrayLike, size: int, axis: int = -1) -> jax.Ar
 
 def row_sum(g: jax.Array, dx: jax.Array) -> jax.Array:
   """``sum(g * dx)`` over the class axis, kept: a tangent contracted per row."""
-  return jnp.sum(g * dx.astype(g.dtype), axis=-1, keepdims=True)
+  return class_sum(g * dx.astype(g.dtype))
 
 
 def label_hit(labels: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -275,5 +276,5 @@ def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, caps=N
     # du/dT = -u/T on kept classes, 0 on the others.
     u0 = jnp.where(keep_u, u, 0.0)
     v0 = jnp.where(keep_v, v, 0.0)
-    out = out - jnp.sum(g_u * u0 + g_v * v0, axis=-1, keepdims=True) / temperature * dtemp
+    out = out - class_sum(g_u * u0 + g_v * v0) / temperature * dtemp
   return out

@@ -49,6 +49,7 @@ from kldiv_jax._numerics import at_most, max_shift, nonnegative, soft_cap
 from kldiv_jax._online_softmax import online_softmax
 from kldiv_jax._platform import compiled, gpu_or_other, map_rows, per_platform
 from kldiv_jax._rows import is_zero, normalizer, row_stats, times_slope
+from kldiv_jax._sums import class_sum
 from kldiv_jax._vocab_parallel import class_offset, combine, global_classes
 
 # ---------------------------------------------------------------- student
@@ -139,7 +140,7 @@ def _tail_stats(cap, axis_name, z, scale, shift, ids, keep):
     top = jnp.max(z, axis=-1, keepdims=True)
     m = lax.stop_gradient(max_shift(soft_cap(top.astype(scale.dtype), cap) * scale))
     x = _scaled_tail(cap, axis_name, z, scale, ids, keep)
-    return m, jnp.sum(jnp.exp(x - m), axis=-1, keepdims=True)
+    return m, class_sum(jnp.exp(x - m))
 
   def one_pass(z, ids, keep, scale):
     # Off CPU: the tail's own max and sum in one reduction (online softmax).
@@ -173,10 +174,10 @@ def _tail_lse_jvp(cap, axis_name, primals, tangents):
   tangent = jnp.zeros_like(lse)
   if not is_zero(dz):
     g = times_slope(w * scale, x / scale, cap)
-    tangent = tangent + jnp.sum(g * dz.astype(w.dtype), axis=-1, keepdims=True)
+    tangent = tangent + class_sum(g * dz.astype(w.dtype))
   if not is_zero(dscale):
     xw = jnp.where(w > 0, x, 0.0) * w
-    tangent = tangent + jnp.sum(xw, axis=-1, keepdims=True) / scale * dscale
+    tangent = tangent + class_sum(xw) / scale * dscale
   if axis_name is not None:
     tangent = lax.psum(tangent, axis_name)
   return lse, tangent

@@ -38,6 +38,7 @@ from kldiv_jax._numerics import (
 from kldiv_jax._online_softmax import online_softmax
 from kldiv_jax._platform import compiled, map_rows, per_platform
 from kldiv_jax._rows import is_zero, label_hit, normalizer, times_slope
+from kldiv_jax._sums import class_sum
 from kldiv_jax._vocab_parallel import class_offset, global_classes
 
 
@@ -74,9 +75,9 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
     zc, keep = _capped(z, masks, cap, dtype)
     x = _shifted(zc, keep, top, temperature)
     e = jnp.exp(x)
-    s = jnp.sum(e, axis=-1, keepdims=True)
-    picked = jnp.sum(jnp.where(label_hit(ids, x.shape), x, 0.0), axis=-1, keepdims=True)
-    centred = jnp.sum(e * jnp.where(keep, x, 0.0), axis=-1, keepdims=True)
+    s = class_sum(e)
+    picked = class_sum(jnp.where(label_hit(ids, x.shape), x, 0.0))
+    centred = class_sum(e * jnp.where(keep, x, 0.0))
     return s, picked, centred
 
   num_classes = global_classes(z.shape[1], axis_name)
@@ -153,14 +154,14 @@ def _kernel_jvp(axis_name, cap, primals, tangents):
   d_h = jnp.zeros_like(d_lp)
   if not is_zero(dz):
     du = times_slope(dz.astype(g_lp.dtype), zc, cap)  # the tangent of soft_cap(z), T times du
-    d_lp = d_lp + jnp.sum(g_lp * du, -1, keepdims=True) / temperature
-    d_h = d_h + jnp.sum(g_h * du, -1, keepdims=True) / temperature
+    d_lp = d_lp + class_sum(g_lp * du) / temperature
+    d_h = d_h + class_sum(g_h * du) / temperature
   if not is_zero(dtemp):
     # du/dT = -u/T; the gradients sum to 0, so the shifted x gives the same (exactly).
     x0 = jnp.where(keep, x, 0.0)
     scale = -dtemp / temperature
-    d_lp = d_lp + jnp.sum(g_lp * x0, -1, keepdims=True) * scale
-    d_h = d_h + jnp.sum(g_h * x0, -1, keepdims=True) * scale
+    d_lp = d_lp + class_sum(g_lp * x0) * scale
+    d_h = d_h + class_sum(g_h * x0) * scale
   if axis_name is not None:
     d_lp, d_h = lax.psum((d_lp, d_h), axis_name)
   return (log_p, entropy), (d_lp[:, 0], d_h[:, 0])
@@ -208,7 +209,7 @@ def _log_prob_stats(z, ids, temperature, derivative):
   e = jnp.exp(x)
   zy = jnp.take_along_axis(zc, ids, axis=-1, mode="promise_in_bounds")
   x_y = _shifted(zy, zy != -jnp.inf, top, temperature)
-  has, inv_s, log_s = normalizer(jnp.sum(e, axis=-1, keepdims=True))
+  has, inv_s, log_s = normalizer(class_sum(e))
   return jnp.where(has, x_y - log_s, 0.0), x, x_y, e, inv_s
 
 
@@ -240,12 +241,12 @@ def _log_probs_only_jvp(primals, tangents):
   if not is_zero(dz):
     dz = dz.astype(e.dtype)
     dz_y = jnp.take_along_axis(dz, ids, axis=-1, mode="promise_in_bounds")
-    d_lp = d_lp + (dz_y - jnp.sum(e * dz, -1, keepdims=True) * inv_s) / temperature
+    d_lp = d_lp + (dz_y - class_sum(e * dz) * inv_s) / temperature
   if not is_zero(dtemp):
     # du/dT = -u/T; hit - p sums to 0, so the shifted x gives the same (exactly).
     x0 = jnp.where(e != 0, x, 0.0)
     x0_y = jnp.where(x_y != -jnp.inf, x_y, 0.0)
-    d_lp = d_lp - (x0_y - jnp.sum(e * x0, -1, keepdims=True) * inv_s) * (dtemp / temperature)
+    d_lp = d_lp - (x0_y - class_sum(e * x0) * inv_s) * (dtemp / temperature)
   return log_p[:, 0], d_lp[:, 0]
 
 

@@ -875,8 +875,10 @@ def platform_branch(platform: str = "default"):
   the block that context holds a value of its own, so no trace made for one branch serves
   another, and the caches need no clearing (which made every later test trace afresh):
   ``jax_pgle_profiling_runs``, which nothing reads while profile-guided latency estimation
-  (a GPU option) is off.
+  (a GPU option) is off. The class sums are traced as for CPU (``_sums.cpu_sums``): XLA:CPU
+  runs the accelerator code here, and sums long rows precisely only as a tree.
   """
+  from kldiv_jax._sums import cpu_sums
 
   def branch(*args, default, **per_platform):
     return (default if platform == "default" else per_platform.get(platform, default))(*args)
@@ -886,7 +888,8 @@ def platform_branch(platform: str = "default"):
   jax.config.update("jax_pgle_profiling_runs", _BRANCH_TRACES[platform])
   jax.lax.platform_dependent = branch
   try:
-    yield platform
+    with cpu_sums():
+      yield platform
   finally:
     jax.lax.platform_dependent = saved
     jax.config.update("jax_pgle_profiling_runs", runs)
