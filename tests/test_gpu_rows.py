@@ -155,7 +155,13 @@ def test_one_pass_sums_match_the_xla_pass(kind, rows, classes, dtype, caps, mask
   # The maxes exactly (but on row 3: Triton's max skips a NaN, XLA's returns it; the sums
   # are NaN either way); rows without mass: zeros; rows 3 and 4 (NaN, +inf): NaN sums.
   rows_ = np.arange(rows) != 3
-  np.testing.assert_array_equal(got[rows_][:, [0, 2]], want[rows_][:, [0, 2]])
+  # Exactly in the interpreter; on a GPU to an ulp or two: with a soft-cap, Triton's tanh is
+  # not XLA:GPU's (an H200 showed 1-ulp differences in the capped rows' maxes).
+  maxes = got[rows_][:, [0, 2]], want[rows_][:, [0, 2]]
+  if INTERPRET:
+    np.testing.assert_array_equal(*maxes)
+  else:
+    np.testing.assert_allclose(*maxes, rtol=3e-7, atol=0)
   np.testing.assert_array_equal(got[5], 0.0)
   assert np.isnan(got[[3, 4], 1]).all()
   valid = np.isfinite(want[:, 1]) & np.isfinite(want[:, 3])
