@@ -2,7 +2,7 @@
 
 Without a GPU the kernels run in Pallas' interpreter on CPU (the CUDA lowerings registered
 for CPU, every ``lax.platform_dependent`` on its CUDA branch); with one (``jax.default_backend()
-== "gpu"``, as ``.gpu-check`` runs this file) they are compiled by Triton for real and
+== "gpu"``, as ``benchmarks/gpu_check.sh`` runs this file) they are compiled by Triton for real and
 compared with the XLA path on the same device. Against the XLA passes they replace: the KL
 family's one-pass statistics and the class sums of JSD, skew KL, skew reverse KL and TVD,
 on rows with ``-inf``, NaN and ``+inf`` logits, identical rows, rows without mass, shapes

@@ -2,7 +2,7 @@
 # The device check of the opt-in Pallas Triton row kernels (kldiv_jax/_gpu_rows.py, issue 37),
 # one command on a machine with an NVIDIA GPU (python3 with jax[cuda], pytest, numpy):
 #
-#   bash .gpu-check            # at most 340 s (the steps' limits), compiles included
+#   bash benchmarks/gpu_check.sh          # at most 340 s (the steps' limits), compiles included
 #
 # 1. a smoke test: three row cases at a small shape, the kernels off and on side by side;
 # 2. the issue's shapes, (4096, 8192) float32 and (2048, 131072) bfloat16, value_and_grad,
@@ -14,7 +14,7 @@
 # Results: $OUT/gpu-check/ (or benchmarks/results/gpu-check/): device-*.json and the logs.
 # Each step has its own time limit; a step that fails or times out does not stop the next.
 set -u
-cd "$(dirname "$0")"
+cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 RES="${OUT:-benchmarks/results}/gpu-check"
