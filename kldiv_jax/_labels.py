@@ -1,5 +1,7 @@
 """shift_labels: a causal LM's labels aligned with its logits (Hugging Face's shift)."""
 
+from __future__ import annotations
+
 import jax
 import jax.numpy as jnp
 
