@@ -1364,3 +1364,32 @@ def tpu_kernel():
       yield
     finally:
       mlir.register_lowering(_whole_rows.ROW_SUMS, _whole_rows.XLA_LOWERING, platform="cpu")
+
+
+def hostile_logits(rows, classes, seed=0):
+  """Two float32 ``[rows, classes]`` NumPy logits (``3 N(0, 1)``) with hostile rows, for the
+  kernels' tests: ``-inf`` classes (row 0), a row without teacher mass (1), identical rows
+  (2), a NaN (3), a ``+inf`` (4), a row without any mass (5)."""
+  rng = np.random.default_rng(seed)
+  z = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
+  y = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
+  z[0, :5] = -np.inf
+  y[1] = -np.inf
+  y[2] = z[2]
+  z[3, 7] = np.nan
+  z[4, 2] = np.inf
+  z[5] = y[5] = -np.inf
+  return z, y
+
+
+def check_bf16_grads_digits(grads, want, *, rounded: bool):
+  """bf16 gradients against float64 ``want``: with ``rounded`` (bf16 chunk logits) more than
+  half the entries are over 5% off; without, every entry is within bf16's own rounding
+  (``2**-8`` relative, plus ``1e-3`` of the largest)."""
+  for g, r in zip(grads, want, strict=True):
+    assert str(g.dtype) == "bfloat16", g.dtype
+    err = np.abs(np.asarray(g, np.float64) - r)
+    if rounded:
+      assert np.mean(err > 0.05 * np.abs(r)) > 0.5
+    else:
+      np.testing.assert_array_less(err, 2**-8 * np.abs(r) + 1e-3 * np.abs(r).max())

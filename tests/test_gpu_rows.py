@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import enable_x64, platform_branch
+from _references import enable_x64, hostile_logits, platform_branch
 from jax import export
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import mlir
@@ -68,15 +68,7 @@ def _logits(rows, classes, dtype, seed=0):
   """Two ``[rows, classes]`` logits with hostile rows: ``-inf`` classes, a row without
   teacher mass, identical rows, a NaN, a ``+inf``, a row without any mass, a row whose mass
   sits in one tile of the last split, and large logits (no overflow)."""
-  rng = np.random.default_rng(seed)
-  z = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
-  y = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
-  z[0, :5] = -np.inf
-  y[1] = -np.inf
-  y[2] = z[2]
-  z[3, 7] = np.nan
-  z[4, 2] = np.inf
-  z[5] = y[5] = -np.inf
+  z, y = hostile_logits(rows, classes, seed)  # rows 0-5
   z[6, : classes - 3] = -np.inf
   z[7] += 500.0
   return jnp.asarray(z, dtype), jnp.asarray(y, dtype)

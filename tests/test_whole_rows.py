@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import enable_x64, tpu_kernel
+from _references import enable_x64, hostile_logits, tpu_kernel
 from jax import export
 
 import kldiv_jax as kd
@@ -35,17 +35,8 @@ FORMULAS = [
 
 
 def _logits(rows, classes, dtype, seed=0):
-  """Two ``[rows, classes]`` logits with hostile rows: ``-inf`` classes, a row without
-  teacher mass, identical rows, a NaN, a ``+inf``, a row without any mass."""
-  rng = np.random.default_rng(seed)
-  z = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
-  y = (3 * rng.standard_normal((rows, classes))).astype(np.float32)
-  z[0, :5] = -np.inf
-  y[1] = -np.inf
-  y[2] = z[2]
-  z[3, 7] = np.nan
-  z[4, 2] = np.inf
-  z[5] = y[5] = -np.inf
+  """Two ``[rows, classes]`` logits with hostile rows (:func:`_references.hostile_logits`)."""
+  z, y = hostile_logits(rows, classes, seed)
   return jnp.asarray(z, dtype), jnp.asarray(y, dtype)
 
 
