@@ -376,8 +376,9 @@ def fused_distillation_loss(
     axis_name: the mesh axis the V axis of the heads is split over.
     alpha, ignore_index, temperature, divergence, beta, normalizer: as in :func:`distillation_loss`.
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
-    scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts,
-      implementation: as in :func:`distillation_loss`.
+    scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts:
+      as in :func:`distillation_loss`.
+    implementation: as in :func:`distillation_loss`.
     logits_dtype: bf16/f16 inputs: what each chunk's logits (both sides) and their gradient
       are held in between the matmuls and the softmax. ``None`` (default): the inputs' dtype,
       as in the materialised ``hidden @ weight`` (half the bytes on GPUs); where the logits are
