@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _references import np_distillation
+from _references import enable_x64, np_distillation
 from jax.test_util import check_grads
 
 from kldiv_jax import (
@@ -61,7 +61,7 @@ def np_hard(s, labels, eps, z_loss, valid=None, class_mask=None, cap=None):
     ce = optax.softmax_cross_entropy(capped(x), target, where=where)
     return jnp.sum(jnp.where(valid, ce, 0.0))
 
-  with jax.enable_x64(True):
+  with enable_x64():
     ce, g_ce = jax.value_and_grad(ce_sum)(jnp.asarray(s))
   u = np.asarray(capped(s)) if cap is not None else s
   kept = np.ones(s.shape, bool) if where is None else where
