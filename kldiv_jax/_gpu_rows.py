@@ -51,12 +51,6 @@ from kldiv_jax._divergences import FORMULAS, FORWARD_PASS, REVERSE_PASS
 from kldiv_jax._numerics import in_kernel, is_static, max_shift
 from kldiv_jax._online_ab import _combiner, _two_pass_ab_sums, online_ab_sums
 from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums, online_kl_sums
-from kldiv_jax._platform import (  # noqa: F401  (the switch, re-exported)
-  GPU_KERNELS,
-  gpu_kernels,
-  gpu_kernels_enabled,
-  gpu_kernels_setting,
-)
 from kldiv_jax._rows import scaled
 from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split
 
@@ -380,7 +374,7 @@ def _lower(fn, ctx, args):
 
 def cuda_lowering(ctx, *args, spec: Spec, gpu=False, interpret: bool = False):
   """The CUDA lowering of :data:`~kldiv_jax._whole_rows.ROW_SUMS`: the Triton kernels where
-  switched on when traced (``gpu``, from :data:`GPU_KERNELS`) and they take the operands,
+  switched on when traced (``gpu``, from :func:`~kldiv_jax._platform.gpu_kernels_for`) and they take the operands,
   else the XLA passes."""
   z, y, temperature = ctx.avals_in[:3]
   masks = ctx.avals_in[len(ctx.avals_in) - spec[4] :] if spec[4] else ()

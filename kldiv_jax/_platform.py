@@ -32,40 +32,17 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 # a layout (the benchmarks' sweeps); read at trace time.
 
 
-class _Plain:
-  """The switch where jax has no ``make_user_context`` (below 0.7.2): there the kernels stay
-  off (:func:`gpu_kernels_setting`), since a plain switch would not be part of JAX's cache
-  keys (a function jitted with one setting would keep it)."""
-
-  def __init__(self, value):
-    self.value = value
-
-  def set_global(self, value):
-    self.value = value
-
-  @contextlib.contextmanager
-  def __call__(self, value):
-    saved, self.value = self.value, value
-    try:
-      yield
-    finally:
-      self.value = saved
-
-
+# Below jax 0.7.2 (no ``make_user_context``) the kernels stay off: a plain switch would not be
+# part of JAX's cache keys (a function jitted with one setting would keep it).
 _make = getattr(jax, "make_user_context", None)
-GPU_KERNELS = _make(False) if _make is not None else _Plain(False)
-
-
-def gpu_kernels_enabled() -> bool:
-  """Whether the GPU kernels are switched on (in this context; never below jax 0.7.2)."""
-  return bool(gpu_kernels_setting())
+GPU_KERNELS = _make(False) if _make is not None else None
 
 
 def gpu_kernels_setting():
-  """The switch's value: ``False``, ``True`` or a tuple ``(rows per program, classes per
-  tile, warps, stages)`` of the kernels' layout (:func:`kldiv_jax._gpu_rows.layout`; for the
-  benchmarks' sweeps), hashable: a static parameter of the kernels' primitives."""
-  value = GPU_KERNELS.value if _make is not None else False
+  """The private context's value: ``False``, ``True`` or a tuple ``(rows per program,
+  classes per tile, warps, stages)`` of the kernels' layout (:func:`kldiv_jax._gpu_rows.layout`;
+  for the benchmarks' sweeps), hashable: a static parameter of the kernels' primitives."""
+  value = GPU_KERNELS.value if GPU_KERNELS is not None else False
   return tuple(value) if isinstance(value, (tuple, list)) else bool(value)
 
 
@@ -75,7 +52,7 @@ def gpu_kernels_for(implementation: str):
   ``"pallas"`` (with the context's layout, if it gives one); with ``"auto"``, the default,
   whatever the private context :func:`gpu_kernels` says (off outside it). Never below jax
   0.7.2, where the switch could not be part of JAX's cache keys."""
-  if implementation == "xla" or _make is None:
+  if implementation == "xla" or GPU_KERNELS is None:
     return False
   setting = gpu_kernels_setting()
   if implementation == "pallas":
@@ -86,7 +63,10 @@ def gpu_kernels_for(implementation: str):
 def gpu_kernels(enabled: bool | tuple[int, int, int, int] = True):
   """A context manager: inside it the GPU kernels are on (or off); a ``jax.jit`` function
   traced inside is traced and compiled again for it. A tuple ``(rows per program, classes
-  per tile, warps, stages)`` switches them on with that layout (the benchmarks' sweeps)."""
+  per tile, warps, stages)`` switches them on with that layout (the benchmarks' sweeps). Below
+  jax 0.7.2 it changes nothing (the kernels stay off)."""
+  if GPU_KERNELS is None:
+    return contextlib.nullcontext()
   return GPU_KERNELS(tuple(enabled) if isinstance(enabled, (tuple, list)) else bool(enabled))
 
 

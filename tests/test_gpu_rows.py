@@ -29,13 +29,12 @@ from kldiv_jax import _gpu_rows
 from kldiv_jax._class_sums import Needs
 from kldiv_jax._gpu_rows import (
   ONE_PASS_SUMS,
-  gpu_kernels,
-  gpu_kernels_enabled,
   layout,
   triton_one_pass_sums,
   triton_row_sums,
   xla_one_pass_sums,
 )
+from kldiv_jax._platform import gpu_kernels, gpu_kernels_setting
 from kldiv_jax._whole_rows import ROW_SUMS, xla_row_sums
 
 # The switch needs jax.make_user_context (jax 0.7.2): below it the kernels stay off.
@@ -274,14 +273,14 @@ def test_hessian_and_vmap_through_the_kernels(small_tiles):
 def test_the_switch():
   """Off by default; on inside ``gpu_kernels(True)``; a jitted loss traced again for each
   (the switch is part of JAX's cache keys): the kernel's primitive only where on."""
-  assert not gpu_kernels_enabled()
+  assert not bool(gpu_kernels_setting())
   z, y = _logits(8, 64, jnp.float32)
   loss = jax.jit(_loss("forward_kl"))
   seen = []
   original = _gpu_rows.one_pass_sums
 
   def spy(*args):
-    seen.append(gpu_kernels_enabled())
+    seen.append(bool(gpu_kernels_setting()))
     return original(*args)
 
   with pytest.MonkeyPatch.context() as mp:
@@ -289,7 +288,7 @@ def test_the_switch():
     with xla_path():
       off = loss(z, y)
     with gpu_kernel():
-      assert gpu_kernels_enabled()
+      assert bool(gpu_kernels_setting())
       on = loss(z, y)
     with xla_path():
       off_again = loss(z, y)
