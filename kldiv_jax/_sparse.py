@@ -301,7 +301,7 @@ def floored_tail(log_probs: jax.Array, floor: float) -> jax.Array:
   """
   low = math.log(-math.expm1(-floor))
   last = log_probs[:, -1:]
-  last = jnp.where(last > low, last, jnp.asarray(low, log_probs.dtype))
+  last = jnp.where(last < low, jnp.asarray(low, log_probs.dtype), last)  # NaN stays NaN
   return jnp.concatenate([log_probs[:, :-1], last], axis=-1)
 
 
