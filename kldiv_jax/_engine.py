@@ -179,7 +179,7 @@ def _two_passes(formula, params, needs, temperature, caps, local, implementation
   on CPU, the row statistics, then the class sums; off CPU, :func:`row_sums`: both sides'
   maxes and sums of exponentials in one pass (online softmax), then the class sums in a
   second one, the terms fused into them (no temporary), or on TPU one kernel over whole rows
-  (with ``implementation="pallas"``)."""
+  (unless ``implementation="xla"``; on GPUs the opt-in Triton kernels with ``"pallas"``)."""
 
   def cpu(z, y, *masks):
     u, v, (mu, su, mv, sv), eu, ev = local(z, y, *masks)
