@@ -52,7 +52,7 @@ from kldiv_jax._numerics import in_kernel, is_static, max_shift
 from kldiv_jax._online_ab import _combiner, _two_pass_ab_sums, online_ab_sums
 from kldiv_jax._online_kl import _combine_online, _two_pass_kl_sums, online_kl_sums
 from kldiv_jax._rows import scaled
-from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split
+from kldiv_jax._whole_rows import ROW_SUMS, XLA_LOWERING, Spec, _merge, _split, kernel_operands
 
 # ---------------------------------------------------------------------------- the layout
 
@@ -91,14 +91,7 @@ def takes(z, y, temperature, masks=()) -> bool:
   """Whether the kernels take these operands (avals): float32 computation, float32, bfloat16
   or float16 logits ``[rows, classes]``, masks of rows ``[rows or 1, 1]`` or of classes
   ``[1, classes]`` (masks of single elements keep the XLA passes)."""
-  floats = {jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16)}
-  if jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2 or z.shape != y.shape:
-    return False
-  if {jnp.dtype(z.dtype), jnp.dtype(y.dtype)} - floats:
-    return False
-  if any(m.shape[0] != 1 and m.shape[1] != 1 for m in masks):
-    return False
-  return z.shape[0] > 0 and z.shape[1] > 0
+  return kernel_operands(z, y, temperature, masks, (jnp.float32, jnp.bfloat16, jnp.float16))
 
 
 # ---------------------------------------------------------------------------- the kernels

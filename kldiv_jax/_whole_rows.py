@@ -151,25 +151,34 @@ def _layout(rows: int, classes: int, itemsizes: tuple[int, int]) -> tuple[int, i
   return block, tile, -(-classes // tile) * tile
 
 
+def kernel_operands(z, y, temperature, masks, dtypes) -> bool:
+  """Whether the library's Pallas kernels (this one, :mod:`kldiv_jax._gpu_rows`') take these
+  operands (avals): float32 computation, logits ``[rows, classes]`` (at least one of each) of
+  ``dtypes``, masks of rows ``[rows or 1, 1]`` or of classes ``[1, classes]`` (masks of
+  single elements keep the XLA passes)."""
+  if jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2 or z.shape != y.shape:
+    return False
+  if any(m.shape[0] != 1 and m.shape[1] != 1 for m in masks):
+    return False
+  if {jnp.dtype(z.dtype), jnp.dtype(y.dtype)} - {jnp.dtype(d) for d in dtypes}:
+    return False
+  return z.shape[0] > 0 and z.shape[1] > 0
+
+
 def takes_whole_rows(spec: Spec, z, y, temperature, masks=()) -> bool:
   """Whether the Pallas kernel takes these operands (avals): float32 computation, float32 or
   bfloat16 logits, masks of rows ``[rows or 1, 1]`` or of classes ``[1, classes]`` (not of
   single elements), both double-buffered blocks of rows within VMEM, and under x64 a jax
   from :data:`X64_KERNEL_JAX` on."""
-  dtypes = {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}
-  if jnp.dtype(temperature.dtype) != jnp.float32 or z.ndim != 2:
+  if not kernel_operands(z, y, temperature, masks, (jnp.float32, jnp.bfloat16)):
     return False
   x64 = jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
   if x64 and jax.__version_info__ < X64_KERNEL_JAX:
     return False
-  if any(m.shape[0] != 1 and m.shape[1] != 1 for m in masks):
-    return False
-  if {jnp.dtype(z.dtype), jnp.dtype(y.dtype)} - dtypes:
-    return False
   rows, classes = z.shape
   itemsizes = (jnp.dtype(z.dtype).itemsize, jnp.dtype(y.dtype).itemsize)
   block, _, width = _layout(rows, classes, itemsizes)
-  return rows > 0 and classes > 0 and 2 * block * width * sum(itemsizes) <= _VMEM_INPUTS
+  return 2 * block * width * sum(itemsizes) <= _VMEM_INPUTS
 
 
 def _merge(a, b):
