@@ -65,7 +65,7 @@ class Static(NamedTuple):
   weights: LossWeights
   shared: int  # the classes both sides have (per device): longer logits are cut per chunk
   low: Any = None  # bf16/f16 inputs: the logits and their gradient in that dtype (chunk_logits)
-  implementation: str = "pallas"  # "xla": no Pallas kernel (kldiv_jax._implementation)
+  implementation: str = "auto"  # resolved (kldiv_jax._implementation): "xla", "pallas", "auto"
 
 
 class Teacher(Protocol):
