@@ -25,7 +25,7 @@ from kldiv_jax._checks import (
 from kldiv_jax._fused_chunks import check_linear
 from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._id_checks import check_ids, index_array
-from kldiv_jax._numerics import nan_unless, positive_finite
+from kldiv_jax._numerics import nan_unless, nonnegative_finite, positive_finite
 from kldiv_jax._rl import ESTIMATORS
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
@@ -60,11 +60,6 @@ def _scalar(name, option, value, test, expected):
       raise ValueError(f"{name}: {option} must be {expected}; got {value!r}.")
     return out, True
   return out, test(out)
-
-
-def _nonnegative_finite(x):
-  """``0 <= x < inf`` (False for NaN), for a Python float or a traced scalar."""
-  return (x >= 0) & (x < np.inf)
 
 
 def _token_array(name, arg, value, shape, kind):
@@ -121,7 +116,7 @@ def _parse(
   # The KL coefficient: >= 0 and finite (a negative one would reward moving away from the
   # reference); a traced one out of range makes the loss NaN.
   as_array(name, "beta", beta, "a real number")  # None is no KL coefficient: a TypeError
-  beta, v5 = _scalar(name, "beta", beta, _nonnegative_finite, "a finite number >= 0")
+  beta, v5 = _scalar(name, "beta", beta, nonnegative_finite, "a finite number >= 0")
   beta = cast(Any, beta)  # not None: as_array above refused None
   entropy_coef, _ = real_scalar(name, "entropy_coef", entropy_coef)  # any real (a bonus if > 0)
   valid = [v1, v2, v3, v4, v5]
