@@ -19,8 +19,8 @@
 #   make bench-device bench-accel's cases timed for real on the attached GPU or TPU (the
 #                   venv's jax must see it: e.g. jax[cuda12] installed there)
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
-#   make integration  tests/test_tunix.py against Tunix, in its own environment
-#                   $(INTEGRATION_VENV) (google-tunix and the versions it was tested with)
+#   make integration  tests/test_integration_*.py against the peers themselves (Tunix, TRL,
+#                   verl, torch), in their own environment $(INTEGRATION_VENV), pinned
 #
 # VENV=path selects another environment (.ci/run uses fresh ones).
 
@@ -95,20 +95,25 @@ fixtures: venv
 	$(PY) -c 'import torch' 2>/dev/null || $(PY) -m pip install 'torch==2.13.0'
 	$(PY) tests/fixtures/make_torch_fixtures.py
 
-# The glue of docs/tunix.md, tested against Tunix itself: google-tunix pulls flax, optax and
-# a jax of its choosing, so it lives in an environment of its own, pinned to the versions
-# the tests passed with.
+# The peers' own code (Tunix, TRL, verl; torch CPU) in an environment of its own: google-tunix
+# pulls flax, optax and a jax of its choosing, and TRL and verl pull torch. Pinned to the
+# versions the tests passed with. verl goes in without its dependencies (its GPU stack), with
+# what `verl.trainer.ppo.core_algos` imports.
 INTEGRATION_VENV ?= .venv-integration
-INTEGRATION_PINS := google-tunix==0.1.7 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8
-INTEGRATION_STAMP := $(INTEGRATION_VENV)/.kldiv_jax-tunix-0.1.7
+INTEGRATION_PINS := google-tunix==0.1.7 jax==0.10.2 jaxlib==0.10.2 flax==0.12.8 optax==0.2.8 \
+  torch==2.13.0 trl==1.16.0 transformers==5.10.4 tokenizers==0.22.2 \
+  tensordict==0.10.0 ray==2.60.0 codetiming==1.4.0 orjson==3.13.0
+INTEGRATION_STAMP := $(INTEGRATION_VENV)/.kldiv_jax-integration-1
+INTEGRATION_TESTS ?= tests/test_integration_*.py
 
 $(INTEGRATION_STAMP): pyproject.toml
 	test -x $(INTEGRATION_VENV)/bin/python || $(PYTHON) -m venv $(INTEGRATION_VENV)
 	$(INTEGRATION_VENV)/bin/python -m pip install -e '.[test]' $(INTEGRATION_PINS)
+	$(INTEGRATION_VENV)/bin/python -m pip install --no-deps verl==0.9.1
 	touch $(INTEGRATION_STAMP)
 
 integration: $(INTEGRATION_STAMP)
-	$(INTEGRATION_VENV)/bin/python -m pytest -q -p no:xdist tests/test_tunix.py
+	$(INTEGRATION_VENV)/bin/python -m pytest -q -p no:xdist $(INTEGRATION_TESTS)
 
 clean:
 	rm -rf examples/output .pytest_cache .hypothesis dist build docs/_build docs/_autosummary
