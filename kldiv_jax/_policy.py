@@ -27,6 +27,7 @@ from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, nonnegative_finite, positive_finite
 from kldiv_jax._rl import ESTIMATORS
+from kldiv_jax._trl_options import check_trl_options, off_policy_keep, top_entropy_keep
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
   SEQUENCE_LEVEL,
@@ -135,6 +136,30 @@ def _parse(
   return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
 
 
+def _with_trl_options(name, parsed: _Parsed, vespo_gamma, threshold, fraction) -> _Parsed:
+  """``parsed`` with the VESPO, off-policy-mask and top-entropy options (:mod:`_trl_options`)."""
+  gamma, threshold, fraction = check_trl_options(
+    name, parsed.options.surrogate, parsed.rollout_correction, vespo_gamma, threshold, fraction
+  )
+  options = parsed.options._replace(
+    vespo_gamma=gamma, off_policy_threshold=threshold, top_entropy_fraction=fraction
+  )
+  return parsed._replace(options=options)
+
+
+def _keep(log_probs, sampling_log_probs, advantages, entropy, weights, options: Options):
+  """TRL's off-policy sequence mask times its top-entropy mask (``None`` for neither)."""
+  keep = None
+  if options.off_policy_threshold is not None:
+    keep = off_policy_keep(
+      log_probs, sampling_log_probs, advantages, weights, options.off_policy_threshold
+    )
+  if options.top_entropy_fraction is not None:
+    top = top_entropy_keep(entropy, weights, options.top_entropy_fraction)
+    keep = top if keep is None else keep * top
+  return keep
+
+
 def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
   """An error naming the argument unless each array is array-like (``as_array``); an
   ``optional`` one may be ``None``."""
@@ -221,6 +246,9 @@ def policy_loss(
   rollout_log_probs: jax.typing.ArrayLike | None = None,
   rollout_correction: str = "token_truncate",
   rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
+  vespo_gamma: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+  off_policy_threshold: float | jax.typing.ArrayLike | None = None,
+  top_entropy_fraction: float | None = None,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r"""A PPO/GRPO-family policy loss from per-token log-probs, and its metrics.
 
@@ -271,6 +299,22 @@ def policy_loss(
       Without ``entropy`` the metric ``entropy`` is NaN (nothing measured).
     rollout_log_probs, rollout_correction, rollout_bounds: the weights
       :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`.
+    vespo_gamma: ``surrogate="vespo"``'s :math:`(k_+, \lambda_+, k_-, \lambda_-)` (TRL's
+      ``vespo_k_pos``, ``vespo_lambda_pos``, ``vespo_k_neg``, ``vespo_lambda_neg``): the loss
+      :math:`-\mathrm{sg}(\varphi(w_i))\,A\log\pi_t`, :math:`\varphi(w) = e^{\lambda}
+      w^k e^{-\lambda w}` of the sequence's importance weight :math:`w_i` (the exp of the
+      *sum* of its log-ratios and of its tokens' log rollout weights, which VESPO takes in
+      place of multiplying: token rollout modes only), :math:`(k, \lambda)` by the sign of
+      :math:`A \ge 0`.
+    off_policy_threshold: DeepSeek-V3.2's off-policy sequence masking (TRL's
+      ``off_policy_mask_threshold``): the surrogate of a token with :math:`A < 0` is dropped
+      when its sequence's mean :math:`\log\pi_{\text{rollout}} - \mathrm{sg}(\log\pi)`
+      (:math:`\pi_{\text{old}}` without ``rollout_log_probs``) exceeds it; the
+      denominators and the KL stay.
+    top_entropy_fraction: keep the surrogate of the counted tokens whose entropy is at
+      least the ``1 - fraction`` quantile of this call's (TRL's ``top_entropy_quantile``;
+      a static number in [0, 1], ``None`` or 1: all); the denominators and the KL stay
+      (a ``where`` mask would change them). Needs ``entropy`` here.
 
   Returns:
     ``(loss, metrics)``: the scalar loss (the inputs' dtype) and a
@@ -304,6 +348,9 @@ def policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
+  parsed = _with_trl_options(
+    name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction
+  )
   named = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages}
   named |= {"ref_log_probs": ref_log_probs, "entropy": entropy}
   named |= {"rollout_log_probs": rollout_log_probs}
@@ -311,18 +358,22 @@ def policy_loss(
   logp = a["log_probs"]
   old = jax.lax.stop_gradient(logp) if old_log_probs is None else a["old_log_probs"]
   options = parsed.options
-  seq_lr = None
-  if options.surrogate in SEQUENCE_LEVEL:
-    seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options)
+  if options.top_entropy_fraction is not None and entropy is None:
+    raise ValueError(f"{name}: top_entropy_fraction needs the per-token entropy= (none given).")
   rollout = None
   if rollout_log_probs is not None:
     rollout = rollout_weights(
       old, a["rollout_log_probs"], weights, parsed.rollout_correction, parsed.rollout_bounds
     )
+  seq_lr = None
+  if options.surrogate in SEQUENCE_LEVEL:
+    seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options, rollout)
+  sampling = old if rollout_log_probs is None else a["rollout_log_probs"]
+  keep = _keep(logp, sampling, a["advantages"], a.get("entropy"), weights, options)
   loss_terms, metric_terms = token_losses(
     logp, old, a["advantages"], weights.loss, weights.token, weights.mask, options,
     seq_log_ratio=seq_lr, ref_log_probs=a.get("ref_log_probs"), entropy=a.get("entropy"),
-    rollout_weights=rollout,
+    rollout_weights=rollout, keep=keep, sequence_weights=weights.sequence,
   )  # fmt: skip
   loss = nan_unless(jnp.sum(loss_terms), *valid).astype(out_dtype)
   return loss, _no_entropy(reduce_metrics(metric_terms, weights), entropy is None)
@@ -337,6 +388,7 @@ def _no_entropy(metrics: PolicyMetrics, missing: bool) -> PolicyMetrics:
 
 # Options' scalar fields, passed per token to the fused engine (its per-token function is static).
 _SCALARS = ("clip_low", "clip_high", "dual_clip", "ratio_cap", "beta", "entropy_coef")
+_SCALARS += ("off_policy_threshold",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,14 +409,18 @@ class _TokenTerms:
     w = Weights(args["loss"], args["token"], args["mask"], args.get("segment"),
                 self.num_segments, unused, unused)  # fmt: skip
     adv = args["advantages"]
-    seq_lr = sequence_log_ratio(log_p, old, adv, w, o) if o.surrogate in SEQUENCE_LEVEL else None
     rollout = args.get("rollout_weights")
     if self.rollout is not None:
       bounds = args["rollout_bounds"]
       rollout = rollout_weights(old, args["rollout_log_probs"], w, self.rollout, bounds)
+    seq_lr = None
+    if o.surrogate in SEQUENCE_LEVEL:
+      seq_lr = sequence_log_ratio(log_p, old, adv, w, o, rollout)
+    keep = _keep(log_p, args.get("sampling_log_probs", old), adv, entropy, w, o)
     return token_losses(
       log_p, old, adv, w.loss, w.token, w.mask, o, seq_log_ratio=seq_lr,
       ref_log_probs=args.get("ref_log_probs"), entropy=entropy, rollout_weights=rollout,
+      keep=keep, sequence_weights=args["sequence"],
     )  # fmt: skip
 
 
@@ -402,6 +458,9 @@ def fused_policy_loss(
   axis_name: str | None = None,
   chunk_size: int | None = None,
   logits_dtype: jax.typing.DTypeLike | None = None,
+  vespo_gamma: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+  off_policy_threshold: float | jax.typing.ArrayLike | None = None,
+  top_entropy_fraction: float | None = None,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r""":func:`policy_loss` from hidden states and the LM head, with no ``[tokens, vocab]`` array.
 
@@ -419,7 +478,7 @@ def fused_policy_loss(
     temperature, softcap, ignore_index, axis_name, chunk_size, logits_dtype: as in
       :func:`fused_token_log_probs` (``logits_dtype=jnp.float32``: bf16 inputs' chunk logits
       and their gradient in float32, :ref:`fused-logits-dtype`); the other options as in
-      :func:`policy_loss`.
+      :func:`policy_loss` (``top_entropy_fraction`` on the entropy measured here).
 
   Returns:
     ``(loss, metrics)`` as :func:`policy_loss`.
@@ -459,6 +518,9 @@ def fused_policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
+  parsed = _with_trl_options(
+    name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction
+  )
   keep = None
   if ignore_index is not None:
     keep = jnp.asarray(token_ids) != check_int(name, "ignore_index", ignore_index)
@@ -480,12 +542,17 @@ def fused_policy_loss(
   o = parsed.options
   sequence_rollout = rollout_log_probs is not None and parsed.rollout_correction[:3] == "seq"
   two_pass = o.surrogate in SEQUENCE_LEVEL or (on_policy and sequence_rollout)
+  # TRL's masks need whole sequences (the off-policy KL) or the whole call (the quantile).
+  two_pass |= o.off_policy_threshold is not None or o.top_entropy_fraction is not None
   dtype = weights.loss.dtype
   n = weights.loss.size
   per_token = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (n,))  # noqa: E731
   scalars = {k: getattr(o, k) for k in _SCALARS if getattr(o, k) is not None}
   args: dict[str, Any] = {"loss": weights.loss, "token": weights.token, "mask": weights.mask}
   args |= {k: v for k, v in a.items() if k != "rollout_log_probs" or on_policy}
+  args["sequence"] = weights.sequence
+  if o.off_policy_threshold is not None and rollout_log_probs is not None:
+    args["sampling_log_probs"] = a["rollout_log_probs"]
   if rollout_log_probs is not None and not on_policy:
     args["rollout_weights"] = rollout_weights(
       a["old_log_probs"], a["rollout_log_probs"], weights, parsed.rollout_correction,
@@ -506,6 +573,7 @@ def fused_policy_loss(
   )  # fmt: skip
   coef = o.entropy_coef
   with_entropy = not (isinstance(coef, float) and coef == 0.0)
+  with_entropy |= o.top_entropy_fraction is not None
 
   # Kernel: the engine, then the metrics from its per-token outputs.
   h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])

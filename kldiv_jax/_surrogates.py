@@ -42,6 +42,7 @@ from jax import lax
 
 from kldiv_jax._numerics import at_most
 from kldiv_jax._rl import kl_estimate
+from kldiv_jax._trl_options import vespo_log_weight, vespo_phi
 
 SURROGATES = (
   "ppo",
@@ -54,8 +55,9 @@ SURROGATES = (
   "gpg",
   "dppo-tv",
   "dppo-kl",
+  "vespo",
 )
-SEQUENCE_LEVEL = ("gspo", "gspo-token", "gmpo")
+SEQUENCE_LEVEL = ("gspo", "gspo-token", "gmpo", "vespo")
 AGGREGATIONS = (
   "token-mean",
   "token-sum",
@@ -85,6 +87,9 @@ class Options(NamedTuple):
   kl_importance_weighted: bool = False
   kl_in_loss: bool = True
   entropy_coef: float | jax.Array = 0.0
+  vespo_gamma: tuple = (2.0, 3.0, 3.0, 2.0)  # (k_pos, lambda_pos, k_neg, lambda_neg)
+  off_policy_threshold: Any = None  # float | jax.Array | None
+  top_entropy_fraction: float | None = None
 
 
 class Weights(NamedTuple):
@@ -97,6 +102,7 @@ class Weights(NamedTuple):
   num_segments: int  # static
   tokens: jax.Array  # the number of counted tokens
   sequences: jax.Array  # the number of sequences with a counted token
+  sequence: Any = None  # mask / (n_i * sequences): the mean over sequences' weights (metrics)
 
 
 class PolicyMetrics(NamedTuple):
@@ -120,11 +126,21 @@ class PolicyMetrics(NamedTuple):
   ratio_max: jax.Array
   tokens: jax.Array  # counted tokens
   sequences: jax.Array  # sequences with a counted token
+  # Over sequences (TRL's sequence-level metrics): each sequence's fraction of its counted
+  # tokens clipped (GSPO: its one flag), averaged over the sequences with a counted token;
+  # the smallest and largest of those fractions; VESPO's weight phi averaged alike (else 0).
+  clip_low_seq: jax.Array
+  clip_high_seq: jax.Array
+  clip_low_seq_min: jax.Array
+  clip_high_seq_max: jax.Array
+  vespo_phi_seq: jax.Array
 
 
 # How each PolicyMetrics field's per-token terms reduce, in field order (tokens and
-# sequences come from Weights).
+# sequences come from Weights; "seq_min"/"seq_max": the extremes of the per-sequence sums
+# of terms weighted by Weights.sequence, over the sequences with a counted token).
 METRIC_REDUCTIONS: tuple[str, ...] = ("sum",) * 8 + ("min", "max", "sum", "sum")
+METRIC_REDUCTIONS += ("sum", "sum", "seq_min", "seq_max", "sum")
 
 
 def _segment_sum(x, weights: Weights):
@@ -194,7 +210,8 @@ def aggregation_weights(
   if aggregation == "seq-mean-token-mean":
     loss = loss / jnp.maximum(per_seq[segment], 1.0)
   token = m / jnp.maximum(tokens, 1.0)
-  return Weights(loss, token, mask, segment, num_segments, tokens, sequences)
+  sequence = m / (jnp.maximum(per_seq[segment], 1.0) * jnp.maximum(sequences, 1.0))
+  return Weights(loss, token, mask, segment, num_segments, tokens, sequences, sequence)
 
 
 def segment_mean(x, weights: Weights):
@@ -209,15 +226,20 @@ def _bounds(options: Options, dtype):
   return jnp.asarray(options.clip_low, dtype), jnp.asarray(options.clip_high, dtype)
 
 
-def sequence_log_ratio(log_probs, old_log_probs, advantages, weights: Weights, options: Options):
+def sequence_log_ratio(
+  log_probs, old_log_probs, advantages, weights: Weights, options: Options, rollout_weights=None
+):
   r"""Each token's sequence's mean log-ratio, broadcast to the tokens.
 
   GSPO: :math:`\frac1{|y|}\sum_t (\log\pi_t - \log\pi_{\text{old},t})`. GMPO
   (verl's ``geo_mean``): the mean of the per-token log-ratios clipped in log
   space to ``[-clip_low, clip_high]`` on the side the advantage's sign
   selects, :math:`\mathrm{sgn}(A)\min(\mathrm{sgn}(A)\,\delta,
-  \mathrm{sgn}(A)\,\mathrm{clip}(\delta))`.
+  \mathrm{sgn}(A)\,\mathrm{clip}(\delta))`. VESPO: the clamped *sum* with the log of the
+  ``rollout_weights``, no gradient (:func:`kldiv_jax._trl_options.vespo_log_weight`).
   """
+  if options.surrogate == "vespo":
+    return vespo_log_weight(log_probs, old_log_probs, weights, rollout_weights)
   delta = log_probs - old_log_probs
   if options.surrogate == "gmpo":
     low, high = _bounds(options, delta.dtype)
@@ -274,6 +296,8 @@ def token_losses(
   ref_log_probs=None,
   entropy=None,
   rollout_weights=None,
+  keep=None,
+  sequence_weights=None,
 ):
   """Per-token loss terms (weighted: the loss is their sum) and metric terms.
 
@@ -281,7 +305,10 @@ def token_losses(
   is the counted tokens (``Weights.mask``); ``seq_log_ratio`` is required by
   the sequence-level surrogates (:func:`sequence_log_ratio`);
   ``rollout_weights`` multiply the surrogate's per-token loss (as verl's
-  ``rollout_is_weights`` and TRL's ``importance_sampling_ratio``).
+  ``rollout_is_weights`` and TRL's ``importance_sampling_ratio``; VESPO folds them into its
+  sequence weight instead); ``keep`` (0/1, no gradient) multiplies it too (TRL's off-policy
+  and top-entropy masks: the denominators stay); ``sequence_weights`` (``Weights.sequence``)
+  weigh the metrics over sequences (0 without).
   """
   s = options.surrogate
   delta = log_probs - old_log_probs
@@ -318,13 +345,18 @@ def token_losses(
     pg = -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
   elif s == "gpg":
     pg = -log_probs * advantages
+  elif s == "vespo":  # -sg(phi(w_i)) * A * log pi, w_i the sequence's importance weight
+    phi = vespo_phi(seq_log_ratio, advantages, options.vespo_gamma)
+    pg = -phi * advantages * log_probs
   else:  # dppo-tv, dppo-kl
     cap = 20.0 if options.ratio_cap is None else options.ratio_cap
     valid = _dppo_valid(log_probs, old_log_probs, advantages, options)
     pg = -advantages * lax.stop_gradient(at_most(cap, ratio)) * log_probs * valid
     clip_high = ~valid
     dual = (ratio > cap) & valid
-  if rollout_weights is not None:
+  if keep is not None:
+    pg = pg * lax.stop_gradient(keep)
+  if rollout_weights is not None and s != "vespo":
     pg = pg * lax.stop_gradient(rollout_weights)
   total = pg
   kl = jnp.zeros_like(pg)
@@ -343,6 +375,12 @@ def token_losses(
     return lax.stop_gradient(jnp.where(mask, token_weights * x, 0.0))
 
   r = lax.stop_gradient(ratio)
+  seq_w = zero if sequence_weights is None else sequence_weights
+
+  def seq_mean(x):
+    return lax.stop_gradient(jnp.where(mask, seq_w * x, 0.0))
+
+  low_seq, high_seq = seq_mean(clip_low.astype(pg.dtype)), seq_mean(clip_high.astype(pg.dtype))
   metric_terms = PolicyMetrics(
     pg_loss=lax.stop_gradient(jnp.where(mask, loss_weights * pg, 0.0)),
     kl=mean(kl),
@@ -356,17 +394,37 @@ def token_losses(
     ratio_max=jnp.where(mask, r, -jnp.inf),
     tokens=zero,
     sequences=zero,
+    clip_low_seq=low_seq,
+    clip_high_seq=high_seq,
+    clip_low_seq_min=low_seq,
+    clip_high_seq_max=high_seq,
+    vespo_phi_seq=seq_mean(phi) if s == "vespo" else zero,
   )
   return loss_terms, metric_terms
 
 
 _REDUCE = {"sum": jnp.sum, "min": jnp.min, "max": jnp.max}
+# The sequence extremes combine as min/max when each chunk holds whole sequences.
 _COMBINE = {"sum": jnp.add, "min": jnp.minimum, "max": jnp.maximum}
+_COMBINE |= {"seq_min": jnp.minimum, "seq_max": jnp.maximum}
+
+
+def _sequence_extreme(x, weights: Weights, reduction: str):
+  """The smallest (``"seq_min"``) or largest per-sequence sum of ``x`` (terms weighted by
+  ``Weights.sequence``) times the number of sequences: 0 without sequences."""
+  per_seq = _segment_sum(x, weights) * jnp.maximum(weights.sequences, 1.0)
+  counted = _segment_sum(weights.mask.astype(x.dtype), weights) > 0
+  fill = jnp.inf if reduction == "seq_min" else -jnp.inf
+  out = _REDUCE[reduction[4:]](jnp.where(counted, per_seq, fill))
+  return jnp.where(jnp.any(counted), out, 0.0)
 
 
 def reduce_metrics(metric_terms: PolicyMetrics, weights: Weights) -> PolicyMetrics:
   """The per-token metric terms reduced to scalars (ratio extremes: 0 without tokens)."""
-  out = [_REDUCE[r](x) for r, x in zip(METRIC_REDUCTIONS, metric_terms, strict=True)]
+  out = [
+    _sequence_extreme(x, weights, r) if r.startswith("seq_") else _REDUCE[r](x)
+    for r, x in zip(METRIC_REDUCTIONS, metric_terms, strict=True)
+  ]
   out = PolicyMetrics(*out)._replace(tokens=weights.tokens, sequences=weights.sequences)
   finite = weights.tokens > 0
   return out._replace(
