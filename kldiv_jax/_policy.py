@@ -27,7 +27,6 @@ from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, nonnegative_finite, positive_finite
 from kldiv_jax._rl import ESTIMATORS
-from kldiv_jax._trl_options import check_trl_options, off_policy_keep, top_entropy_keep
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
   SEQUENCE_LEVEL,
@@ -42,6 +41,7 @@ from kldiv_jax._surrogates import (
   sequence_log_ratio,
   token_losses,
 )
+from kldiv_jax._trl_options import check_trl_options, off_policy_keep, top_entropy_keep
 from kldiv_jax._vocab_parallel import check_axis_name
 
 ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -348,9 +348,7 @@ def policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
-  parsed = _with_trl_options(
-    name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction
-  )
+  parsed = _with_trl_options(name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction)
   named = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages}
   named |= {"ref_log_probs": ref_log_probs, "entropy": entropy}
   named |= {"rollout_log_probs": rollout_log_probs}
@@ -518,9 +516,7 @@ def fused_policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
-  parsed = _with_trl_options(
-    name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction
-  )
+  parsed = _with_trl_options(name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction)
   keep = None
   if ignore_index is not None:
     keep = jnp.asarray(token_ids) != check_int(name, "ignore_index", ignore_index)

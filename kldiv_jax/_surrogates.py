@@ -316,6 +316,7 @@ def token_losses(
   ratio = jnp.exp(safe_delta)
   false = jnp.zeros_like(mask)
   clip_low = clip_high = dual = false
+  phi = None  # VESPO's weight (a metric)
   if s in ("ppo", "gspo", "gspo-token"):
     if s == "gspo":  # the sequence's ratio, its gradient spread over the tokens (TRL's)
       ratio = jnp.exp(at_most(GSPO_LOG_RATIO_CAP, seq_log_ratio))
@@ -398,7 +399,7 @@ def token_losses(
     clip_high_seq=high_seq,
     clip_low_seq_min=low_seq,
     clip_high_seq_max=high_seq,
-    vespo_phi_seq=seq_mean(phi) if s == "vespo" else zero,
+    vespo_phi_seq=zero if phi is None else seq_mean(phi),
   )
   return loss_terms, metric_terms
 

@@ -93,8 +93,28 @@ CASES = {
   "cispo seq-mean-token-sum-norm, ignore_index": dict(
     surrogate="cispo", clip_low=0.3, aggregation="seq-mean-token-sum-norm", ignore=True
   ),
+  "vespo packed, token_mask rollout": dict(
+    surrogate="vespo", vespo_gamma=(1.5, 2.0, 3.0, 0.5), segment_ids=SEGMENTS,
+    rollout_correction="token_mask", rollout_bounds=(0.8, 1.25), beta=0.04,
+  ),
+  "vespo on-policy, token_truncate rollout": dict(
+    surrogate="vespo", rollout_correction="token_truncate", on_policy=True,
+    aggregation="seq-mean-token-mean",
+  ),
+  "off-policy mask and top entropy, rollout, packed": dict(
+    off_policy_threshold=0.0, top_entropy_fraction=0.4, segment_ids=SEGMENTS, beta=0.02,
+    rollout_correction="token_truncate", aggregation="seq-mean-token-mean", entropy_coef=0.01,
+  ),
+  "top entropy gspo seq-mean-token-sum, ignore_index": dict(
+    surrogate="gspo", top_entropy_fraction=0.7, aggregation="seq-mean-token-sum", ignore=True,
+  ),
+  "off-policy mask on-policy with rollout log-probs": dict(
+    off_policy_threshold=-0.05, rollout_correction="token_mask", rollout_bounds=(0.0, 10.0),
+    on_policy=True,
+  ),
 }  # fmt: skip
 TRACED = ("clip_low", "clip_high", "dual_clip", "beta", "entropy_coef", "temperature")
+TRACED += ("off_policy_threshold",)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -179,7 +179,9 @@ def ours_kwargs(data, on_policy=False, use_vllm=False, **config):
   if c.loss_type == "cispo":
     kw |= dict(surrogate="cispo-cap", ratio_cap=eps_high)
   elif c.loss_type == "sapo":
-    kw |= dict(surrogate="sapo", sapo_temperatures=_f32(c.sapo_temperature_pos, c.sapo_temperature_neg))
+    kw |= dict(
+      surrogate="sapo", sapo_temperatures=_f32(c.sapo_temperature_pos, c.sapo_temperature_neg)
+    )
   elif c.loss_type == "vespo":
     kw |= dict(surrogate="vespo", vespo_gamma=_f32(
       c.vespo_k_pos, c.vespo_lambda_pos, c.vespo_k_neg, c.vespo_lambda_neg))  # fmt: skip
@@ -300,8 +302,9 @@ CONFIGS = {
   "dapo delta": dict(loss_type="dapo", epsilon_high=0.28, delta=1.5),
   "cispo epsilon_high": dict(loss_type="cispo", epsilon_high=1.1),
   "sapo temperatures": dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=1.5),
-  "vespo gamma": dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=4.0,
-                      vespo_lambda_neg=0.5),  # fmt: skip
+  "vespo gamma": dict(
+    loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=4.0, vespo_lambda_neg=0.5
+  ),
   "dr_grpo epsilon": dict(loss_type="dr_grpo", epsilon=0.1),
   "luspo token level": dict(loss_type="luspo"),
 }
@@ -379,7 +382,9 @@ def test_off_policy_mask(rng, loss_type, use_vllm, correction, threshold):
   if loss_type == "luspo":
     config["importance_sampling_level"] = "sequence"
   check(data, config, use_vllm=use_vllm)
-  without = ours(data, **ours_kwargs(data, False, use_vllm, **config | {"off_policy_mask_threshold": None}))
+  without = ours(
+    data, **ours_kwargs(data, False, use_vllm, **config | {"off_policy_mask_threshold": None})
+  )
   with_mask = ours(data, **ours_kwargs(data, False, use_vllm, **config))
   assert with_mask[0] != without[0]  # the mask dropped a sequence
 
