@@ -68,8 +68,9 @@ def vespo_phi(log_weight, advantages, gamma):
 
   ``gamma = (k_pos, lambda_pos, k_neg, lambda_neg)``: :math:`(k, \lambda)` for
   :math:`A \ge 0` and for :math:`A < 0`; :math:`\log w` clamped to
-  :math:`[\log 10^{-8}, 20]` and :math:`\lambda` to at least :math:`10^{-4}`, a non-finite
-  :math:`\varphi` taken as 0 (TRL's ``get_gamma_weights``). No gradient.
+  :math:`[\log 10^{-8}, 20]` and :math:`\lambda` to at least :math:`10^{-4}`, an overflowing
+  :math:`\varphi` taken as 0 (TRL's ``get_gamma_weights``). No gradient. A NaN (from a NaN
+  log-probability) stays NaN, so that the loss says so (TRL's ``nan_to_num`` makes it 0).
   """
   k_pos, lam_pos, k_neg, lam_neg = gamma
   dtype = log_weight.dtype
@@ -78,7 +79,7 @@ def vespo_phi(log_weight, advantages, gamma):
   k = jnp.where(nonnegative, k_pos, k_neg).astype(dtype)
   lam = jnp.maximum(jnp.where(nonnegative, lam_pos, lam_neg), VESPO_LAMBDA_MIN).astype(dtype)
   phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
-  return lax.stop_gradient(jnp.where(jnp.isfinite(phi), phi, 0.0))
+  return lax.stop_gradient(jnp.where(jnp.isinf(phi), 0.0, phi))
 
 
 def off_policy_keep(log_probs, sampling_log_probs, advantages, weights, threshold):

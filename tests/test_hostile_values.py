@@ -232,6 +232,8 @@ FUSED_VARIANTS = {
       "cispo-cap": {"surrogate": "cispo-cap", "ratio_cap": 4.0},
       "ppo ratio_cap": {"ratio_cap": 4.0},
       "gspo": {"surrogate": "gspo"},
+      "vespo": {"surrogate": "vespo"},
+      "off-policy mask": {"off_policy_threshold": 0.1},
     }.items()
   },
   "policy_loss rollout token_mask": dataclasses.replace(
