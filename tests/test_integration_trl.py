@@ -125,7 +125,7 @@ def batch(rng, empty_row=True):
 NUM_ITEMS = 3.0  # num_items_in_batch as a multiple of this micro-batch's tokens
 
 
-def trl(data, on_policy=False, use_vllm=False, **config):
+def trl(data, on_policy=False, use_vllm=False, accumulation=1, tool_mask=None, **config):
   """TRL's ``_compute_loss``: ``(loss, d/d log_probs, d/d entropy, logged metrics)``."""
   args = GRPOConfig(
     output_dir="/tmp/kldiv_jax-trl", report_to=[], use_cpu=True,
@@ -142,6 +142,8 @@ def trl(data, on_policy=False, use_vllm=False, **config):
     "advantages": t(data["adv"]),
     "num_items_in_batch": t(NUM_ITEMS * data["mask"].sum()),
   }
+  if tool_mask is not None:  # TRL's loss mask: completion_mask * tool_mask
+    inputs["tool_mask"] = torch.tensor(tool_mask, dtype=torch.long)
   if not on_policy:
     inputs["old_per_token_logps"] = t(data["old"])
   if args.beta != 0.0:
@@ -155,6 +157,7 @@ def trl(data, on_policy=False, use_vllm=False, **config):
       )  # fmt: skip
       inputs["importance_sampling_ratio"] = t(ratio)
   trainer = _Trainer(args, _Model(logp, entropy), use_vllm)
+  trainer.current_gradient_accumulation_steps = accumulation
   loss = trainer._compute_loss(trainer.model, inputs)
   loss.backward()
   metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -446,3 +449,34 @@ def test_sequence_level_metrics_without_empty_rows(rng):
   assert_metric(m.clip_low_seq, logged["clip_ratio/low_mean"])
   assert_metric(m.clip_high_seq, logged["clip_ratio/high_mean"])
   assert logged["clip_ratio/low_mean"] + logged["clip_ratio/high_mean"] > 0  # some clipped
+
+
+def test_tool_mask(rng):
+  """A multi-turn tool_mask: TRL's loss mask completion_mask * tool_mask is the where= mask."""
+  data = batch(rng)
+  tool_mask = np.ones((B, T))
+  tool_mask[0, 2:4] = 0  # tokens a tool wrote
+  want_loss, want_grad, _, _ = trl(data, tool_mask=tool_mask, loss_type="grpo", beta=0.04)
+  masked = data | {"mask": data["mask"] * tool_mask}
+  loss, grad, _, _ = ours(masked, **ours_kwargs(masked, loss_type="grpo", beta=0.04))
+  assert_close(loss, want_loss)
+  assert_close(grad, want_grad)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "vespo", "dr_grpo"])
+def test_gradient_accumulation(rng, loss_type):
+  """In training TRL divides "grpo" (and "bnpo", "dr_grpo", "sapo", "luspo") by the
+  accumulation steps, and scales "dapo"'s (and "cispo"'s, "vespo"'s) num_items_in_batch by
+  gradient_accumulation_steps / steps_per_generation: the normalizer times the same."""
+  data = batch(rng)
+  steps, generation = 2, 4
+  config = dict(loss_type=loss_type, steps_per_generation=generation)
+  want_loss, want_grad, _, _ = trl(data, accumulation=steps, **config)
+  kw = ours_kwargs(data, **config)
+  if loss_type in ("dapo", "vespo"):
+    kw["normalizer"] = kw["normalizer"] * steps / generation
+  else:
+    kw["normalizer"] = kw["normalizer"] * steps
+  loss, grad, _, _ = ours(data, **kw)
+  assert_close(loss, want_loss)
+  assert_close(grad, want_grad)
