@@ -258,7 +258,7 @@ def policy_loss(
 
   with :math:`\ell_t` the ``surrogate``'s per-token loss (PPO's
   :math:`-\min(r A, \mathrm{clip}(r, 1-\epsilon_l, 1+\epsilon_h) A)`, GSPO,
-  GMPO, CISPO, SAPO, GPG, DPPO), :math:`r = \pi/\pi_{\text{old}}`,
+  GMPO, CISPO, SAPO, GPG, DPPO, VESPO), :math:`r = \pi/\pi_{\text{old}}`,
   :math:`\rho_t` the rollout correction, :math:`k_t` the
   :func:`kl_estimate` to the reference, :math:`H_t` the entropy and
   :math:`w_t` the ``aggregation``'s weights, as verl and TRL compute them.
@@ -272,7 +272,7 @@ def policy_loss(
       scalar. Another rank raises (a ``[T]`` row would mean per token for ``B != T`` and per
       sequence for ``B == T``).
     surrogate: ``"ppo"``, ``"gspo"``, ``"gspo-token"``, ``"gmpo"``, ``"cispo"``,
-      ``"cispo-cap"``, ``"sapo"``, ``"gpg"``, ``"dppo-tv"`` or ``"dppo-kl"``.
+      ``"cispo-cap"``, ``"sapo"``, ``"gpg"``, ``"dppo-tv"``, ``"dppo-kl"`` or ``"vespo"``.
     clip_low, clip_high, dual_clip, ratio_cap, sapo_temperatures: the bounds
       :math:`\epsilon_l, \epsilon_h \ge 0` (``clip_high`` defaults to ``clip_low``),
       verl's dual-clip ``c > 1``, a cap on :math:`r` (``> 0``), SAPO's
