@@ -41,7 +41,7 @@ from kldiv_jax._surrogates import (
   sequence_log_ratio,
   token_losses,
 )
-from kldiv_jax._trl_options import check_trl_options, off_policy_keep, top_entropy_keep
+from kldiv_jax._trl_options import check_trl_options, selection
 from kldiv_jax._vocab_parallel import check_axis_name
 
 ROLLOUT_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -145,19 +145,6 @@ def _with_trl_options(name, parsed: _Parsed, vespo_gamma, threshold, fraction) -
     vespo_gamma=gamma, off_policy_threshold=threshold, top_entropy_fraction=fraction
   )
   return parsed._replace(options=options)
-
-
-def _keep(log_probs, sampling_log_probs, advantages, entropy, weights, options: Options):
-  """TRL's off-policy sequence mask times its top-entropy mask (``None`` for neither)."""
-  keep = None
-  if options.off_policy_threshold is not None:
-    keep = off_policy_keep(
-      log_probs, sampling_log_probs, advantages, weights, options.off_policy_threshold
-    )
-  if options.top_entropy_fraction is not None:
-    top = top_entropy_keep(entropy, weights, options.top_entropy_fraction)
-    keep = top if keep is None else keep * top
-  return keep
 
 
 def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
@@ -367,7 +354,7 @@ def policy_loss(
   if options.surrogate in SEQUENCE_LEVEL:
     seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options, rollout)
   sampling = old if rollout_log_probs is None else a["rollout_log_probs"]
-  keep = _keep(logp, sampling, a["advantages"], a.get("entropy"), weights, options)
+  keep = selection(logp, sampling, a["advantages"], a.get("entropy"), weights, options)
   loss_terms, metric_terms = token_losses(
     logp, old, a["advantages"], weights.loss, weights.token, weights.mask, options,
     seq_log_ratio=seq_lr, ref_log_probs=a.get("ref_log_probs"), entropy=a.get("entropy"),
@@ -414,7 +401,7 @@ class _TokenTerms:
     seq_lr = None
     if o.surrogate in SEQUENCE_LEVEL:
       seq_lr = sequence_log_ratio(log_p, old, adv, w, o, rollout)
-    keep = _keep(log_p, args.get("sampling_log_probs", old), adv, entropy, w, o)
+    keep = selection(log_p, args.get("sampling_log_probs", old), adv, entropy, w, o)
     return token_losses(
       log_p, old, adv, w.loss, w.token, w.mask, o, seq_log_ratio=seq_lr,
       ref_log_probs=args.get("ref_log_probs"), entropy=entropy, rollout_weights=rollout,

@@ -107,6 +107,20 @@ def top_entropy_keep(entropy, weights, fraction):
   return ((h >= threshold) & weights.mask).astype(h.dtype)
 
 
+def selection(log_probs, sampling_log_probs, advantages, entropy, weights, options):
+  """The off-policy sequence mask times the top-entropy mask that ``options`` (``Options``)
+  ask for: ``None`` for neither."""
+  keep = None
+  if options.off_policy_threshold is not None:
+    keep = off_policy_keep(
+      log_probs, sampling_log_probs, advantages, weights, options.off_policy_threshold
+    )
+  if options.top_entropy_fraction is not None:
+    top = top_entropy_keep(entropy, weights, options.top_entropy_fraction)
+    keep = top if keep is None else keep * top
+  return keep
+
+
 def check_trl_options(name, surrogate, rollout_correction, vespo_gamma, off_policy_threshold,
                       top_entropy_fraction):  # fmt: skip
   """``(vespo_gamma, off_policy_threshold, top_entropy_fraction)`` checked: errors name ``name``."""
