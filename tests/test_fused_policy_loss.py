@@ -206,14 +206,20 @@ def test_bad_logits_dtype(rng):
       kd_fused_token_log_probs(h, w, ids, logits_dtype=bad)
 
 
-@pytest.mark.parametrize(("surrogate", "dots"), [("ppo", 3), ("gspo", 4)])
-def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots):
+@pytest.mark.parametrize(
+  ("surrogate", "dots", "kw"),
+  [("ppo", 3, {}), ("gspo", 4, {}), ("vespo", 4, {}), ("ppo", 4, {"off_policy_threshold": 0.1}),
+   ("ppo", 4, {"top_entropy_fraction": 0.5})],
+)  # fmt: skip
+def test_three_matmuls_token_level_four_sequence_level(rng, surrogate, dots, kw):
   """value_and_grad: the token-level loss's one pass has three matmuls per chunk (logits,
-  grad_hidden, grad_weight); GSPO's two passes one and three."""
+  grad_hidden, grad_weight); the two passes of GSPO, VESPO and TRL's masks one and three."""
   h, w, b, ids, _, old, adv, _ = _data(rng)
 
   def loss(h, w, b):
-    return fused_policy_loss(h, w, ids, old, adv, bias=b, surrogate=surrogate, chunk_size=5)[0]
+    return fused_policy_loss(h, w, ids, old, adv, bias=b, surrogate=surrogate, chunk_size=5, **kw)[
+      0
+    ]
 
   assert dot_generals(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b).jaxpr) == dots
 
