@@ -93,7 +93,7 @@ def merge_rows(probs, tokens, groups, strategy):
   own = jnp.maximum(own, PROBABILITY_FLOOR)
   flat = safe.reshape(*safe.shape[:-2], -1)
   scalars = jnp.take_along_axis(own, flat, axis=-1).reshape(safe.shape)  # [..., G, L]
-  slot = jnp.arange(groups.shape[-1])
+  slot = jnp.broadcast_to(jnp.arange(groups.shape[-1]), groups.shape)
   last = jnp.maximum(count - 1, 0)
   if strategy == "observed":  # the first position's distribution, the later tokens' scalars
     base = safe[..., 0]
