@@ -42,9 +42,9 @@ def sorted_l1(p: jax.Array, q: jax.Array) -> jax.Array:
   shorter padded with zeros; ``[..., Vp]``, ``[..., Vq]`` -> ``[...]``.
 
   Sorted as the negatives in ascending order (a stable sort): equal probabilities keep
-  their index order, as ``torch.sort(descending=True)`` on CPU does, so each tied entry
-  takes the slot of its index order and its gradient is that slot's ``sign``. Padding
-  before the sort is padding after it: a zero sorts below every probability.
+  their index order, so each tied entry takes the slot of its index rank and its gradient
+  is that slot's ``sign``. Padding before the sort is padding after it: a zero sorts below
+  every probability.
   """
   v = max(p.shape[-1], q.shape[-1])
   widths = [(0, 0)] * (p.ndim - 1)
@@ -201,8 +201,6 @@ def aligned_rows(
       f"{name}: {', '.join(ALIGNMENT_ARGS)} go together (the groups of "
       f"kldiv_jax.align_tokens and each side's token ids); got {got} only."
     )
-  ps = probabilities(zs.astype(cdt), jnp.asarray(ts).astype(cdt))
-  pt = probabilities(zt.astype(cdt), jnp.asarray(tt).astype(cdt))
   if all(given):
     gs = _groups_array(name, "student_groups", student_groups)
     gt = _groups_array(name, "teacher_groups", teacher_groups)
@@ -221,8 +219,6 @@ def aligned_rows(
         "[..., G, Ls] and teacher_groups [..., G, Lt] (the same leading axes and G); got "
         f"{zs.shape}, {zt.shape}, {ys.shape}, {yt.shape}, {gs.shape}, {gt.shape}."
       )
-    ps = merge_rows(ps, ys, gs, merge_strategy)
-    pt = merge_rows(pt, yt, gt, merge_strategy)
     valid = (gs[..., 0] >= 0) & (gt[..., 0] >= 0)
   else:
     if zs.shape[:-1] != zt.shape[:-1]:
@@ -240,7 +236,32 @@ def aligned_rows(
         f"shape without the class axis, or [..., G] with groups); got {w.shape}."
       )
     valid = valid & w
+  # Rows no valid row reads are selected away before the softmax: a NaN there reaches
+  # neither the value nor the gradients.
+  if all(given):
+    zs = jnp.where(_used(gs, valid, zs.shape[-2])[..., None], zs, 0.0)
+    zt = jnp.where(_used(gt, valid, zt.shape[-2])[..., None], zt, 0.0)
+  else:
+    zs = jnp.where(valid[..., None], zs, 0.0)
+    zt = jnp.where(valid[..., None], zt, 0.0)
+  ps = probabilities(zs.astype(cdt), jnp.asarray(ts).astype(cdt))
+  pt = probabilities(zt.astype(cdt), jnp.asarray(tt).astype(cdt))
+  if all(given):
+    ps = merge_rows(ps, ys, gs, merge_strategy)
+    pt = merge_rows(pt, yt, gt, merge_strategy)
   return Aligned(ps, pt, valid, out_dtype, (ok_s, ok_t))
+
+
+def _used(groups, valid, length):
+  """Which of ``length`` positions the ``valid`` groups read, ``[..., length]`` (a scatter:
+  no ``[G, L, length]`` comparison)."""
+  read = valid[..., None] & (groups >= 0)
+  at = jnp.where(read, groups, length).reshape(-1, groups.shape[-2] * groups.shape[-1])
+
+  def scatter(at):
+    return jnp.zeros(length, jnp.bool_).at[at].set(True, mode="drop")
+
+  return jax.vmap(scatter)(at).reshape(*groups.shape[:-2], length)
 
 
 def check_reduction(name: str, reduction: object) -> str:
@@ -291,12 +312,14 @@ def uld_loss(
   ``*_tokens``), each side's token spans are merged first (:func:`merge_spans`,
   ``merge_strategy``) and the rows are the groups: GOLD's ``use_extended_uld``.
 
-  Derivatives: exact wherever the order is locally constant. At ties (equal probabilities
-  on one side) the sort is stable in index order (``torch.sort(descending=True)``'s on CPU):
-  each tied entry takes the slot of its index rank, and gets that slot's
-  :math:`\mathrm{sign}(q_{(k)} - p_{(k)})` (0 where equal: ``l1_loss``'s subgradient), a
-  subgradient that equals TRL's. ``-inf`` logits are classes without mass; a row without
-  any finite logit has no mass (zeros), not NaN.
+  Derivatives: exact wherever the order is locally constant. At a tie (equal probabilities
+  on one side, i.e. equal logits) the sort is stable: each tied entry takes the slot of its
+  index rank and gets that slot's :math:`\mathrm{sign}(q_{(k)} - p_{(k)})` (0 where equal,
+  ``l1_loss``'s subgradient) — TRL's gradient with a stable sort. TRL's
+  ``Tensor.sort(descending=True)`` is not stable on long rows (CPU), so its gradient wrt
+  tied logits can be a permutation of this one within the tie; the value, each tie's sum
+  and every untied entry agree. ``-inf`` logits are classes without mass; a row without any
+  finite logit has no mass (zeros), not NaN.
 
   Args:
     student_logits: ``[..., Vs]``; with groups ``[..., Ts, Vs]``.
