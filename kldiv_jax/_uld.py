@@ -61,7 +61,9 @@ def probabilities(z: jax.Array, t) -> jax.Array:
   m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   e = jnp.exp(z - m)
   s = jnp.sum(e, axis=-1, keepdims=True)
-  return e / jnp.where(s > 0, s, 1.0)
+  # Times the reciprocal, not divided: XLA:CPU then compiles the derivative alike in a module
+  # exported for several platforms and in a plain jit (bit for bit; tests/test_export.py).
+  return e * (1.0 / jnp.where(s > 0, s, 1.0))
 
 
 def check_temperature_of(name: str, option: str, value: object):
@@ -193,34 +195,8 @@ def aligned_rows(
   for arg, z in zip(names, (zs, zt)):
     if z.ndim == 0 or z.shape[-1] == 0:
       raise ValueError(f"{name}: {arg} must have a class axis, [..., vocab]; got {z.shape}.")
-  aligned = (student_groups, teacher_groups, student_tokens, teacher_tokens)
-  given = [a is not None for a in aligned]
-  if any(given) and not all(given):
-    got = ", ".join(n for n, g in zip(ALIGNMENT_ARGS, given, strict=True) if g)
-    raise ValueError(
-      f"{name}: {', '.join(ALIGNMENT_ARGS)} go together (the groups of "
-      f"kldiv_jax.align_tokens and each side's token ids); got {got} only."
-    )
-  if all(given):
-    gs = _groups_array(name, "student_groups", student_groups)
-    gt = _groups_array(name, "teacher_groups", teacher_groups)
-    ys = index_array(name, "student_tokens", student_tokens, "token ids")
-    yt = index_array(name, "teacher_tokens", teacher_tokens, "token ids")
-    lead = zs.shape[:-2]
-    ok = (
-      zs.ndim >= 2 and zt.ndim >= 2 and zt.shape[:-2] == lead
-      and ys.shape == zs.shape[:-1] and yt.shape == zt.shape[:-1]
-      and gs.shape[:-1] == (*lead, gs.shape[-2]) and gt.shape[:-1] == gs.shape[:-1]
-    )  # fmt: skip
-    if not ok:
-      raise ValueError(
-        f"{name}: with groups, expected student_logits [..., Ts, Vs], teacher_logits "
-        "[..., Tt, Vt], student_tokens [..., Ts], teacher_tokens [..., Tt], student_groups "
-        "[..., G, Ls] and teacher_groups [..., G, Lt] (the same leading axes and G); got "
-        f"{zs.shape}, {zt.shape}, {ys.shape}, {yt.shape}, {gs.shape}, {gt.shape}."
-      )
-    valid = (gs[..., 0] >= 0) & (gt[..., 0] >= 0)
-  else:
+  align = _alignment(name, zs, zt, student_groups, teacher_groups, student_tokens, teacher_tokens)
+  if align is None:
     if zs.shape[:-1] != zt.shape[:-1]:
       raise ValueError(
         f"{name}: student_logits and teacher_logits must have the same shape without the "
@@ -228,6 +204,8 @@ def aligned_rows(
         f"{zs.shape} and {zt.shape}."
       )
     valid = jnp.ones(zs.shape[:-1], jnp.bool_)
+  else:
+    valid = (align[0][..., 0] >= 0) & (align[1][..., 0] >= 0)
   if where is not None:
     w = mask_array(name, where)
     if w.shape != valid.shape:
@@ -236,20 +214,54 @@ def aligned_rows(
         f"shape without the class axis, or [..., G] with groups); got {w.shape}."
       )
     valid = valid & w
-  # Rows no valid row reads are selected away before the softmax: a NaN there reaches
-  # neither the value nor the gradients.
-  if all(given):
-    zs = jnp.where(_used(gs, valid, zs.shape[-2])[..., None], zs, 0.0)
-    zt = jnp.where(_used(gt, valid, zt.shape[-2])[..., None], zt, 0.0)
+  ts, tt = (jnp.asarray(x).astype(cdt) for x in (ts, tt))
+  if align is None:
+    ps, pt = _probabilities(zs, ts, valid, cdt), _probabilities(zt, tt, valid, cdt)
   else:
-    zs = jnp.where(valid[..., None], zs, 0.0)
-    zt = jnp.where(valid[..., None], zt, 0.0)
-  ps = probabilities(zs.astype(cdt), jnp.asarray(ts).astype(cdt))
-  pt = probabilities(zt.astype(cdt), jnp.asarray(tt).astype(cdt))
-  if all(given):
+    gs, gt, ys, yt = align
+    ps = _probabilities(zs, ts, _used(gs, valid, zs.shape[-2]), cdt)
+    pt = _probabilities(zt, tt, _used(gt, valid, zt.shape[-2]), cdt)
     ps = merge_rows(ps, ys, gs, merge_strategy)
     pt = merge_rows(pt, yt, gt, merge_strategy)
   return Aligned(ps, pt, valid, out_dtype, (ok_s, ok_t))
+
+
+def _alignment(name, zs, zt, *arrays):
+  """``(student_groups, teacher_groups, student_tokens, teacher_tokens)`` checked, or
+  ``None`` without an alignment (all four or none)."""
+  given = [a is not None for a in arrays]
+  if not any(given):
+    return None
+  if not all(given):
+    got = ", ".join(n for n, g in zip(ALIGNMENT_ARGS, given, strict=True) if g)
+    raise ValueError(
+      f"{name}: {', '.join(ALIGNMENT_ARGS)} go together (the groups of "
+      f"kldiv_jax.align_tokens and each side's token ids); got {got} only."
+    )
+  gs = _groups_array(name, "student_groups", arrays[0])
+  gt = _groups_array(name, "teacher_groups", arrays[1])
+  ys = index_array(name, "student_tokens", arrays[2], "token ids")
+  yt = index_array(name, "teacher_tokens", arrays[3], "token ids")
+  lead = zs.shape[:-2]
+  ok = (
+    zs.ndim >= 2 and zt.ndim >= 2 and zt.shape[:-2] == lead
+    and ys.shape == zs.shape[:-1] and yt.shape == zt.shape[:-1]
+    and gs.shape[:-1] == (*lead, gs.shape[-2]) and gt.shape[:-1] == gs.shape[:-1]
+  )  # fmt: skip
+  if not ok:
+    raise ValueError(
+      f"{name}: with groups, expected student_logits [..., Ts, Vs], teacher_logits "
+      "[..., Tt, Vt], student_tokens [..., Ts], teacher_tokens [..., Tt], student_groups "
+      "[..., G, Ls] and teacher_groups [..., G, Lt] (the same leading axes and G); got "
+      f"{zs.shape}, {zt.shape}, {ys.shape}, {yt.shape}, {gs.shape}, {gt.shape}."
+    )
+  return gs, gt, ys, yt
+
+
+def _probabilities(z, t, keep, cdt):
+  """The softmax of the rows ``keep`` holds; the others are selected away before it (0), so
+  that a NaN there reaches neither the value nor the gradients."""
+  return probabilities(jnp.where(keep[..., None], z, 0.0).astype(cdt), t)
 
 
 def _used(groups, valid, length):
@@ -334,7 +346,10 @@ def uld_loss(
       then the mean over sequences, TRL's (a sequence without rows counts as 0).
     student_groups, teacher_groups: ``[..., G, Ls]``, ``[..., G, Lt]`` positions (``-1``
       padding) of :func:`align_tokens`; a group counts when both sides are non-empty.
-    student_tokens, teacher_tokens: each side's token ids ``[..., Ts]``, ``[..., Tt]``.
+    student_tokens, teacher_tokens: each side's token ids ``[..., Ts]``, ``[..., Tt]``, the
+      token of each logits row: for ``"observed"`` the token at that position (TRL's
+      slicing), for ``"bayesian"`` the token it predicts (``input_ids[:, 1:]`` beside
+      ``logits[:, :-1]``, the groups' positions shifted by -1): :doc:`/cross-tokenizer`.
     merge_strategy: ``"observed"`` or ``"bayesian"`` (:func:`merge_spans`).
 
   Returns:
