@@ -26,7 +26,7 @@ from kldiv_jax._checks import (
   real_scalar,
   result_dtype,
 )
-from kldiv_jax._id_checks import index_array
+from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, positive_finite
 
 REDUCTIONS = ("none", "sum", "mean", "sequence_mean")
@@ -75,6 +75,7 @@ def check_temperature_of(name: str, option: str, value: object):
 
 
 def _groups_array(name, arg, value):
+  """Groups ``[..., G, L]`` of positions (``-1``: padding) as an integer array."""
   g = index_array(name, arg, value, "token positions")
   if g.ndim < 2:
     raise ValueError(
@@ -82,6 +83,11 @@ def _groups_array(name, arg, value):
       f"got shape {g.shape}."
     )
   return g
+
+
+def _check_positions(name, arg, groups, length):
+  """Known groups hold positions in ``[0, length)`` or ``-1``."""
+  check_ids(name, arg, groups, length, what="positions", ignore_index=-1)
 
 
 def merge_rows(probs, tokens, groups, strategy):
@@ -131,7 +137,8 @@ def merge_spans(
 
   Args:
     probs: probabilities ``[..., T, V]`` (a softmax of one side's logits).
-    tokens: that side's token ids ``[..., T]`` (the actual tokens at those rows).
+    tokens: that side's token ids ``[..., T]`` (the actual tokens at those rows; those of
+      grouped positions in ``[0, V)``).
     groups: positions into ``T`` ``[..., G, L]``, each group's positions ascending then
       ``-1`` padding.
     strategy: ``"observed"`` or ``"bayesian"`` (GOLD's ``uld_token_merge_strategy``).
@@ -159,6 +166,7 @@ def merge_spans(
       f"{name}: expected probs [..., T, V], tokens [..., T] and groups [..., G, L] with the "
       f"same leading axes; got probs {p.shape}, tokens {tok.shape}, groups {g.shape}."
     )
+  _check_positions(name, "groups", g, p.shape[-2])
   p = p.astype(compute_dtype(dtype))
   return merge_rows(p, tok, g, strategy).astype(dtype)
 
@@ -255,6 +263,8 @@ def _alignment(name, zs, zt, *arrays):
       "[..., G, Ls] and teacher_groups [..., G, Lt] (the same leading axes and G); got "
       f"{zs.shape}, {zt.shape}, {ys.shape}, {yt.shape}, {gs.shape}, {gt.shape}."
     )
+  _check_positions(name, "student_groups", gs, zs.shape[-2])
+  _check_positions(name, "teacher_groups", gt, zt.shape[-2])
   return gs, gt, ys, yt
 
 

@@ -264,6 +264,15 @@ def test_errors_name_the_argument(rng):
     merge_spans(np_softmax(s), np.zeros((B, T + 1), np.int32), np.zeros((B, 1, 1), np.int32))
 
 
+def test_groups_out_of_range_raise(rng):
+  s, t, gs, gt, ys, yt = _aligned_case(rng)
+  align = dict(student_groups=gs, teacher_groups=gt, student_tokens=ys, teacher_tokens=yt)
+  with pytest.raises(ValueError, match=r"uld_loss: teacher_groups must be positions in \[0, 6\)"):
+    uld_loss(s, t, **{**align, "teacher_groups": gt + 3})
+  with pytest.raises(ValueError, match=r"merge_spans: groups must be positions in \[0, 5\)"):
+    merge_spans(np_softmax(s), ys, gs + 5)
+
+
 def test_align_tokens():
   # "abcdefghi": student a|bc|def|ghi, teacher abc|de|f|ghi -> [a, bc]~[abc], [def]~[de, f], ...
   s_off = [(0, 1), (1, 3), (3, 6), (6, 9)]
