@@ -303,3 +303,29 @@ def test_matched_vocabulary():
 def test_exported_and_documented():
   for name in ("uld_loss", "gold_loss", "merge_spans", "align_tokens", "matched_vocabulary"):
     assert name in kd.__all__ and getattr(kd, name).__doc__
+
+
+def test_invariances(rng):
+  """ULD ignores which entry holds which probability, is symmetric, and is 0 between equal
+  distributions of different lengths (the extra entries without mass)."""
+  s, t = logits(rng, (B, VS)), logits(rng, (B, VT))
+  perm = rng.permutation(VT)
+  base = uld_loss(s, t, reduction="none")
+  np.testing.assert_allclose(uld_loss(s, t[:, perm], reduction="none"), base, rtol=1e-6)
+  np.testing.assert_allclose(uld_loss(t, s, reduction="none"), base, rtol=1e-6)
+  padded = np.concatenate([s, np.full((B, 3), -np.inf)], axis=-1)[:, rng.permutation(VS + 3)]
+  np.testing.assert_allclose(uld_loss(s, padded, reduction="none"), 0.0, atol=1e-6)
+
+
+def test_one_trace_per_shape(rng):
+  s, t = logits(rng, (B, T, VS)), logits(rng, (B, T, VT))
+  traces = []
+
+  @jax.jit
+  def step(s, t):
+    traces.append(None)
+    return gold_loss(s, t, student_ids=S_IDS, teacher_ids=T_IDS, student_temperature=2.0)
+
+  step(s, t)
+  step(s + 1.0, t * 0.5)
+  assert len(traces) == 1
