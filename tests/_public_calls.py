@@ -285,6 +285,21 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
       ids="token_ids",
       output=_first,
     ),
+    # across tokenizers (ULD and GOLD's hybrid; here both sides of one vocabulary size)
+    PublicCall(
+      "uld_loss",
+      kd.uld_loss,
+      (("student_logits", "s"), ("teacher_logits", "t")),
+      argnums=(0, 1),
+      options={"student_temperature": 2.0, "reduction": "sum"},
+    ),
+    PublicCall(
+      "gold_loss",
+      kd.gold_loss,
+      (("student_logits", "s"), ("teacher_logits", "t")),
+      argnums=(0, 1),
+      options={"student_ids": np.array([0, 1]), "teacher_ids": np.array([1, 0]), "beta": 0.3},
+    ),
     # closed forms
     PublicCall(
       "gaussian_kl",
@@ -297,10 +312,13 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
 }
 
 # The public callables that are not a loss of float arrays: classes of results and specs, the
-# process-wide setting, the label shift (integer ids in, no derivative: tests/test_distill.py).
+# process-wide setting, the label shift (integer ids in, no derivative: tests/test_distill.py),
+# the host helpers of cross-tokenizer distillation and the span merge, whose groups are
+# positions in one layout (tests/test_uld.py).
 NOT_CALLS = frozenset(
   {"DistillationParts", "Divergence", "DivergenceMetric", "PolicyMetrics"}
   | {"set_implementation", "shift_labels"}
+  | {"align_tokens", "matched_vocabulary", "merge_spans"}
 )
 
 
