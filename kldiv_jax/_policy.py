@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -22,11 +24,13 @@ from kldiv_jax._checks import (
   real_scalar,
   result_dtype,
 )
+from kldiv_jax._cov_clip import COV_SURROGATES, cov_priority, cov_selection
 from kldiv_jax._fused_chunks import check_linear
 from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, nonnegative_finite, positive_finite
 from kldiv_jax._rl import ESTIMATORS
+from kldiv_jax._rollout_rejection import batch_normalize, parse_rejection, rejection_keep
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
   SEQUENCE_LEVEL,
@@ -80,6 +84,9 @@ class _Parsed(NamedTuple):
   rollout_correction: str
   rollout_bounds: tuple
   valid: list  # static True or traced booleans: NaN unless all hold
+  rejection: tuple = ()  # parse_rejection's ((mode, low, high), ...)
+  rollout_normalize: bool = False
+  cov_key: Any = None
 
 
 def _parse(
@@ -133,6 +140,68 @@ def _parse(
     kl_clip_bounds, kl_importance_weighted, kl_in_loss, entropy_coef,
   )  # fmt: skip
   return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
+
+
+def _static_number(name, option, value, test, expected) -> float:
+  """A static (Python) real option: these are configs, not traced values."""
+  if isinstance(value, bool) or not isinstance(value, int | float):
+    raise TypeError(f"{name}: {option} must be a Python number; got {value!r}.")
+  if not test(value):
+    raise ValueError(f"{name}: {option} must be {expected}; got {value!r}.")
+  return float(value)
+
+
+def _parse_more(
+  name, parsed: _Parsed, *, cov_fraction, cov_bounds, cov_kl_coef, cov_key, rollout_rejection,
+  rollout_normalize, has_rollout,
+) -> _Parsed:  # fmt: skip
+  """``parsed`` with the options of Clip-Cov/KL-Cov and of rollout rejection checked."""
+  finite = math.isfinite
+  fraction = _static_number(name, "cov_fraction", cov_fraction, lambda x: 0 < x < math.inf, "> 0")
+  if not (isinstance(cov_bounds, tuple | list) and len(cov_bounds) == 2):
+    raise TypeError(f"{name}: cov_bounds must be a pair (low, high); got {cov_bounds!r}.")
+  bounds = tuple(_static_number(name, "cov_bounds", b, lambda x: not x != x, "a number")
+                 for b in cov_bounds)  # fmt: skip
+  coef = _static_number(name, "cov_kl_coef", cov_kl_coef, finite, "finite")
+  if cov_key is not None:
+    dtype = getattr(cov_key, "dtype", None)
+    if dtype is None or not (jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
+      raise TypeError(f"{name}: cov_key must be a jax.random key or None; got {cov_key!r}.")
+  rejection = parse_rejection(name, rollout_rejection)
+  rollout_normalize = check_bool(name, "rollout_normalize", rollout_normalize)
+  if (rejection or rollout_normalize) and not has_rollout:
+    raise ValueError(
+      f"{name}: rollout_rejection and rollout_normalize need rollout_log_probs (the sampling "
+      f"engine's log-probs)."
+    )
+  options = parsed.options._replace(cov_fraction=fraction, cov_bounds=bounds, cov_kl_coef=coef)
+  return parsed._replace(
+    options=options, rejection=rejection, rollout_normalize=rollout_normalize, cov_key=cov_key
+  )
+
+
+def _reject(parsed: _Parsed, weights: Weights, keep) -> Weights:
+  """``weights`` with the rejected tokens (``~keep``) left out of the mask, counts included."""
+  w = weights
+  return aggregation_weights(
+    w.mask & keep, w.segment, w.num_segments, parsed.aggregation, parsed.normalizer,
+    w.loss.dtype,
+  )  # fmt: skip
+
+
+def _rollout(parsed: _Parsed, old, rollout_log_probs, weights: Weights):
+  """The rollout weights (``weights`` before any rejection), batch-normalised if asked."""
+  mode = parsed.rollout_correction
+  w = rollout_weights(old, rollout_log_probs, weights, mode, parsed.rollout_bounds)
+  if parsed.rollout_normalize:
+    w = batch_normalize(w, weights, mode.startswith("sequence"))
+  return w
+
+
+def _rejected(metrics: PolicyMetrics, before: Weights, after: Weights) -> PolicyMetrics:
+  """``metrics`` with the fraction of ``before``'s tokens that ``after`` left out."""
+  out = (before.tokens - after.tokens) / jnp.maximum(before.tokens, 1.0)
+  return metrics._replace(rejected=out.astype(metrics.rejected.dtype))
 
 
 def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
@@ -221,6 +290,12 @@ def policy_loss(
   rollout_log_probs: jax.typing.ArrayLike | None = None,
   rollout_correction: str = "token_truncate",
   rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
+  cov_fraction: float = 2e-4,
+  cov_bounds: tuple[float, float] = (1.0, 5.0),
+  cov_kl_coef: float = 1.0,
+  cov_key: jax.Array | None = None,
+  rollout_rejection: Mapping[str, float | tuple[float, float]] | None = None,
+  rollout_normalize: bool = False,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r"""A PPO/GRPO-family policy loss from per-token log-probs, and its metrics.
 
@@ -271,6 +346,18 @@ def policy_loss(
       Without ``entropy`` the metric ``entropy`` is NaN (nothing measured).
     rollout_log_probs, rollout_correction, rollout_bounds: the weights
       :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`.
+    cov_fraction, cov_bounds, cov_kl_coef, cov_key: ``"clip-cov"``/``"kl-cov"``'s fraction
+      of the counted tokens singled out (verl's ``clip_cov_ratio``/``kl_cov_ratio``, a
+      Python number ``> 0``), Clip-Cov's covariance window ``(lb, ub)`` (``clip_cov_lb``,
+      ``clip_cov_ub``), KL-Cov's penalty coefficient (``ppo_kl_coef``) and Clip-Cov's random
+      choice (a ``jax.random`` key; ``None``: the first candidates in row-major order).
+    rollout_rejection: verl's ``rollout_rs``: a mapping of modes (``"token_k1"``,
+      ``"token_k2"``, ``"token_k3"``, ``"sequence_{sum,mean}_k{1,2,3}"``,
+      ``"sequence_max_k{2,3}"``) to their bound (``k1``: ``(low, high)`` or ``high``); the
+      rejected tokens (from :math:`\pi_{\text{old}}` vs :math:`\pi_{\text{rollout}}`) leave
+      the mask before aggregation. Needs ``rollout_log_probs``.
+    rollout_normalize: divide the rollout weights by their batch mean (verl's
+      ``rollout_is_batch_normalize``). :doc:`/policy-optimisation`.
 
   Returns:
     ``(loss, metrics)``: the scalar loss (the inputs' dtype) and a
@@ -304,6 +391,11 @@ def policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
+  parsed = _parse_more(
+    name, parsed, cov_fraction=cov_fraction, cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef,
+    cov_key=cov_key, rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
+    has_rollout=rollout_log_probs is not None,
+  )  # fmt: skip
   named = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages}
   named |= {"ref_log_probs": ref_log_probs, "entropy": entropy}
   named |= {"rollout_log_probs": rollout_log_probs}
@@ -311,28 +403,34 @@ def policy_loss(
   logp = a["log_probs"]
   old = jax.lax.stop_gradient(logp) if old_log_probs is None else a["old_log_probs"]
   options = parsed.options
-  seq_lr = None
+  rollout, before = None, weights
+  if rollout_log_probs is not None:
+    rollout = _rollout(parsed, old, a["rollout_log_probs"], weights)
+    if parsed.rejection:
+      keep = rejection_keep(old, a["rollout_log_probs"], weights, parsed.rejection)
+      weights = _reject(parsed, weights, keep)
+  seq_lr = selected = None
   if options.surrogate in SEQUENCE_LEVEL:
     seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options)
-  rollout = None
-  if rollout_log_probs is not None:
-    rollout = rollout_weights(
-      old, a["rollout_log_probs"], weights, parsed.rollout_correction, parsed.rollout_bounds
-    )
+  if options.surrogate in COV_SURROGATES:
+    priority = cov_priority(shape, parsed.cov_key)
+    selected = cov_selection(logp, old, a["advantages"], weights, options, priority)
   loss_terms, metric_terms = token_losses(
     logp, old, a["advantages"], weights.loss, weights.token, weights.mask, options,
     seq_log_ratio=seq_lr, ref_log_probs=a.get("ref_log_probs"), entropy=a.get("entropy"),
-    rollout_weights=rollout,
+    rollout_weights=rollout, cov_selected=selected, rollout_log_probs=a.get("rollout_log_probs"),
   )  # fmt: skip
   loss = nan_unless(jnp.sum(loss_terms), *valid).astype(out_dtype)
-  return loss, _no_entropy(reduce_metrics(metric_terms, weights), entropy is None)
+  metrics = _rejected(reduce_metrics(metric_terms, weights), before, weights)
+  return loss, _no_entropy(metrics, entropy is None)
 
 
 def _no_entropy(metrics: PolicyMetrics, missing: bool) -> PolicyMetrics:
   """``metrics`` with a NaN entropy where none was measured (not a 0 that looks measured)."""
   if not missing:
     return metrics
-  return metrics._replace(entropy=jnp.full_like(metrics.entropy, jnp.nan))
+  nan = jnp.full_like(metrics.entropy, jnp.nan)
+  return metrics._replace(entropy=nan, entropy_loss=nan)
 
 
 # Options' scalar fields, passed per token to the fused engine (its per-token function is static).
@@ -349,6 +447,7 @@ class _TokenTerms:
   num_segments: int
   on_policy: bool
   rollout: str | None  # the rollout correction when it needs the log-probs (on-policy)
+  rollout_normalize: bool = False
 
   def __call__(self, log_p, entropy, args):
     o = self.options._replace(**args["scalars"])
@@ -362,9 +461,15 @@ class _TokenTerms:
     if self.rollout is not None:
       bounds = args["rollout_bounds"]
       rollout = rollout_weights(old, args["rollout_log_probs"], w, self.rollout, bounds)
+      if self.rollout_normalize:
+        rollout = batch_normalize(rollout, w, self.rollout.startswith("sequence"))
+    selected = None
+    if o.surrogate in COV_SURROGATES:
+      selected = cov_selection(log_p, old, adv, w, o, args["cov_priority"])
     return token_losses(
       log_p, old, adv, w.loss, w.token, w.mask, o, seq_log_ratio=seq_lr,
       ref_log_probs=args.get("ref_log_probs"), entropy=entropy, rollout_weights=rollout,
+      cov_selected=selected, rollout_log_probs=args.get("rollout_log_probs"),
     )  # fmt: skip
 
 
@@ -402,6 +507,12 @@ def fused_policy_loss(
   axis_name: str | None = None,
   chunk_size: int | None = None,
   logits_dtype: jax.typing.DTypeLike | None = None,
+  cov_fraction: float = 2e-4,
+  cov_bounds: tuple[float, float] = (1.0, 5.0),
+  cov_kl_coef: float = 1.0,
+  cov_key: jax.Array | None = None,
+  rollout_rejection: Mapping[str, float | tuple[float, float]] | None = None,
+  rollout_normalize: bool = False,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r""":func:`policy_loss` from hidden states and the LM head, with no ``[tokens, vocab]`` array.
 
@@ -459,6 +570,17 @@ def fused_policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
+  parsed = _parse_more(
+    name, parsed, cov_fraction=cov_fraction, cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef,
+    cov_key=cov_key, rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
+    has_rollout=rollout_log_probs is not None,
+  )  # fmt: skip
+  if parsed.rejection and old_log_probs is None:
+    raise ValueError(
+      f"{name}: rollout_rejection needs old_log_probs here (the rejection changes the "
+      f"aggregation, which is fixed before the kernel runs): pass "
+      f"jax.lax.stop_gradient(fused_token_log_probs(...)), the same values (verl's bypass mode)."
+    )
   keep = None
   if ignore_index is not None:
     keep = jnp.asarray(token_ids) != check_int(name, "ignore_index", ignore_index)
@@ -478,19 +600,24 @@ def fused_policy_loss(
     np.shape(weight)[-1] * shards, where, ignore_index=ignore_index, has_ignore_index=True,
   )  # fmt: skip
   o = parsed.options
-  sequence_rollout = rollout_log_probs is not None and parsed.rollout_correction[:3] == "seq"
-  two_pass = o.surrogate in SEQUENCE_LEVEL or (on_policy and sequence_rollout)
+  sequence_rollout = rollout_log_probs is not None and (
+    parsed.rollout_correction[:3] == "seq" or parsed.rollout_normalize
+  )
+  two_pass = o.surrogate in (*SEQUENCE_LEVEL, *COV_SURROGATES) or (on_policy and sequence_rollout)
   dtype = weights.loss.dtype
   n = weights.loss.size
   per_token = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (n,))  # noqa: E731
   scalars = {k: getattr(o, k) for k in _SCALARS if getattr(o, k) is not None}
-  args: dict[str, Any] = {"loss": weights.loss, "token": weights.token, "mask": weights.mask}
-  args |= {k: v for k, v in a.items() if k != "rollout_log_probs" or on_policy}
+  before = weights
   if rollout_log_probs is not None and not on_policy:
-    args["rollout_weights"] = rollout_weights(
-      a["old_log_probs"], a["rollout_log_probs"], weights, parsed.rollout_correction,
-      parsed.rollout_bounds,
-    )  # fmt: skip
+    old, rollout_lp = a["old_log_probs"], a["rollout_log_probs"]
+    a["rollout_weights"] = _rollout(parsed, old, rollout_lp, weights)
+    if parsed.rejection:
+      weights = _reject(parsed, weights, rejection_keep(old, rollout_lp, weights, parsed.rejection))
+  if o.surrogate in COV_SURROGATES:
+    a["cov_priority"] = cov_priority(shape, parsed.cov_key)
+  args: dict[str, Any] = {"loss": weights.loss, "token": weights.token, "mask": weights.mask}
+  args |= a
   if two_pass:
     args["segment"] = weights.segment
   args = jax.tree.map(lambda x: x.reshape(n), args)
@@ -503,6 +630,7 @@ def fused_policy_loss(
   static_fn = _TokenTerms(
     o._replace(**placeholders), weights.num_segments, on_policy,
     parsed.rollout_correction if rollout_log_probs is not None and on_policy else None,
+    parsed.rollout_normalize,
   )  # fmt: skip
   coef = o.entropy_coef
   with_entropy = not (isinstance(coef, float) and coef == 0.0)
@@ -515,5 +643,6 @@ def fused_policy_loss(
     axis_name=axis_name, chunk_size=chunk_size, with_entropy=with_entropy, has_aux=True,
     two_pass=two_pass, name=name, loss_dtype=out_dtype, logits_dtype=logits_dtype,
   )  # fmt: skip
-  terms = outs.aux._replace(entropy=args["token"] * outs.entropy.astype(dtype))
-  return nan_unless(loss, *valid), reduce_metrics(terms, weights)
+  ent = outs.entropy.astype(dtype)
+  terms = outs.aux._replace(entropy=args["token"] * ent, entropy_loss=args["loss"] * ent)
+  return nan_unless(loss, *valid), _rejected(reduce_metrics(terms, weights), before, weights)

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._cov_clip import COV_SURROGATES, cov_token_losses
 from kldiv_jax._numerics import at_most
 from kldiv_jax._rl import kl_estimate
 
@@ -54,6 +55,7 @@ SURROGATES = (
   "gpg",
   "dppo-tv",
   "dppo-kl",
+  *COV_SURROGATES,
 )
 SEQUENCE_LEVEL = ("gspo", "gspo-token", "gmpo")
 AGGREGATIONS = (
@@ -85,6 +87,9 @@ class Options(NamedTuple):
   kl_importance_weighted: bool = False
   kl_in_loss: bool = True
   entropy_coef: float | jax.Array = 0.0
+  cov_fraction: float = 2e-4  # clip-cov, kl-cov (kldiv_jax._cov_clip)
+  cov_bounds: tuple = (1.0, 5.0)
+  cov_kl_coef: float = 1.0
 
 
 class Weights(NamedTuple):
@@ -120,11 +125,15 @@ class PolicyMetrics(NamedTuple):
   ratio_max: jax.Array
   tokens: jax.Array  # counted tokens
   sequences: jax.Array  # sequences with a counted token
+  kl_loss: jax.Array  # the KL estimate aggregated as the loss (verl's kl_loss; 0 without ref)
+  entropy_loss: jax.Array  # the entropy aggregated as the loss (verl's entropy_loss; NaN: none)
+  rollout_kl: jax.Array  # mean of log pi_rollout - log pi (verl's bypass-mode ppo_kl; 0: none)
+  rejected: jax.Array  # fraction of the tokens rollout_rejection left out (verl's masked_fraction)
 
 
 # How each PolicyMetrics field's per-token terms reduce, in field order (tokens and
-# sequences come from Weights).
-METRIC_REDUCTIONS: tuple[str, ...] = ("sum",) * 8 + ("min", "max", "sum", "sum")
+# sequences come from Weights; rejected from the masks).
+METRIC_REDUCTIONS: tuple[str, ...] = ("sum",) * 8 + ("min", "max", "sum", "sum") + ("sum",) * 4
 
 
 def _segment_sum(x, weights: Weights):
@@ -274,6 +283,8 @@ def token_losses(
   ref_log_probs=None,
   entropy=None,
   rollout_weights=None,
+  cov_selected=None,
+  rollout_log_probs=None,
 ):
   """Per-token loss terms (weighted: the loss is their sum) and metric terms.
 
@@ -281,7 +292,9 @@ def token_losses(
   is the counted tokens (``Weights.mask``); ``seq_log_ratio`` is required by
   the sequence-level surrogates (:func:`sequence_log_ratio`);
   ``rollout_weights`` multiply the surrogate's per-token loss (as verl's
-  ``rollout_is_weights`` and TRL's ``importance_sampling_ratio``).
+  ``rollout_is_weights`` and TRL's ``importance_sampling_ratio``); ``cov_selected`` is
+  required by ``"clip-cov"``/``"kl-cov"`` (:func:`kldiv_jax._cov_clip.cov_selection`);
+  ``rollout_log_probs`` (metric only) gives ``rollout_kl``.
   """
   s = options.surrogate
   delta = log_probs - old_log_probs
@@ -318,6 +331,8 @@ def token_losses(
     pg = -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * advantages
   elif s == "gpg":
     pg = -log_probs * advantages
+  elif s in COV_SURROGATES:
+    pg, ratio, clip_high = cov_token_losses(log_probs, old_log_probs, advantages, cov_selected, options)
   else:  # dppo-tv, dppo-kl
     cap = 20.0 if options.ratio_cap is None else options.ratio_cap
     valid = _dppo_valid(log_probs, old_log_probs, advantages, options)
@@ -356,6 +371,12 @@ def token_losses(
     ratio_max=jnp.where(mask, r, -jnp.inf),
     tokens=zero,
     sequences=zero,
+    kl_loss=lax.stop_gradient(jnp.where(mask, loss_weights * kl, 0.0)),
+    entropy_loss=zero
+    if entropy is None
+    else lax.stop_gradient(jnp.where(mask, loss_weights * entropy, 0.0)),
+    rollout_kl=zero if rollout_log_probs is None else mean(rollout_log_probs - log_probs),
+    rejected=zero,
   )
   return loss_terms, metric_terms
 

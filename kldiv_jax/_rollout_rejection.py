@@ -1,0 +1,119 @@
+r"""Rollout rejection sampling and batch-normalised rollout weights (verl's ``rollout_rs`` and
+``rollout_is_batch_normalize``, ``verl/trainer/ppo/rollout_corr_helper.py``).
+
+With :math:`\delta_t = \log\pi_{\text{old}} - \log\pi_{\text{rollout}}` clamped to
+:math:`\pm 20`, the per-token statistics are :math:`k_1 = -\delta`,
+:math:`k_2 = \delta^2/2`, :math:`k_3 = e^{\delta} - 1 - \delta`; a mode rejects a token
+(``"token_k*"``) or the whole sequence (``"sequence_sum_k*"``, ``"sequence_mean_k*"``,
+``"sequence_max_k*"``: the statistic's sum, mean or max over the sequence's counted tokens)
+when its statistic is above the mode's upper bound, or, for ``k1``, outside
+:math:`[\log l, \log u]` (``l, u`` bounds on :math:`\pi_{\text{rollout}}/\pi_{\text{old}}`).
+Several modes reject what any of them rejects. A NaN statistic rejects nothing (the loss is
+NaN; verl drops the token).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from kldiv_jax._surrogates import LOG_RATIO_BOUND, Weights, _per_token, _segment_sum
+
+REJECTION_MODES = (
+  "token_k1",
+  "token_k2",
+  "token_k3",
+  "sequence_sum_k1",
+  "sequence_sum_k2",
+  "sequence_sum_k3",
+  "sequence_mean_k1",
+  "sequence_mean_k2",
+  "sequence_mean_k3",
+  "sequence_max_k2",
+  "sequence_max_k3",
+)
+
+
+def _bound(name, mode, value) -> float:
+  if isinstance(value, bool) or not isinstance(value, int | float):
+    raise TypeError(
+      f"{name}: rollout_rejection[{mode!r}] must hold Python numbers (a static config); "
+      f"got {value!r}."
+    )
+  if not (value > 0 and math.isfinite(value)):
+    raise ValueError(f"{name}: rollout_rejection[{mode!r}] bounds must be > 0; got {value!r}.")
+  return float(value)
+
+
+def parse_rejection(name: str, spec: Any) -> tuple:
+  """``rollout_rejection`` checked: a mapping (or pairs) ``mode -> bound``, ``bound`` an upper
+  bound ``u`` (``k1``: also a pair ``(l, u)``; a lone ``u`` means ``(1/u, u)``, as verl).
+  Returns ``((mode, low_log_or_None, high), ...)``, the ``k1`` bounds as logs."""
+  if spec is None:
+    return ()
+  items = list(spec.items()) if isinstance(spec, Mapping) else list(spec)
+  out = []
+  for item in items:
+    if not (isinstance(item, tuple) and len(item) == 2):
+      raise TypeError(
+        f"{name}: rollout_rejection must map modes to bounds, e.g. {{'sequence_mean_k3': 0.01}}; "
+        f"got {spec!r}."
+      )
+    mode, bound = item
+    if mode not in REJECTION_MODES:
+      raise ValueError(f"{name}: rollout_rejection modes must be in {REJECTION_MODES}; got {mode!r}.")
+    if mode.endswith("k1"):
+      low, high = bound if isinstance(bound, tuple | list) else (1.0 / _bound(name, mode, bound), bound)
+      low, high = _bound(name, mode, low), _bound(name, mode, high)
+      if low > high:
+        raise ValueError(f"{name}: rollout_rejection[{mode!r}] needs low <= high; got {bound!r}.")
+      out.append((mode, math.log(low), math.log(high)))
+    else:
+      out.append((mode, None, _bound(name, mode, bound)))
+  if not out:
+    raise ValueError(f"{name}: rollout_rejection must name at least one mode; got {spec!r}.")
+  return tuple(out)
+
+
+def rejection_keep(old_log_probs, rollout_log_probs, weights: Weights, modes: tuple):
+  """The tokens no mode rejects (bool, no gradient); ``weights`` before the rejection."""
+  mask = weights.mask
+  delta = jnp.where(mask, lax.stop_gradient(old_log_probs - rollout_log_probs), 0.0)
+  delta = jnp.clip(delta, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+  stats = {"k1": -delta, "k2": 0.5 * delta * delta, "k3": jnp.expm1(delta) - delta}
+  count = _per_token(_segment_sum(mask.astype(delta.dtype), weights), weights)
+  keep = jnp.ones_like(mask)
+  for mode, low, high in modes:
+    stat = jnp.where(mask, stats[mode[-2:]], 0.0)
+    if mode.startswith("sequence_sum") or mode.startswith("sequence_mean"):
+      stat = _per_token(_segment_sum(stat, weights), weights)
+      if mode.startswith("sequence_mean"):
+        stat = stat / jnp.maximum(count, 1.0)
+    elif mode.startswith("sequence_max"):
+      neg = jnp.where(mask, stat, -jnp.inf)
+      top = jnp.full((weights.num_segments,), -jnp.inf, stat.dtype)
+      top = top.at[weights.segment.reshape(-1)].max(neg.reshape(-1))
+      stat = _per_token(jnp.where(top == -jnp.inf, 0.0, top), weights)
+    keep = keep & ~(stat > high)
+    if low is not None:
+      keep = keep & ~(stat < low)
+  return keep
+
+
+def batch_normalize(w, weights: Weights, sequence: bool):
+  """Rollout weights divided by their mean (verl's ``rollout_is_batch_normalize``): over the
+  counted tokens, or (``sequence``) over the sequences, each counted once; unchanged when
+  the mean is not above ``1e-8``."""
+  m = weights.mask
+  per_seq = _segment_sum(m.astype(w.dtype), weights)
+  if sequence:
+    share = jnp.where(m, 1.0 / jnp.maximum(_per_token(per_seq, weights), 1.0), 0.0)
+    sequences = jnp.sum((per_seq > 0).astype(w.dtype))
+    mean = jnp.sum(jnp.where(m, w * share, 0.0)) / jnp.maximum(sequences, 1.0)
+  else:
+    mean = jnp.sum(jnp.where(m, w, 0.0)) / jnp.maximum(jnp.sum(per_seq), 1.0)
+  return jnp.where(mean > 1e-8, w / jnp.where(mean > 1e-8, mean, 1.0), w)
