@@ -101,7 +101,8 @@ def _parse(
     aggregation = _DEFAULT_AGGREGATION.get(surrogate, "token-mean")
   check_choice(name, "aggregation", aggregation, AGGREGATIONS)
   check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
-  check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
+  if rollout_correction is not None:  # None: no weights (rejection only, metrics)
+    check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
   kl_clip_bounds = clip_bounds(name, kl_clip, "kl_clip")
   kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
   kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
@@ -169,6 +170,8 @@ def _parse_more(
       raise TypeError(f"{name}: cov_key must be a jax.random key or None; got {cov_key!r}.")
   rejection = parse_rejection(name, rollout_rejection)
   rollout_normalize = check_bool(name, "rollout_normalize", rollout_normalize)
+  if rollout_normalize and parsed.rollout_correction is None:
+    raise ValueError(f"{name}: rollout_normalize needs a rollout_correction; got None.")
   if (rejection or rollout_normalize) and not has_rollout:
     raise ValueError(
       f"{name}: rollout_rejection and rollout_normalize need rollout_log_probs (the sampling "
@@ -192,6 +195,8 @@ def _reject(parsed: _Parsed, weights: Weights, keep) -> Weights:
 def _rollout(parsed: _Parsed, old, rollout_log_probs, weights: Weights):
   """The rollout weights (``weights`` before any rejection), batch-normalised if asked."""
   mode = parsed.rollout_correction
+  if mode is None:
+    return None
   w = rollout_weights(old, rollout_log_probs, weights, mode, parsed.rollout_bounds)
   if parsed.rollout_normalize:
     w = batch_normalize(w, weights, mode.startswith("sequence"))
@@ -288,11 +293,11 @@ def policy_loss(
   entropy: jax.typing.ArrayLike | None = None,
   entropy_coef: float | jax.typing.ArrayLike = 0.0,
   rollout_log_probs: jax.typing.ArrayLike | None = None,
-  rollout_correction: str = "token_truncate",
+  rollout_correction: str | None = "token_truncate",
   rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
   cov_fraction: float = 2e-4,
   cov_bounds: tuple[float, float] = (1.0, 5.0),
-  cov_kl_coef: float = 1.0,
+  cov_kl_coef: float = 0.1,
   cov_key: jax.Array | None = None,
   rollout_rejection: Mapping[str, float | tuple[float, float]] | None = None,
   rollout_normalize: bool = False,
@@ -345,7 +350,9 @@ def policy_loss(
     entropy, entropy_coef: per-token entropy and its coefficient (any real: ``> 0`` a bonus).
       Without ``entropy`` the metric ``entropy`` is NaN (nothing measured).
     rollout_log_probs, rollout_correction, rollout_bounds: the weights
-      :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`.
+      :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`
+      (``rollout_correction=None``: none, the rollout log-probs only for
+      ``rollout_rejection`` and the metric ``rollout_kl``).
     cov_fraction, cov_bounds, cov_kl_coef, cov_key: ``"clip-cov"``/``"kl-cov"``'s fraction
       of the counted tokens singled out (verl's ``clip_cov_ratio``/``kl_cov_ratio``, a
       Python number ``> 0``), Clip-Cov's covariance window ``(lb, ub)`` (``clip_cov_lb``,
@@ -499,7 +506,7 @@ def fused_policy_loss(
   kl_in_loss: bool = True,
   entropy_coef: float | jax.typing.ArrayLike = 0.0,
   rollout_log_probs: jax.typing.ArrayLike | None = None,
-  rollout_correction: str = "token_truncate",
+  rollout_correction: str | None = "token_truncate",
   rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
   temperature: float | jax.typing.ArrayLike = 1.0,
   softcap: float | None = None,
@@ -509,7 +516,7 @@ def fused_policy_loss(
   logits_dtype: jax.typing.DTypeLike | None = None,
   cov_fraction: float = 2e-4,
   cov_bounds: tuple[float, float] = (1.0, 5.0),
-  cov_kl_coef: float = 1.0,
+  cov_kl_coef: float = 0.1,
   cov_key: jax.Array | None = None,
   rollout_rejection: Mapping[str, float | tuple[float, float]] | None = None,
   rollout_normalize: bool = False,
@@ -601,7 +608,7 @@ def fused_policy_loss(
   )  # fmt: skip
   o = parsed.options
   sequence_rollout = rollout_log_probs is not None and (
-    parsed.rollout_correction[:3] == "seq" or parsed.rollout_normalize
+    (parsed.rollout_correction or "")[:3] == "seq" or parsed.rollout_normalize
   )
   two_pass = o.surrogate in (*SEQUENCE_LEVEL, *COV_SURROGATES) or (on_policy and sequence_rollout)
   dtype = weights.loss.dtype
@@ -611,7 +618,8 @@ def fused_policy_loss(
   before = weights
   if rollout_log_probs is not None and not on_policy:
     old, rollout_lp = a["old_log_probs"], a["rollout_log_probs"]
-    a["rollout_weights"] = _rollout(parsed, old, rollout_lp, weights)
+    if parsed.rollout_correction is not None:
+      a["rollout_weights"] = _rollout(parsed, old, rollout_lp, weights)
     if parsed.rejection:
       weights = _reject(parsed, weights, rejection_keep(old, rollout_lp, weights, parsed.rejection))
   if o.surrogate in COV_SURROGATES:

@@ -18,10 +18,19 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._surrogates import LOG_RATIO_BOUND, Weights, _per_token, _segment_sum
+from kldiv_jax._checks import as_array, compute_dtype, mask_array, promote_and_broadcast
+from kldiv_jax._surrogates import (
+  LOG_RATIO_BOUND,
+  Weights,
+  _per_token,
+  _segment_sum,
+  aggregation_weights,
+  sequence_layout,
+)
 
 REJECTION_MODES = (
   "token_k1",
@@ -117,3 +126,76 @@ def batch_normalize(w, weights: Weights, sequence: bool):
   else:
     mean = jnp.sum(jnp.where(m, w, 0.0)) / jnp.maximum(jnp.sum(per_seq), 1.0)
   return jnp.where(mean > 1e-8, w / jnp.where(mean > 1e-8, mean, 1.0), w)
+
+
+def rollout_rejection_mask(
+  log_probs: jax.typing.ArrayLike,
+  rollout_log_probs: jax.typing.ArrayLike,
+  modes: Mapping[str, float | tuple[float, float]],
+  *,
+  where: jax.typing.ArrayLike | None = None,
+  segment_ids: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+  r"""The tokens that rollout rejection sampling keeps (verl's ``rollout_rs``), a bool mask.
+
+  The ``rollout_rejection`` of :func:`policy_loss` on its own, with
+  :math:`\delta = \log\pi - \log\pi_{\text{rollout}}` (``log_probs`` without gradient): for
+  verl's bypass mode with ``loss_type="ppo_clip"``, whose rejection compares the *current*
+  policy to the rollout policy while the PPO ratio's old policy is the rollout policy, pass
+  ``where=rollout_rejection_mask(jax.lax.stop_gradient(log_probs), rollout_log_probs, modes,
+  where=mask)`` to :func:`policy_loss` with ``old_log_probs=rollout_log_probs``. The modes,
+  bounds and statistics: :doc:`/policy-optimisation`.
+
+  Args:
+    log_probs, rollout_log_probs: ``[..., T]`` log-probs of the sampled tokens.
+    modes: a mapping of modes (``"token_k1"``, ``"sequence_mean_k3"``, ...) to bounds, as
+      :func:`policy_loss`'s ``rollout_rejection``.
+    where: a boolean token mask, broadcastable to the tokens.
+    segment_ids: ``[..., T]`` ids of packed sequences (0: padding).
+
+  Returns:
+    ``[..., T]`` bool: ``where`` less the rejected tokens.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from kldiv_jax import rollout_rejection_mask
+    >>> logp = jnp.log(jnp.array([[0.5, 0.4, 0.9], [0.5, 0.5, 0.5]]))
+    >>> rollout = jnp.log(jnp.array([[0.5, 0.1, 0.9], [0.5, 0.5, 0.5]]))
+    >>> rollout_rejection_mask(logp, rollout, {"token_k2": 0.5})  # (log 4)^2 / 2 = 0.96
+    Array([[ True, False,  True],
+           [ True,  True,  True]], dtype=bool)
+    >>> rollout_rejection_mask(logp, rollout, {"sequence_max_k2": 0.5})
+    Array([[False, False, False],
+           [ True,  True,  True]], dtype=bool)
+  """
+  name = "rollout_rejection_mask"
+  parsed = parse_rejection(name, modes)
+  if not parsed:
+    raise ValueError(f"{name}: modes must name at least one mode; got {modes!r}.")
+  for arg, value in (("log_probs", log_probs), ("rollout_log_probs", rollout_log_probs)):
+    as_array(name, arg, value)
+  (logp, rollout), _ = promote_and_broadcast(
+    name, ("log_probs", "rollout_log_probs"), log_probs, rollout_log_probs
+  )
+  shape = logp.shape
+  if len(shape) == 0:
+    raise ValueError(f"{name}: log_probs must have a token axis, shape [..., T]; got a scalar.")
+  mask = jnp.ones(shape, bool)
+  if where is not None:
+    w = mask_array(name, where)
+    if jnp.broadcast_shapes(w.shape, shape) != shape:
+      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
+    mask = jnp.broadcast_to(w, shape)
+  ids = None
+  if segment_ids is not None:
+    ids = jnp.asarray(as_array(name, "segment_ids", segment_ids))
+    if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape != shape:
+      raise ValueError(
+        f"{name}: segment_ids must be integers of the tokens' shape {shape}; got {ids.dtype} "
+        f"{ids.shape}."
+      )
+  segment, num_segments, mask, _ = sequence_layout(shape, mask, ids)
+  dtype = compute_dtype(logp.dtype)
+  weights = aggregation_weights(mask, segment, num_segments, "token-mean", None, dtype)
+  logp, rollout = logp.astype(dtype), rollout.astype(dtype)
+  return mask & rejection_keep(logp, rollout, weights, parsed)

@@ -89,7 +89,7 @@ class Options(NamedTuple):
   entropy_coef: float | jax.Array = 0.0
   cov_fraction: float = 2e-4  # clip-cov, kl-cov (kldiv_jax._cov_clip)
   cov_bounds: tuple = (1.0, 5.0)
-  cov_kl_coef: float = 1.0
+  cov_kl_coef: float = 0.1
 
 
 class Weights(NamedTuple):
