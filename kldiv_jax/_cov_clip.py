@@ -26,6 +26,8 @@ A selection needs the whole call's tokens: a chunked caller computes it in a fir
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -73,12 +75,12 @@ def cov_selection(log_probs, old_log_probs, advantages, weights, options, priori
   return _first(priority, candidates, k)
 
 
-def cov_token_losses(log_probs, old_log_probs, advantages, selected, options):
+def cov_token_losses(log_probs, old_log_probs, advantages, selected: Any, options):
   """``(per-token loss, ratio, flags)``: Clip-Cov's or KL-Cov's loss given the selection;
   ``flags`` the selected tokens (Clip-Cov: zeroed, verl's ``pg_clipfrac``)."""
   delta = log_probs - old_log_probs
   ratio = jnp.exp(delta)
-  s = lax.stop_gradient(selected)
+  s: jax.Array = lax.stop_gradient(selected)
   if options.surrogate == "kl-cov":
     abs_delta = delta * jnp.sign(delta)  # the subgradient 0 at 0, as torch's abs
     penalty = jnp.asarray(options.cov_kl_coef, delta.dtype) * abs_delta

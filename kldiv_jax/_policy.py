@@ -81,7 +81,7 @@ class _Parsed(NamedTuple):
   options: Options
   aggregation: str
   normalizer: Any  # None, a float or a traced scalar
-  rollout_correction: str
+  rollout_correction: str | None
   rollout_bounds: tuple
   valid: list  # static True or traced booleans: NaN unless all hold
   rejection: tuple = ()  # parse_rejection's ((mode, low, high), ...)
@@ -618,8 +618,9 @@ def fused_policy_loss(
   before = weights
   if rollout_log_probs is not None and not on_policy:
     old, rollout_lp = a["old_log_probs"], a["rollout_log_probs"]
-    if parsed.rollout_correction is not None:
-      a["rollout_weights"] = _rollout(parsed, old, rollout_lp, weights)
+    rollout = _rollout(parsed, old, rollout_lp, weights)
+    if rollout is not None:
+      a["rollout_weights"] = rollout
     if parsed.rejection:
       weights = _reject(parsed, weights, rejection_keep(old, rollout_lp, weights, parsed.rejection))
   if o.surrogate in COV_SURROGATES:

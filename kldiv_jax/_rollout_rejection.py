@@ -64,19 +64,26 @@ def parse_rejection(name: str, spec: Any) -> tuple:
   Returns ``((mode, low_log_or_None, high), ...)``, the ``k1`` bounds as logs."""
   if spec is None:
     return ()
+  wrong = TypeError(
+    f"{name}: rollout_rejection must map modes to bounds, e.g. {{'sequence_mean_k3': 0.01}}; "
+    f"got {spec!r}."
+  )
+  if not isinstance(spec, Mapping | tuple | list):
+    raise wrong
   items = list(spec.items()) if isinstance(spec, Mapping) else list(spec)
   out = []
   for item in items:
     if not (isinstance(item, tuple) and len(item) == 2):
-      raise TypeError(
-        f"{name}: rollout_rejection must map modes to bounds, e.g. {{'sequence_mean_k3': 0.01}}; "
-        f"got {spec!r}."
-      )
+      raise wrong
     mode, bound = item
     if mode not in REJECTION_MODES:
-      raise ValueError(f"{name}: rollout_rejection modes must be in {REJECTION_MODES}; got {mode!r}.")
+      raise ValueError(
+        f"{name}: rollout_rejection modes must be in {REJECTION_MODES}; got {mode!r}."
+      )
     if mode.endswith("k1"):
-      low, high = bound if isinstance(bound, tuple | list) else (1.0 / _bound(name, mode, bound), bound)
+      low, high = (
+        bound if isinstance(bound, tuple | list) else (1.0 / _bound(name, mode, bound), bound)
+      )
       low, high = _bound(name, mode, low), _bound(name, mode, high)
       if low > high:
         raise ValueError(f"{name}: rollout_rejection[{mode!r}] needs low <= high; got {bound!r}.")

@@ -332,7 +332,9 @@ def token_losses(
   elif s == "gpg":
     pg = -log_probs * advantages
   elif s in COV_SURROGATES:
-    pg, ratio, clip_high = cov_token_losses(log_probs, old_log_probs, advantages, cov_selected, options)
+    pg, ratio, clip_high = cov_token_losses(
+      log_probs, old_log_probs, advantages, cov_selected, options
+    )
   else:  # dppo-tv, dppo-kl
     cap = 20.0 if options.ratio_cap is None else options.ratio_cap
     valid = _dppo_valid(log_probs, old_log_probs, advantages, options)

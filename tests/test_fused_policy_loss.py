@@ -93,6 +93,23 @@ CASES = {
   "cispo seq-mean-token-sum-norm, ignore_index": dict(
     surrogate="cispo", clip_low=0.3, aggregation="seq-mean-token-sum-norm", ignore=True
   ),
+  "clip-cov two-pass packed, a key": dict(
+    surrogate="clip-cov", cov_fraction=0.3, cov_bounds=(-2.0, 2.0), segment_ids=SEGMENTS,
+    cov_key=jax.random.key(1), clip_high=0.28,
+  ),
+  "kl-cov seq-mean-token-sum, k2": dict(
+    surrogate="kl-cov", cov_fraction=0.2, cov_kl_coef=0.5, aggregation="seq-mean-token-sum",
+    beta=0.1, kl_estimator="k2",
+  ),
+  "ppo rejection, normalised token weights, seq-mean-token-mean": dict(
+    rollout_correction="token_mask", rollout_bounds=(0.5, 2.0), rollout_normalize=True,
+    rollout_rejection={"sequence_mean_k3": 1.0, "token_k1": (0.2, 5.0)},
+    aggregation="seq-mean-token-mean", dual_clip=3.0,
+  ),
+  "gpg on-policy, normalised sequence weights": dict(
+    surrogate="gpg", rollout_correction="sequence_truncate", rollout_normalize=True,
+    on_policy=True,
+  ),
 }  # fmt: skip
 TRACED = ("clip_low", "clip_high", "dual_clip", "beta", "entropy_coef", "temperature")
 
@@ -120,7 +137,10 @@ def test_matches_policy_loss_on_materialised_logits(rng, case):
 
   got, want = both(scalars)
   _assert_equal(got, want)
-  assert got[0][1].tokens == where.sum()
+  if "rollout_rejection" in kw:  # some tokens, not all, rejected
+    assert 0 < got[0][1].rejected < 1 and 0 < got[0][1].tokens < where.sum()
+  else:
+    assert got[0][1].tokens == where.sum()
 
 
 @pytest.mark.parametrize("surrogate", ["ppo", "gspo"])
@@ -274,3 +294,12 @@ def test_vocab_parallel_bf16_float32_logits(cpu_devices):
   for x, y in zip(got_grads, want_grads, strict=True):
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     np.testing.assert_allclose(x, y, rtol=2**-7, atol=1e-3 * np.abs(y).max())
+
+
+def test_on_policy_rejection_asks_for_old_log_probs(rng):
+  """The rejection fixes the aggregation before the kernel runs: on-policy (``old_log_probs=
+  None``) it needs the log-probs first, which the error says how to pass."""
+  h, w, _, ids, _, _, adv, ref = _data(rng)
+  with pytest.raises(ValueError, match="fused_policy_loss: rollout_rejection needs old_log_probs"):
+    fused_policy_loss(h, w, ids, None, adv, rollout_log_probs=ref,
+                      rollout_rejection={"token_k2": 0.1})  # fmt: skip

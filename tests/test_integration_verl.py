@@ -145,7 +145,9 @@ def test_policy_loss_modes(x64, identity_randperm, loss_mode, mode):
   check(got, want, 1e-7 if mode == "seq-mean-token-mean" or loss_mode == "geo_mean" else RTOL)
   m, vm = got[2], want[2]
   if "actor/ppo_kl" in vm:  # kl_cov's is the mean |log r|: not a PolicyMetrics field
-    kl = np.mean(np.abs((d["logp"] - d["old"])[d["mask"]])) if loss_mode == "kl_cov" else m.approx_kl
+    kl = (
+      np.mean(np.abs((d["logp"] - d["old"])[d["mask"]])) if loss_mode == "kl_cov" else m.approx_kl
+    )
     np.testing.assert_allclose(kl, vm["actor/ppo_kl"], rtol=1e-12)
   if loss_mode == "geo_mean":  # verl's pg_clipfrac: the A > 0 side only
     np.testing.assert_allclose(m.clip_high, vm["actor/pg_clipfrac"], rtol=FRACTION)
@@ -295,15 +297,18 @@ def test_rollout_rejection(x64, modes):
   got = ours(d, dual_clip=3.0, aggregation=mode, rollout_log_probs=d["rollout"],
              rollout_correction=None, rollout_rejection=rejection)  # fmt: skip
   check(got, verl_loss(d, "vanilla", mode, config(), mask=kept), 1e-7)
-  np.testing.assert_allclose(got[2].rejected, metrics["rollout_corr/rollout_rs_masked_fraction"], rtol=FRACTION)
+  np.testing.assert_allclose(
+    got[2].rejected, metrics["rollout_corr/rollout_rs_masked_fraction"], rtol=FRACTION
+  )
   np.testing.assert_array_equal(
     rollout_rejection_mask(d["old"], d["rollout"], rejection, where=d["mask"]), kept
   )
 
 
 @pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize(("threshold", "kind", "bounds"),
-                         [(1.5, "truncate", (None, 1.5)), ("0.9_1.2", "mask", (0.9, 1.2))])
+@pytest.mark.parametrize(
+  ("threshold", "kind", "bounds"), [(1.5, "truncate", (None, 1.5)), ("0.9_1.2", "mask", (0.9, 1.2))]
+)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_rollout_is_weights(x64, level, threshold, kind, bounds, normalize):
   """rollout_is (TIS; IcePop with a "lower_upper" threshold), rollout_is_batch_normalize, and
@@ -359,4 +364,6 @@ def test_bypass_mode(x64, loss_type, rollout_is, rs, normalize):
       assert fused_equal(d, old_log_probs=None, **kw)
   check(got, want)
   if rs is not None and loss_type == "reinforce":
-    np.testing.assert_allclose(got[2].rejected, want[2]["rollout_corr/rollout_rs_masked_fraction"], rtol=FRACTION)
+    np.testing.assert_allclose(
+      got[2].rejected, want[2]["rollout_corr/rollout_rs_masked_fraction"], rtol=FRACTION
+    )
