@@ -455,6 +455,8 @@ class _TokenTerms:
   on_policy: bool
   rollout: str | None  # the rollout correction when it needs the log-probs (on-policy)
   rollout_normalize: bool = False
+  rejection: tuple = ()  # on-policy rollout rejection: the weights recomputed here
+  aggregation: str = "token-mean"
 
   def __call__(self, log_p, entropy, args):
     o = self.options._replace(**args["scalars"])
@@ -470,14 +472,31 @@ class _TokenTerms:
       rollout = rollout_weights(old, args["rollout_log_probs"], w, self.rollout, bounds)
       if self.rollout_normalize:
         rollout = batch_normalize(rollout, w, self.rollout.startswith("sequence"))
+    if self.rejection:  # the weights from the kept tokens (two-pass: all tokens here)
+      w = self._rejected(w, old, args)
     selected = None
     if o.surrogate in COV_SURROGATES:
       selected = cov_selection(log_p, old, adv, w, o, args["cov_priority"])
-    return token_losses(
+    loss_terms, metric_terms = token_losses(
       log_p, old, adv, w.loss, w.token, w.mask, o, seq_log_ratio=seq_lr,
       ref_log_probs=args.get("ref_log_probs"), entropy=entropy, rollout_weights=rollout,
       cov_selected=selected, rollout_log_probs=args.get("rollout_log_probs"),
     )  # fmt: skip
+    if not self.rejection:
+      return loss_terms, metric_terms
+    # The counts as per-token terms (their sums), and the weights, for the metrics outside.
+    m = w.mask.astype(log_p.dtype)
+    per_seq = jax.ops.segment_sum(m, w.segment, self.num_segments)[w.segment]
+    counts = metric_terms._replace(tokens=m, sequences=m / jnp.maximum(per_seq, 1.0))
+    return loss_terms, (counts, w.loss, w.token)
+
+  def _rejected(self, w: Weights, old, args) -> Weights:
+    keep = rejection_keep(old, args["rollout_log_probs"], w, self.rejection)
+    n = args.get("normalizer")  # the same value per token
+    normalizer = None if n is None else jnp.sum(n) / max(n.size, 1)
+    return aggregation_weights(
+      w.mask & keep, w.segment, self.num_segments, self.aggregation, normalizer, w.loss.dtype
+    )
 
 
 def fused_policy_loss(
@@ -582,12 +601,6 @@ def fused_policy_loss(
     cov_key=cov_key, rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
     has_rollout=rollout_log_probs is not None,
   )  # fmt: skip
-  if parsed.rejection and old_log_probs is None:
-    raise ValueError(
-      f"{name}: rollout_rejection needs old_log_probs here (the rejection changes the "
-      f"aggregation, which is fixed before the kernel runs): pass "
-      f"jax.lax.stop_gradient(fused_token_log_probs(...)), the same values (verl's bypass mode)."
-    )
   keep = None
   if ignore_index is not None:
     keep = jnp.asarray(token_ids) != check_int(name, "ignore_index", ignore_index)
@@ -610,6 +623,7 @@ def fused_policy_loss(
   sequence_rollout = rollout_log_probs is not None and (
     (parsed.rollout_correction or "")[:3] == "seq" or parsed.rollout_normalize
   )
+  sequence_rollout = sequence_rollout or bool(parsed.rejection)  # on-policy: all tokens at once
   two_pass = o.surrogate in (*SEQUENCE_LEVEL, *COV_SURROGATES) or (on_policy and sequence_rollout)
   dtype = weights.loss.dtype
   n = weights.loss.size
@@ -635,11 +649,14 @@ def fused_policy_loss(
     args["rollout_bounds"] = tuple(
       None if b is None else per_token(b) for b in parsed.rollout_bounds
     )
+  rejection = parsed.rejection if on_policy else ()
+  if rejection and parsed.normalizer is not None:
+    args["normalizer"] = per_token(parsed.normalizer)
   placeholders = {k: 0.0 for k in scalars}
   static_fn = _TokenTerms(
     o._replace(**placeholders), weights.num_segments, on_policy,
     parsed.rollout_correction if rollout_log_probs is not None and on_policy else None,
-    parsed.rollout_normalize,
+    parsed.rollout_normalize, rejection, parsed.aggregation,
   )  # fmt: skip
   coef = o.entropy_coef
   with_entropy = not (isinstance(coef, float) and coef == 0.0)
@@ -652,6 +669,10 @@ def fused_policy_loss(
     axis_name=axis_name, chunk_size=chunk_size, with_entropy=with_entropy, has_aux=True,
     two_pass=two_pass, name=name, loss_dtype=out_dtype, logits_dtype=logits_dtype,
   )  # fmt: skip
+  terms, loss_w, token_w = outs.aux if rejection else (outs.aux, args["loss"], args["token"])
+  if rejection:  # the weights of the tokens kept, from the kernel
+    counts = weights._replace(tokens=jnp.sum(terms.tokens), sequences=jnp.sum(terms.sequences))
+    weights = counts._replace(loss=loss_w, token=token_w)
   ent = outs.entropy.astype(dtype)
-  terms = outs.aux._replace(entropy=args["token"] * ent, entropy_loss=args["loss"] * ent)
+  terms = terms._replace(entropy=token_w * ent, entropy_loss=loss_w * ent)
   return nan_unless(loss, *valid), _rejected(reduce_metrics(terms, weights), before, weights)

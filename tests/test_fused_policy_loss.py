@@ -106,6 +106,11 @@ CASES = {
     rollout_rejection={"sequence_mean_k3": 1.0, "token_k1": (0.2, 5.0)},
     aggregation="seq-mean-token-mean", dual_clip=3.0,
   ),
+  "gpg on-policy rejection, a normalizer, packed": dict(
+    surrogate="gpg", rollout_correction="token_truncate", on_policy=True, normalizer=7.0,
+    rollout_rejection={"token_k1": (0.5, 2.0), "sequence_max_k2": 1.0},
+    aggregation="seq-mean-token-sum", segment_ids=SEGMENTS, entropy_coef=0.01,
+  ),
   "gpg on-policy, normalised sequence weights": dict(
     surrogate="gpg", rollout_correction="sequence_truncate", rollout_normalize=True,
     on_policy=True,
@@ -294,12 +299,3 @@ def test_vocab_parallel_bf16_float32_logits(cpu_devices):
   for x, y in zip(got_grads, want_grads, strict=True):
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     np.testing.assert_allclose(x, y, rtol=2**-7, atol=1e-3 * np.abs(y).max())
-
-
-def test_on_policy_rejection_asks_for_old_log_probs(rng):
-  """The rejection fixes the aggregation before the kernel runs: on-policy (``old_log_probs=
-  None``) it needs the log-probs first, which the error says how to pass."""
-  h, w, _, ids, _, _, adv, ref = _data(rng)
-  with pytest.raises(ValueError, match="fused_policy_loss: rollout_rejection needs old_log_probs"):
-    fused_policy_loss(h, w, ids, None, adv, rollout_log_probs=ref,
-                      rollout_rejection={"token_k2": 0.1})  # fmt: skip

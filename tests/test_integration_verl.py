@@ -360,7 +360,7 @@ def test_bypass_mode(x64, loss_type, rollout_is, rs, normalize):
               rollout_bounds=(None, 2.0), rollout_normalize=normalize)  # fmt: skip
     got = ours(d, old_log_probs=None, **kw)
     np.testing.assert_allclose(got[2].rollout_kl, want[2]["actor/ppo_kl"], rtol=1e-12)
-    if rollout_is is not None and modes == {}:
+    if rollout_is is not None:
       assert fused_equal(d, old_log_probs=None, **kw)
   check(got, want)
   if rs is not None and loss_type == "reinforce":
