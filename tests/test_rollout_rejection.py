@@ -134,7 +134,7 @@ def test_nan_is_not_rejected():
   assert np.isnan(policy_loss(x, x, np.ones(1), **kw)[0])
 
 
-def test_jit_and_float32(rng):
+def test_jit_vmap_float32(rng):
   logp, old, adv, mask, rollout = (np.asarray(a, np.float32) if a.dtype != bool else a
                                    for a in batch(rng))  # fmt: skip
   kw = dict(where=mask, rollout_log_probs=rollout, rollout_normalize=True,
@@ -143,6 +143,8 @@ def test_jit_and_float32(rng):
   jitted = jax.jit(lambda x: policy_loss(x, old, adv, **kw))(logp)
   np.testing.assert_allclose(jitted[0], eager[0], rtol=1e-6)
   assert eager[0].dtype == jnp.float32 and 0 < eager[1].rejected < 1
+  stacked = jax.vmap(lambda x: policy_loss(x, old, adv, **kw)[0])(np.stack([logp, logp]))
+  np.testing.assert_allclose(stacked, [eager[0], eager[0]], rtol=1e-6)
 
 
 @pytest.mark.parametrize(
