@@ -26,6 +26,7 @@ A selection needs the whole call's tokens: a chunked caller computes it in a fir
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -33,6 +34,30 @@ import jax.numpy as jnp
 from jax import lax
 
 COV_SURROGATES = ("clip-cov", "kl-cov")
+
+
+def _number(name, option, value, test, expected) -> float:
+  """A static (Python) real option: these are configs, not traced values."""
+  if isinstance(value, bool) or not isinstance(value, int | float):
+    raise TypeError(f"{name}: {option} must be a Python number; got {value!r}.")
+  if not test(value):
+    raise ValueError(f"{name}: {option} must be {expected}; got {value!r}.")
+  return float(value)
+
+
+def parse_cov(name, fraction, bounds, coef, key):
+  """``(cov_fraction, cov_bounds, cov_kl_coef, cov_key)`` checked (errors name ``name``)."""
+  fraction = _number(name, "cov_fraction", fraction, lambda x: 0 < x < math.inf, "> 0")
+  if not (isinstance(bounds, tuple | list) and len(bounds) == 2):
+    raise TypeError(f"{name}: cov_bounds must be a pair (low, high); got {bounds!r}.")
+  bounds = tuple(_number(name, "cov_bounds", b, lambda x: not math.isnan(x), "a number")
+                 for b in bounds)  # fmt: skip
+  coef = _number(name, "cov_kl_coef", coef, math.isfinite, "finite")
+  if key is not None:
+    dtype = getattr(key, "dtype", None)
+    if dtype is None or not (jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
+      raise TypeError(f"{name}: cov_key must be a jax.random key or None; got {key!r}.")
+  return fraction, bounds, coef, key
 
 
 def cov_priority(shape, key) -> jax.Array:

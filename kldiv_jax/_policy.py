@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
@@ -24,13 +23,19 @@ from kldiv_jax._checks import (
   real_scalar,
   result_dtype,
 )
-from kldiv_jax._cov_clip import COV_SURROGATES, cov_priority, cov_selection
+from kldiv_jax._cov_clip import COV_SURROGATES, cov_priority, cov_selection, parse_cov
 from kldiv_jax._fused_chunks import check_linear
 from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, nonnegative_finite, positive_finite
 from kldiv_jax._rl import ESTIMATORS
-from kldiv_jax._rollout_rejection import batch_normalize, parse_rejection, rejection_keep
+from kldiv_jax._rollout_rejection import (
+  corrected_weights,
+  parse_rollout_options,
+  rejection_keep,
+  with_rejected_fraction,
+  without_rejected,
+)
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
   SEQUENCE_LEVEL,
@@ -40,7 +45,6 @@ from kldiv_jax._surrogates import (
   Weights,
   aggregation_weights,
   reduce_metrics,
-  rollout_weights,
   sequence_layout,
   sequence_log_ratio,
   token_losses,
@@ -143,70 +147,30 @@ def _parse(
   return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
 
 
-def _static_number(name, option, value, test, expected) -> float:
-  """A static (Python) real option: these are configs, not traced values."""
-  if isinstance(value, bool) or not isinstance(value, int | float):
-    raise TypeError(f"{name}: {option} must be a Python number; got {value!r}.")
-  if not test(value):
-    raise ValueError(f"{name}: {option} must be {expected}; got {value!r}.")
-  return float(value)
-
-
 def _parse_more(
   name, parsed: _Parsed, *, cov_fraction, cov_bounds, cov_kl_coef, cov_key, rollout_rejection,
   rollout_normalize, has_rollout,
 ) -> _Parsed:  # fmt: skip
   """``parsed`` with the options of Clip-Cov/KL-Cov and of rollout rejection checked."""
-  finite = math.isfinite
-  fraction = _static_number(name, "cov_fraction", cov_fraction, lambda x: 0 < x < math.inf, "> 0")
-  if not (isinstance(cov_bounds, tuple | list) and len(cov_bounds) == 2):
-    raise TypeError(f"{name}: cov_bounds must be a pair (low, high); got {cov_bounds!r}.")
-  bounds = tuple(_static_number(name, "cov_bounds", b, lambda x: not x != x, "a number")
-                 for b in cov_bounds)  # fmt: skip
-  coef = _static_number(name, "cov_kl_coef", cov_kl_coef, finite, "finite")
-  if cov_key is not None:
-    dtype = getattr(cov_key, "dtype", None)
-    if dtype is None or not (jnp.issubdtype(dtype, jax.dtypes.prng_key) or dtype == jnp.uint32):
-      raise TypeError(f"{name}: cov_key must be a jax.random key or None; got {cov_key!r}.")
-  rejection = parse_rejection(name, rollout_rejection)
-  rollout_normalize = check_bool(name, "rollout_normalize", rollout_normalize)
-  if rollout_normalize and parsed.rollout_correction is None:
-    raise ValueError(f"{name}: rollout_normalize needs a rollout_correction; got None.")
-  if (rejection or rollout_normalize) and not has_rollout:
-    raise ValueError(
-      f"{name}: rollout_rejection and rollout_normalize need rollout_log_probs (the sampling "
-      f"engine's log-probs)."
-    )
+  fraction, bounds, coef, key = parse_cov(name, cov_fraction, cov_bounds, cov_kl_coef, cov_key)
+  rejection, normalize = parse_rollout_options(
+    name, rollout_rejection, rollout_normalize, parsed.rollout_correction, has_rollout
+  )
   options = parsed.options._replace(cov_fraction=fraction, cov_bounds=bounds, cov_kl_coef=coef)
   return parsed._replace(
-    options=options, rejection=rejection, rollout_normalize=rollout_normalize, cov_key=cov_key
+    options=options, rejection=rejection, rollout_normalize=normalize, cov_key=key
   )
 
 
 def _reject(parsed: _Parsed, weights: Weights, keep) -> Weights:
-  """``weights`` with the rejected tokens (``~keep``) left out of the mask, counts included."""
-  w = weights
-  return aggregation_weights(
-    w.mask & keep, w.segment, w.num_segments, parsed.aggregation, parsed.normalizer,
-    w.loss.dtype,
-  )  # fmt: skip
+  return without_rejected(weights, keep, parsed.aggregation, parsed.normalizer)
 
 
 def _rollout(parsed: _Parsed, old, rollout_log_probs, weights: Weights):
-  """The rollout weights (``weights`` before any rejection), batch-normalised if asked."""
-  mode = parsed.rollout_correction
-  if mode is None:
-    return None
-  w = rollout_weights(old, rollout_log_probs, weights, mode, parsed.rollout_bounds)
-  if parsed.rollout_normalize:
-    w = batch_normalize(w, weights, mode.startswith("sequence"))
-  return w
-
-
-def _rejected(metrics: PolicyMetrics, before: Weights, after: Weights) -> PolicyMetrics:
-  """``metrics`` with the fraction of ``before``'s tokens that ``after`` left out."""
-  out = (before.tokens - after.tokens) / jnp.maximum(before.tokens, 1.0)
-  return metrics._replace(rejected=out.astype(metrics.rejected.dtype))
+  return corrected_weights(
+    old, rollout_log_probs, weights, parsed.rollout_correction, parsed.rollout_bounds,
+    parsed.rollout_normalize,
+  )  # fmt: skip
 
 
 def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
@@ -428,7 +392,7 @@ def policy_loss(
     rollout_weights=rollout, cov_selected=selected, rollout_log_probs=a.get("rollout_log_probs"),
   )  # fmt: skip
   loss = nan_unless(jnp.sum(loss_terms), *valid).astype(out_dtype)
-  metrics = _rejected(reduce_metrics(metric_terms, weights), before, weights)
+  metrics = with_rejected_fraction(reduce_metrics(metric_terms, weights), before, weights)
   return loss, _no_entropy(metrics, entropy is None)
 
 
@@ -468,10 +432,8 @@ class _TokenTerms:
     seq_lr = sequence_log_ratio(log_p, old, adv, w, o) if o.surrogate in SEQUENCE_LEVEL else None
     rollout = args.get("rollout_weights")
     if self.rollout is not None:
-      bounds = args["rollout_bounds"]
-      rollout = rollout_weights(old, args["rollout_log_probs"], w, self.rollout, bounds)
-      if self.rollout_normalize:
-        rollout = batch_normalize(rollout, w, self.rollout.startswith("sequence"))
+      rollout_lp, bounds = args["rollout_log_probs"], args["rollout_bounds"]
+      rollout = corrected_weights(old, rollout_lp, w, self.rollout, bounds, self.rollout_normalize)
     if self.rejection:  # the weights from the kept tokens (two-pass: all tokens here)
       w = self._rejected(w, old, args)
     selected = None
@@ -494,9 +456,7 @@ class _TokenTerms:
     keep = rejection_keep(old, args["rollout_log_probs"], w, self.rejection)
     n = args.get("normalizer")  # the same value per token
     normalizer = None if n is None else jnp.sum(n) / max(n.size, 1)
-    return aggregation_weights(
-      w.mask & keep, w.segment, self.num_segments, self.aggregation, normalizer, w.loss.dtype
-    )
+    return without_rejected(w, keep, self.aggregation, normalizer)
 
 
 def fused_policy_loss(
@@ -675,4 +635,6 @@ def fused_policy_loss(
     weights = counts._replace(loss=loss_w, token=token_w)
   ent = outs.entropy.astype(dtype)
   terms = terms._replace(entropy=token_w * ent, entropy_loss=loss_w * ent)
-  return nan_unless(loss, *valid), _rejected(reduce_metrics(terms, weights), before, weights)
+  return nan_unless(loss, *valid), with_rejected_fraction(
+    reduce_metrics(terms, weights), before, weights
+  )

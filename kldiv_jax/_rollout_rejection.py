@@ -22,13 +22,20 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._checks import as_array, compute_dtype, mask_array, promote_and_broadcast
+from kldiv_jax._checks import (
+  as_array,
+  check_bool,
+  compute_dtype,
+  mask_array,
+  promote_and_broadcast,
+)
 from kldiv_jax._surrogates import (
   LOG_RATIO_BOUND,
   Weights,
   _per_token,
   _segment_sum,
   aggregation_weights,
+  rollout_weights,
   sequence_layout,
 )
 
@@ -93,6 +100,44 @@ def parse_rejection(name: str, spec: Any) -> tuple:
   if not out:
     raise ValueError(f"{name}: rollout_rejection must name at least one mode; got {spec!r}.")
   return tuple(out)
+
+
+def parse_rollout_options(name, rejection, normalize, correction, has_rollout):
+  """``(rejection, normalize)`` checked (:func:`parse_rejection`), against the rollout
+  correction mode ``correction`` and whether rollout log-probs came."""
+  rejection = parse_rejection(name, rejection)
+  normalize = check_bool(name, "rollout_normalize", normalize)
+  if normalize and correction is None:
+    raise ValueError(f"{name}: rollout_normalize needs a rollout_correction; got None.")
+  if (rejection or normalize) and not has_rollout:
+    raise ValueError(
+      f"{name}: rollout_rejection and rollout_normalize need rollout_log_probs (the sampling "
+      f"engine's log-probs)."
+    )
+  return rejection, normalize
+
+
+def corrected_weights(old_log_probs, rollout_log_probs, weights: Weights, mode, bounds, normalize):
+  """The rollout weights of ``mode`` (``None``: none), batch-normalised if ``normalize``;
+  ``weights`` those before any rejection (verl computes both from the original mask)."""
+  if mode is None:
+    return None
+  w = rollout_weights(old_log_probs, rollout_log_probs, weights, mode, bounds)
+  return batch_normalize(w, weights, mode.startswith("sequence")) if normalize else w
+
+
+def without_rejected(weights: Weights, keep, aggregation, normalizer) -> Weights:
+  """``weights`` with the rejected tokens (``~keep``) left out of the mask, counts included."""
+  w = weights
+  return aggregation_weights(
+    w.mask & keep, w.segment, w.num_segments, aggregation, normalizer, w.loss.dtype
+  )
+
+
+def with_rejected_fraction(metrics, before: Weights, after: Weights):
+  """``metrics`` with the fraction of ``before``'s tokens that ``after`` left out."""
+  out = (before.tokens - after.tokens) / jnp.maximum(before.tokens, 1.0)
+  return metrics._replace(rejected=out.astype(metrics.rejected.dtype))
 
 
 def rejection_keep(old_log_probs, rollout_log_probs, weights: Weights, modes: tuple):
