@@ -34,6 +34,7 @@ from kldiv_jax._rl import kl_estimate as kl_estimate
 from kldiv_jax._rl import sequence_mean as sequence_mean
 from kldiv_jax._rl import sequence_sum as sequence_sum
 from kldiv_jax._rl import token_log_probs as token_log_probs
+from kldiv_jax._rollout_rejection import rollout_rejection_mask as rollout_rejection_mask
 from kldiv_jax._surrogates import PolicyMetrics as PolicyMetrics
 from kldiv_jax._topk import divergence_from_topk as divergence_from_topk
 from kldiv_jax._topk import kl_div_from_topk as kl_div_from_topk
@@ -78,6 +79,7 @@ __all__ = [
   "matched_vocabulary",
   "merge_spans",
   "policy_loss",
+  "rollout_rejection_mask",
   "sequence_mean",
   "sequence_sum",
   "set_implementation",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, NamedTuple, cast
 
 import jax
@@ -22,11 +23,19 @@ from kldiv_jax._checks import (
   real_scalar,
   result_dtype,
 )
+from kldiv_jax._cov_clip import COV_SURROGATES, cov_priority, cov_selection, parse_cov
 from kldiv_jax._fused_chunks import check_linear
 from kldiv_jax._fused_policy import fused_token_loss
 from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, nonnegative_finite, positive_finite
 from kldiv_jax._rl import ESTIMATORS
+from kldiv_jax._rollout_rejection import (
+  corrected_weights,
+  parse_rollout_options,
+  rejection_keep,
+  with_rejected_fraction,
+  without_rejected,
+)
 from kldiv_jax._surrogates import (
   AGGREGATIONS,
   SEQUENCE_LEVEL,
@@ -36,7 +45,6 @@ from kldiv_jax._surrogates import (
   Weights,
   aggregation_weights,
   reduce_metrics,
-  rollout_weights,
   sequence_layout,
   sequence_log_ratio,
   token_losses,
@@ -78,9 +86,12 @@ class _Parsed(NamedTuple):
   options: Options
   aggregation: str
   normalizer: Any  # None, a float or a traced scalar
-  rollout_correction: str
+  rollout_correction: str | None
   rollout_bounds: tuple
   valid: list  # static True or traced booleans: NaN unless all hold
+  rejection: tuple = ()  # parse_rejection's ((mode, low, high), ...)
+  rollout_normalize: bool = False
+  cov_key: Any = None
 
 
 def _parse(
@@ -95,7 +106,8 @@ def _parse(
     aggregation = _DEFAULT_AGGREGATION.get(surrogate, "token-mean")
   check_choice(name, "aggregation", aggregation, AGGREGATIONS)
   check_choice(name, "kl_estimator", kl_estimator, ESTIMATORS)
-  check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
+  if rollout_correction is not None:  # None: no weights (rejection only, metrics)
+    check_choice(name, "rollout_correction", rollout_correction, ROLLOUT_MODES)
   kl_clip_bounds = clip_bounds(name, kl_clip, "kl_clip")
   kl_importance_weighted = check_bool(name, "kl_importance_weighted", kl_importance_weighted)
   kl_in_loss = check_bool(name, "kl_in_loss", kl_in_loss)
@@ -145,6 +157,32 @@ def _with_trl_options(name, parsed: _Parsed, vespo_gamma, threshold, fraction) -
     vespo_gamma=gamma, off_policy_threshold=threshold, top_entropy_fraction=fraction
   )
   return parsed._replace(options=options)
+
+
+def _parse_more(
+  name, parsed: _Parsed, *, cov_fraction, cov_bounds, cov_kl_coef, cov_key, rollout_rejection,
+  rollout_normalize, has_rollout,
+) -> _Parsed:  # fmt: skip
+  """``parsed`` with the options of Clip-Cov/KL-Cov and of rollout rejection checked."""
+  fraction, bounds, coef, key = parse_cov(name, cov_fraction, cov_bounds, cov_kl_coef, cov_key)
+  rejection, normalize = parse_rollout_options(
+    name, rollout_rejection, rollout_normalize, parsed.rollout_correction, has_rollout
+  )
+  options = parsed.options._replace(cov_fraction=fraction, cov_bounds=bounds, cov_kl_coef=coef)
+  return parsed._replace(
+    options=options, rejection=rejection, rollout_normalize=normalize, cov_key=key
+  )
+
+
+def _reject(parsed: _Parsed, weights: Weights, keep) -> Weights:
+  return without_rejected(weights, keep, parsed.aggregation, parsed.normalizer)
+
+
+def _rollout(parsed: _Parsed, old, rollout_log_probs, weights: Weights):
+  return corrected_weights(
+    old, rollout_log_probs, weights, parsed.rollout_correction, parsed.rollout_bounds,
+    parsed.rollout_normalize,
+  )  # fmt: skip
 
 
 def _check_arrays(name: str, required: dict[str, Any], optional: dict[str, Any]) -> None:
@@ -231,11 +269,17 @@ def policy_loss(
   entropy: jax.typing.ArrayLike | None = None,
   entropy_coef: float | jax.typing.ArrayLike = 0.0,
   rollout_log_probs: jax.typing.ArrayLike | None = None,
-  rollout_correction: str = "token_truncate",
+  rollout_correction: str | None = "token_truncate",
   rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
   vespo_gamma: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
   off_policy_threshold: float | jax.typing.ArrayLike | None = None,
   top_entropy_fraction: float | None = None,
+  cov_fraction: float = 2e-4,
+  cov_bounds: tuple[float, float] = (1.0, 5.0),
+  cov_kl_coef: float = 0.1,
+  cov_key: jax.Array | None = None,
+  rollout_rejection: Mapping[str, float | tuple[float, float]] | None = None,
+  rollout_normalize: bool = False,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r"""A PPO/GRPO-family policy loss from per-token log-probs, and its metrics.
 
@@ -285,7 +329,9 @@ def policy_loss(
     entropy, entropy_coef: per-token entropy and its coefficient (any real: ``> 0`` a bonus).
       Without ``entropy`` the metric ``entropy`` is NaN (nothing measured).
     rollout_log_probs, rollout_correction, rollout_bounds: the weights
-      :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`.
+      :math:`\rho_t` from :math:`\pi_{\text{old}}/\pi_{\text{rollout}}`
+      (``rollout_correction=None``: none, the rollout log-probs only for
+      ``rollout_rejection`` and the metric ``rollout_kl``).
     vespo_gamma: ``surrogate="vespo"``'s :math:`(k_+, \lambda_+, k_-, \lambda_-)` (TRL's
       ``vespo_k_pos``, ``vespo_lambda_pos``, ``vespo_k_neg``, ``vespo_lambda_neg``): the loss
       :math:`-\mathrm{sg}(\varphi(w_i))\,A\log\pi_t`, :math:`\varphi(w) = e^{\lambda}
@@ -302,6 +348,18 @@ def policy_loss(
       least the ``1 - fraction`` quantile of this call's (TRL's ``top_entropy_quantile``;
       a static number in [0, 1], ``None`` or 1: all); the denominators and the KL stay
       (a ``where`` mask would change them). Needs ``entropy`` here.
+    cov_fraction, cov_bounds, cov_kl_coef, cov_key: ``"clip-cov"``/``"kl-cov"``'s fraction
+      of the counted tokens singled out (verl's ``clip_cov_ratio``/``kl_cov_ratio``, a
+      Python number ``> 0``), Clip-Cov's covariance window ``(lb, ub)`` (``clip_cov_lb``,
+      ``clip_cov_ub``), KL-Cov's penalty coefficient (``ppo_kl_coef``) and Clip-Cov's random
+      choice (a ``jax.random`` key; ``None``: the first candidates in row-major order).
+    rollout_rejection: verl's ``rollout_rs``: a mapping of modes (``"token_k1"``,
+      ``"token_k2"``, ``"token_k3"``, ``"sequence_{sum,mean}_k{1,2,3}"``,
+      ``"sequence_max_k{2,3}"``) to their bound (``k1``: ``(low, high)`` or ``high``); the
+      rejected tokens (from :math:`\pi_{\text{old}}` vs :math:`\pi_{\text{rollout}}`) leave
+      the mask before aggregation. Needs ``rollout_log_probs``.
+    rollout_normalize: divide the rollout weights by their batch mean (verl's
+      ``rollout_is_batch_normalize``). :doc:`/policy-optimisation`.
 
   Returns:
     ``(loss, metrics)``: the scalar loss (the inputs' dtype) and a
@@ -336,6 +394,11 @@ def policy_loss(
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
   parsed = _with_trl_options(name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction)
+  parsed = _parse_more(
+    name, parsed, cov_fraction=cov_fraction, cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef,
+    cov_key=cov_key, rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
+    has_rollout=rollout_log_probs is not None,
+  )  # fmt: skip
   named = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages}
   named |= {"ref_log_probs": ref_log_probs, "entropy": entropy}
   named |= {"rollout_log_probs": rollout_log_probs}
@@ -345,30 +408,37 @@ def policy_loss(
   options = parsed.options
   if options.top_entropy_fraction is not None and entropy is None:
     raise ValueError(f"{name}: top_entropy_fraction needs the per-token entropy= (none given).")
-  rollout = None
+  rollout, before = None, weights
   if rollout_log_probs is not None:
-    rollout = rollout_weights(
-      old, a["rollout_log_probs"], weights, parsed.rollout_correction, parsed.rollout_bounds
-    )
-  seq_lr = None
+    rollout = _rollout(parsed, old, a["rollout_log_probs"], weights)
+    if parsed.rejection:
+      kept = rejection_keep(old, a["rollout_log_probs"], weights, parsed.rejection)
+      weights = _reject(parsed, weights, kept)
+  seq_lr = selected = None
   if options.surrogate in SEQUENCE_LEVEL:
     seq_lr = sequence_log_ratio(logp, old, a["advantages"], weights, options, rollout)
+  if options.surrogate in COV_SURROGATES:
+    priority = cov_priority(shape, parsed.cov_key)
+    selected = cov_selection(logp, old, a["advantages"], weights, options, priority)
   sampling = old if rollout_log_probs is None else a["rollout_log_probs"]
   keep = selection(logp, sampling, a["advantages"], a.get("entropy"), weights, options)
   loss_terms, metric_terms = token_losses(
     logp, old, a["advantages"], weights.loss, weights.token, weights.mask, options,
     seq_log_ratio=seq_lr, ref_log_probs=a.get("ref_log_probs"), entropy=a.get("entropy"),
     rollout_weights=rollout, keep=keep, sequence_weights=weights.sequence,
+    cov_selected=selected, rollout_log_probs=a.get("rollout_log_probs"),
   )  # fmt: skip
   loss = nan_unless(jnp.sum(loss_terms), *valid).astype(out_dtype)
-  return loss, _no_entropy(reduce_metrics(metric_terms, weights), entropy is None)
+  metrics = with_rejected_fraction(reduce_metrics(metric_terms, weights), before, weights)
+  return loss, _no_entropy(metrics, entropy is None)
 
 
 def _no_entropy(metrics: PolicyMetrics, missing: bool) -> PolicyMetrics:
   """``metrics`` with a NaN entropy where none was measured (not a 0 that looks measured)."""
   if not missing:
     return metrics
-  return metrics._replace(entropy=jnp.full_like(metrics.entropy, jnp.nan))
+  nan = jnp.full_like(metrics.entropy, jnp.nan)
+  return metrics._replace(entropy=nan, entropy_loss=nan)
 
 
 # Options' scalar fields, passed per token to the fused engine (its per-token function is static).
@@ -386,6 +456,9 @@ class _TokenTerms:
   num_segments: int
   on_policy: bool
   rollout: str | None  # the rollout correction when it needs the log-probs (on-policy)
+  rollout_normalize: bool = False
+  rejection: tuple = ()  # on-policy rollout rejection: the weights recomputed here
+  aggregation: str = "token-mean"
 
   def __call__(self, log_p, entropy, args):
     o = self.options._replace(**args["scalars"])
@@ -396,17 +469,35 @@ class _TokenTerms:
     adv = args["advantages"]
     rollout = args.get("rollout_weights")
     if self.rollout is not None:
-      bounds = args["rollout_bounds"]
-      rollout = rollout_weights(old, args["rollout_log_probs"], w, self.rollout, bounds)
-    seq_lr = None
+      rollout_lp, bounds = args["rollout_log_probs"], args["rollout_bounds"]
+      rollout = corrected_weights(old, rollout_lp, w, self.rollout, bounds, self.rollout_normalize)
+    if self.rejection:  # the weights from the kept tokens (two-pass: all tokens here)
+      w = self._rejected(w, old, args)
+    seq_lr = selected = None
     if o.surrogate in SEQUENCE_LEVEL:
       seq_lr = sequence_log_ratio(log_p, old, adv, w, o, rollout)
+    if o.surrogate in COV_SURROGATES:
+      selected = cov_selection(log_p, old, adv, w, o, args["cov_priority"])
     keep = selection(log_p, args.get("sampling_log_probs", old), adv, entropy, w, o)
-    return token_losses(
+    loss_terms, metric_terms = token_losses(
       log_p, old, adv, w.loss, w.token, w.mask, o, seq_log_ratio=seq_lr,
       ref_log_probs=args.get("ref_log_probs"), entropy=entropy, rollout_weights=rollout,
-      keep=keep, sequence_weights=args["sequence"],
+      keep=keep, sequence_weights=args["sequence"] if w.sequence is None else w.sequence,
+      cov_selected=selected, rollout_log_probs=args.get("rollout_log_probs"),
     )  # fmt: skip
+    if not self.rejection:
+      return loss_terms, metric_terms
+    # The counts as per-token terms (their sums), and the weights, for the metrics outside.
+    m = w.mask.astype(log_p.dtype)
+    per_seq = jax.ops.segment_sum(m, w.segment, self.num_segments)[w.segment]
+    counts = metric_terms._replace(tokens=m, sequences=m / jnp.maximum(per_seq, 1.0))
+    return loss_terms, (counts, w.loss, w.token)
+
+  def _rejected(self, w: Weights, old, args) -> Weights:
+    keep = rejection_keep(old, args["rollout_log_probs"], w, self.rejection)
+    n = args.get("normalizer")  # the same value per token
+    normalizer = None if n is None else jnp.sum(n) / max(n.size, 1)
+    return without_rejected(w, keep, self.aggregation, normalizer)
 
 
 def fused_policy_loss(
@@ -435,7 +526,7 @@ def fused_policy_loss(
   kl_in_loss: bool = True,
   entropy_coef: float | jax.typing.ArrayLike = 0.0,
   rollout_log_probs: jax.typing.ArrayLike | None = None,
-  rollout_correction: str = "token_truncate",
+  rollout_correction: str | None = "token_truncate",
   rollout_bounds: tuple[float | None, float | None] = (None, 2.0),
   temperature: float | jax.typing.ArrayLike = 1.0,
   softcap: float | None = None,
@@ -446,6 +537,12 @@ def fused_policy_loss(
   vespo_gamma: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
   off_policy_threshold: float | jax.typing.ArrayLike | None = None,
   top_entropy_fraction: float | None = None,
+  cov_fraction: float = 2e-4,
+  cov_bounds: tuple[float, float] = (1.0, 5.0),
+  cov_kl_coef: float = 0.1,
+  cov_key: jax.Array | None = None,
+  rollout_rejection: Mapping[str, float | tuple[float, float]] | None = None,
+  rollout_normalize: bool = False,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r""":func:`policy_loss` from hidden states and the LM head, with no ``[tokens, vocab]`` array.
 
@@ -504,6 +601,11 @@ def fused_policy_loss(
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
   parsed = _with_trl_options(name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction)
+  parsed = _parse_more(
+    name, parsed, cov_fraction=cov_fraction, cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef,
+    cov_key=cov_key, rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
+    has_rollout=rollout_log_probs is not None,
+  )  # fmt: skip
   keep = None
   if ignore_index is not None:
     keep = jnp.asarray(token_ids) != check_int(name, "ignore_index", ignore_index)
@@ -523,24 +625,32 @@ def fused_policy_loss(
     np.shape(weight)[-1] * shards, where, ignore_index=ignore_index, has_ignore_index=True,
   )  # fmt: skip
   o = parsed.options
-  sequence_rollout = rollout_log_probs is not None and parsed.rollout_correction[:3] == "seq"
-  two_pass = o.surrogate in SEQUENCE_LEVEL or (on_policy and sequence_rollout)
+  sequence_rollout = rollout_log_probs is not None and (
+    (parsed.rollout_correction or "")[:3] == "seq" or parsed.rollout_normalize
+  )
+  sequence_rollout = sequence_rollout or bool(parsed.rejection)  # on-policy: all tokens at once
+  two_pass = o.surrogate in (*SEQUENCE_LEVEL, *COV_SURROGATES) or (on_policy and sequence_rollout)
   # TRL's masks need whole sequences (the off-policy KL) or the whole call (the quantile).
   two_pass |= o.off_policy_threshold is not None or o.top_entropy_fraction is not None
   dtype = weights.loss.dtype
   n = weights.loss.size
   per_token = lambda x: jnp.broadcast_to(jnp.asarray(x, dtype), (n,))  # noqa: E731
   scalars = {k: getattr(o, k) for k in _SCALARS if getattr(o, k) is not None}
+  before = weights
+  if rollout_log_probs is not None and not on_policy:
+    old, rollout_lp = a["old_log_probs"], a["rollout_log_probs"]
+    rollout = _rollout(parsed, old, rollout_lp, weights)
+    if rollout is not None:
+      a["rollout_weights"] = rollout
+    if parsed.rejection:
+      weights = _reject(parsed, weights, rejection_keep(old, rollout_lp, weights, parsed.rejection))
+  if o.surrogate in COV_SURROGATES:
+    a["cov_priority"] = cov_priority(shape, parsed.cov_key)
   args: dict[str, Any] = {"loss": weights.loss, "token": weights.token, "mask": weights.mask}
-  args |= {k: v for k, v in a.items() if k != "rollout_log_probs" or on_policy}
+  args |= a
   args["sequence"] = weights.sequence
   if o.off_policy_threshold is not None and rollout_log_probs is not None:
     args["sampling_log_probs"] = a["rollout_log_probs"]
-  if rollout_log_probs is not None and not on_policy:
-    args["rollout_weights"] = rollout_weights(
-      a["old_log_probs"], a["rollout_log_probs"], weights, parsed.rollout_correction,
-      parsed.rollout_bounds,
-    )  # fmt: skip
   if two_pass:
     args["segment"] = weights.segment
   args = jax.tree.map(lambda x: x.reshape(n), args)
@@ -549,10 +659,14 @@ def fused_policy_loss(
     args["rollout_bounds"] = tuple(
       None if b is None else per_token(b) for b in parsed.rollout_bounds
     )
+  rejection = parsed.rejection if on_policy else ()
+  if rejection and parsed.normalizer is not None:
+    args["normalizer"] = per_token(parsed.normalizer)
   placeholders = {k: 0.0 for k in scalars}
   static_fn = _TokenTerms(
     o._replace(**placeholders), weights.num_segments, on_policy,
     parsed.rollout_correction if rollout_log_probs is not None and on_policy else None,
+    parsed.rollout_normalize, rejection, parsed.aggregation,
   )  # fmt: skip
   coef = o.entropy_coef
   with_entropy = not (isinstance(coef, float) and coef == 0.0)
@@ -566,5 +680,12 @@ def fused_policy_loss(
     axis_name=axis_name, chunk_size=chunk_size, with_entropy=with_entropy, has_aux=True,
     two_pass=two_pass, name=name, loss_dtype=out_dtype, logits_dtype=logits_dtype,
   )  # fmt: skip
-  terms = outs.aux._replace(entropy=args["token"] * outs.entropy.astype(dtype))
-  return nan_unless(loss, *valid), reduce_metrics(terms, weights)
+  terms, loss_w, token_w = outs.aux if rejection else (outs.aux, args["loss"], args["token"])
+  if rejection:  # the weights of the tokens kept, from the kernel
+    counts = weights._replace(tokens=jnp.sum(terms.tokens), sequences=jnp.sum(terms.sequences))
+    weights = counts._replace(loss=loss_w, token=token_w)
+  ent = outs.entropy.astype(dtype)
+  terms = terms._replace(entropy=token_w * ent, entropy_loss=loss_w * ent)
+  return nan_unless(loss, *valid), with_rejected_fraction(
+    reduce_metrics(terms, weights), before, weights
+  )

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._cov_clip import COV_SURROGATES, cov_token_losses
 from kldiv_jax._numerics import at_most
 from kldiv_jax._rl import kl_estimate
 from kldiv_jax._trl_options import vespo_log_weight, vespo_phi
@@ -56,6 +57,7 @@ SURROGATES = (
   "dppo-tv",
   "dppo-kl",
   "vespo",
+  *COV_SURROGATES,
 )
 SEQUENCE_LEVEL = ("gspo", "gspo-token", "gmpo", "vespo")
 AGGREGATIONS = (
@@ -90,6 +92,9 @@ class Options(NamedTuple):
   vespo_gamma: tuple = (2.0, 3.0, 3.0, 2.0)  # (k_pos, lambda_pos, k_neg, lambda_neg)
   off_policy_threshold: Any = None  # float | jax.Array | None
   top_entropy_fraction: float | None = None
+  cov_fraction: float = 2e-4  # clip-cov, kl-cov (kldiv_jax._cov_clip)
+  cov_bounds: tuple = (1.0, 5.0)
+  cov_kl_coef: float = 0.1
 
 
 class Weights(NamedTuple):
@@ -134,13 +139,20 @@ class PolicyMetrics(NamedTuple):
   clip_low_seq_min: jax.Array
   clip_high_seq_max: jax.Array
   vespo_phi_seq: jax.Array
+  # verl's: aggregated as the loss is (agg_loss), bypass mode's ppo_kl, rollout_rs.
+  kl_loss: jax.Array  # the KL estimate aggregated as the loss (verl's kl_loss; 0 without ref)
+  entropy_loss: jax.Array  # the entropy aggregated as the loss (verl's entropy_loss; NaN: none)
+  rollout_kl: jax.Array  # mean of log pi_rollout - log pi (verl's bypass-mode ppo_kl; 0: none)
+  rejected: jax.Array  # fraction of the tokens rollout_rejection left out (verl's masked_fraction)
 
 
 # How each PolicyMetrics field's per-token terms reduce, in field order (tokens and
-# sequences come from Weights; "seq_min"/"seq_max": the extremes of the per-sequence sums
-# of terms weighted by Weights.sequence, over the sequences with a counted token).
+# sequences come from Weights, rejected from the masks; "seq_min"/"seq_max": the extremes of
+# the per-sequence sums of terms weighted by Weights.sequence, over the sequences with a
+# counted token).
 METRIC_REDUCTIONS: tuple[str, ...] = ("sum",) * 8 + ("min", "max", "sum", "sum")
-METRIC_REDUCTIONS += ("sum", "sum", "seq_min", "seq_max", "sum")
+METRIC_REDUCTIONS += ("sum", "sum", "seq_min", "seq_max", "sum")  # the sequence-level ones
+METRIC_REDUCTIONS += ("sum",) * 4  # kl_loss, entropy_loss, rollout_kl, rejected
 
 
 def _segment_sum(x, weights: Weights):
@@ -298,6 +310,8 @@ def token_losses(
   rollout_weights=None,
   keep=None,
   sequence_weights=None,
+  cov_selected=None,
+  rollout_log_probs=None,
 ):
   """Per-token loss terms (weighted: the loss is their sum) and metric terms.
 
@@ -308,7 +322,9 @@ def token_losses(
   ``rollout_is_weights`` and TRL's ``importance_sampling_ratio``; VESPO folds them into its
   sequence weight instead); ``keep`` (0/1, no gradient) multiplies it too (TRL's off-policy
   and top-entropy masks: the denominators stay); ``sequence_weights`` (``Weights.sequence``)
-  weigh the metrics over sequences (0 without).
+  weigh the metrics over sequences (0 without); ``cov_selected`` is required by
+  ``"clip-cov"``/``"kl-cov"`` (:func:`kldiv_jax._cov_clip.cov_selection`);
+  ``rollout_log_probs`` (metric only) gives ``rollout_kl``.
   """
   s = options.surrogate
   delta = log_probs - old_log_probs
@@ -349,6 +365,10 @@ def token_losses(
   elif s == "vespo":  # -sg(phi(w_i)) * A * log pi, w_i the sequence's importance weight
     phi = vespo_phi(seq_log_ratio, advantages, options.vespo_gamma)
     pg = -phi * advantages * log_probs
+  elif s in COV_SURROGATES:
+    pg, ratio, clip_high = cov_token_losses(
+      log_probs, old_log_probs, advantages, cov_selected, options
+    )
   else:  # dppo-tv, dppo-kl
     cap = 20.0 if options.ratio_cap is None else options.ratio_cap
     valid = _dppo_valid(log_probs, old_log_probs, advantages, options)
@@ -400,6 +420,12 @@ def token_losses(
     clip_low_seq_min=low_seq,
     clip_high_seq_max=high_seq,
     vespo_phi_seq=zero if phi is None else seq_mean(phi),
+    kl_loss=lax.stop_gradient(jnp.where(mask, loss_weights * kl, 0.0)),
+    entropy_loss=zero
+    if entropy is None
+    else lax.stop_gradient(jnp.where(mask, loss_weights * entropy, 0.0)),
+    rollout_kl=zero if rollout_log_probs is None else mean(rollout_log_probs - log_probs),
+    rejected=zero,
   )
   return loss_terms, metric_terms
 

@@ -313,11 +313,12 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
 
 # The public callables that are not a loss of float arrays: classes of results and specs, the
 # process-wide setting, the label shift (integer ids in, no derivative: tests/test_distill.py),
+# the rollout rejection mask (a bool mask out, no derivative: tests/test_rollout_rejection.py),
 # the host helpers of cross-tokenizer distillation and the span merge, whose groups are
 # positions in one layout (tests/test_uld.py).
 NOT_CALLS = frozenset(
   {"DistillationParts", "Divergence", "DivergenceMetric", "PolicyMetrics"}
-  | {"set_implementation", "shift_labels"}
+  | {"set_implementation", "shift_labels", "rollout_rejection_mask"}
   | {"align_tokens", "matched_vocabulary", "merge_spans"}
 )
 

@@ -1448,3 +1448,74 @@ def np_gold_rows(q, p, student_ids, teacher_ids, beta, weights=None):
     w = len(teacher_ids) / max(1, vt)
     weights = (w, 1.0 - w)
   return weights[0] * matched + weights[1] * unmatched
+
+
+# verl 0.9.1's clip_cov and kl_cov (verl/trainer/ppo/core_algos.py:
+# compute_policy_loss_clip_cov, compute_policy_loss_kl_cov), and rollout_corr_helper's
+# rejection sampling (compute_rollout_rejection_mask) and batch normalisation
+# (compute_rollout_correction_weights), read from the installed 0.9.1 and ported to float64.
+def verl_cov_losses(name, old, logp, adv, mask, *, ratio, clip_low=0.2, clip_high=0.2,
+                    bounds=(1.0, 5.0), coef=0.1, order=None):  # fmt: skip
+  """``(per-token losses, selected)`` of verl's ``clip_cov`` or ``kl_cov`` (``order``: the
+  flat indices in the order ``torch.randperm`` would give the candidates; None: row-major).
+  The selection is a function of the point, returned to hold it fixed when differentiating
+  (verl's has no gradient)."""
+  m = mask > 0
+  r = np.exp(logp - old)
+  cov = (adv - adv[m].mean()) * (logp - logp[m].mean())
+  selected = np.zeros(m.shape, bool)
+  if name == "kl_cov":
+    k = max(1, int(m.sum() * ratio))
+    flat = np.flatnonzero(m)
+    top = flat[np.argsort(-cov.reshape(-1)[flat], kind="stable")[:k]]
+    selected.reshape(-1)[top] = True
+    return selected, lambda x: -adv * np.exp(x - old) + selected * coef * np.abs(x - old)
+  l1, l2 = -adv * r, -adv * np.clip(r, 1 - clip_low, 1 + clip_high)
+  candidates = m & ~(l2 > l1) & (cov > bounds[0]) & (cov < bounds[1])
+  flat = np.flatnonzero(candidates)
+  if order is not None:
+    flat = np.array([i for i in order if candidates.reshape(-1)[i]], int)
+  selected.reshape(-1)[flat[: max(int(ratio * m.sum()), 1)]] = True
+
+  def losses(x):
+    rx = np.exp(x - old)
+    return np.maximum(-adv * rx, -adv * np.clip(rx, 1 - clip_low, 1 + clip_high)) * ~selected
+
+  return selected, losses
+
+
+def verl_rejection_keep(old, rollout, mask, modes):
+  """verl's rejected ``response_mask`` (``compute_rollout_rejection_mask``): ``modes`` maps
+  verl's option names to ``(lower, upper)`` (k1: bounds on the ratio) or ``upper``."""
+  m = mask > 0
+  lr = np.clip(old - rollout, -20.0, 20.0)
+  stats = {"k1": -lr, "k2": 0.5 * lr**2, "k3": np.exp(lr) - 1.0 - lr}
+  keep = np.ones(m.shape, bool)
+  n = m.sum(-1)
+  for option, bound in modes.items():
+    s = stats[option[-2:]]
+    if option.startswith("seq_sum"):
+      s = np.repeat((s * m).sum(-1, keepdims=True), m.shape[-1], -1)
+    elif option.startswith("seq_mean"):
+      s = np.repeat(((s * m).sum(-1) / (n + 1e-8))[:, None], m.shape[-1], -1)
+    elif option.startswith("seq_max"):
+      top = np.where(m, s, -np.inf).max(-1)
+      s = np.repeat(np.where(top == -np.inf, 0.0, top)[:, None], m.shape[-1], -1)
+    if option.endswith("k1"):
+      low, high = bound
+      keep &= (s >= np.log(low)) & (s <= np.log(high))
+    else:
+      keep &= s <= bound
+  return m & keep
+
+
+def verl_batch_normalize(w, mask, level):
+  """verl's ``rollout_is_batch_normalize``: weights over their token or sequence mean."""
+  m = mask > 0
+  if level == "token":
+    mean = (w * m).sum() / m.sum()
+  else:
+    seq = (w * m).sum(-1) / (m.sum(-1) + 1e-8)
+    valid = m.sum(-1) > 0
+    mean = (seq * valid).sum() / max(valid.sum(), 1e-8)
+  return w / mean if mean > 1e-8 else w

@@ -112,6 +112,28 @@ CASES = {
     off_policy_threshold=-0.05, rollout_correction="token_mask", rollout_bounds=(0.0, 10.0),
     on_policy=True,
   ),
+  "clip-cov two-pass packed, a key": dict(
+    surrogate="clip-cov", cov_fraction=0.3, cov_bounds=(-2.0, 2.0), segment_ids=SEGMENTS,
+    cov_key=jax.random.key(1), clip_high=0.28,
+  ),
+  "kl-cov seq-mean-token-sum, k2": dict(
+    surrogate="kl-cov", cov_fraction=0.2, cov_kl_coef=0.5, aggregation="seq-mean-token-sum",
+    beta=0.1, kl_estimator="k2",
+  ),
+  "ppo rejection, normalised token weights, seq-mean-token-mean": dict(
+    rollout_correction="token_mask", rollout_bounds=(0.5, 2.0), rollout_normalize=True,
+    rollout_rejection={"sequence_mean_k3": 1.0, "token_k1": (0.2, 5.0)},
+    aggregation="seq-mean-token-mean", dual_clip=3.0,
+  ),
+  "gpg on-policy rejection, a normalizer, packed": dict(
+    surrogate="gpg", rollout_correction="token_truncate", on_policy=True, normalizer=7.0,
+    rollout_rejection={"token_k1": (0.5, 2.0), "sequence_max_k2": 1.0},
+    aggregation="seq-mean-token-sum", segment_ids=SEGMENTS, entropy_coef=0.01,
+  ),
+  "gpg on-policy, normalised sequence weights": dict(
+    surrogate="gpg", rollout_correction="sequence_truncate", rollout_normalize=True,
+    on_policy=True,
+  ),
 }  # fmt: skip
 TRACED = ("clip_low", "clip_high", "dual_clip", "beta", "entropy_coef", "temperature")
 TRACED += ("off_policy_threshold",)
@@ -140,7 +162,10 @@ def test_matches_policy_loss_on_materialised_logits(rng, case):
 
   got, want = both(scalars)
   _assert_equal(got, want)
-  assert got[0][1].tokens == where.sum()
+  if "rollout_rejection" in kw:  # some tokens, not all, rejected
+    assert 0 < got[0][1].rejected < 1 and 0 < got[0][1].tokens < where.sum()
+  else:
+    assert got[0][1].tokens == where.sum()
 
 
 @pytest.mark.parametrize("surrogate", ["ppo", "gspo"])
