@@ -108,7 +108,7 @@ INTEGRATION_TESTS ?= tests/test_integration_*.py
 
 $(INTEGRATION_STAMP): pyproject.toml
 	test -x $(INTEGRATION_VENV)/bin/python || $(PYTHON) -m venv $(INTEGRATION_VENV)
-	$(INTEGRATION_VENV)/bin/python -m pip install -e '.[test]' $(INTEGRATION_PINS)
+	$(INTEGRATION_VENV)/bin/python -m pip install -e '.[test,tunix]' $(INTEGRATION_PINS)
 	$(INTEGRATION_VENV)/bin/python -m pip install --no-deps verl==0.9.1
 	touch $(INTEGRATION_STAMP)
 
