@@ -90,8 +90,17 @@ def lm_head(model: nnx.Module) -> Head:
   Raises:
     AttributeError: naming the attribute that is missing (``lm_head`` or
       ``embedder.input_embedding``).
+    NotImplementedError: a LoRA adapter on the head (its weight alone would miss it).
   """
   head = getattr(model, "lm_head", None)
+  module = head if head is not None else getattr(model, "embedder", None)
+  if module is not None and any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(module)):
+    name = "lm_head" if head is not None else "embedder"
+    raise NotImplementedError(
+      f"kldiv_jax.tunix: {type(model).__name__}.{name} carries a LoRA adapter; the fused"
+      " losses read the head's weight and would miss it. Leave the head out of the LoRA"
+      " targets, or pass head=kldiv_jax.tunix.Head(weight with the adapter merged, ...)."
+    )
   if head is not None:
     if not hasattr(head, "w"):
       raise _missing(model, "lm_head.w", "the untied head's [H, V] kernel")

@@ -23,8 +23,6 @@ from kldiv_jax._tunix_distill import topk_teacher as topk_teacher
 from kldiv_jax._tunix_models import Head as Head
 from kldiv_jax._tunix_models import hidden_states as hidden_states
 from kldiv_jax._tunix_models import lm_head as lm_head
-from kldiv_jax._tunix_rl import AGGREGATIONS as AGGREGATIONS
-from kldiv_jax._tunix_rl import KL_ESTIMATORS as KL_ESTIMATORS
 from kldiv_jax._tunix_rl import MaterializedLogitsWarning as MaterializedLogitsWarning
 from kldiv_jax._tunix_rl import PolicyLossConfig as PolicyLossConfig
 from kldiv_jax._tunix_rl import per_token_logps as per_token_logps
@@ -33,8 +31,6 @@ from kldiv_jax._tunix_rl import policy_loss_options as policy_loss_options
 from kldiv_jax._tunix_rl import use_fused_log_probs as use_fused_log_probs
 
 __all__ = [
-  "AGGREGATIONS",
-  "KL_ESTIMATORS",
   "FusedLogitStrategy",
   "FusedTopKStrategy",
   "Head",

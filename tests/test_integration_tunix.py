@@ -13,6 +13,9 @@ ulps (~1e-7 relative); two SGD steps carry that into the parameters at the same 
 wrong option, mask, shift, head or temperature moves the numbers by 1e-3 or more.
 """
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,6 +256,10 @@ def test_missing_attributes_are_named():
     kt.hidden_states(NoHead(), jnp.ones((1, 3), jnp.int32))
   with pytest.raises(AttributeError, match=r"'embedder\.input_embedding'"):
     kt.lm_head(NoHead())
+  lora = tiny("qwen3", tied=False)
+  lora.lm_head.lora_a = nnx.LoRAParam(jnp.zeros((SMALL["embed_dim"], 2)))
+  with pytest.raises(NotImplementedError, match="lm_head carries a LoRA adapter"):
+    kt.lm_head(lora)
 
 
 def test_per_token_logps_packed():
@@ -408,7 +415,7 @@ def test_packed_rows():
     ((loss, _), _), ((t_loss, _), _) = out[2 * i], out[2 * i + 1]
     per_row, _ = kldiv_jax.policy_loss(
       logp, ex.old_per_token_logps, ex.advantages, where=ex.completion_mask > 0,
-      aggregation=kt.AGGREGATIONS[mode], ref_log_probs=ex.ref_per_token_logps, beta=0.04,
+      aggregation={"token-mean": "token-mean"}.get(mode, "seq-mean-token-mean"), ref_log_probs=ex.ref_per_token_logps, beta=0.04,
       kl_estimator="k1",
     )  # fmt: skip
     _close(t_loss, per_row)
@@ -627,3 +634,66 @@ def test_topk_strategy():
   _close(loss, expected)
   [(step_loss, _)] = _distill_steps(strategy, student, teacher, batch, steps=1)
   _close(step_loss, loss)
+
+
+# Any Flax NNX model: the page's recipe ----------------------------------------------------------
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "tunix.md"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+  """The code block of the page's "Any Flax NNX model" section, run as the page shows it."""
+  section = PAGE.read_text().split("## Any Flax NNX model\n", 1)[1].split("\n## ", 1)[0]
+  [code] = re.findall(r"```python\n(.*?)```", section, re.S)
+  namespace = {"__name__": "docs_tunix_recipe"}
+  exec(compile(code, str(PAGE), "exec"), namespace)
+  return namespace
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["biased-head", "tied-head"])
+def test_any_nnx_model_recipe(recipe, tied):
+  """The recipe's fused losses equal the same losses on the model's own (soft-capped, biased)
+  logits, and its two routes to the hidden states agree."""
+  rng = np.random.default_rng(6)
+  model = recipe["TinyLM"](VOCAB, 8, tied=tied, softcap=3.0, rngs=nnx.Rngs(0))
+  teacher = recipe["TinyLM"](VOCAB, 8, tied=not tied, softcap=4.0, rngs=nnx.Rngs(1))
+  for m in (model, teacher):
+    if m.head is not None:  # a bias that matters (nnx.Linear starts it at zero)
+      m.head.bias[...] = jnp.asarray(rng.normal(size=VOCAB), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, VOCAB, (3, 7)))
+  mask = jnp.asarray(np.arange(7) < np.array([7, 4, 2])[:, None])
+  old = jnp.asarray(rng.normal(-3.0, 0.5, (3, 6)), jnp.float32)
+  advantages = jnp.asarray(rng.normal(size=3), jnp.float32)
+
+  def materialised_grpo(model):
+    lp = kldiv_jax.token_log_probs(model(tokens)[:, :-1], tokens[:, 1:])
+    return kldiv_jax.policy_loss(lp, old, advantages, where=mask[:, 1:], clip_high=0.28)[0]
+
+  @nnx.jit
+  def run(model, teacher):
+    logits, t_logits = model(tokens), teacher(tokens)
+    hidden = (recipe["captured_hidden"](model, tokens), model.hidden(tokens))
+    lp = kldiv_jax.token_log_probs(logits[:, :-1], tokens[:, 1:])
+    sequences = (
+      recipe["sequence_log_probs"](model, tokens, mask),
+      jnp.sum(jnp.where(mask[:, 1:], lp, 0.0), axis=-1),
+    )
+    grpo = nnx.value_and_grad(recipe["grpo_loss"])(model, tokens, mask, old, advantages)
+    t_grpo = nnx.value_and_grad(materialised_grpo)(model)
+    distill = (
+      recipe["distill_loss"](model, teacher, tokens, mask),
+      kldiv_jax.distillation_loss(
+        logits[:, :-1], t_logits[:, :-1], tokens[:, 1:], where=mask[:, 1:], temperature=2.0,
+        alpha=0.5,
+      ),
+    )  # fmt: skip
+    return hidden, sequences, grpo, t_grpo, distill
+
+  hidden, sequences, (loss, grads), (t_loss, t_grads), distill = run(model, teacher)
+  _close(*hidden)
+  _close(*sequences)
+  _close(loss, t_loss)
+  jax.tree.map(_close, nnx.to_pure_dict(grads), nnx.to_pure_dict(t_grads))
+  _close(*distill)
+  assert abs(float(loss)) > 1e-3
