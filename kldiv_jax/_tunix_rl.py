@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from typing import Any, cast
 
@@ -95,8 +96,6 @@ def completion_states(
 
 
 def _takes_segment_ids(model) -> bool:
-  import inspect
-
   try:
     params = inspect.signature(model.__call__).parameters.values()
   except (TypeError, ValueError):  # pragma: no cover
