@@ -65,32 +65,32 @@ PAD, EOS, VOCAB = 0, 1, 37
 SMALL = dict(num_layers=1, embed_dim=16, hidden_dim=32, num_heads=2, head_dim=8, num_kv_heads=1)
 
 
-def tiny(family, *, seed=0, tied=True, dtype=jnp.float32, softcap=5.0):
+def tiny(family, *, seed=0, tied=True, dtype=jnp.float32, softcap=5.0, vocab=VOCAB):
   """A one-layer model of a Tunix family (``tied``: the embedder is the head)."""
   rngs = nnx.Rngs(seed)
   if family == "gemma":  # Gemma 2's logit soft-cap
     config = gemma.ModelConfig(
-      num_embed=VOCAB, final_logit_softcap=softcap, use_post_attn_norm=True,
+      num_embed=vocab, final_logit_softcap=softcap, use_post_attn_norm=True,
       use_post_ffw_norm=True, attention_types=[gemma.AttentionType.GLOBAL], **SMALL,
     )  # fmt: skip
     return gemma.Gemma(config, rngs=rngs)
   if family == "gemma3":
-    config = gemma3.ModelConfig(num_embed=VOCAB, sliding_window_size=4, param_dtype=dtype, **SMALL)
+    config = gemma3.ModelConfig(num_embed=vocab, sliding_window_size=4, param_dtype=dtype, **SMALL)
     return gemma3.Gemma3(config, rngs=rngs)
   if family == "gemma4":
     config = gemma4.ModelConfig(
-      num_embed=VOCAB, global_key_size=8, sliding_window_size=4, final_logit_softcap=softcap,
+      num_embed=vocab, global_key_size=8, sliding_window_size=4, final_logit_softcap=softcap,
       dtype=dtype, param_dtype=dtype, **SMALL,
     )  # fmt: skip
     return gemma4.Gemma4(config, rngs=rngs)
   if family == "llama3":
     config = llama3.ModelConfig(
-      vocab_size=VOCAB, rope_theta=10_000, norm_eps=1e-5, weight_tying=tied, **SMALL
+      vocab_size=vocab, rope_theta=10_000, norm_eps=1e-5, weight_tying=tied, **SMALL
     )
     return llama3.Llama3(config, rngs=rngs)
   module, cls = {"qwen2": (qwen2, qwen2.Qwen2), "qwen3": (qwen3, qwen3.Qwen3)}[family]
   config = module.ModelConfig(
-    vocab_size=VOCAB, rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=tied,
+    vocab_size=vocab, rope_theta=10_000, norm_eps=1e-6, use_tied_embedding=tied,
     dtype=dtype, param_dtype=dtype, **SMALL,
   )  # fmt: skip
   return cls(config, rngs=rngs)
@@ -260,6 +260,37 @@ def test_missing_attributes_are_named():
   lora.lm_head.lora_a = nnx.LoRAParam(jnp.zeros((SMALL["embed_dim"], 2)))
   with pytest.raises(NotImplementedError, match="lm_head carries a LoRA adapter"):
     kt.lm_head(lora)
+
+
+@pytest.mark.parametrize(("family", "tied"), [("qwen3", True), ("llama3", False)])
+def test_no_logits_array_in_the_compiled_programs(family, tied):
+  """XLA's compiled log-prob pass and policy-loss gradient hold no [B, L, V] array (the
+  model's own logits, unread, are removed), where Tunix's hold several; both routes to the
+  hidden states (Qwen 3's switch, Llama 3's final_norm)."""
+  vocab = 1031  # a size no other axis has
+  graphdef, state = nnx.split(tiny(family, tied=tied, vocab=vocab))
+  prompt, completion, _ = _tokens(2)
+  logits = re.compile(rf"\[{prompt.shape[0]},\d+,{vocab}\]")
+  args = (graphdef, state, prompt, completion, PAD, EOS)
+  stock = jax.jit(common.compute_per_token_logps, static_argnums=(4, 5)).lower(*args)
+  fused = jax.jit(kt.per_token_logps, static_argnums=(4, 5)).lower(*args)
+  assert logits.search(stock.compile().as_text())
+  assert not logits.search(fused.compile().as_text())
+  example = common.TrainExample(
+    prompt_ids=prompt, prompt_mask=prompt != PAD, completion_ids=completion,
+    completion_mask=(completion != PAD).astype(jnp.int32),
+    advantages=jnp.ones(prompt.shape[:1]), ref_per_token_logps=None,
+    old_per_token_logps=jnp.full(completion.shape, -3.0),
+  )  # fmt: skip
+  for config, expect in [(_config(kt.PolicyLossConfig), False), (_config(GRPOConfig), True)]:
+    fn = function_registry.get_policy_loss_fn(config.policy_loss_fn)
+
+    def loss(state, fn=fn, config=config):
+      model = nnx.merge(graphdef, state)
+      return fn(model, example, algo_config=config, pad_id=PAD, eos_id=EOS)[0]
+
+    text = jax.jit(jax.grad(loss)).lower(state).compile().as_text()
+    assert bool(logits.search(text)) == expect, config.policy_loss_fn
 
 
 def test_per_token_logps_packed():
