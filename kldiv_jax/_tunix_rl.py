@@ -190,7 +190,13 @@ class use_fused_log_probs:  # a class used as a function (and a context manager)
 
 
 def policy_loss_options(algo_config, train_example) -> dict[str, Any]:
-  """:func:`kldiv_jax.fused_policy_loss`'s options from Tunix's configuration and example."""
+  """:func:`kldiv_jax.fused_policy_loss`'s options from Tunix's configuration and example.
+
+  A ``GRPOConfig`` (or :class:`PolicyLossConfig`) maps as Tunix's ``"grpo"`` loss reads it;
+  a ``PPOConfig`` (no ``loss_agg_mode``) as its ``"ppo"`` loss does: token-mean, clips
+  ``epsilon_low``/``epsilon_high``/``epsilon_c``, the ``kl`` estimator weighted by
+  ``kl_coef`` (0 unless set), ``entropy_coef``.
+  """
   ex = train_example
   mask = ex.completion_mask.astype(bool)
   if getattr(algo_config, "kl_clamp_value", None) is not None:
@@ -198,7 +204,8 @@ def policy_loss_options(algo_config, train_example) -> dict[str, Any]:
       "kldiv_jax.tunix: kl_clamp_value clamps Tunix's KL estimate; pass"
       " policy_loss_options={'kl_clip': ...} (a bound on the log-ratio) instead."
     )
-  mode = algo_config.loss_agg_mode
+  ppo = not hasattr(algo_config, "loss_agg_mode")  # Tunix's PPOConfig
+  mode = getattr(algo_config, "loss_agg_mode", "token-mean")
   if mode not in AGGREGATIONS:
     raise ValueError(
       f"kldiv_jax.tunix: loss_agg_mode must be one of {sorted(AGGREGATIONS)}; got {mode!r}."
@@ -207,20 +214,26 @@ def policy_loss_options(algo_config, train_example) -> dict[str, Any]:
   if mode == "sequence-mean-token-scale":
     sequences = jnp.maximum(jnp.sum(jnp.any(mask, axis=-1)), 1)
     normalizer = sequences * mask.shape[-1]
-  surrogate = getattr(algo_config, "surrogate", None) or SURROGATES[algo_config.loss_algo]
-  epsilon_high = getattr(algo_config, "epsilon_high", None)
+  surrogate = getattr(algo_config, "surrogate", None)
+  surrogate = surrogate or SURROGATES[getattr(algo_config, "loss_algo", "grpo")]
+  clip_low = getattr(algo_config, "epsilon_low", None) or algo_config.epsilon
+  clip_high = getattr(algo_config, "epsilon_high", None) or algo_config.epsilon
+  if ppo:
+    beta, kl_estimator = getattr(algo_config, "kl_coef", 0.0), "k1"
+  else:
+    beta, kl_estimator = algo_config.beta, KL_ESTIMATORS[algo_config.kl_loss_mode]
   options: dict[str, Any] = dict(
     surrogate=surrogate,
-    clip_low=algo_config.epsilon,
-    clip_high=algo_config.epsilon if epsilon_high is None else epsilon_high,
+    clip_low=clip_low,
+    clip_high=clip_high,
     dual_clip=getattr(algo_config, "epsilon_c", None),
     aggregation=AGGREGATIONS[mode],
     normalizer=normalizer,
     where=mask,
     segment_ids=ex.segment_ids,  # packed rows: 1, 2, ... per sequence, 0 padding
     ref_log_probs=ex.ref_per_token_logps,
-    beta=algo_config.beta or 0.0,
-    kl_estimator=KL_ESTIMATORS[algo_config.kl_loss_mode],
+    beta=beta or 0.0,
+    kl_estimator=kl_estimator,
     entropy_coef=getattr(algo_config, "entropy_coef", None) or 0.0,
     temperature=_temperature(getattr(algo_config, "temperature", 1.0)),
   )
@@ -265,6 +278,7 @@ def policy_loss_fn(model, train_example, algo_config, pad_id, eos_id, head: Head
     "ppo_kl": m.approx_kl,
     "kl": m.kl,
     "entropy": m.entropy,
+    "loss/entropy": m.entropy,  # the name Tunix's "ppo" loss logs it under
     "is_ratio/mean": m.ratio_mean,
     "is_ratio/min": m.ratio_min,
     "is_ratio/max": m.ratio_max,

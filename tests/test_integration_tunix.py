@@ -377,6 +377,30 @@ def test_registered_loss_equals_tunix_grpo():
         assert float(aux["pg_clipfrac_lower"]) > 0, case  # and the dual clip
 
 
+def test_ppo_config_equals_tunix_ppo():
+  """Tunix's PPO learner's configuration with "kldiv_jax": its "ppo" loss's value, gradient
+  and metrics (clips, dual clip, entropy bonus; its KL needs a kl_coef that PPOConfig, a
+  slotted dataclass, cannot hold)."""
+  ppo_learner = pytest.importorskip("tunix.rl.ppo.ppo_learner")
+  model = tiny("qwen3", seed=5)
+  # Per-token advantages (GAE); Tunix's "ppo" loss applies no temperature.
+  example = _example(model, seed=6, per_token_advantages=True, temperature=1.0)
+  configs = []
+  for name in ("kldiv_jax", "ppo"):
+    config = ppo_learner.PPOConfig(
+      policy_loss_fn=name, epsilon_low=0.2, epsilon_high=0.28, epsilon_c=1.05,
+      entropy_coef=0.01,
+    )  # fmt: skip
+    configs.append(config)
+  assert not hasattr(configs[0], "kl_coef")
+  ((loss, aux), grads), ((t_loss, t_aux), t_grads) = _learner_calls(model, example, *configs)
+  _close(loss, t_loss)
+  jax.tree.map(_close, nnx.to_pure_dict(grads), nnx.to_pure_dict(t_grads))
+  for key in ("pg_clipfrac", "pg_clipfrac_lower", "loss/entropy"):
+    _close(aux[key], t_aux[key])
+  assert float(aux["pg_clipfrac"]) > 0 and float(aux["pg_clipfrac_lower"]) > 0
+
+
 def test_policy_loss_options_reach_fused_policy_loss():
   """A surrogate Tunix lacks (CISPO) and an entropy bonus, through the configuration."""
   model = tiny("qwen3", seed=2)
