@@ -525,12 +525,15 @@ def _grpo_steps(make_model, example, config, steps=2):
   return record.steps
 
 
-def _same_steps(steps, t_steps, initial):
-  assert len(steps) == len(t_steps) >= 2
+def _same_steps(steps, t_steps, initial, rtol=2e-5, atol=1e-6):
+  assert len(steps) == len(t_steps) >= 1
+  close = lambda a, b: _close(np.float32(a), np.float32(b), rtol=rtol, atol=atol)  # noqa: E731
   for (loss, params), (t_loss, t_params) in zip(steps, t_steps):
-    _close(loss, t_loss)
-    jax.tree.map(_close, params, t_params)
-  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), t_steps[-1][1], initial)
+    close(loss, t_loss)
+    jax.tree.map(close, params, t_params)
+  moved = jax.tree.map(
+    lambda a, b: float(jnp.max(jnp.abs(a.astype(jnp.float32) - b))), t_steps[-1][1], initial
+  )
   assert max(jax.tree.leaves(moved)) > 1e-3  # the steps moved the parameters
 
 
@@ -543,6 +546,7 @@ def test_grpo_train_steps_equal_stock(family, tied):
   kwargs = dict(beta=0.04, loss_agg_mode="token-mean", epsilon=0.2, kl_loss_mode="low_var_kl")
   steps = _grpo_steps(make, example, _config(kt.PolicyLossConfig, **kwargs))
   t_steps = _grpo_steps(make, example, _config(GRPOConfig, **kwargs))
+  assert len(steps) == 2
   _same_steps(steps, t_steps, _params(make()))
 
 
@@ -551,11 +555,9 @@ def test_grpo_train_step_bf16():
   make = lambda: tiny("qwen3", tied=False, dtype=jnp.bfloat16, seed=6)  # noqa: E731
   example = _example(make(), seed=5)
   kwargs = dict(beta=0.04, loss_agg_mode="token-mean", epsilon=0.2)
-  [(loss, params)] = _grpo_steps(make, example, _config(kt.PolicyLossConfig, **kwargs), 1)
-  [(t_loss, t_params)] = _grpo_steps(make, example, _config(GRPOConfig, **kwargs), 1)
-  _close(loss, t_loss, rtol=2e-2, atol=2e-2)
-  jax.tree.map(lambda a, b: _close(a.astype(np.float32), b.astype(np.float32), 2e-2, 2e-2),
-               params, t_params)  # fmt: skip
+  steps = _grpo_steps(make, example, _config(kt.PolicyLossConfig, **kwargs), 1)
+  t_steps = _grpo_steps(make, example, _config(GRPOConfig, **kwargs), 1)
+  _same_steps(steps, t_steps, _params(make()), rtol=2e-2, atol=2e-2)
 
 
 # Distillation -----------------------------------------------------------------------------------
@@ -616,7 +618,20 @@ def test_distillation_train_steps_equal_stock(family, tied):
   stock = logit.LogitStrategy(_logits_forward, _logits_forward, _one_hot_labels, **options)
   steps = _distill_steps(fused, make_student(), teacher, batch)
   t_steps = _distill_steps(stock, make_student(), teacher, batch)
+  assert len(steps) == 2
   _same_steps(steps, t_steps, _params(make_student()))
+
+
+def test_distillation_train_step_bf16():
+  """bf16 parameters (Gemma 3's default): one step within bf16's rounding of Tunix's."""
+  make_student = lambda: tiny("gemma3", dtype=jnp.bfloat16, seed=7)  # noqa: E731
+  teacher = tiny("gemma3", dtype=jnp.bfloat16, seed=8)
+  batch = _distillation_batch(1)
+  fused = kt.FusedLogitStrategy(kt.next_token_labels, _every_token)
+  stock = logit.LogitStrategy(_logits_forward, _logits_forward, _one_hot_labels)
+  steps = _distill_steps(fused, make_student(), teacher, batch, steps=1)
+  t_steps = _distill_steps(stock, make_student(), teacher, batch, steps=1)
+  _same_steps(steps, t_steps, _params(make_student()), rtol=2e-2, atol=2e-2)
 
 
 def test_distillation_strategy_masks_padding_and_any_divergence():
