@@ -21,6 +21,7 @@
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
 #   make integration  tests/test_integration_*.py against the peers themselves (Tunix, TRL,
 #                   verl, torch), in their own environment $(INTEGRATION_VENV), pinned
+#                   (kldiv_jax with its `tunix` extra)
 #
 # VENV=path selects another environment (.ci/run uses fresh ones).
 
@@ -32,7 +33,7 @@ PYTEST_ARGS ?= -q -n 2
 DOCS_TEST_PATHS ?= docs kldiv_jax README.md
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint format typecheck build docs bench bench-accel bench-device fixtures integration clean
+.PHONY: venv demo test lint format typecheck build docs bench bench-accel bench-device fixtures integration integration-deps clean
 
 venv: $(STAMP)
 
@@ -108,12 +109,20 @@ INTEGRATION_TESTS ?= tests/test_integration_*.py
 
 $(INTEGRATION_STAMP): pyproject.toml
 	test -x $(INTEGRATION_VENV)/bin/python || $(PYTHON) -m venv $(INTEGRATION_VENV)
-	$(INTEGRATION_VENV)/bin/python -m pip install -e '.[test]' $(INTEGRATION_PINS)
+	$(INTEGRATION_VENV)/bin/python -m pip install -e '.[test,tunix]' $(INTEGRATION_PINS)
 	$(INTEGRATION_VENV)/bin/python -m pip install --no-deps verl==0.9.1
 	touch $(INTEGRATION_STAMP)
 
 integration: $(INTEGRATION_STAMP)
 	$(INTEGRATION_VENV)/bin/python -m pytest -q -p no:xdist $(INTEGRATION_TESTS)
+
+# The peers and their pins alone, without kldiv_jax (INTEGRATION_REQUIREMENTS: more pip
+# arguments): .ci/run installs them in the background beside `make test`; `make integration`
+# then finds them installed and adds kldiv_jax itself.
+integration-deps:
+	test -x $(INTEGRATION_VENV)/bin/python || $(PYTHON) -m venv $(INTEGRATION_VENV)
+	$(INTEGRATION_VENV)/bin/python -m pip install $(INTEGRATION_PINS) $(INTEGRATION_REQUIREMENTS)
+	$(INTEGRATION_VENV)/bin/python -m pip install --no-deps verl==0.9.1
 
 clean:
 	rm -rf examples/output .pytest_cache .hypothesis dist build docs/_build docs/_autosummary

@@ -37,6 +37,9 @@ autodoc_typehints = "signature"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+# kldiv_jax.tunix imports Flax and Tunix (the `tunix` extra), which the docs environment
+# lacks: its API pages are built from the docstrings with those two mocked.
+autodoc_mock_imports = ["flax", "tunix"]
 
 html_theme = "furo"
 html_title = f"kldiv_jax {release}"

@@ -1,8 +1,12 @@
 """What a reader of the package sees: ``dir(kldiv_jax)`` and ``help()`` of each public name."""
 
 import inspect
+import os
 import pydoc
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import kldiv_jax
 
@@ -45,3 +49,20 @@ def test_distillation_loss_signature_reads_as_written():
   sig = str(inspect.signature(kldiv_jax.distillation_loss))
   assert "student_logits: 'jax.typing.ArrayLike'" in sig, sig
   assert "-> 'jax.Array | tuple[jax.Array, DistillationParts]'" in sig, sig
+
+
+def test_import_pulls_neither_tunix_nor_flax():
+  """``kldiv_jax.tunix`` is a submodule of its own (the ``tunix`` extra): ``import kldiv_jax``
+  imports no Flax or Tunix, even where they are installed, and has no ``tunix`` attribute."""
+  code = (
+    "import sys, kldiv_jax\n"
+    "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'tunix'))\n"
+    "assert not heavy, heavy\n"
+    "assert not hasattr(kldiv_jax, 'tunix')\n"
+  )
+  root = Path(__file__).resolve().parent.parent
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+  proc = subprocess.run(
+    [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0, proc.stderr
