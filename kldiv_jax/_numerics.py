@@ -237,17 +237,8 @@ def log_ratio_mix(p: jax.Array, lp: jax.Array, q: jax.Array, lq: jax.Array, w: P
   wherever the mixture's KL term is.
   """
   upper = p >= q
-  big = jnp.where(upper, p, q)
-  big = jnp.where(big > 0, big, 1.0)
-  share = select(upper, 1.0 - w, w)  # the weight of the smaller side in m
-  x = share * (-jnp.abs(p - q)) / big
-  # m / big = 1 + x. Far from 1 (the smaller side's mass well below the larger's, and the
-  # larger side's weight 1 - share small: skew KL's alpha = 0.1 where q << p), x is near -1
-  # and log1p(x) turns x's rounding into 1 / (1 + x) times as much; there, 1 + x as
-  # (1 - share) + share * small / big, rounded once, and log1p of it minus 1 (rounded to
-  # 2**-25 between 1/4 and 1/2, where 1 + x is exact).
-  y = (1.0 - share) + share * (jnp.where(upper, q, p) / big)
-  x = jnp.where(y < 0.5, y - 1.0, x)
+  big = jnp.maximum(p, q)
+  x = select(upper, 1.0 - w, w) * (-jnp.abs(p - q)) / jnp.where(big > 0, big, 1.0)
   has = p > 0
   # Where p < q, log q is finite; where p = 0 the result is 0 (log p is not used).
   offset = jnp.where(upper, 0.0, jnp.where(has, lp, 0.0) - jnp.where(upper, 0.0, lq))
