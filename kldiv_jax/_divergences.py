@@ -203,7 +203,7 @@ def _kl_pass_finish(sums, n):
   # KL = G / sv + log su - log sv; a = f + p and b = -p sum to KL + 1 and -1 (0 if p = 0).
   # log(su / sv) as one log of the ratio: log su and log sv are about log V each, and their
   # difference would keep their rounding, a few eps log V, where the ratio's log is within
-  # about eps (issue 33). Without mass on a side, the normalisers' safe logs, as before.
+  # about eps. Without mass on a side, the normalisers' safe logs, as before.
   (g,) = sums
   both = n.has_u & n.has_v
   ratio = jnp.where(both, n.inv_sv, 1.0) / jnp.where(both, n.inv_su, 1.0)

@@ -9,7 +9,9 @@ tokens and one *tail* class holding the rest of the mass.
   and the tail ``logsumexp`` over the classes outside the top-k minus the
   same normaliser: in log space, never ``1 - sum_j q_j`` (which rounds to 0,
   and makes a divergence ``+inf``, for a tail below the top-k's rounding or
-  logits shifted by a constant). The tail's log-sum-exp is a reduction with
+  logits shifted by a constant), except where the tail holds more than half of
+  the mass: there ``log1p(-sum_j q_j)``, more precise than the difference of two
+  log-sums of ``log V``'s size (:func:`_large_tail`). The tail's log-sum-exp is a reduction with
   a ``jax.custom_jvp`` (:func:`tail_lse`) that recomputes the tail's softmax
   in its tangent, so neither pass keeps a ``[rows, vocab]`` residual; the
   full log-sum-exp adds the ``k`` top-k logits to it. With ``axis_name``
