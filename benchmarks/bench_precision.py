@@ -468,7 +468,7 @@ def sweep_errors(got, want, rows: int = SWEEP_ROWS) -> list[dict[str, float]]:
   out = []
   for g in groups(rows):
     grads = [rel_norm(a[g], b[g]) for a, b in zip(got[1], want[1]) if b is not None]
-    out.append({"value": rel_value(got[0][g], want[0][g]), "grad": max(grads)})
+    out.append({"value": rel_value(got[0][g], want[0][g]), "grad": max(grads), "grads": grads})
   return out
 
 
@@ -501,18 +501,25 @@ def divergence_paths(name: str) -> dict[str, Any]:
   return paths
 
 
-def engine_records(name, spec, vocab, dtype, seed) -> list[dict[str, Any]]:
-  """``divergence_from_logits`` on every path of :func:`divergence_paths` against float64 and
-  the straightforward formula."""
+def everything(path: str) -> bool:
+  return True
+
+
+def engine_records(name, spec, vocab, dtype, seed, wanted=everything) -> list[dict[str, Any]]:
+  """``divergence_from_logits`` on every path of :func:`divergence_paths` (those ``wanted``
+  takes) against float64 and the straightforward formula."""
   s, t, s64, t64 = sweep_logits(vocab, dtype, seed)
   v, gz, gy, _, _ = np_divergence_value_and_grads(name, dict(spec.params), s64, t64, 1.0)
   want = (v, [gz, gy])
   base = sweep_errors(straightforward_rows(name, dict(spec.params), dtype)(s, t), want)
   lq, lp = np_log_softmax(s64), np_log_softmax(t64)
-  kappas = sweep_kappas(lq, lp, gz)
-  kappa_values = value_kappas(np_divergence_terms(name, dict(spec.params), lp, lq)[0])
+  f, a, b = np_divergence_terms(name, dict(spec.params), lp, lq)
+  kappas = pullback_kappas(lq, lp, [(gz, b, np.exp(lq)), (gy, a, np.exp(lp))])
+  kappa_values = value_kappas(f)
   records = []
   for path, context in divergence_paths(name).items():
+    if not wanted(path):
+      continue
     fn = partial(kd.divergence_from_logits, divergence=spec)
     with context():
       if path.startswith("TPU kernel") and not kernel_takes(spec, s, t):
@@ -531,13 +538,17 @@ def kernel_takes(spec, s, t) -> bool:
   return takes_whole_rows(kernel_spec, s, t, jnp.float32(1.0), ())
 
 
-def floors(dtype, kappa: float, kappa_value: float = 1.0) -> dict[str, float]:
+def floors(dtype, kappa: float | list[float], kappa_value: float = 1.0) -> dict[str, Any]:
   """Errors below which the comparison is rounding against rounding: two float32 ulps, or
   half an ulp of the output dtype (its rounding of the result), times the value's condition
   ``kappa_value`` (the sum of the terms' magnitudes over the value's: a value that cancels)
   for the value; for the gradient also ``eps * kappa``, what float32 probabilities allow
-  (:func:`gradient_condition`, ``docs/precision.md``)."""
+  (:func:`gradient_condition`, ``docs/precision.md``). ``kappa`` a list: one per gradient
+  (:func:`pullback_kappas`), each gradient against its own floor (``"grads"``)."""
   value = max(2 * EPS32 * max(kappa_value, 1.0), half_ulp(dtype))
+  if isinstance(kappa, list):
+    grads = [max(value, EPS32 * k) for k in kappa]
+    return {"value": value, "grad": max(grads), "grads": grads}
   return {"value": value, "grad": max(value, EPS32 * kappa)}
 
 
@@ -570,17 +581,39 @@ def sweep_records(
   return out
 
 
-def sweep_kappas(lq, lp, grad, rows: int = SWEEP_ROWS) -> list[float]:
+def sweep_kappas(lq, lp, grad, rows: int = SWEEP_ROWS, pullback=None) -> list[float]:
   """Per scale: :func:`gradient_condition`'s ``kappa`` of the rows (float64 log-probabilities
-  ``lq``, ``lp`` (or ``None``), the reference gradient ``grad``; ``T = 1``)."""
+  ``lq``, ``lp`` (or ``None``), the reference gradient ``grad``; ``T = 1``).
+
+  ``pullback``: ``(w, prob)``, the operands of the softmax's pullback ``grad = w - prob sum w``
+  (``w = b = q df/dq`` and ``prob = q`` for the student, ``a`` and ``p`` for the teacher): the
+  numerator then adds ``||w|| + ||prob|| sum |w|``, the rounding of that difference's operands
+  (:func:`pullback_kappas`)."""
   out = []
   for g in groups(rows):
     size = np.linalg.norm(np.exp(lq[g]) * lq[g])
     if lp is not None:
       size += np.linalg.norm(np.exp(lp[g]) * lp[g])
+    if pullback is not None:
+      w, prob = pullback[0][g], pullback[1][g]
+      size += np.linalg.norm(w) + np.linalg.norm(prob * np.sum(np.abs(w), -1, keepdims=True))
     norm = np.linalg.norm(grad[g])
     out.append(float(size / norm) if norm else 1.0)  # no gradient: no relief
   return out
+
+
+def pullback_kappas(lq, lp, sides, rows: int = SWEEP_ROWS) -> list[list[float]]:
+  """Per scale, per gradient: :func:`sweep_kappas` with the pullback's operands, ``sides`` a
+  list of ``(grad, w, prob)``.
+
+  The gradient of ``sum f`` wrt the student's logits is ``g = b - q sum b`` (the teacher's:
+  ``a - p sum a``): where the divergence saturates (JSD, TVD, the skew KLs between rows
+  whose masses barely overlap, as at logit scale 10), ``g`` is far smaller than ``b`` and
+  ``q sum b``, and each of those, rounded to ``eps`` of its size before the subtraction,
+  leaves ``eps (||b|| + ||q|| sum |b|)`` in ``g``, which the probabilities' own rounding
+  (``||p log p||``, ``||q log q||``) does not count (``docs/precision.md``)."""
+  per_side = [sweep_kappas(lq, lp, grad, rows, (w, prob)) for grad, w, prob in sides]
+  return [list(k) for k in zip(*per_side)]
 
 
 def fused_sweep_records(name, spec, vocab, seed) -> list[dict[str, Any]]:
@@ -610,8 +643,9 @@ def fused_sweep_records(name, spec, vocab, seed) -> list[dict[str, Any]]:
     dz = gz / SWEEP_ROWS
     want = (np.mean(v), [dz @ w64.T, h64.T @ dz])
     lq, lp = np_log_softmax(h64 @ w64), np_log_softmax(th64 @ tw64)
-    kappas.append(sweep_kappas(lq, lp, gz)[0])  # the scale's rows are the first group
-    f = np_divergence_terms(name, params, lp, lq)[0]
+    f, _, b = np_divergence_terms(name, params, lp, lq)
+    # The scale's rows are the first group; the student's logits' gradient's condition.
+    kappas.append(sweep_kappas(lq, lp, gz, pullback=(b, np.exp(lq)))[0])
     kappa_values.append(float(np.sum(np.abs(f)) / abs(np.sum(f))))  # the mean's condition
     for vg, out in ((ours_vg, ours), (plain_vg, theirs)):
       value, grads = vg(*args)
@@ -621,18 +655,19 @@ def fused_sweep_records(name, spec, vocab, seed) -> list[dict[str, Any]]:
 
 
 def np_topk_bucket(name, params, z64, ids, lp64):
-  """float64 ``(value, grad wrt z, terms)`` of a top-k teacher with the tail as a bucket (``T = 1``):
-  the divergence over the ``k + 1`` classes (:func:`np_divergence_terms`), the gradient
-  ``s_v (b_j / q_j - sum b)`` with ``s = softmax(z)``, ``j`` the class ``v`` falls in."""
+  """float64 ``(value, grad wrt z, terms, w)`` of a top-k teacher with the tail as a bucket
+  (``T = 1``): the divergence over the ``k + 1`` classes (:func:`np_divergence_terms`), the
+  gradient ``w - s sum w`` with ``w_v = s_v b_j / q_j``, ``s = softmax(z)``, ``j`` the class
+  ``v`` falls in."""
   log_q, log_p = np_topk_log_probs(z64, ids, lp64, 1.0, "bucket")
   f, _, b = np_divergence_terms(name, params, log_p, log_q)
   soft = np.exp(np_log_softmax(z64))
   ratio = np.broadcast_to(b[:, -1:] / np.exp(log_q[:, -1:]), z64.shape).copy()
   np.put_along_axis(ratio, ids, b[:, :-1] / np.exp(log_q[:, :-1]), axis=-1)
-  return np.sum(f, -1), soft * (ratio - np.sum(b, -1, keepdims=True)), f
+  return np.sum(f, -1), soft * (ratio - np.sum(b, -1, keepdims=True)), f, soft * ratio
 
 
-def topk_sweep_records(name, spec, vocab, dtype, seed) -> list[dict[str, Any]]:
+def topk_sweep_records(name, spec, vocab, dtype, seed, wanted=everything) -> list[dict[str, Any]]:
   """``divergence_from_topk`` (``tail="bucket"``, ``k`` up to :data:`TOPK`: the teacher's top
   float32 log-probabilities) on the CPU path and the accelerator code, against float64 and
   the straightforward formula (``log_softmax`` of the student, its top-k and its tail as a
@@ -647,7 +682,7 @@ def topk_sweep_records(name, spec, vocab, dtype, seed) -> list[dict[str, Any]]:
   ids, lp = order[:, :k], jnp.asarray(sorted_lp[:, :k], jnp.float32)
   ids = jnp.asarray(ids, jnp.int32)
   params = dict(spec.params)
-  v, gz, f = np_topk_bucket(name, params, s64, np.asarray(ids), as64(lp))
+  v, gz, f, w = np_topk_bucket(name, params, s64, np.asarray(ids), as64(lp))
   want = (v, [gz])
 
   def plain(s):
@@ -663,10 +698,13 @@ def topk_sweep_records(name, spec, vocab, dtype, seed) -> list[dict[str, Any]]:
     return kd.divergence_from_topk(s, ids, lp, divergence=spec, tail="bucket")
 
   base = sweep_errors(per_row_vg(plain)(s), want)
-  kappas = sweep_kappas(np_log_softmax(s64), np_log_softmax(t64), gz)
+  lq = np_log_softmax(s64)
+  kappas = pullback_kappas(lq, np_log_softmax(t64), [(gz, w, np.exp(lq))])
   kappa_values = value_kappas(f)
   records = []
   for path, context in (("top-k, CPU", contextlib.nullcontext), ("top-k, accel", platform_branch)):
+    if not wanted(path):
+      continue
     with context():
       got = per_row_vg(ours)(s)
     errors = sweep_errors(got, want)
@@ -674,7 +712,12 @@ def topk_sweep_records(name, spec, vocab, dtype, seed) -> list[dict[str, Any]]:
   return records
 
 
-def token_sweep_records(vocab, dtype, seed) -> list[dict[str, Any]]:
+TOKEN_CASES = ("token log-prob", "entropy")
+
+
+def token_sweep_records(
+  vocab, dtype, seed, wanted=everything, names=TOKEN_CASES
+) -> list[dict[str, Any]]:
   """``token_log_probs`` with the entropy (the CPU path and the accelerator code) against
   float64 and ``log_softmax``: the sampled token's log-probability, and the entropy, each
   with its gradient wrt the logits."""
@@ -690,6 +733,7 @@ def token_sweep_records(vocab, dtype, seed) -> list[dict[str, Any]]:
     "token log-prob": (picked, [onehot - q]),
     "entropy": (entropy, [-q * (lq + entropy[:, None])]),
   }
+  pullback = {"token log-prob": onehot, "entropy": -q * lq}  # gradient = w - q sum w
 
   def plain(which):
     def fn(s):
@@ -709,9 +753,13 @@ def token_sweep_records(vocab, dtype, seed) -> list[dict[str, Any]]:
 
   records = []
   for which, ref in want.items():
+    if which not in names:
+      continue
     base = sweep_errors(per_row_vg(plain(which))(s), ref)
-    kappas = sweep_kappas(lq, None, ref[1][0])
+    kappas = pullback_kappas(lq, None, [(ref[1][0], pullback[which], q)])
     for path, context in (("CPU rows", contextlib.nullcontext), ("accel", platform_branch)):
+      if not wanted(path):
+        continue
       with context():
         got = per_row_vg(ours(which))(s)
       records += sweep_records(which, path, vocab, dtype, sweep_errors(got, ref), base, kappas)
@@ -728,15 +776,28 @@ def vocab_sweep(
   vocabs = QUICK_SWEEP_VOCABS if args.quick else SWEEP_VOCABS
   if args.vocabs:
     vocabs = tuple(int(v) for v in args.vocabs.split(","))
+  names = args.divergences.split(",") if args.divergences else [*SPECS, *TOKEN_CASES]
+  unknown = set(names) - {*SPECS, *TOKEN_CASES}
+  if unknown:
+    raise SystemExit(
+      f"--divergences: unknown {sorted(unknown)}; expected from {[*SPECS, *TOKEN_CASES]}"
+    )
+  paths = args.paths.split(",") if args.paths else None
+  wanted = lambda path: paths is None or path.startswith(tuple(paths))  # noqa: E731
+  dtypes = [jnp.dtype(d) for d in (args.dtypes or "float32,bfloat16").split(",")]
   records, start = [], time.perf_counter()
   for vocab in vocabs:
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype in dtypes:
       for name, spec in SPECS.items():
-        records += engine_records(name, spec, vocab, dtype, args.seed)
-        records += topk_sweep_records(name, spec, vocab, dtype, args.seed)
-        if dtype == jnp.float32:
+        if name not in names:
+          continue
+        records += engine_records(name, spec, vocab, dtype, args.seed, wanted)
+        if wanted("top-k, CPU") or wanted("top-k, accel"):
+          records += topk_sweep_records(name, spec, vocab, dtype, args.seed, wanted)
+        if dtype == jnp.float32 and wanted("fused head"):
           records += fused_sweep_records(name, spec, vocab, args.seed)
-      records += token_sweep_records(vocab, dtype, args.seed)
+      if any(n in names for n in TOKEN_CASES):
+        records += token_sweep_records(vocab, dtype, args.seed, wanted, names)
       log(f"  V = {vocab}, {jnp.dtype(dtype).name}: {time.perf_counter() - start:.0f} s")
       if partial_out is not None:  # what is done so far, should the run be cut short
         partial_out(sweep_result(vocabs, records, args.seed, start))
@@ -754,11 +815,18 @@ def sweep_result(vocabs, records, seed, start) -> dict[str, Any]:
 def sweep_ratio(record: dict[str, Any], key: str) -> float:
   """The library's error over the straightforward formula's (or :func:`floors`, where
   larger): the target is at most 2."""
-  theirs = record["straightforward"][key]
+  if key == "grad" and all("grads" in record[k] for k in ("ours", "straightforward", "floors")):
+    # One floor per gradient (pullback_kappas): each gradient against its own.
+    sides = zip(
+      record["ours"]["grads"], record["straightforward"]["grads"], record["floors"]["grads"]
+    )
+    return max(_ratio(ours, theirs, floor) for ours, theirs, floor in sides)
+  return _ratio(record["ours"][key], record["straightforward"][key], record["floors"][key])
+
+
+def _ratio(ours: float, theirs: float, floor: float) -> float:
   theirs = theirs if np.isfinite(theirs) else math.inf  # the straightforward formula's NaN
-  ours = record["ours"][key]
-  ours = ours if np.isfinite(ours) else math.inf
-  return ours / max(theirs, record["floors"][key]) if np.isfinite(ours) else math.inf
+  return ours / max(theirs, floor) if np.isfinite(ours) else math.inf
 
 
 def print_sweep(result: dict[str, Any], every_case: bool = False) -> None:
@@ -997,6 +1065,19 @@ def main(argv: Sequence[str] | None = None) -> int:
   p.add_argument("--every-case", action="store_true", help="--sweep: print every case")
   p.add_argument("--vocabs", default=None, help="--sweep: the vocabulary sizes (comma-separated)")
   p.add_argument("--report", default=None, help="--sweep: print the sweep saved in this JSON")
+  p.add_argument(
+    "--divergences",
+    default=None,
+    help="--sweep: only these (comma-separated: the divergences, 'token log-prob', 'entropy')",
+  )
+  p.add_argument(
+    "--paths",
+    default=None,
+    help="--sweep: only the paths whose name starts with one of these (comma-separated: "
+    "'CPU rows', 'accel' (the accelerator code: 'accel (TPU', 'accel (GPU'), 'TPU kernel', "
+    "'top-k' ('top-k, CPU', 'top-k, accel'), 'fused head')",
+  )
+  p.add_argument("--dtypes", default=None, help="--sweep: float32,bfloat16 (the default) or one")
   args = p.parse_args(argv)
   if args.sweep and args.report:
     print_sweep(json.loads(Path(args.report).read_text()), args.every_case)

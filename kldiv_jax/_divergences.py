@@ -49,6 +49,7 @@ from kldiv_jax._numerics import (
   keep,
   log_ratio_mix,
   mix_quotient,
+  select,
   times,
   weigh,
 )
@@ -133,6 +134,8 @@ class Formula:
   ported from. ``one_pass(params)``: the :class:`OnePass` form of the row
   sums for these parameters, or ``None`` (then, or without it, the engine
   makes a second pass with ``terms``); a speed-up only, tested to agree.
+  ``precise_terms``: the same terms evaluated with more care where that costs more per
+  class, for paths with few classes (the top-k path's ``k + 1``); ``None``: ``terms``.
   """
 
   name: str
@@ -144,6 +147,7 @@ class Formula:
   smooth: bool = True
   source: str = ""
   one_pass: Callable[[tuple[Param, ...]], OnePass | None] | None = None
+  precise_terms: Callable[[Classes, tuple[Param, ...]], Terms] | None = None
 
   def valid(self, params: tuple[Param, ...]) -> tuple:
     """The range tests of ``params`` for :func:`~kldiv_jax._numerics.nan_unless`.
@@ -197,8 +201,14 @@ def _kl_pass_terms(u0, v0, eu, ev):
 
 def _kl_pass_finish(sums, n):
   # KL = G / sv + log su - log sv; a = f + p and b = -p sum to KL + 1 and -1 (0 if p = 0).
+  # log(su / sv) as one log of the ratio: log su and log sv are about log V each, and their
+  # difference would keep their rounding, a few eps log V, where the ratio's log is within
+  # about eps. Without mass on a side, the normalisers' safe logs, as before.
   (g,) = sums
-  kl = jnp.where(n.has_v, n.inv_sv * g + n.log_su - n.log_sv, 0.0)
+  both = n.has_u & n.has_v
+  ratio = jnp.where(both, n.inv_sv, 1.0) / jnp.where(both, n.inv_su, 1.0)
+  log_ratio = jnp.where(both, jnp.log(ratio), n.log_su - n.log_sv)
+  kl = jnp.where(n.has_v, n.inv_sv * g + log_ratio, 0.0)
   mass = n.has_v.astype(kl.dtype)
   return kl, kl + mass, -mass, ()
 
@@ -233,23 +243,52 @@ def _jsd_logs(c, beta):
   return log_pm, jnp.where(hq, jnp.where(hq, c.lq, 0.0) - log_m, 0.0)
 
 
-def _jsd_interior(c, beta):
+def _jsd_logs_precise(c, beta):
+  """:func:`_jsd_logs` from the log-ratio ``d = log q - log p`` alone: ``m / p = 1 + (1 -
+  beta) expm1(d)``, so ``log(p/m) = -log1p((1 - beta) expm1(d))`` and ``log(q/m) = d +
+  log(p/m)``, factored by the larger side (``expm1`` of a non-positive number).
+
+  Exact where ``p = q`` and as precise as ``d`` elsewhere, where :func:`_jsd_logs` rounds
+  ``p``, ``q`` and ``m`` (an absolute error of about ``eps`` in each log-ratio: the whole
+  error of a value that is a small difference of large terms, as a top-k tail bucket's).
+  An ``expm1`` and a ``log1p`` per class more: for paths with few classes
+  (:attr:`Formula.precise_terms`).
+  """
+  hp, hq = c.p > 0, c.q > 0
+  both = hp & hq
+  d = jnp.where(both, jnp.where(both, c.lq, 0.0) - jnp.where(both, c.lp, 0.0), 0.0)
+  upper = d <= 0  # p >= q: log(p/m) first; else log(q/m) first, from -d
+  near = -jnp.log1p(select(upper, 1.0 - beta, beta) * jnp.expm1(-jnp.abs(d)))
+  log_pm = jnp.where(upper, near, near - d)
+  log_qm = jnp.where(upper, near + d, near)
+  # One side without mass: m is the other's share (-log beta or -log(1 - beta)); the side
+  # without mass is multiplied by 0.
+  log_pm = jnp.where(both, log_pm, jnp.where(hp, -jnp.log(jnp.where(hp, beta, 1.0)), 0.0))
+  log_qm = jnp.where(both, log_qm, jnp.where(hq, -jnp.log1p(-jnp.where(hq, beta, 0.0)), 0.0))
+  return log_pm, log_qm
+
+
+def _jsd_interior(c, beta, logs=_jsd_logs):
   # f = beta p log(p/m) + (1 - beta) q log(q/m), m = beta p + (1 - beta) q.
   # d/dp: beta log(p/m) + beta - beta m/m, so a = beta p log(p/m), b likewise: f = a + b.
-  log_pm, log_qm = _jsd_logs(c, beta)
+  log_pm, log_qm = logs(c, beta)
   a = weigh(beta, c.p * log_pm)
   b = weigh(1.0 - beta, c.q * log_qm)
   return a + b, a, b
 
 
-def _jsd(c, params):
+def _jsd(c, params, logs=_jsd_logs):
   # TRL's generalized_jsd_loss: beta = 0 is KL(p || q), beta = 1 is KL(q || p).
   (beta,) = params
   return cases(
     beta == 0,
     lambda: _forward_kl(c, ()),
-    lambda: cases(beta == 1, lambda: _reverse_kl(c, ()), lambda: _jsd_interior(c, beta)),
+    lambda: cases(beta == 1, lambda: _reverse_kl(c, ()), lambda: _jsd_interior(c, beta, logs)),
   )
+
+
+def _jsd_precise(c, params):
+  return _jsd(c, params, _jsd_logs_precise)
 
 
 def _jsd_partials(c, params):
@@ -365,6 +404,7 @@ FORMULAS: dict[str, Formula] = {
       _jsd_partials,
       source="TRL trl/trainer/gkd_trainer.py GKDTrainer.generalized_jsd_loss",
       one_pass=_jsd_one_pass,
+      precise_terms=_jsd_precise,
     ),
     Formula(
       "symmetric_kl",
