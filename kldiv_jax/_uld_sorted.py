@@ -1,0 +1,151 @@
+"""ULD's sorted-probability distance on rows of logits, in bounded memory.
+
+The Universal Logit Distillation distance (Boizard et al., 2024) between a student row
+``z_s [V_s]`` and a teacher row ``z_t [V_t]``: each side's softmax sorted in descending
+order, the shorter zero-padded to ``L = max(V_s, V_t)``, the absolute differences summed,
+
+.. math::
+
+   D = \\sum_{i=1}^{L} |a_{(i)} - b_{(i)}|, \\qquad
+   \\frac{\\partial D}{\\partial p_j} = \\operatorname{sign}\\big(a_{(r_j)} - b_{(r_j)}\\big),
+
+``r_j`` the rank of entry ``j`` in its own side's sort (ties: the stable order, lower index
+first, as ``torch.sort(stable=True)``; ``sign(0) = 0``).
+
+The cost is the sort. Sorting ``[N, V]`` at once holds the probabilities, the sort's
+``(values, permutation)`` pairs and the teacher's sorted row (about four ``[N, V]`` arrays)
+and autodiff of ``jnp.sort`` keeps the permutation for the backward pass. Here the rows go
+through in chunks (:data:`CHUNK_ELEMENTS` elements a side), a :func:`jax.custom_vjp` sorts
+each side once, pairing the values with ``iota`` to get the permutation, and scatters the
+sorted signs back into the original order as ``int8`` (a quarter of a float32 array per
+side): the only ``[N, V]`` residuals. The backward pass recomputes the softmax from the
+logits, ``dz = p (g - <p, g>) / T``. Without a gradient the sort has no ``iota`` and
+nothing is kept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kldiv_jax._fused_chunks import chunks
+
+# Elements of one side's chunk ``[rows, V]``: 2**23 (32 MiB of float32); at V = 151936, 55 rows.
+CHUNK_ELEMENTS = 2**23
+
+
+def chunk_rows(rows: int, vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+  """Rows per chunk: ``chunk_elements // vocab``, at least 1, at most ``rows``."""
+  return max(1, min(rows, chunk_elements // max(vocab, 1)))
+
+
+def _probs(z, t):
+  return jnp.exp(jax.nn.log_softmax(z / t, axis=-1))
+
+
+def _pad(x, length):
+  return jnp.pad(x, ((0, 0), (0, length - x.shape[-1])))
+
+
+def _descending(p, with_order: bool):
+  """``p`` sorted in descending order along the last axis (stable), and the order."""
+  if not with_order:
+    return -lax.sort(-p, dimension=-1, is_stable=True), None
+  iota = lax.broadcasted_iota(jnp.int32, p.shape, p.ndim - 1)
+  neg, order = lax.sort((-p, iota), dimension=-1, is_stable=True, num_keys=1)
+  return -neg, order
+
+
+def _rows_value(zs, zt, ts, tt):
+  """Per-row distance of a chunk, no gradient."""
+  a, _ = _descending(_probs(zs, ts), False)
+  b, _ = _descending(_probs(zt, tt), False)
+  length = max(a.shape[-1], b.shape[-1])
+  return jnp.sum(jnp.abs(_pad(a, length) - _pad(b, length)), axis=-1)
+
+
+def _unsort(signs, order):
+  """``out[r, order[r, i]] = signs[r, i]``: the sorted signs in the original order (int8)."""
+  rows = lax.broadcasted_iota(jnp.int32, order.shape, 0)
+  return jnp.zeros(order.shape, jnp.int8).at[rows, order].set(signs, unique_indices=True)
+
+
+def _rows_value_signs(zs, zt, ts, tt):
+  """Per-row distance of a chunk and ``dD/dp`` of each side, int8 in the original order."""
+  a, order_s = _descending(_probs(zs, ts), True)
+  b, order_t = _descending(_probs(zt, tt), True)
+  vs, vt = a.shape[-1], b.shape[-1]
+  length = max(vs, vt)
+  diff = _pad(a, length) - _pad(b, length)
+  sign = jnp.sign(diff).astype(jnp.int8)
+  return (
+    jnp.sum(jnp.abs(diff), axis=-1),
+    _unsort(sign[:, :vs], order_s),
+    _unsort(-sign[:, :vt], order_t),
+  )
+
+
+def _over_chunks(fn, zs, zt, outs):
+  """``fn(zs_chunk, zt_chunk)`` over row chunks, written into ``outs`` (row-major arrays)."""
+  rows = zs.shape[0]
+  size = chunk_rows(rows, max(zs.shape[-1], zt.shape[-1]))
+
+  def part(start, _, cut, outs):
+    res = fn(*cut((zs, zt)))
+    return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
+
+  return chunks(rows, size, part, outs)
+
+
+@jax.custom_vjp
+def sorted_distance(zs: jax.Array, zt: jax.Array, ts: jax.Array, tt: jax.Array) -> jax.Array:
+  """ULD's distance per row ``[rows]`` of logits ``zs [rows, V_s]``, ``zt [rows, V_t]`` (the
+  compute dtype) at temperatures ``ts``, ``tt`` (scalars of that dtype); see the module."""
+  out = (jnp.zeros(zs.shape[:1], zs.dtype),)
+  return _over_chunks(lambda s, t: (_rows_value(s, t, ts, tt),), zs, zt, out)[0]
+
+
+def _sorted_distance_fwd(zs, zt, ts, tt):
+  rows = zs.shape[0]
+  outs = (
+    jnp.zeros((rows,), zs.dtype),
+    jnp.zeros(zs.shape, jnp.int8),
+    jnp.zeros(zt.shape, jnp.int8),
+  )
+  value, sign_s, sign_t = _over_chunks(
+    lambda s, t: _rows_value_signs(s, t, ts, tt), zs, zt, outs
+  )
+  return value, (zs, zt, ts, tt, sign_s, sign_t)
+
+
+def _softmax_vjp(z, t, sign, ct):
+  """``(dz, dt)`` of ``sum(ct * <sign, softmax(z / t)>)``: ``du = p (g - <p, g>)``, ``u = z/t``."""
+  u = z / t
+  p = jnp.exp(jax.nn.log_softmax(u, axis=-1))
+  g = ct[:, None] * sign.astype(z.dtype)
+  du = p * (g - jnp.sum(p * g, axis=-1, keepdims=True))
+  safe_u = jnp.where(p > 0, u, 0.0)  # du is 0 where p is: no 0 * -inf
+  return du / t, -jnp.sum(du * safe_u) / t
+
+
+def _sorted_distance_bwd(res, ct):
+  zs, zt, ts, tt, sign_s, sign_t = res
+  dzs, dts = _softmax_vjp(zs, ts, sign_s, ct)
+  dzt, dtt = _softmax_vjp(zt, tt, sign_t, ct)
+  return dzs, dzt, dts.astype(jnp.result_type(ts)), dtt.astype(jnp.result_type(tt))
+
+
+sorted_distance.defvjp(_sorted_distance_fwd, _sorted_distance_bwd)
+
+
+@functools.partial(jax.jit, static_argnames=())
+def sorted_distance_reference(zs, zt, ts, tt):
+  """The straightforward form (``jnp.sort`` of all rows at once, autodiff through it): the
+  benchmarks' baseline."""
+  a = -jnp.sort(-_probs(zs, ts), axis=-1)
+  b = -jnp.sort(-_probs(zt, tt), axis=-1)
+  length = max(a.shape[-1], b.shape[-1])
+  return jnp.sum(jnp.abs(_pad(a, length) - _pad(b, length)), axis=-1)
