@@ -36,6 +36,7 @@ from kldiv_jax._topk import divergence_from_topk as divergence_from_topk
 from kldiv_jax._topk import kl_div_from_topk as kl_div_from_topk
 from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
+from kldiv_jax._uld_topk import uld_loss_from_topk as uld_loss_from_topk
 
 try:
   __version__ = _metadata.version("kldiv_jax")
@@ -74,4 +75,5 @@ __all__ = [
   "set_implementation",
   "shift_labels",
   "token_log_probs",
+  "uld_loss_from_topk",
 ]

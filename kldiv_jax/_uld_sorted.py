@@ -33,13 +33,17 @@ from jax import lax
 
 from kldiv_jax._fused_chunks import chunks
 
-# Elements of one side's chunk ``[rows, V]``: 2**23 (32 MiB of float32); at V = 151936, 55 rows.
+# Elements of one side's chunk ``[rows, V]``: at most 2**23 (32 MiB of float32; at
+# V = 151936, 55 rows) and at most an eighth of the rows: a chunk's sort holds about eight
+# ``[rows, V]`` arrays of 4 bytes (both sides' values and orders, the differences, the
+# scatter), so its temporaries stay within one ``[N, V]`` float32 array at any ``N``.
 CHUNK_ELEMENTS = 2**23
+CHUNKS_AT_LEAST = 8
 
 
-def chunk_rows(rows: int, vocab: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
-  """Rows per chunk: ``chunk_elements // vocab``, at least 1, at most ``rows``."""
-  return max(1, min(rows, chunk_elements // max(vocab, 1)))
+def chunk_rows(rows: int, vocab: int) -> int:
+  """Rows per chunk: at most ``CHUNK_ELEMENTS // vocab`` and ``ceil(rows / 8)``, at least 1."""
+  return max(1, min(-(-rows // CHUNKS_AT_LEAST), CHUNK_ELEMENTS // max(vocab, 1)))
 
 
 def _probs(z, t):
@@ -115,9 +119,7 @@ def _sorted_distance_fwd(zs, zt, ts, tt):
     jnp.zeros(zs.shape, jnp.int8),
     jnp.zeros(zt.shape, jnp.int8),
   )
-  value, sign_s, sign_t = _over_chunks(
-    lambda s, t: _rows_value_signs(s, t, ts, tt), zs, zt, outs
-  )
+  value, sign_s, sign_t = _over_chunks(lambda s, t: _rows_value_signs(s, t, ts, tt), zs, zt, outs)
   return value, (zs, zt, ts, tt, sign_s, sign_t)
 
 
