@@ -6,6 +6,8 @@ with finite values and gradients at zero-probability targets.
 
 import importlib.metadata as _metadata
 
+from kldiv_jax._alignment import align_tokens as align_tokens
+from kldiv_jax._alignment import matched_vocabulary as matched_vocabulary
 from kldiv_jax._distill import DistillationParts as DistillationParts
 from kldiv_jax._distill import distillation_loss as distillation_loss
 from kldiv_jax._divergence_api import divergence_from_logits as divergence_from_logits
@@ -14,6 +16,7 @@ from kldiv_jax._fused_distill import fused_distillation_loss as fused_distillati
 from kldiv_jax._fused_distill import fused_topk_distillation_loss as fused_topk_distillation_loss
 from kldiv_jax._fused_tokens import fused_token_log_probs as fused_token_log_probs
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
+from kldiv_jax._gold import gold_loss as gold_loss
 from kldiv_jax._implementation import set_implementation as set_implementation
 from kldiv_jax._labels import shift_labels as shift_labels
 from kldiv_jax._logits import generalized_jsd as generalized_jsd
@@ -36,6 +39,8 @@ from kldiv_jax._topk import divergence_from_topk as divergence_from_topk
 from kldiv_jax._topk import kl_div_from_topk as kl_div_from_topk
 from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
+from kldiv_jax._uld import merge_spans as merge_spans
+from kldiv_jax._uld import uld_loss as uld_loss
 from kldiv_jax._uld_topk import uld_loss_from_topk as uld_loss_from_topk
 
 try:
@@ -50,6 +55,7 @@ __all__ = [
   "DivergenceMetric",
   "KLDivLoss",
   "PolicyMetrics",
+  "align_tokens",
   "convex_kl_divergence",
   "distillation_advantages",
   "distillation_loss",
@@ -62,6 +68,7 @@ __all__ = [
   "gaussian_kl",
   "generalized_jsd",
   "generalized_kl_divergence",
+  "gold_loss",
   "kl_div",
   "kl_div_from_logits",
   "kl_div_from_topk",
@@ -69,11 +76,14 @@ __all__ = [
   "kl_divergence",
   "kl_divergence_with_log_targets",
   "kl_estimate",
+  "matched_vocabulary",
+  "merge_spans",
   "policy_loss",
   "sequence_mean",
   "sequence_sum",
   "set_implementation",
   "shift_labels",
   "token_log_probs",
+  "uld_loss",
   "uld_loss_from_topk",
 ]
