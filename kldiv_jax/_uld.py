@@ -28,6 +28,7 @@ from kldiv_jax._checks import (
 )
 from kldiv_jax._id_checks import index_array
 from kldiv_jax._numerics import nan_unless, positive_finite
+from kldiv_jax._uld_sorted import probabilities, uld_rows
 
 REDUCTIONS = ("none", "sum", "mean", "sequence_mean")
 STRATEGIES = ("observed", "bayesian")
@@ -52,16 +53,6 @@ def sorted_l1(p: jax.Array, q: jax.Array) -> jax.Array:
   q = jnp.pad(q, (*widths, (0, v - q.shape[-1])))
   # |d|' = sign(d), 0 at d = 0: torch's l1_loss subgradient.
   return jnp.sum(jnp.abs(jnp.sort(-p, axis=-1) - jnp.sort(-q, axis=-1)), axis=-1)
-
-
-def probabilities(z: jax.Array, t) -> jax.Array:
-  """``softmax(z / t)`` over the last axis; a row without a finite logit has no mass (0)."""
-  z = z / t
-  m = jnp.max(z, axis=-1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  e = jnp.exp(z - m)
-  s = jnp.sum(e, axis=-1, keepdims=True)
-  return e / jnp.where(s > 0, s, 1.0)
 
 
 def check_temperature_of(name: str, option: str, value: object):
@@ -336,5 +327,10 @@ def uld_loss(
     name, student_logits, teacher_logits, student_temperature, teacher_temperature, where,
     student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy,
   )  # fmt: skip
-  out = reduce_rows(sorted_l1(rows.student, rows.teacher), rows.valid, reduction)
+  if student_groups is None:  # positions: the chunked sort from the logits (bounded memory)
+    zs, zt = (jnp.asarray(z).astype(rows.student.dtype) for z in (student_logits, teacher_logits))
+    per_row = uld_rows(zs, zt, student_temperature, teacher_temperature)
+  else:
+    per_row = sorted_l1(rows.student, rows.teacher)
+  out = reduce_rows(per_row, rows.valid, reduction)
   return nan_unless(out, *rows.checks).astype(rows.out_dtype)

@@ -25,8 +25,6 @@ nothing is kept.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -46,8 +44,14 @@ def chunk_rows(rows: int, vocab: int) -> int:
   return max(1, min(-(-rows // CHUNKS_AT_LEAST), CHUNK_ELEMENTS // max(vocab, 1)))
 
 
-def _probs(z, t):
-  return jnp.exp(jax.nn.log_softmax(z / t, axis=-1))
+def probabilities(z: jax.Array, t) -> jax.Array:
+  """``softmax(z / t)`` over the last axis; a row without a finite logit has no mass (0)."""
+  z = z / t
+  m = jnp.max(z, axis=-1, keepdims=True)
+  m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+  e = jnp.exp(z - m)
+  s = jnp.sum(e, axis=-1, keepdims=True)
+  return e / jnp.where(s > 0, s, 1.0)
 
 
 def _pad(x, length):
@@ -65,8 +69,8 @@ def _descending(p, with_order: bool):
 
 def _rows_value(zs, zt, ts, tt):
   """Per-row distance of a chunk, no gradient."""
-  a, _ = _descending(_probs(zs, ts), False)
-  b, _ = _descending(_probs(zt, tt), False)
+  a, _ = _descending(probabilities(zs, ts), False)
+  b, _ = _descending(probabilities(zt, tt), False)
   length = max(a.shape[-1], b.shape[-1])
   return jnp.sum(jnp.abs(_pad(a, length) - _pad(b, length)), axis=-1)
 
@@ -79,8 +83,8 @@ def _unsort(signs, order):
 
 def _rows_value_signs(zs, zt, ts, tt):
   """Per-row distance of a chunk and ``dD/dp`` of each side, int8 in the original order."""
-  a, order_s = _descending(_probs(zs, ts), True)
-  b, order_t = _descending(_probs(zt, tt), True)
+  a, order_s = _descending(probabilities(zs, ts), True)
+  b, order_t = _descending(probabilities(zt, tt), True)
   vs, vt = a.shape[-1], b.shape[-1]
   length = max(vs, vt)
   diff = _pad(a, length) - _pad(b, length)
@@ -126,7 +130,7 @@ def _sorted_distance_fwd(zs, zt, ts, tt):
 def _softmax_vjp(z, t, sign, ct):
   """``(dz, dt)`` of ``sum(ct * <sign, softmax(z / t)>)``: ``du = p (g - <p, g>)``, ``u = z/t``."""
   u = z / t
-  p = jnp.exp(jax.nn.log_softmax(u, axis=-1))
+  p = probabilities(z, t)
   g = ct[:, None] * sign.astype(z.dtype)
   du = p * (g - jnp.sum(p * g, axis=-1, keepdims=True))
   safe_u = jnp.where(p > 0, u, 0.0)  # du is 0 where p is: no 0 * -inf
@@ -143,11 +147,21 @@ def _sorted_distance_bwd(res, ct):
 sorted_distance.defvjp(_sorted_distance_fwd, _sorted_distance_bwd)
 
 
-@functools.partial(jax.jit, static_argnames=())
+def uld_rows(zs: jax.Array, zt: jax.Array, ts, tt) -> jax.Array:
+  """:func:`sorted_distance` of logits ``[..., V_s]``, ``[..., V_t]`` (the same leading axes,
+  the compute dtype) at temperatures of any static or traced kind: ``[...]``."""
+  lead = zs.shape[:-1]
+  zs, zt = zs.reshape(-1, zs.shape[-1]), zt.reshape(-1, zt.shape[-1])
+  ts, tt = (jnp.asarray(t).astype(zs.dtype) for t in (ts, tt))
+  if zs.shape[0] == 0:
+    return jnp.zeros(lead, zs.dtype)
+  return sorted_distance(zs, zt, ts, tt).reshape(lead)
+
+
 def sorted_distance_reference(zs, zt, ts, tt):
   """The straightforward form (``jnp.sort`` of all rows at once, autodiff through it): the
   benchmarks' baseline."""
-  a = -jnp.sort(-_probs(zs, ts), axis=-1)
-  b = -jnp.sort(-_probs(zt, tt), axis=-1)
+  a = -jnp.sort(-probabilities(zs, ts), axis=-1)
+  b = -jnp.sort(-probabilities(zt, tt), axis=-1)
   length = max(a.shape[-1], b.shape[-1])
   return jnp.sum(jnp.abs(_pad(a, length) - _pad(b, length)), axis=-1)

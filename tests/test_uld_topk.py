@@ -12,7 +12,7 @@ import pytest
 from jax.test_util import check_grads
 
 import kldiv_jax._uld_sorted as uld_sorted
-from kldiv_jax import uld_loss_from_topk
+from kldiv_jax import uld_loss, uld_loss_from_topk
 
 
 def np_probs(z, t):
@@ -178,22 +178,40 @@ def test_sorted_distance_ties_take_their_index_slot(x64):
   np.testing.assert_allclose(g, signs - np.sum(np.asarray(p) * signs), atol=1e-15)
 
 
-def test_sorted_distance_temp_at_most_twice_one_logits_array():
-  """XLA's compiled temp of value_and_grad wrt the student (teacher stopped), against one
-  ``[N, V]`` float32 array, and the straightforward ``jnp.sort`` form's, at V = 151936."""
-  n, v = 256, 151936
-  spec = jax.ShapeDtypeStruct((n, v), jnp.float32)
-
-  def temp(fn):
-    def loss(s, t):
-      return jnp.mean(fn(s, jax.lax.stop_gradient(t), jnp.float32(1.0), jnp.float32(1.0)))
-
-    compiled = jax.jit(jax.value_and_grad(loss)).lower(spec, spec).compile()
-    return compiled.memory_analysis().temp_size_in_bytes / (n * v * 4)
-
-  ours, straightforward = (
-    temp(uld_sorted.sorted_distance),
-    temp(uld_sorted.sorted_distance_reference),
+def test_uld_loss_positions_take_the_chunked_sort(x64, monkeypatch):
+  """``uld_loss`` without groups: float64 NumPy's value (``where``, a batch of sequences,
+  traced temperatures under ``jit``) and finite-difference gradients wrt both logits and
+  both temperatures, through several chunks."""
+  monkeypatch.setattr(uld_sorted, "CHUNK_ELEMENTS", 3 * 12)
+  rng = np.random.default_rng(5)
+  zs, zt = jnp.asarray(logits(rng, (2, 7, 12), 2.0)), jnp.asarray(logits(rng, (2, 7, 9), 2.0))
+  where = jnp.asarray(rng.uniform(size=(2, 7)) < 0.8)
+  f = jax.jit(
+    lambda s, t, ts, tt: uld_loss(
+      s, t, student_temperature=ts, teacher_temperature=tt, where=where, reduction="sum"
+    )
   )
+  expected = np.sum(np_uld(zs, zt, 1.3, 0.8) * np.asarray(where))
+  np.testing.assert_allclose(f(zs, zt, 1.3, 0.8), expected, rtol=1e-12)
+  args = (zs, zt, jnp.float64(1.3), jnp.float64(0.8))
+  check_grads(f, args, order=1, modes=("rev",), eps=1e-6)
+
+
+def test_uld_loss_temp_at_most_twice_one_logits_array():
+  """XLA's compiled temp of ``uld_loss``'s value_and_grad wrt the student (teacher stopped)
+  at V = 151936, against one ``[N, V]`` float32 array; the straightforward ``jnp.sort``
+  form's is above it (what the chunked sort avoids)."""
+  n, vs, vt = 256, 151936, 128256
+  student = jax.ShapeDtypeStruct((n, vs), jnp.float32)
+  teacher = jax.ShapeDtypeStruct((n, vt), jnp.float32)
+  one = jnp.float32(1.0)
+
+  def temp(loss):
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(student, teacher).compile()
+    return compiled.memory_analysis().temp_size_in_bytes / (n * vs * 4)
+
+  ours = temp(lambda s, t: uld_loss(s, jax.lax.stop_gradient(t)))
+  reference = uld_sorted.sorted_distance_reference
+  straightforward = temp(lambda s, t: jnp.mean(reference(s, jax.lax.stop_gradient(t), one, one)))
   assert ours <= 2.0, ours
-  assert straightforward > 2.0, straightforward  # what the chunked sort avoids
+  assert straightforward > 2.0, straightforward
