@@ -285,6 +285,14 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
       ids="token_ids",
       output=_first,
     ),
+    # ULD from each side's top k (a vocabulary of one size here; k below it)
+    PublicCall(
+      "uld_loss_from_topk",
+      kd.uld_loss_from_topk,
+      (("student_logits", "s"), ("teacher_logits", "t")),
+      argnums=(0, 1),
+      options={"k": 3, "student_temperature": 2.0, "reduction": "sum"},
+    ),
     # closed forms
     PublicCall(
       "gaussian_kl",
