@@ -155,21 +155,20 @@ def make_pieces(texts: Sequence[str], student: Tokenizer, teacher: Tokenizer, p:
   eof_s, eof_t = student.token_to_id(END_OF_FILE), teacher.token_to_id(END_OF_FILE)
   encoded = zip(pieces, student.encode_batch(pieces), teacher.encode_batch(pieces))
   rows: dict[str, list] = {k: [] for k in ("s", "t", "gs", "gt", "chars")}
-  n, g_max = p.seq_len, p.seq_len
+  n = p.seq_len
   for text, es, et in encoded:
     if not 0 < len(es.ids) <= n or not 0 < len(et.ids) <= n:
       continue
     try:
-      gs, gt = kldiv_jax.align_tokens(
-        es.offsets, et.offsets, num_groups=g_max, group_size=p.group_size
-      )
+      gs, gt = kldiv_jax.align_tokens(es.offsets, et.offsets, group_size=p.group_size)
     except ValueError:  # a group longer than group_size
       continue
-    rows["s"].append(es.ids)
-    rows["t"].append(et.ids)
-    rows["gs"].append(gs)
-    rows["gt"].append(gt)
-    rows["chars"].append(len(text))
+    for key, value in zip(("s", "t", "gs", "gt", "chars"), (es.ids, et.ids, gs, gt, len(text))):
+      rows[key].append(value)
+  # One number of groups for every piece (the most any piece has): -1 rows pad the others.
+  g_max = max(len(g) for g in rows["gs"])
+  for key in ("gs", "gt"):
+    rows[key] = [np.pad(g, ((0, g_max - len(g)), (0, 0)), constant_values=-1) for g in rows[key]]
 
   def side(ids: list[list[int]], groups: list[np.ndarray], eof: int) -> Side:
     targets = np.full((len(ids), n), eof, np.int32)
