@@ -128,8 +128,10 @@ def accel_worker(target: str, n: int, vs: int, vt: int, out: Path) -> int:
 
       def estimate(fn=fn, wrap=wrap):
         looped = jax.jit(wrap(fn)).lower(*args).compile()
-        with _unrolled_loops():  # XLA counts a loop body once: the chunks unrolled
-          unrolled = jax.jit(wrap(fn)).lower(*args).compile()
+        unrolled = looped
+        if "while" in looped.as_text():  # XLA counts a loop body once: the chunks unrolled
+          with _unrolled_loops():
+            unrolled = jax.jit(wrap(fn)).lower(*args).compile()
         cost = _cost(unrolled, target)
         seconds, source = _seconds(cost, target, matmul=False)
         temp = int(looped.memory_analysis().temp_size_in_bytes)
@@ -179,7 +181,11 @@ def accel(venvs: Path, n: int, vs: int, vt: int, out_dir: Path) -> dict[str, Any
 # ----------------------------------------------------------------------------- report
 
 
-def print_report(time: dict, memory: dict, estimates: dict | None, n_time: int, n_mem: int):
+def print_report(time: dict | None, memory: dict | None, estimates, n_time: int, n_mem: int):
+  for target, payload in (estimates or {}).items():
+    print_estimates(target, payload)
+  if time is None or memory is None:
+    return
   print(f"\nCPU, N={n_time}: median ms (ratio to {BASELINE}); temp at N={n_mem} / [N, Vs] f32")
   header = (
     f"  {'contender':16} {'value':>16} {'value_and_grad':>16} {'temp value':>11} {'temp v&g':>9}"
@@ -192,10 +198,12 @@ def print_report(time: dict, memory: dict, estimates: dict | None, n_time: int, 
     ]
     mem = [f"{memory[name][op]['temp_ratio']:.2f}x" for op in ("value", "value_and_grad")]
     print(f"  {name:16} {cells[0]:>16} {cells[1]:>16} {mem[0]:>11} {mem[1]:>9}")
-  for target, payload in (estimates or {}).items():
-    if "error" in payload:
-      print(f"\n{target}: {payload['error']}")
-      continue
+
+
+def print_estimates(target: str, payload: dict) -> None:
+  if "error" in payload:
+    print(f"\n{target}: {payload['error']}")
+  else:
     print(f"\n{target} ({payload['device_kind']}), XLA's estimates (not measurements):")
     for name, ops in payload["records"].items():
       cells = []
@@ -212,6 +220,10 @@ def print_report(time: dict, memory: dict, estimates: dict | None, n_time: int, 
 def parser():
   p = _harness.parser(__doc__, quick="small vocabularies, a smoke test")
   p.add_argument("--accel", action="store_true", help="add XLA's v5e and H100 estimates")
+  p.add_argument("--no-cpu", action="store_true", help="only the estimates (with --accel)")
+  p.add_argument(
+    "--accel-tokens", type=int, default=None, help=f"N of the estimates ({ACCEL_TOKENS})"
+  )
   p.add_argument("--venvs", type=Path, default=_harness.REPO, help="where .venv-accel-* are")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
@@ -228,23 +240,22 @@ def main(argv: Sequence[str] | None = None) -> int:
   vs, vt = (QUICK_VS, QUICK_VT) if args.quick else (VS, VT)
   n_time = QUICK_TOKENS if args.quick else TIME_TOKENS
   n_mem = QUICK_TOKENS * 4 if args.quick else MEMORY_TOKENS
-  n_accel = QUICK_TOKENS * 4 if args.quick else ACCEL_TOKENS
+  n_accel = args.accel_tokens or (QUICK_TOKENS * 4 if args.quick else ACCEL_TOKENS)
   repeats = args.repeats or (2 if args.quick else 5)
   machine = start("uld")
-  time = cpu_time(n_time, vs, vt, repeats, args.seed)
-  memory = temps(n_mem, vs, vt)
+  time = memory = None
+  if not args.no_cpu:
+    time = cpu_time(n_time, vs, vt, repeats, args.seed)
+    memory = temps(n_mem, vs, vt)
+    print_report(time, memory, None, n_time, n_mem)
   estimates = None
   if args.accel:
     args.out.mkdir(parents=True, exist_ok=True)
     estimates = accel(args.venvs, n_accel, vs, vt, args.out)
-  print_report(time, memory, estimates, n_time, n_mem)
-  targets = [
-    target_row(
-      f"uld_loss value_and_grad temp / [N, Vs] f32 (N={n_mem}, Vs={vs})",
-      TEMP_TARGET,
-      memory["uld_loss"]["value_and_grad"]["temp_ratio"],
-    )
-  ]
+    print_report(None, None, estimates, n_time, n_mem)
+  measured = None if memory is None else memory["uld_loss"]["value_and_grad"]["temp_ratio"]
+  what = f"uld_loss value_and_grad temp / [N, Vs] f32 (N={n_mem}, Vs={vs})"
+  targets = [target_row(what, TEMP_TARGET, measured)]
   _harness.print_targets(targets, args.quick)
   settings = {"quick": args.quick, "repeats": repeats, "seed": args.seed, "vocabs": [vs, vt]}
   settings |= {"time_tokens": n_time, "memory_tokens": n_mem, "accel_tokens": n_accel}
@@ -256,5 +267,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, str(Path(__file__).resolve().parent))
   raise SystemExit(main())
