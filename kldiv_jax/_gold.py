@@ -17,7 +17,7 @@ from kldiv_jax._distill import loss_divergence
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import Classes
 from kldiv_jax._id_checks import check_ids, index_array
-from kldiv_jax._numerics import nan_unless, nonnegative_finite
+from kldiv_jax._numerics import is_static, nan_unless, nonnegative_finite
 from kldiv_jax._uld import (
   PROBABILITY_FLOOR,
   aligned_rows,
@@ -145,7 +145,8 @@ def gold_loss(
   # The matched entries, floored: TRL's log(clamp_min(1e-8)) before generalized_jsd_loss.
   qm = jnp.maximum(jnp.take(q, sid, axis=-1, mode="clip"), PROBABILITY_FLOOR)
   pm = jnp.maximum(jnp.take(p, tid, axis=-1, mode="clip"), PROBABILITY_FLOOR)
-  params = tuple(v for _, v in spec.params)
+  # Traced parameters in the compute dtype (a bfloat16 beta under strict promotion).
+  params = tuple(v if is_static(v) else jnp.asarray(v).astype(q.dtype) for _, v in spec.params)
   f, _, _ = spec.formula.terms(Classes(jnp.log(pm), jnp.log(qm), pm, qm), params)
   matched = jnp.sum(f, axis=-1)
   # The unmatched entries: the matched ones zeroed, which sorts them below the others.

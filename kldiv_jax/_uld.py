@@ -26,7 +26,7 @@ from kldiv_jax._checks import (
   real_scalar,
   result_dtype,
 )
-from kldiv_jax._id_checks import index_array
+from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._uld_sorted import probabilities, uld_rows
 
@@ -43,9 +43,9 @@ def sorted_l1(p: jax.Array, q: jax.Array) -> jax.Array:
   shorter padded with zeros; ``[..., Vp]``, ``[..., Vq]`` -> ``[...]``.
 
   Sorted as the negatives in ascending order (a stable sort): equal probabilities keep
-  their index order, as ``torch.sort(descending=True)`` on CPU does, so each tied entry
-  takes the slot of its index order and its gradient is that slot's ``sign``. Padding
-  before the sort is padding after it: a zero sorts below every probability.
+  their index order, so each tied entry takes the slot of its index rank and its gradient
+  is that slot's ``sign``. Padding before the sort is padding after it: a zero sorts below
+  every probability.
   """
   v = max(p.shape[-1], q.shape[-1])
   widths = [(0, 0)] * (p.ndim - 1)
@@ -64,6 +64,7 @@ def check_temperature_of(name: str, option: str, value: object):
 
 
 def _groups_array(name, arg, value):
+  """Groups ``[..., G, L]`` of positions (``-1``: padding) as an integer array."""
   g = index_array(name, arg, value, "token positions")
   if g.ndim < 2:
     raise ValueError(
@@ -71,6 +72,11 @@ def _groups_array(name, arg, value):
       f"got shape {g.shape}."
     )
   return g
+
+
+def _check_positions(name, arg, groups, length):
+  """Known groups hold positions in ``[0, length)`` or ``-1``."""
+  check_ids(name, arg, groups, length, what="positions", ignore_index=-1)
 
 
 def merge_rows(probs, tokens, groups, strategy):
@@ -84,7 +90,7 @@ def merge_rows(probs, tokens, groups, strategy):
   own = jnp.maximum(own, PROBABILITY_FLOOR)
   flat = safe.reshape(*safe.shape[:-2], -1)
   scalars = jnp.take_along_axis(own, flat, axis=-1).reshape(safe.shape)  # [..., G, L]
-  slot = jnp.arange(groups.shape[-1])
+  slot = jnp.broadcast_to(jnp.arange(groups.shape[-1]), groups.shape)
   last = jnp.maximum(count - 1, 0)
   if strategy == "observed":  # the first position's distribution, the later tokens' scalars
     base = safe[..., 0]
@@ -120,7 +126,8 @@ def merge_spans(
 
   Args:
     probs: probabilities ``[..., T, V]`` (a softmax of one side's logits).
-    tokens: that side's token ids ``[..., T]`` (the actual tokens at those rows).
+    tokens: that side's token ids ``[..., T]`` (the actual tokens at those rows; those of
+      grouped positions in ``[0, V)``).
     groups: positions into ``T`` ``[..., G, L]``, each group's positions ascending then
       ``-1`` padding.
     strategy: ``"observed"`` or ``"bayesian"`` (GOLD's ``uld_token_merge_strategy``).
@@ -148,6 +155,7 @@ def merge_spans(
       f"{name}: expected probs [..., T, V], tokens [..., T] and groups [..., G, L] with the "
       f"same leading axes; got probs {p.shape}, tokens {tok.shape}, groups {g.shape}."
     )
+  _check_positions(name, "groups", g, p.shape[-2])
   p = p.astype(compute_dtype(dtype))
   return merge_rows(p, tok, g, strategy).astype(dtype)
 
@@ -184,38 +192,8 @@ def aligned_rows(
   for arg, z in zip(names, (zs, zt)):
     if z.ndim == 0 or z.shape[-1] == 0:
       raise ValueError(f"{name}: {arg} must have a class axis, [..., vocab]; got {z.shape}.")
-  aligned = (student_groups, teacher_groups, student_tokens, teacher_tokens)
-  given = [a is not None for a in aligned]
-  if any(given) and not all(given):
-    got = ", ".join(n for n, g in zip(ALIGNMENT_ARGS, given, strict=True) if g)
-    raise ValueError(
-      f"{name}: {', '.join(ALIGNMENT_ARGS)} go together (the groups of "
-      f"kldiv_jax.align_tokens and each side's token ids); got {got} only."
-    )
-  ps = probabilities(zs.astype(cdt), jnp.asarray(ts).astype(cdt))
-  pt = probabilities(zt.astype(cdt), jnp.asarray(tt).astype(cdt))
-  if all(given):
-    gs = _groups_array(name, "student_groups", student_groups)
-    gt = _groups_array(name, "teacher_groups", teacher_groups)
-    ys = index_array(name, "student_tokens", student_tokens, "token ids")
-    yt = index_array(name, "teacher_tokens", teacher_tokens, "token ids")
-    lead = zs.shape[:-2]
-    ok = (
-      zs.ndim >= 2 and zt.ndim >= 2 and zt.shape[:-2] == lead
-      and ys.shape == zs.shape[:-1] and yt.shape == zt.shape[:-1]
-      and gs.shape[:-1] == (*lead, gs.shape[-2]) and gt.shape[:-1] == gs.shape[:-1]
-    )  # fmt: skip
-    if not ok:
-      raise ValueError(
-        f"{name}: with groups, expected student_logits [..., Ts, Vs], teacher_logits "
-        "[..., Tt, Vt], student_tokens [..., Ts], teacher_tokens [..., Tt], student_groups "
-        "[..., G, Ls] and teacher_groups [..., G, Lt] (the same leading axes and G); got "
-        f"{zs.shape}, {zt.shape}, {ys.shape}, {yt.shape}, {gs.shape}, {gt.shape}."
-      )
-    ps = merge_rows(ps, ys, gs, merge_strategy)
-    pt = merge_rows(pt, yt, gt, merge_strategy)
-    valid = (gs[..., 0] >= 0) & (gt[..., 0] >= 0)
-  else:
+  align = _alignment(name, zs, zt, student_groups, teacher_groups, student_tokens, teacher_tokens)
+  if align is None:
     if zs.shape[:-1] != zt.shape[:-1]:
       raise ValueError(
         f"{name}: student_logits and teacher_logits must have the same shape without the "
@@ -223,6 +201,8 @@ def aligned_rows(
         f"{zs.shape} and {zt.shape}."
       )
     valid = jnp.ones(zs.shape[:-1], jnp.bool_)
+  else:
+    valid = (align[0][..., 0] >= 0) & (align[1][..., 0] >= 0)
   if where is not None:
     w = mask_array(name, where)
     if w.shape != valid.shape:
@@ -231,7 +211,68 @@ def aligned_rows(
         f"shape without the class axis, or [..., G] with groups); got {w.shape}."
       )
     valid = valid & w
+  ts, tt = (jnp.asarray(x).astype(cdt) for x in (ts, tt))
+  if align is None:
+    ps, pt = _probabilities(zs, ts, valid, cdt), _probabilities(zt, tt, valid, cdt)
+  else:
+    gs, gt, ys, yt = align
+    ps = _probabilities(zs, ts, _used(gs, valid, zs.shape[-2]), cdt)
+    pt = _probabilities(zt, tt, _used(gt, valid, zt.shape[-2]), cdt)
+    ps = merge_rows(ps, ys, gs, merge_strategy)
+    pt = merge_rows(pt, yt, gt, merge_strategy)
   return Aligned(ps, pt, valid, out_dtype, (ok_s, ok_t))
+
+
+def _alignment(name, zs, zt, *arrays):
+  """``(student_groups, teacher_groups, student_tokens, teacher_tokens)`` checked, or
+  ``None`` without an alignment (all four or none)."""
+  given = [a is not None for a in arrays]
+  if not any(given):
+    return None
+  if not all(given):
+    got = ", ".join(n for n, g in zip(ALIGNMENT_ARGS, given, strict=True) if g)
+    raise ValueError(
+      f"{name}: {', '.join(ALIGNMENT_ARGS)} go together (the groups of "
+      f"kldiv_jax.align_tokens and each side's token ids); got {got} only."
+    )
+  gs = _groups_array(name, "student_groups", arrays[0])
+  gt = _groups_array(name, "teacher_groups", arrays[1])
+  ys = index_array(name, "student_tokens", arrays[2], "token ids")
+  yt = index_array(name, "teacher_tokens", arrays[3], "token ids")
+  lead = zs.shape[:-2]
+  ok = (
+    zs.ndim >= 2 and zt.ndim >= 2 and zt.shape[:-2] == lead
+    and ys.shape == zs.shape[:-1] and yt.shape == zt.shape[:-1]
+    and gs.shape[:-1] == (*lead, gs.shape[-2]) and gt.shape[:-1] == gs.shape[:-1]
+  )  # fmt: skip
+  if not ok:
+    raise ValueError(
+      f"{name}: with groups, expected student_logits [..., Ts, Vs], teacher_logits "
+      "[..., Tt, Vt], student_tokens [..., Ts], teacher_tokens [..., Tt], student_groups "
+      "[..., G, Ls] and teacher_groups [..., G, Lt] (the same leading axes and G); got "
+      f"{zs.shape}, {zt.shape}, {ys.shape}, {yt.shape}, {gs.shape}, {gt.shape}."
+    )
+  _check_positions(name, "student_groups", gs, zs.shape[-2])
+  _check_positions(name, "teacher_groups", gt, zt.shape[-2])
+  return gs, gt, ys, yt
+
+
+def _probabilities(z, t, keep, cdt):
+  """The softmax of the rows ``keep`` holds; the others are selected away before it (0), so
+  that a NaN there reaches neither the value nor the gradients."""
+  return probabilities(jnp.where(keep[..., None], z, 0.0).astype(cdt), t)
+
+
+def _used(groups, valid, length):
+  """Which of ``length`` positions the ``valid`` groups read, ``[..., length]`` (a scatter:
+  no ``[G, L, length]`` comparison)."""
+  read = valid[..., None] & (groups >= 0)
+  at = jnp.where(read, groups, length).reshape(-1, groups.shape[-2] * groups.shape[-1])
+
+  def scatter(at):
+    return jnp.zeros(length, jnp.bool_).at[at].set(True, mode="drop")
+
+  return jax.vmap(scatter)(at).reshape(*groups.shape[:-2], length)
 
 
 def check_reduction(name: str, reduction: object) -> str:
@@ -282,12 +323,21 @@ def uld_loss(
   ``*_tokens``), each side's token spans are merged first (:func:`merge_spans`,
   ``merge_strategy``) and the rows are the groups: GOLD's ``use_extended_uld``.
 
-  Derivatives: exact wherever the order is locally constant. At ties (equal probabilities
-  on one side) the sort is stable in index order (``torch.sort(descending=True)``'s on CPU):
-  each tied entry takes the slot of its index rank, and gets that slot's
-  :math:`\mathrm{sign}(q_{(k)} - p_{(k)})` (0 where equal: ``l1_loss``'s subgradient), a
-  subgradient that equals TRL's. ``-inf`` logits are classes without mass; a row without
-  any finite logit has no mass (zeros), not NaN.
+  Derivatives: exact wherever the order is locally constant. At a tie (equal probabilities
+  on one side, i.e. equal logits) the sort is stable: each tied entry takes the slot of its
+  index rank and gets that slot's :math:`\mathrm{sign}(q_{(k)} - p_{(k)})` (0 where equal,
+  ``l1_loss``'s subgradient) — TRL's gradient with a stable sort. TRL's
+  ``Tensor.sort(descending=True)`` is not stable on long rows (CPU), so its gradient wrt
+  tied logits can be a permutation of this one within the tie; the value, each tie's sum
+  and every untied entry agree. ``-inf`` logits are classes without mass; a row without any
+  finite logit has no mass (zeros), not NaN.
+
+  Memory: without groups the rows are sorted in chunks, each side once, and only the sorted
+  signs are kept (``int8``, in the original order) for a backward pass that recomputes the
+  softmax: a ``jax.custom_vjp``, reverse mode only (``grad``, ``value_and_grad``, ``vjp``),
+  whose temporaries stay below one ``[N, V]`` float32 array (:mod:`kldiv_jax._uld_sorted`;
+  the *Large vocabularies* section of :doc:`/cross-tokenizer`). With groups the merged rows
+  are sorted whole, and forward mode works too.
 
   Args:
     student_logits: ``[..., Vs]``; with groups ``[..., Ts, Vs]``.
@@ -302,7 +352,10 @@ def uld_loss(
       then the mean over sequences, TRL's (a sequence without rows counts as 0).
     student_groups, teacher_groups: ``[..., G, Ls]``, ``[..., G, Lt]`` positions (``-1``
       padding) of :func:`align_tokens`; a group counts when both sides are non-empty.
-    student_tokens, teacher_tokens: each side's token ids ``[..., Ts]``, ``[..., Tt]``.
+    student_tokens, teacher_tokens: each side's token ids ``[..., Ts]``, ``[..., Tt]``, the
+      token of each logits row: for ``"observed"`` the token at that position (TRL's
+      slicing), for ``"bayesian"`` the token it predicts (``input_ids[:, 1:]`` beside
+      ``logits[:, :-1]``, the groups' positions shifted by -1): :doc:`/cross-tokenizer`.
     merge_strategy: ``"observed"`` or ``"bayesian"`` (:func:`merge_spans`).
 
   Returns:
@@ -328,7 +381,11 @@ def uld_loss(
     student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy,
   )  # fmt: skip
   if student_groups is None:  # positions: the chunked sort from the logits (bounded memory)
-    zs, zt = (jnp.asarray(z).astype(rows.student.dtype) for z in (student_logits, teacher_logits))
+    keep = rows.valid[..., None]  # masked rows selected away, as _probabilities does
+    zs, zt = (
+      jnp.where(keep, jnp.asarray(z), 0.0).astype(rows.student.dtype)
+      for z in (student_logits, teacher_logits)
+    )
     per_row = uld_rows(zs, zt, student_temperature, teacher_temperature)
   else:
     per_row = sorted_l1(rows.student, rows.teacher)

@@ -51,7 +51,9 @@ def probabilities(z: jax.Array, t) -> jax.Array:
   m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
   e = jnp.exp(z - m)
   s = jnp.sum(e, axis=-1, keepdims=True)
-  return e / jnp.where(s > 0, s, 1.0)
+  # Times the reciprocal, not divided: XLA:CPU then compiles the derivative alike in a module
+  # exported for several platforms and in a plain jit (bit for bit; tests/test_export.py).
+  return e * (1.0 / jnp.where(s > 0, s, 1.0))
 
 
 def _pad(x, length):

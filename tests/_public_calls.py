@@ -285,6 +285,22 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
       ids="token_ids",
       output=_first,
     ),
+    # across tokenizers (ULD and GOLD's hybrid; here both sides of one vocabulary size)
+    PublicCall(
+      "uld_loss",
+      kd.uld_loss,
+      (("student_logits", "s"), ("teacher_logits", "t")),
+      argnums=(0, 1),
+      options={"student_temperature": 2.0, "reduction": "sum"},
+      reverse_only=True,  # over positions: the chunked sort's jax.custom_vjp
+    ),
+    PublicCall(
+      "gold_loss",
+      kd.gold_loss,
+      (("student_logits", "s"), ("teacher_logits", "t")),
+      argnums=(0, 1),
+      options={"student_ids": np.array([0, 1]), "teacher_ids": np.array([1, 0]), "beta": 0.3},
+    ),
     # ULD from each side's top k (a vocabulary of one size here; k below it)
     PublicCall(
       "uld_loss_from_topk",
@@ -305,10 +321,13 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
 }
 
 # The public callables that are not a loss of float arrays: classes of results and specs, the
-# process-wide setting, the label shift (integer ids in, no derivative: tests/test_distill.py).
+# process-wide setting, the label shift (integer ids in, no derivative: tests/test_distill.py),
+# the host helpers of cross-tokenizer distillation and the span merge, whose groups are
+# positions in one layout (tests/test_uld.py).
 NOT_CALLS = frozenset(
   {"DistillationParts", "Divergence", "DivergenceMetric", "PolicyMetrics"}
   | {"set_implementation", "shift_labels"}
+  | {"align_tokens", "matched_vocabulary", "merge_spans"}
 )
 
 

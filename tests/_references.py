@@ -1393,3 +1393,58 @@ def check_bf16_grads_digits(grads, want, *, rounded: bool):
       assert np.mean(err > 0.05 * np.abs(r)) > 0.5
     else:
       np.testing.assert_array_less(err, 2**-8 * np.abs(r) + 1e-3 * np.abs(r).max())
+
+
+# ---------------------------------------------------------------- ULD and GOLD (TRL 1.16.0)
+
+
+def np_softmax(x, temperature=1.0):
+  """float64 softmax over the last axis (a row of -inf: zeros)."""
+  return np.exp(np_log_softmax(np.asarray(x, np.float64) / temperature))
+
+
+def np_uld_rows(p, q):
+  """ULD per row, from TRL 1.16.0's ``ULDLoss._compute_distillation_loss`` (plain path):
+  each side's probabilities sorted in descending order, the shorter zero-padded, the L1."""
+  p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+  v = max(p.shape[-1], q.shape[-1])
+  ps = -np.sort(-p, axis=-1)
+  qs = -np.sort(-q, axis=-1)
+  ps = np.concatenate([ps, np.zeros((*ps.shape[:-1], v - ps.shape[-1]))], axis=-1)
+  qs = np.concatenate([qs, np.zeros((*qs.shape[:-1], v - qs.shape[-1]))], axis=-1)
+  return np.abs(ps - qs).sum(-1)
+
+
+def np_merge_spans(probs, tokens, groups, strategy):
+  """TRL 1.16.0's ``ULDLoss._merge_probabilities_with_alignment_groups`` on one sequence:
+  ``probs [T, V]``, ``tokens [T]``, groups as lists of positions; ``[G, V]``."""
+  out = np.zeros((len(groups), probs.shape[-1]))
+  for i, group in enumerate(groups):
+    if not group:
+      continue
+    base, scalars = (group[-1], group[:-1]) if strategy == "bayesian" else (group[0], group[1:])
+    factor = 1.0
+    for j in scalars:
+      factor *= max(probs[j, tokens[j]], 1e-8)
+    out[i] = probs[base] * factor
+  return out
+
+
+def np_gold_rows(q, p, student_ids, teacher_ids, beta, weights=None):
+  """TRL 1.16.0's ``ULDLoss._compute_hybrid_uld_loss`` per row: TRL's generalised JSD
+  (``logits_are_probs=True``: logs of the probabilities floored at 1e-8) on the matched
+  entries, ULD on the others (0 unless both sides have some), fixed or adaptive weights."""
+  q, p = np.asarray(q, np.float64), np.asarray(p, np.float64)
+  vs, vt = q.shape[-1], p.shape[-1]
+  qm, pm = q[..., student_ids], p[..., teacher_ids]
+  matched = _trl_jsd_terms(np.log(np.maximum(qm, 1e-8)), np.log(np.maximum(pm, 1e-8)), beta, np)
+  matched = matched.sum(-1)
+  s_rest = np.setdiff1d(np.arange(vs), student_ids)
+  t_rest = np.setdiff1d(np.arange(vt), teacher_ids)
+  unmatched = np.zeros(matched.shape)
+  if len(s_rest) and len(t_rest):
+    unmatched = np_uld_rows(p[..., t_rest], q[..., s_rest])
+  if weights is None:
+    w = len(teacher_ids) / max(1, vt)
+    weights = (w, 1.0 - w)
+  return weights[0] * matched + weights[1] * unmatched
