@@ -381,12 +381,8 @@ def uld_loss(
     student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy,
   )  # fmt: skip
   if student_groups is None:  # positions: the chunked sort from the logits (bounded memory)
-    keep = rows.valid[..., None]  # masked rows selected away, as _probabilities does
-    zs, zt = (
-      jnp.where(keep, jnp.asarray(z), 0.0).astype(rows.student.dtype)
-      for z in (student_logits, teacher_logits)
-    )
-    per_row = uld_rows(zs, zt, student_temperature, teacher_temperature)
+    zs, zt = (jnp.asarray(z).astype(rows.student.dtype) for z in (student_logits, teacher_logits))
+    per_row = uld_rows(zs, zt, student_temperature, teacher_temperature, rows.valid)
   else:
     per_row = sorted_l1(rows.student, rows.teacher)
   out = reduce_rows(per_row, rows.valid, reduction)

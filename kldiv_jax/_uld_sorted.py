@@ -28,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from kldiv_jax._fused_chunks import chunks
 
@@ -69,10 +70,15 @@ def _descending(p, with_order: bool):
   return -neg, order
 
 
-def _rows_value(zs, zt, ts, tt):
+def _masked(z, keep):
+  """The rows ``keep`` holds; the others selected away (0) before the softmax."""
+  return jnp.where(keep[:, None], z, 0.0)
+
+
+def _rows_value(zs, zt, ts, tt, keep):
   """Per-row distance of a chunk, no gradient."""
-  a, _ = _descending(probabilities(zs, ts), False)
-  b, _ = _descending(probabilities(zt, tt), False)
+  a, _ = _descending(probabilities(_masked(zs, keep), ts), False)
+  b, _ = _descending(probabilities(_masked(zt, keep), tt), False)
   length = max(a.shape[-1], b.shape[-1])
   return jnp.sum(jnp.abs(_pad(a, length) - _pad(b, length)), axis=-1)
 
@@ -83,50 +89,64 @@ def _unsort(signs, order):
   return jnp.zeros(order.shape, jnp.int8).at[rows, order].set(signs, unique_indices=True)
 
 
-def _rows_value_signs(zs, zt, ts, tt):
-  """Per-row distance of a chunk and ``dD/dp`` of each side, int8 in the original order."""
-  a, order_s = _descending(probabilities(zs, ts), True)
-  b, order_t = _descending(probabilities(zt, tt), True)
+def _rows_value_signs(zs, zt, ts, tt, keep, sides):
+  """Per-row distance of a chunk and ``dD/dp`` of the ``sides`` differentiated (``(student,
+  teacher)`` bools), int8 in the original order (``None`` for the other)."""
+  a, order_s = _descending(probabilities(_masked(zs, keep), ts), sides[0])
+  b, order_t = _descending(probabilities(_masked(zt, keep), tt), sides[1])
   vs, vt = a.shape[-1], b.shape[-1]
   length = max(vs, vt)
   diff = _pad(a, length) - _pad(b, length)
   sign = jnp.sign(diff).astype(jnp.int8)
-  return (
-    jnp.sum(jnp.abs(diff), axis=-1),
-    _unsort(sign[:, :vs], order_s),
-    _unsort(-sign[:, :vt], order_t),
-  )
+  sign_s = None if order_s is None else _unsort(sign[:, :vs], order_s)
+  sign_t = None if order_t is None else _unsort(-sign[:, :vt], order_t)
+  return jnp.sum(jnp.abs(diff), axis=-1), sign_s, sign_t
 
 
-def _over_chunks(fn, zs, zt, outs):
-  """``fn(zs_chunk, zt_chunk)`` over row chunks, written into ``outs`` (row-major arrays)."""
-  rows = zs.shape[0]
-  size = chunk_rows(rows, max(zs.shape[-1], zt.shape[-1]))
+def _over_chunks(fn, arrays, carry, vocab):
+  """``carry = fn(start, chunk of each of arrays, carry)`` over row chunks of ``vocab``."""
+  rows = arrays[0].shape[0]
 
-  def part(start, _, cut, outs):
-    res = fn(*cut((zs, zt)))
-    return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
+  def part(start, _, cut, carry):
+    return fn(start, *cut(arrays), carry)
 
-  return chunks(rows, size, part, outs)
+  return chunks(rows, chunk_rows(rows, vocab), part, carry)
+
+
+def _put(buffer, rows, start):
+  return None if buffer is None else lax.dynamic_update_slice_in_dim(buffer, rows, start, 0)
 
 
 @jax.custom_vjp
-def sorted_distance(zs: jax.Array, zt: jax.Array, ts: jax.Array, tt: jax.Array) -> jax.Array:
+def sorted_distance(zs, zt, ts, tt, keep):
   """ULD's distance per row ``[rows]`` of logits ``zs [rows, V_s]``, ``zt [rows, V_t]`` (the
-  compute dtype) at temperatures ``ts``, ``tt`` (scalars of that dtype); see the module."""
-  out = (jnp.zeros(zs.shape[:1], zs.dtype),)
-  return _over_chunks(lambda s, t: (_rows_value(s, t, ts, tt),), zs, zt, out)[0]
+  compute dtype) at temperatures ``ts``, ``tt`` (scalars of that dtype), the rows ``keep``
+  holds (bool ``[rows]``; the others are computed on zeros: a NaN there reaches nothing);
+  see the module."""
+  vocab = max(zs.shape[-1], zt.shape[-1])
+
+  def fn(start, s, t, k, out):
+    return _put(out, _rows_value(s, t, ts, tt, k), start)
+
+  return _over_chunks(fn, (zs, zt, keep), jnp.zeros(zs.shape[:1], zs.dtype), vocab)
 
 
-def _sorted_distance_fwd(zs, zt, ts, tt):
-  rows = zs.shape[0]
-  outs = (
-    jnp.zeros((rows,), zs.dtype),
-    jnp.zeros(zs.shape, jnp.int8),
-    jnp.zeros(zt.shape, jnp.int8),
-  )
-  value, sign_s, sign_t = _over_chunks(lambda s, t: _rows_value_signs(s, t, ts, tt), zs, zt, outs)
-  return value, (zs, zt, ts, tt, sign_s, sign_t)
+def _sorted_distance_fwd(zs, zt, ts, tt, keep):
+  # symbolic_zeros: each argument comes with whether it is differentiated (``perturbed``);
+  # a side that is not (a stopped teacher) needs neither its signs nor its gradient.
+  sides = (zs.perturbed or ts.perturbed, zt.perturbed or tt.perturbed)
+  zs, zt, ts, tt, keep = (x.value for x in (zs, zt, ts, tt, keep))
+  vocab = max(zs.shape[-1], zt.shape[-1])
+
+  def fn(start, s, t, k, carry):
+    value, sign_s, sign_t = carry
+    v, gs, gt = _rows_value_signs(s, t, ts, tt, k, sides)
+    return _put(value, v, start), _put(sign_s, gs, start), _put(sign_t, gt, start)
+
+  signs = tuple(jnp.zeros(z.shape, jnp.int8) if on else None for z, on in zip((zs, zt), sides))
+  init = (jnp.zeros(zs.shape[:1], zs.dtype), *signs)
+  value, sign_s, sign_t = _over_chunks(fn, (zs, zt, keep), init, vocab)
+  return value, (zs, zt, ts, tt, keep, sign_s, sign_t)
 
 
 def _softmax_vjp(z, t, sign, ct):
@@ -139,25 +159,47 @@ def _softmax_vjp(z, t, sign, ct):
   return du / t, -jnp.sum(du * safe_u) / t
 
 
+def _side_grad(z, t, keep, sign, ct):
+  """One side's ``(dz, dt)``, a chunk of rows at a time (the softmax recomputed per chunk)."""
+  if sign is None:
+    return None, None
+
+  def fn(start, zc, kc, sc, cc, carry):
+    dz, dt = carry
+    dzc, dtc = _softmax_vjp(_masked(zc, kc), t, sc, jnp.where(kc, cc, 0.0))
+    return _put(dz, dzc, start), dt + dtc
+
+  rows = z.shape[0]
+  arrays = (z, keep, sign, ct)
+  init = (jnp.zeros(z.shape, z.dtype), jnp.zeros((), z.dtype))
+  dz, dt = chunks(
+    rows, chunk_rows(rows, z.shape[-1]), lambda st, _, cut, c: fn(st, *cut(arrays), c), init
+  )
+  return dz, dt.astype(jnp.result_type(t))
+
+
 def _sorted_distance_bwd(res, ct):
-  zs, zt, ts, tt, sign_s, sign_t = res
-  dzs, dts = _softmax_vjp(zs, ts, sign_s, ct)
-  dzt, dtt = _softmax_vjp(zt, tt, sign_t, ct)
-  return dzs, dzt, dts.astype(jnp.result_type(ts)), dtt.astype(jnp.result_type(tt))
+  zs, zt, ts, tt, keep, sign_s, sign_t = res
+  if isinstance(ct, SymbolicZero):
+    ct = jnp.zeros(zs.shape[:1], zs.dtype)
+  dzs, dts = _side_grad(zs, ts, keep, sign_s, ct)
+  dzt, dtt = _side_grad(zt, tt, keep, sign_t, ct)
+  return dzs, dzt, dts, dtt, None
 
 
-sorted_distance.defvjp(_sorted_distance_fwd, _sorted_distance_bwd)
+sorted_distance.defvjp(_sorted_distance_fwd, _sorted_distance_bwd, symbolic_zeros=True)
 
 
-def uld_rows(zs: jax.Array, zt: jax.Array, ts, tt) -> jax.Array:
+def uld_rows(zs: jax.Array, zt: jax.Array, ts, tt, keep: jax.Array) -> jax.Array:
   """:func:`sorted_distance` of logits ``[..., V_s]``, ``[..., V_t]`` (the same leading axes,
-  the compute dtype) at temperatures of any static or traced kind: ``[...]``."""
+  the compute dtype) at temperatures of any static or traced kind, the rows ``keep [...]``
+  holds: ``[...]``."""
   lead = zs.shape[:-1]
   zs, zt = zs.reshape(-1, zs.shape[-1]), zt.reshape(-1, zt.shape[-1])
   ts, tt = (jnp.asarray(t).astype(zs.dtype) for t in (ts, tt))
   if zs.shape[0] == 0:
     return jnp.zeros(lead, zs.dtype)
-  return sorted_distance(zs, zt, ts, tt).reshape(lead)
+  return sorted_distance(zs, zt, ts, tt, keep.reshape(-1)).reshape(lead)
 
 
 def sorted_distance_reference(zs, zt, ts, tt):

@@ -160,9 +160,19 @@ def test_sorted_distance_chunked_value_and_grads(x64, monkeypatch, vs, vt):
   rng = np.random.default_rng(vs * 100 + vt)
   zs, zt = jnp.asarray(logits(rng, (13, vs), 2.0)), jnp.asarray(logits(rng, (13, vt), 2.0))
   ts, tt = jnp.float64(1.5), jnp.float64(0.7)
-  got = uld_sorted.sorted_distance(zs, zt, ts, tt)
-  np.testing.assert_allclose(got, np_uld(zs, zt, 1.5, 0.7), rtol=1e-12)
-  check_grads(uld_sorted.sorted_distance, (zs, zt, ts, tt), order=1, modes=("rev",), eps=1e-6)
+  keep = jnp.asarray(rng.uniform(size=13) < 0.7)
+  zs_nan = jnp.where(keep[:, None], zs, jnp.nan)  # the rows keep leaves out reach nothing
+
+  def f(zs, zt, ts, tt):
+    return uld_sorted.sorted_distance(zs, zt, ts, tt, keep)
+
+  np.testing.assert_allclose(f(zs_nan, zt, ts, tt)[keep], np_uld(zs, zt, 1.5, 0.7)[keep], 1e-12)
+  check_grads(f, (zs, zt, ts, tt), order=1, modes=("rev",), eps=1e-6)
+  grads = jax.grad(lambda *a: jnp.sum(f(*a)), argnums=(0, 1))(zs_nan, zt, ts, tt)
+  assert all(np.isfinite(g).all() and (g[~keep] == 0).all() for g in grads)
+  # a side not differentiated: the other's gradient alone, the same
+  alone = jax.grad(lambda s: jnp.sum(f(s, jax.lax.stop_gradient(zt), ts, tt)))(zs)
+  np.testing.assert_allclose(alone, jax.grad(lambda *a: jnp.sum(f(*a)))(zs, zt, ts, tt))
 
 
 def test_sorted_distance_ties_take_their_index_slot(x64):
@@ -172,7 +182,8 @@ def test_sorted_distance_ties_take_their_index_slot(x64):
   p = jnp.array([[0.25, 0.25, 0.5]])
   zt = jnp.log(jnp.array([[0.45, 0.3, 0.25]]))  # sorted: 0.45, 0.3, 0.25
   one = jnp.float64(1.0)
-  g = jax.grad(lambda p: uld_sorted.sorted_distance(jnp.log(p), zt, one, one)[0])(p)
+  keep = jnp.ones(1, bool)
+  g = jax.grad(lambda p: uld_sorted.sorted_distance(jnp.log(p), zt, one, one, keep)[0])(p)
   # student sorted: 0.5 (index 2), 0.25 (index 0), 0.25 (index 1); signs +, -, 0
   signs = np.array([[-1.0, 0.0, 1.0]])
   np.testing.assert_allclose(g, signs - np.sum(np.asarray(p) * signs), atol=1e-15)
