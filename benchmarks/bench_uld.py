@@ -14,7 +14,7 @@ at N=64 tokens; XLA's compiled temp at N=4096 against one [N, 151936] float32 ar
 target: ``uld_loss`` at most 2x). ``--accel``: the same programs compiled for TPU v5e and an
 H100 without the device (``bench_accel.py``'s environments and helpers): **XLA's estimates,
 not measurements**, of time (v5e: XLA's ``optimal_seconds``; H100: the roofline of XLA's
-flop and byte counts) and temp, at N=2048.
+flop and byte counts) and temp, at N=256.
 
   python benchmarks/bench_uld.py                       # CPU: time and temp
   python benchmarks/bench_uld.py --accel --venvs /work/main   # + v5e, H100 estimates
@@ -36,7 +36,7 @@ from _harness import fmt_bytes, fmt_ms, ratio, save, start, target_row
 
 VS, VT = 151936, 128256  # Qwen2.5's and Llama 3's vocabularies
 QUICK_VS, QUICK_VT = 4096, 3000
-TIME_TOKENS, MEMORY_TOKENS, ACCEL_TOKENS = 64, 4096, 2048
+TIME_TOKENS, MEMORY_TOKENS, ACCEL_TOKENS = 64, 4096, 256
 QUICK_TOKENS = 32
 KS = (64, 1024)
 TEMP_TARGET = 2.0  # uld_loss's temp / one [N, Vs] float32 array
@@ -148,12 +148,12 @@ def accel_worker(target: str, n: int, vs: int, vt: int, out: Path) -> int:
   return 0
 
 
-def accel(venvs: Path, n: int, vs: int, vt: int, out_dir: Path) -> dict[str, Any]:
-  """Runs :func:`accel_worker` for v5e and h100 in ``venvs/.venv-accel-{tpu,cuda}``."""
+def accel(venvs: Path, n: int, vs: int, vt: int, out_dir: Path, targets) -> dict[str, Any]:
+  """Runs :func:`accel_worker` for ``targets`` in ``venvs/.venv-accel-{tpu,cuda}``."""
   from bench_accel import TARGETS, _worker_env
 
   results = {}
-  for target in ("v5e", "h100"):
+  for target in targets:
     kind = TARGETS[target]["kind"]
     python = venvs / f".venv-accel-{kind}" / "bin" / "python"
     if not python.exists():
@@ -220,6 +220,7 @@ def print_estimates(target: str, payload: dict) -> None:
 def parser():
   p = _harness.parser(__doc__, quick="small vocabularies, a smoke test")
   p.add_argument("--accel", action="store_true", help="add XLA's v5e and H100 estimates")
+  p.add_argument("--targets", default="v5e,h100", help="the estimates' chips (v5e, v6e, h100)")
   p.add_argument("--no-cpu", action="store_true", help="only the estimates (with --accel)")
   p.add_argument(
     "--accel-tokens", type=int, default=None, help=f"N of the estimates ({ACCEL_TOKENS})"
@@ -251,7 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   estimates = None
   if args.accel:
     args.out.mkdir(parents=True, exist_ok=True)
-    estimates = accel(args.venvs, n_accel, vs, vt, args.out)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    estimates = accel(args.venvs, n_accel, vs, vt, args.out, targets)
     print_report(None, None, estimates, n_time, n_mem)
   measured = None if memory is None else memory["uld_loss"]["value_and_grad"]["temp_ratio"]
   what = f"uld_loss value_and_grad temp / [N, Vs] f32 (N={n_mem}, Vs={vs})"
