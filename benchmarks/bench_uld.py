@@ -41,6 +41,9 @@ QUICK_TOKENS = 32
 KS = (64, 1024)
 TEMP_TARGET = 2.0  # uld_loss's temp / one [N, Vs] float32 array
 BASELINE = "jnp.sort"
+# Compiled without the device, XLA:GPU cannot use its CUB radix sort (its rewrite asks the
+# device, "invalid device ordinal"): the H100 estimates are of XLA's own sort.
+CUDA_FLAGS = "--xla_gpu_enable_cub_radix_sort=false"
 
 
 def contenders() -> dict[str, Callable]:
@@ -169,7 +172,10 @@ def accel(venvs: Path, n: int, vs: int, vt: int, out_dir: Path, targets) -> dict
       str(part),
     ]
     cmd += ["--tokens", str(n), "--vocabs", f"{vs},{vt}"]
-    proc = subprocess.run(cmd, env=_worker_env(target))
+    env = _worker_env(target)
+    if kind == "cuda":  # XLA:GPU's CUB radix sort queries the device it compiles for: off
+      env["XLA_FLAGS"] = (env["XLA_FLAGS"] + " " + CUDA_FLAGS).strip()
+    proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
       results[target] = {"error": f"worker exit {proc.returncode}"}
       continue

@@ -169,12 +169,8 @@ def _side_grad(z, t, keep, sign, ct):
     dzc, dtc = _softmax_vjp(_masked(zc, kc), t, sc, jnp.where(kc, cc, 0.0))
     return _put(dz, dzc, start), dt + dtc
 
-  rows = z.shape[0]
-  arrays = (z, keep, sign, ct)
   init = (jnp.zeros(z.shape, z.dtype), jnp.zeros((), z.dtype))
-  dz, dt = chunks(
-    rows, chunk_rows(rows, z.shape[-1]), lambda st, _, cut, c: fn(st, *cut(arrays), c), init
-  )
+  dz, dt = _over_chunks(fn, (z, keep, sign, ct), init, z.shape[-1])
   return dz, dt.astype(jnp.result_type(t))
 
 
