@@ -14,6 +14,8 @@ targets and writes ``<out>/<name>.json`` (``_harness.py`` holds what they share)
 * ``precision``: every divergence on bf16 logits against float64;
 * ``accel`` (only when named): every loss compiled for TPU and an H100, XLA's estimates.
 * ``device`` (only when named): ``accel``'s cases timed on the attached GPU or TPU.
+* ``uld`` (only when named): ULD's sort at V=151936 (minutes of CPU sorting): the
+  chunked ``uld_loss``, ``uld_loss_from_topk``; ``--accel``: XLA's v5e and H100 estimates.
 
 Sections run in one process, one after the other. ``--quick``, ``--repeats`` and
 ``--out`` go to every section; ``--sizes`` and the options this runner does not know go to
@@ -37,8 +39,9 @@ if str(HERE) not in sys.path:  # `import bench_<name>`, `import _harness`
 
 ORDER = ("core", "logits")
 # Sections run only when named (`--sections accel`): they need their own environments
-# (accel) or an accelerator and tens of GB of its memory (device).
-OPT_IN = ("accel", "device")
+# (accel), an accelerator and tens of GB of its memory (device), or minutes of CPU sorting
+# (uld).
+OPT_IN = ("accel", "device", "uld")
 
 
 def available_sections() -> list[str]:

@@ -42,6 +42,7 @@ from kldiv_jax._torch import KLDivLoss as KLDivLoss
 from kldiv_jax._torch import kl_div as kl_div
 from kldiv_jax._uld import merge_spans as merge_spans
 from kldiv_jax._uld import uld_loss as uld_loss
+from kldiv_jax._uld_topk import uld_loss_from_topk as uld_loss_from_topk
 
 try:
   __version__ = _metadata.version("kldiv_jax")
@@ -86,4 +87,5 @@ __all__ = [
   "shift_labels",
   "token_log_probs",
   "uld_loss",
+  "uld_loss_from_topk",
 ]

@@ -28,6 +28,7 @@ from kldiv_jax._checks import (
 )
 from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import nan_unless, positive_finite
+from kldiv_jax._uld_sorted import probabilities, uld_rows
 
 REDUCTIONS = ("none", "sum", "mean", "sequence_mean")
 STRATEGIES = ("observed", "bayesian")
@@ -52,18 +53,6 @@ def sorted_l1(p: jax.Array, q: jax.Array) -> jax.Array:
   q = jnp.pad(q, (*widths, (0, v - q.shape[-1])))
   # |d|' = sign(d), 0 at d = 0: torch's l1_loss subgradient.
   return jnp.sum(jnp.abs(jnp.sort(-p, axis=-1) - jnp.sort(-q, axis=-1)), axis=-1)
-
-
-def probabilities(z: jax.Array, t) -> jax.Array:
-  """``softmax(z / t)`` over the last axis; a row without a finite logit has no mass (0)."""
-  z = z / t
-  m = jnp.max(z, axis=-1, keepdims=True)
-  m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-  e = jnp.exp(z - m)
-  s = jnp.sum(e, axis=-1, keepdims=True)
-  # Times the reciprocal, not divided: XLA:CPU then compiles the derivative alike in a module
-  # exported for several platforms and in a plain jit (bit for bit; tests/test_export.py).
-  return e * (1.0 / jnp.where(s > 0, s, 1.0))
 
 
 def check_temperature_of(name: str, option: str, value: object):
@@ -343,6 +332,13 @@ def uld_loss(
   and every untied entry agree. ``-inf`` logits are classes without mass; a row without any
   finite logit has no mass (zeros), not NaN.
 
+  Memory: without groups the rows are sorted in chunks, each side once, and only the sorted
+  signs are kept (``int8``, in the original order) for a backward pass that recomputes the
+  softmax: a ``jax.custom_vjp``, reverse mode only (``grad``, ``value_and_grad``, ``vjp``),
+  whose temporaries stay below one ``[N, V]`` float32 array (:mod:`kldiv_jax._uld_sorted`;
+  the *Large vocabularies* section of :doc:`/cross-tokenizer`). With groups the merged rows
+  are sorted whole, and forward mode works too.
+
   Args:
     student_logits: ``[..., Vs]``; with groups ``[..., Ts, Vs]``.
     teacher_logits: ``[..., Vt]`` (the same shape without the class axis); with groups
@@ -384,5 +380,10 @@ def uld_loss(
     name, student_logits, teacher_logits, student_temperature, teacher_temperature, where,
     student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy,
   )  # fmt: skip
-  out = reduce_rows(sorted_l1(rows.student, rows.teacher), rows.valid, reduction)
+  if student_groups is None:  # positions: the chunked sort from the logits (bounded memory)
+    zs, zt = (jnp.asarray(z).astype(rows.student.dtype) for z in (student_logits, teacher_logits))
+    per_row = uld_rows(zs, zt, student_temperature, teacher_temperature, rows.valid)
+  else:
+    per_row = sorted_l1(rows.student, rows.teacher)
+  out = reduce_rows(per_row, rows.valid, reduction)
   return nan_unless(out, *rows.checks).astype(rows.out_dtype)

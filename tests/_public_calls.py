@@ -292,6 +292,7 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
       (("student_logits", "s"), ("teacher_logits", "t")),
       argnums=(0, 1),
       options={"student_temperature": 2.0, "reduction": "sum"},
+      reverse_only=True,  # over positions: the chunked sort's jax.custom_vjp
     ),
     PublicCall(
       "gold_loss",
@@ -299,6 +300,14 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
       (("student_logits", "s"), ("teacher_logits", "t")),
       argnums=(0, 1),
       options={"student_ids": np.array([0, 1]), "teacher_ids": np.array([1, 0]), "beta": 0.3},
+    ),
+    # ULD from each side's top k (a vocabulary of one size here; k below it)
+    PublicCall(
+      "uld_loss_from_topk",
+      kd.uld_loss_from_topk,
+      (("student_logits", "s"), ("teacher_logits", "t")),
+      argnums=(0, 1),
+      options={"k": 3, "student_temperature": 2.0, "reduction": "sum"},
     ),
     # closed forms
     PublicCall(

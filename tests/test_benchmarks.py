@@ -244,7 +244,7 @@ def test_accel_section_parses_and_is_opt_in(monkeypatch):
   args = bench_accel.parser().parse_args(["--quick", "--targets", "v5e", "--cases", "kl_div"])
   assert args.quick and args.targets == "v5e" and bench_accel._cases(args) == ["kl_div"]
   assert "accel" in run.available_sections()
-  assert run.OPT_IN == ("accel", "device")
+  assert run.OPT_IN == ("accel", "device", "uld")
   row = {"case": "tvd", "kind": "row", "shape": [8, 4], "dtype": "float32"}
   row |= {"time_ratio": 0.9, "naive_hbm_ratio": 4.0, "hbm_ratio": 2.0, "temp_ratio": 0.0}
   fused = {"case": "fused_topk", "kind": "fused", "shape": [8, 2, 4], "dtype": "bfloat16"}
@@ -284,3 +284,20 @@ def test_accel_logits_f32_cases_report_their_cost_and_are_not_targets(monkeypatc
   assert [c["target"] for c in bench_accel.check_targets("v5e", [failed], True)] == [
     "fused_topk+logits_f32 8x2x4 bfloat16: compiled"
   ]
+
+
+def test_uld_section_reports_time_temp_and_its_target(monkeypatch, tmp_path):
+  """bench_uld on CPU at --quick sizes: every contender timed (value and value_and_grad, as
+  ratios to jnp.sort's), its temp measured, and the temp target checked."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_uld
+
+  assert bench_uld.main(["--quick", "--repeats", "1", "--out", str(tmp_path)]) == 0
+  result = json.loads((tmp_path / "uld.json").read_text())
+  names = ["jnp.sort", "uld_loss", "topk k=64", "topk k=1024", "kl (same vocab)"]
+  for op in ("value", "value_and_grad"):
+    assert list(result["time"][op]) == names
+    assert result["time"][op]["jnp.sort"]["ratio"] == pytest.approx(1.0)
+    assert all(result["memory"][n][op]["temp_bytes"] is not None for n in names)
+  (target,) = result["targets"]
+  assert target["value"] is not None and target["pass"] is True

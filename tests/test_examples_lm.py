@@ -38,3 +38,36 @@ def test_distill_lm_quick(tmp_path):
     assert "MiB" in rows[name]  # the loss's memory: materialised -> fused
   assert out.stat().st_size > 0
   assert (tmp_path / "distill_lm_top32.npz").stat().st_size > 0
+
+
+CROSS = Path(__file__).resolve().parent.parent / "examples" / "distill_across_tokenizers.py"
+CROSS_MODELS = ("teacher", "labels", "ULD", "hybrid", "same-tokenizer KL")
+
+
+def test_distill_across_tokenizers_quick(tmp_path):
+  """The cross-tokenizer demo at ``--quick``: two tokenizers, a teacher, four students; each
+  model's held-out bits per character, the ULD to the teacher for the student-tokenizer
+  students, the plot."""
+  out = tmp_path / "cross.png"
+  env = {**os.environ, "TQDM_DISABLE": "1"}
+  proc = subprocess.run(
+    [sys.executable, str(CROSS), "--quick", "--out", str(out)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert "shared" in lines[0]  # the matched vocabulary
+  header = next(i for i, line in enumerate(lines) if line.startswith("model "))
+  rows = [line.split() for line in lines[header + 2 : header + 2 + len(CROSS_MODELS)]]
+  names = tuple(" ".join(r[:-4]) for r in rows)
+  assert names == CROSS_MODELS, lines[header:]
+  for name, row in zip(names, rows):
+    assert 0 < float(row[-3]) < 16  # bits per character
+    has_uld = name in ("labels", "ULD", "hybrid")
+    assert (row[-2] != "—") == has_uld
+    if has_uld:
+      assert 0 <= float(row[-2]) <= 2  # ULD: an L1 distance of two distributions
+  assert out.stat().st_size > 0

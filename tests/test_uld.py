@@ -194,8 +194,8 @@ def test_x64_check_grads(x64, rng):
   s, t = logits(rng, (3, VS)), logits(rng, (3, VT))
   uld = jax.jit(lambda s, t: uld_loss(s, t, student_temperature=1.3))
   gold = jax.jit(lambda s, t: gold_loss(s, t, student_ids=S_IDS, teacher_ids=T_IDS, beta=0.4))
-  for f in (uld, gold):
-    check_grads(f, (s, t), 2, modes=("fwd", "rev"))
+  check_grads(uld, (s, t), 2, modes=("rev",))  # over positions: a jax.custom_vjp
+  check_grads(gold, (s, t), 2, modes=("fwd", "rev"))
 
 
 def test_where_and_masked_classes(x64, rng):
