@@ -37,8 +37,8 @@ if str(HERE) not in sys.path:  # `import bench_<name>`, `import _harness`
 
 ORDER = ("core", "logits")
 # Sections run only when named (`--sections accel`): they need their own environments
-# (accel) or an accelerator and tens of GB of its memory (device).
-OPT_IN = ("accel", "device")
+# (accel, tunix) or an accelerator and tens of GB of its memory (device).
+OPT_IN = ("accel", "device", "tunix")
 
 
 def available_sections() -> list[str]:
