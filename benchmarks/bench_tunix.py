@@ -106,14 +106,18 @@ def import_tunix() -> types.SimpleNamespace:
   )
 
 
-def model_config(t, name: str, layers: int, quick: bool, flash: bool):
-  """Tunix's config of ``name`` with ``layers`` layers, bf16 parameters (``quick``: tiny)."""
+def model_config(t, name: str, layers: int, quick: bool, flash: bool, remat: str = "none"):
+  """Tunix's config of ``name`` with ``layers`` layers, bf16 parameters, Tunix's
+  ``RematConfig`` ``remat`` (``quick``: tiny)."""
   import dataclasses
 
   import jax.numpy as jnp
 
+  family = t.qwen3 if name == "qwen3_0p6b" else t.gemma3
+  policy = family.RematConfig[remat.upper()]
   if name == "qwen3_0p6b":
     cfg = t.qwen3.ModelConfig.qwen3_0p6b()
+    cfg = dataclasses.replace(cfg, remat_config=policy)
     cfg = dataclasses.replace(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     cfg = dataclasses.replace(cfg, use_flash_attention=flash, num_layers=layers)
     if quick:
@@ -122,7 +126,7 @@ def model_config(t, name: str, layers: int, quick: bool, flash: bool):
       cfg = dataclasses.replace(cfg, flash_attention_block_size=128)
     return cfg, cfg.vocab_size
   cfg = t.gemma3.ModelConfig.gemma3_1b_pt()  # bf16 parameters by default
-  cfg = dataclasses.replace(cfg, num_layers=layers)
+  cfg = dataclasses.replace(cfg, num_layers=layers, remat_config=policy)
   if quick:
     cfg = dataclasses.replace(cfg, num_embed=4096, embed_dim=128, hidden_dim=256, head_dim=64)
   return cfg, cfg.num_embed
@@ -285,7 +289,7 @@ def train_step(graphdef, loss_fn: Callable, tx) -> Callable:
 class Setup:
   """One (target, model) of the worker: the model's shapes, its losses, the device."""
 
-  def __init__(self, target: str, name: str, layers: int, quick: bool):
+  def __init__(self, target: str, name: str, layers: int, quick: bool, remat: str = "none"):
     import jax
     import numpy as np
     import optax
@@ -294,7 +298,8 @@ class Setup:
     self.t = import_tunix()
     self.target, self.name, self.dev = target, name, _device(target)
     flash = TARGETS[target]["kind"] == "tpu" and name == "qwen3_0p6b"
-    self.cfg, self.vocab = model_config(self.t, name, layers, quick, flash)
+    self.cfg, self.vocab = model_config(self.t, name, layers, quick, flash, remat)
+    self.remat = remat
     self.flash = flash
     self.graphdef, params, rest = abstract_model(self.t, name, self.cfg)
     self.sharding = SingleDeviceSharding(self.dev)
@@ -327,6 +332,7 @@ class Setup:
     start = time.perf_counter()
     compiled = self.compile(step, variant, batch, seq)
     out = memory(compiled) | _cost(compiled, self.target)
+    out["vocab_arrays"] = vocab_arrays(compiled.as_text(), self.vocab, self.cfg.embed_dim)
     return out | {"compile_s": time.perf_counter() - start}
 
   def loss_chunk_cost(self, step: str, tokens: int) -> dict[str, Any]:
@@ -374,6 +380,24 @@ class Setup:
     return self._chunk_costs[step, c]
 
 
+def vocab_arrays(hlo: str, vocab: int, hidden: int, top: int = 3) -> list[list]:
+  """The largest arrays of the optimised HLO with a vocabulary-sized axis, other than the head
+  (``[V, H]``, ``[H, V]``): ``[[dtype, shape, bytes], ...]``, largest first: the logits a
+  step holds (or a fused loss's chunk of them)."""
+  import re
+
+  import numpy as np
+
+  sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
+  found = set()
+  for dtype, dims in re.findall(r"\b(f32|bf16|f16|s32|u32|pred|s8|u8)\[([0-9,]+)\]", hlo):
+    shape = tuple(int(d) for d in dims.split(","))
+    if vocab in shape and sorted(shape) != sorted((vocab, hidden)):
+      found.add((dtype, shape))
+  ranked = sorted(found, key=lambda x: -int(np.prod(x[1])) * sizes[x[0]])[:top]
+  return [[d, list(sh), int(np.prod(sh)) * sizes[d]] for d, sh in ranked]
+
+
 def memory(compiled) -> dict[str, int]:
   """The compiled program's memory: arguments + outputs - aliased (donated) + temporaries."""
   ma = compiled.memory_analysis()
@@ -410,7 +434,7 @@ def max_batch(setup: Setup, step: str, variant: str, seq: int, known: dict[int, 
 
   def probe(b: int) -> bool:
     if b not in known:
-      known[b] = _or_error(lambda: memory(setup.compile(step, variant, b, seq)))
+      known[b] = _or_error(lambda: estimate(setup, step, variant, b, seq))
       r = known[b]
       what = r["error"][:80] if "error" in r else fmt_bytes(peak(r))
       print(f"    [{setup.target}] {setup.name} {step} {variant} S={seq} B={b}: "
@@ -424,7 +448,7 @@ def max_batch(setup: Setup, step: str, variant: str, seq: int, known: dict[int, 
     return max(ok, default=0), min(bad, default=None)
 
   if not probe(1):
-    return {"max_batch": 0, "probes": sorted(known)}
+    return {"max_batch": 0, "probes": _probes(known)}
   ok = sorted(b for b in known if fits(known[b], setup.target))
   if len(ok) < 2:
     probe(2)
@@ -447,29 +471,52 @@ def max_batch(setup: Setup, step: str, variant: str, seq: int, known: dict[int, 
   while hi is not None and hi - lo > 1:
     probe((lo + hi) // 2)
     lo, hi = bracket()
-  return {"max_batch": lo, "probes": sorted(known)}
+  return {"max_batch": lo, "probes": _probes(known)}
+
+
+def _probes(known: dict[int, Any]) -> dict[str, Any]:
+  """The probes of a search: batch -> peak and time, or the error."""
+  out = {}
+  for b, r in sorted(known.items()):
+    out[str(b)] = {"error": r["error"][:200]} if "error" in r else {"peak_bytes": peak(r)}
+    if "seconds" in r:
+      out[str(b)]["seconds"] = r["seconds"]
+  return out
+
+
+def tokens_of(step: str, batch: int, seq: int) -> int:
+  """The tokens whose logits the step's loss takes: GRPO's completions, all for distillation."""
+  return batch * (seq - PROMPT if step == "grpo" else seq)
+
+
+def estimate(setup: Setup, step: str, variant: str, batch: int, seq: int) -> dict[str, Any]:
+  """One compiled step: its memory, counts and roofline time (the fused loss's chunk loop
+  extrapolated from its one- and two-chunk programs: ``loss_chunk``)."""
+  out = setup.measure(step, variant, batch, seq)
+  if variant == "kldiv_jax":
+    chunk = out["loss_chunk"] = _or_error(
+      lambda: setup.loss_chunk_cost(step, tokens_of(step, batch, seq))
+    )
+    if "error" in chunk:
+      return out
+    extra = chunk["chunks"] - 1  # the looped step counts one chunk
+    out["flops_unrolled"] = out["flops"] + extra * chunk["flops"]
+    out["bytes_unrolled"] = out["bytes"] + extra * chunk["bytes"]
+    return out | {"seconds": roofline(out["flops_unrolled"], out["bytes_unrolled"], setup.target)}
+  return out | {"seconds": roofline(out["flops"], out["bytes"], setup.target)}
 
 
 def case_record(setup: Setup, step: str, seq: int, batch: int) -> dict[str, Any]:
   """Stock and kldiv_jax's steps at one micro-batch: memory, the roofline time, their ratio."""
   row: dict[str, Any] = {"kind": "step", "target": setup.target, "model": setup.name}
   row |= {"step": step, "seq": seq, "batch": batch, "layers": setup.cfg.num_layers}
-  row |= {"vocab": setup.vocab, "flash_attention": setup.flash}
+  row |= {"vocab": setup.vocab, "flash_attention": setup.flash, "remat": setup.remat}
   row |= {"logits_dtype": setup.logits_dtype}
-  tokens = batch * (seq - PROMPT if step == "grpo" else seq)
-  row["logits_f32_bytes"] = tokens * setup.vocab * 4
-  for variant in ("stock", "kldiv_jax"):
-    row[variant] = _or_error(lambda v=variant: setup.measure(step, v, batch, seq))
+  row["logits_f32_bytes"] = tokens_of(step, batch, seq) * setup.vocab * 4
+  for variant in ("kldiv_jax", "stock"):  # the fused one first: it compiles (XLA:TPU's
+    # out-of-memory compiles of stock are the slow ones)
+    row[variant] = _or_error(lambda v=variant: estimate(setup, step, v, batch, seq))
   fused, stock = row["kldiv_jax"], row["stock"]
-  if "error" not in fused:
-    row["loss_chunk"] = _or_error(lambda: setup.loss_chunk_cost(step, tokens))
-    if "error" not in row["loss_chunk"]:
-      extra = row["loss_chunk"]["chunks"] - 1  # the looped step counts one chunk
-      fused["flops_unrolled"] = fused["flops"] + extra * row["loss_chunk"]["flops"]
-      fused["bytes_unrolled"] = fused["bytes"] + extra * row["loss_chunk"]["bytes"]
-      fused["seconds"] = roofline(fused["flops_unrolled"], fused["bytes_unrolled"], setup.target)
-  if "error" not in stock:
-    stock["seconds"] = roofline(stock["flops"], stock["bytes"], setup.target)
   if "seconds" in stock and "seconds" in fused:
     row["time_ratio"] = fused["seconds"] / stock["seconds"]
   if "error" not in stock and "error" not in fused:
@@ -491,7 +538,7 @@ def worker(args: argparse.Namespace) -> int:
       f.write(json.dumps(row) + "\n")
 
   for name in _list(args.models):
-    setup = Setup(args.worker, name, args.layers, args.quick)
+    setup = Setup(args.worker, name, args.layers, args.quick, args.remat)
     for seq in [int(s) for s in _list(args.seq)]:
       for step in _list(args.steps):
         row = case_record(setup, step, seq, args.batch)
@@ -502,7 +549,7 @@ def worker(args: argparse.Namespace) -> int:
         for variant in ("stock", "kldiv_jax"):
           known = {args.batch: row[variant]}
           found = max_batch(setup, step, variant, seq, known)
-          keys = ("target", "model", "step", "seq", "layers")
+          keys = ("target", "model", "step", "seq", "layers", "remat")
           save({"kind": "max_batch", "variant": variant} | {k: row[k] for k in keys} | found)
           print(f"  {setup.target} {name} {step} S={seq}: largest micro-batch {variant} "
                 f"{found['max_batch']}", file=sys.stderr, flush=True)  # fmt: skip
@@ -561,10 +608,12 @@ def table(rows: list[dict[str, Any]]) -> str:
   micro-batches found for its model, step and length."""
   latest: dict[tuple, dict] = {}
   largest: dict[tuple, int] = {}
+  probes: dict[tuple, dict] = {}
   for r in rows:
-    key = (r["target"], r["model"], r["step"], r["seq"], r["layers"])
+    key = (r["target"], r["model"], r["step"], r["seq"], r["layers"], r.get("remat", "none"))
     if r.get("kind", "step") == "max_batch":
       largest[(*key, r["variant"])] = r["max_batch"]
+      probes[(*key, r["variant"])] = r.get("probes", {})
     else:
       latest[(*key, r["batch"])] = r
   head = (
@@ -580,9 +629,16 @@ def table(rows: list[dict[str, Any]]) -> str:
     ts = f"{s['seconds'] * 1e3:.1f}" if "seconds" in s else "—"
     tf = f"{f['seconds'] * 1e3:.1f}" if "seconds" in f else "—"
     ratio = f"{r['time_ratio']:.3f}" if "time_ratio" in r else "—"
+    if "time_ratio" not in r:  # where both compile: the largest micro-batch of both searches
+      ps, pf = (probes.get((*key[:-1], v), {}) for v in ("stock", "kldiv_jax"))
+      both = [int(b) for b in ps if "seconds" in ps[b] and "seconds" in pf.get(b, {})]
+      if both:
+        b = str(max(both))
+        ratio = f"{pf[b]['seconds'] / ps[b]['seconds']:.3f} (B={b})"
     big = [largest.get((*key[:-1], v), "—") for v in ("stock", "kldiv_jax")]
+    remat = "" if r.get("remat", "none") == "none" else f", remat {r['remat']}"
     lines.append(
-      f"| {r['target']} | {r['model']} ({r['layers']}) | {r['step']} | {r['seq']} | {r['batch']} |"
+      f"| {r['target']} | {r['model']} ({r['layers']}{remat}) | {r['step']} | {r['seq']} | {r['batch']} |"
       f" {peak_s} | {peak_f} | {saved} | {ts} | {tf} | {ratio} | {big[0]} | {big[1]} |"
     )
   return "\n".join(lines)
@@ -598,6 +654,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--seq", default="4096,8192", help="comma-separated sequence lengths")
   p.add_argument("--batch", type=int, default=8, help="micro-batch (default 8)")
   p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+  p.add_argument(
+    "--remat", default="none", choices=("none", "block", "decoder"),
+    help="Tunix's RematConfig of the models (default: none, Tunix's default)",
+  )  # fmt: skip
   p.add_argument(
     "--max-batch", action=argparse.BooleanOptionalAction, default=True,
     help="search the largest micro-batch that fits the chip (one compile per probe)",
@@ -635,6 +695,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       cmd = [str(python), str(Path(__file__).resolve()), "--worker", target]
       cmd += ["--worker-out", str(jsonl), "--models", args.models, "--steps", args.steps]
       cmd += ["--seq", args.seq, "--batch", str(args.batch), "--layers", str(args.layers)]
+      cmd += ["--remat", args.remat]
       cmd += ["--max-batch" if args.max_batch else "--no-max-batch"]
       cmd += ["--quick"] if args.quick else []
       print(f"\n=== {target} ({kind}, compile-only) ===", flush=True)

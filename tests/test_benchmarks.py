@@ -321,15 +321,17 @@ def test_tunix_max_batch_search(monkeypatch, base_gib, per_batch_gib, fail_above
   class Setup:
     target, name = "v5e", "fake"
 
-    def compile(self, step, variant, batch, seq):
+    def measure(self, step, variant, batch, seq):
       compiles.append(batch)
       if fail_above is not None and batch > fail_above:
         raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
-      return _FakeCompiled(int((base_gib + per_batch_gib * batch) * 2**30))
+      compiled = _FakeCompiled(int((base_gib + per_batch_gib * batch) * 2**30))
+      return bench_tunix.memory(compiled) | {"flops": 1e12 * batch, "bytes": 1e9 * batch}
 
   found = bench_tunix.max_batch(Setup(), "grpo", "stock", 4096, {})
   assert found["max_batch"] == expected
   assert len(compiles) == len(set(compiles)) <= 8
+  assert sorted(int(b) for b in found["probes"]) == sorted(compiles)
 
 
 def test_tunix_section_parses_and_tabulates(monkeypatch):
@@ -351,3 +353,10 @@ def test_tunix_section_parses_and_tabulates(monkeypatch):
   cells = [c.strip() for c in table[2].strip("|").split("|")]
   assert cells[5:9] == ["OOM", "12.0", "1.25", "—"]
   assert cells[-3:] == ["0.900", "3", "11"]
+  # Without a time at B = 8 (stock did not compile): the ratio at the largest micro-batch of
+  # the searches where both compiled.
+  del step["time_ratio"]
+  largest[0]["probes"] = {"1": {"seconds": 2.0}, "2": {"seconds": 4.0}, "4": {"error": "OOM"}}
+  largest[1]["probes"] = {"1": {"seconds": 1.0}, "2": {"seconds": 3.0}, "8": {"seconds": 9.0}}
+  cells = [c.strip() for c in bench_tunix.table([step, *largest]).splitlines()[2].split("|")]
+  assert cells[-4] == "0.750 (B=2)"
