@@ -522,6 +522,10 @@ def case_record(setup: Setup, step: str, seq: int, batch: int) -> dict[str, Any]
   if "error" not in stock and "error" not in fused:
     row["peak_saved_bytes"] = peak(stock) - peak(fused)
     row["saved_over_logits"] = row["peak_saved_bytes"] / row["logits_f32_bytes"]
+  elif "error" not in fused and oom_temp_bytes(stock) is not None:
+    # at least: stock's temporaries alone (XLA:TPU's figure) against the fused step's peak
+    row["peak_saved_bytes_at_least"] = oom_temp_bytes(stock) - peak(fused)
+    row["saved_over_logits_at_least"] = row["peak_saved_bytes_at_least"] / row["logits_f32_bytes"]
   return row
 
 
@@ -541,15 +545,18 @@ def worker(args: argparse.Namespace) -> int:
     setup = Setup(args.worker, name, args.layers, args.quick, args.remat)
     for seq in [int(s) for s in _list(args.seq)]:
       for step in _list(args.steps):
-        row = case_record(setup, step, seq, args.batch)
-        save(row)
-        print(f"  {line(row)}", file=sys.stderr, flush=True)
-        if not args.max_batch:
+        keys = ("target", "model", "step", "seq", "layers", "remat")
+        row = {"target": setup.target, "model": name, "step": step, "seq": seq}
+        row |= {"layers": setup.cfg.num_layers, "remat": setup.remat}
+        if not args.search_only:
+          row = case_record(setup, step, seq, args.batch)
+          save(row)
+          print(f"  {line(row)}", file=sys.stderr, flush=True)
+        if not (args.max_batch or args.search_only):
           continue
         for variant in ("stock", "kldiv_jax"):
-          known = {args.batch: row[variant]}
+          known = {} if args.search_only else {args.batch: row[variant]}
           found = max_batch(setup, step, variant, seq, known)
-          keys = ("target", "model", "step", "seq", "layers", "remat")
           save({"kind": "max_batch", "variant": variant} | {k: row[k] for k in keys} | found)
           print(f"  {setup.target} {name} {step} S={seq}: largest micro-batch {variant} "
                 f"{found['max_batch']}", file=sys.stderr, flush=True)  # fmt: skip
@@ -598,9 +605,22 @@ def line(row: dict[str, Any]) -> str:
 
 
 def _failure(result: dict[str, Any]) -> str:
-  """``OOM`` (XLA could not fit the program in the chip's memory) or ``error``."""
+  """``OOM`` (XLA could not fit the program in the chip's memory; with XLA:TPU's figure of
+  the temporaries it needed, in GiB) or ``error``."""
   err = result["error"].lower()
-  return "OOM" if "memory" in err or "exhausted" in err else "error"
+  if "memory" not in err and "exhausted" not in err:
+    return "error"
+  needed = oom_temp_bytes(result)
+  return "OOM" if needed is None else f"OOM (temp {needed / 2**30:.1f})"
+
+
+def oom_temp_bytes(result: dict[str, Any]) -> float | None:
+  """The temporaries XLA:TPU said an out-of-memory program needs (its ``G``: GiB, as in its
+  "exceeds available HBM (15.75G)" of a 16 GiB v5e), or ``None``."""
+  import re
+
+  found = re.search(r"required for HLO temporaries \(([0-9.]+)G\)", result.get("error", ""))
+  return None if found is None else float(found.group(1)) * 2**30
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -626,6 +646,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     s, f = r["stock"], r["kldiv_jax"]
     peak_s, peak_f = (_gib(peak(x)) if "error" not in x else _failure(x) for x in (s, f))
     saved = f"{r['saved_over_logits']:.2f}" if "saved_over_logits" in r else "—"
+    if "error" in s and "error" not in f and oom_temp_bytes(s) is not None:
+      at_least = (oom_temp_bytes(s) - peak(f)) / r["logits_f32_bytes"]
+      saved = f"> {at_least:.2f}"
     ts = f"{s['seconds'] * 1e3:.1f}" if "seconds" in s else "—"
     tf = f"{f['seconds'] * 1e3:.1f}" if "seconds" in f else "—"
     ratio = f"{r['time_ratio']:.3f}" if "time_ratio" in r else "—"
@@ -662,6 +685,10 @@ def parser() -> argparse.ArgumentParser:
     "--max-batch", action=argparse.BooleanOptionalAction, default=True,
     help="search the largest micro-batch that fits the chip (one compile per probe)",
   )  # fmt: skip
+  p.add_argument(
+    "--search-only", action="store_true",
+    help="only the largest micro-batch (its probes' records), not the step at --batch",
+  )  # fmt: skip
   p.add_argument("--venvs", type=Path, default=None, help="where .venv-accel-* live (the repo)")
   p.add_argument("--report", action="store_true", help="print the tables of <out>/tunix.jsonl")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -697,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       cmd += ["--seq", args.seq, "--batch", str(args.batch), "--layers", str(args.layers)]
       cmd += ["--remat", args.remat]
       cmd += ["--max-batch" if args.max_batch else "--no-max-batch"]
+      cmd += ["--search-only"] if args.search_only else []
       cmd += ["--quick"] if args.quick else []
       print(f"\n=== {target} ({kind}, compile-only) ===", flush=True)
       proc = subprocess.run(cmd, env=_worker_env(target))
