@@ -428,9 +428,10 @@ def fits(result: dict[str, Any], target: str) -> bool:
 def max_batch(setup: Setup, step: str, variant: str, seq: int, known: dict[int, Any]) -> dict:
   """The largest micro-batch whose step compiles and fits the chip, with the probes made
   (``known``: batch -> memory or error, those measured already). The peak is close to linear
-  in the micro-batch: the line through two fitting probes (1 and 8, or 1 and 2) predicts the
-  largest, checked by compiling it and the next; then doubling and bisection from there (XLA:TPU
-  rematerialises a program to fit, so more than the line may fit)."""
+  in the micro-batch: the line through the two largest fitting probes (at first 1 and 2, or 1
+  and 8) predicts the largest, checked by compiling it and the next, up to three times (XLA
+  rematerialises a program to fit, so more than the line may fit); then doubling and
+  bisection from there."""
 
   def probe(b: int) -> bool:
     if b not in known:
@@ -449,20 +450,24 @@ def max_batch(setup: Setup, step: str, variant: str, seq: int, known: dict[int, 
 
   if not probe(1):
     return {"max_batch": 0, "probes": _probes(known)}
-  ok = sorted(b for b in known if fits(known[b], setup.target))
-  if len(ok) < 2:
+  if sum(fits(r, setup.target) for r in known.values()) < 2:
     probe(2)
-    ok = sorted(b for b in known if fits(known[b], setup.target))
-  if len(ok) >= 2:
-    b0, b1 = ok[0], ok[-1]
-    slope = (peak(known[b1]) - peak(known[b0])) / (b1 - b0)
-    if slope > 0:
-      guess = int(b0 + (TARGETS[setup.target]["hbm"] - peak(known[b0])) // slope)
-      guess = max(1, min(guess, MAX_BATCH))
-      if probe(guess) and guess < MAX_BATCH:
-        probe(guess + 1)
-      elif guess > 1:
-        probe(guess - 1)
+  for _ in range(3):  # the line through the two largest fitting probes, as long as it moves
+    lo, hi = bracket()
+    ok = sorted(b for b in known if fits(known[b], setup.target))[-2:]
+    if len(ok) < 2 or (hi is not None and hi == lo + 1):
+      break
+    slope = (peak(known[ok[1]]) - peak(known[ok[0]])) / (ok[1] - ok[0])
+    if slope <= 0:
+      break
+    guess = int(ok[1] + (TARGETS[setup.target]["hbm"] - peak(known[ok[1]])) // slope)
+    guess = max(lo, min(guess, MAX_BATCH, hi - 1 if hi is not None else MAX_BATCH))
+    if guess in known and guess + 1 in known:
+      break
+    if probe(guess) and guess < MAX_BATCH:
+      probe(guess + 1)
+    elif guess > 1:
+      probe(guess - 1)
   lo, hi = bracket()
   while hi is None and lo < MAX_BATCH:
     nxt = min(2 * lo, MAX_BATCH)
