@@ -381,9 +381,10 @@ class Setup:
 
 
 def vocab_arrays(hlo: str, vocab: int, hidden: int, top: int = 3) -> list[list]:
-  """The largest arrays of the optimised HLO with a vocabulary-sized axis, other than the head
-  (``[V, H]``, ``[H, V]``): ``[[dtype, shape, bytes], ...]``, largest first: the logits a
-  step holds (or a fused loss's chunk of them)."""
+  """The largest arrays of the optimised HLO (fusions' insides included) with a
+  vocabulary-sized axis, other than the head's shapes ``[V, H]``, ``[H, V]`` (a chunk of
+  ``H`` tokens' logits has them too): ``[[dtype, shape, bytes], ...]``, largest first: the
+  logits a step holds (or a fused loss's chunk of them)."""
   import re
 
   import numpy as np
@@ -647,7 +648,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     " largest B stock | largest B kldiv_jax |"
   )
   lines = [head, "|" + "---|" * 13]
-  for key, r in latest.items():
+  order = {name: i for i, name in enumerate((*TARGETS, *MODELS, *STEPS))}
+  for key, r in sorted(  # target, model, length, step, micro-batch (largest first)
+    latest.items(),
+    key=lambda kv: (order[kv[0][0]], order[kv[0][1]], kv[0][3], order[kv[0][2]], -kv[0][-1]),
+  ):
     s, f = r["stock"], r["kldiv_jax"]
     peak_s, peak_f = (_gib(peak(x)) if "error" not in x else _failure(x) for x in (s, f))
     saved = f"{r['saved_over_logits']:.2f}" if "saved_over_logits" in r else "—"
