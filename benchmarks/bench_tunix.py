@@ -162,8 +162,6 @@ def hidden_states(model, tokens, **kwargs):
 
 def grpo_losses(t, name: str) -> dict[str, Callable]:
   """``{"stock": f, "kldiv_jax": g}``: GRPO policy losses ``(model, batch) -> (loss, aux)``."""
-  import jax.numpy as jnp
-
   import kldiv_jax
 
   algo = types.SimpleNamespace(**GRPO)
@@ -193,7 +191,6 @@ def grpo_losses(t, name: str) -> dict[str, Callable]:
     )  # fmt: skip
     return loss, {"pg_loss": m.pg_loss, "kl": m.kl, "entropy": m.entropy, "ppo_kl": m.approx_kl}
 
-  del jnp
   return {"stock": stock, "kldiv_jax": fused}
 
 
