@@ -16,6 +16,9 @@
 #   make bench      benchmarks/run.py
 #   make bench-accel  every loss compiled for TPU v5e/v6e and an H100 without the device
 #                   (XLA's estimates; creates .venv-accel-tpu and .venv-accel-cuda on first use)
+#   make bench-tunix  Tunix's GRPO policy update and distillation train step (Qwen 3 0.6B, Gemma 3
+#                   1B), stock against the fused losses, compiled for v5e and an H100 without the
+#                   device (XLA's estimates; adds google-tunix to bench-accel's environments)
 #   make bench-device bench-accel's cases timed for real on the attached GPU or TPU (the
 #                   venv's jax must see it: e.g. jax[cuda12] installed there)
 #   make fixtures   regenerate tests/fixtures from torch (installs torch==2.13.0 if missing)
@@ -33,7 +36,7 @@ PYTEST_ARGS ?= -q -n 2
 DOCS_TEST_PATHS ?= docs kldiv_jax README.md
 DEMO_ARGS ?=
 
-.PHONY: venv demo test lint format typecheck build docs bench bench-accel bench-device fixtures integration integration-deps clean
+.PHONY: venv demo test lint format typecheck build docs bench bench-accel bench-tunix bench-device fixtures integration integration-deps clean
 
 venv: $(STAMP)
 
@@ -87,6 +90,9 @@ bench: venv
 # Compile-only: needs no accelerator; its environments are its own (benchmarks/bench_accel.py).
 bench-accel: venv
 	$(PY) benchmarks/bench_accel.py $(BENCH_ARGS)
+
+bench-tunix: venv
+	$(PY) benchmarks/bench_tunix.py $(BENCH_ARGS)
 
 bench-device: venv
 	$(PY) benchmarks/bench_device.py $(BENCH_ARGS)

@@ -525,10 +525,10 @@ def _cases(args: argparse.Namespace) -> list[str]:
   return chosen
 
 
-def venv_python(kind: str, jax_version: str) -> Path:
-  """The interpreter of ``.venv-accel-<kind>``, created with ``jax[<extra>]==jax_version``
-  on first use (or when the version changed)."""
-  venv = REPO / f".venv-accel-{kind}"
+def venv_python(kind: str, jax_version: str, root: Path = REPO) -> Path:
+  """The interpreter of ``<root>/.venv-accel-<kind>`` (``root``: the repository), created with
+  ``jax[<extra>]==jax_version`` on first use (or when the version changed)."""
+  venv = root / f".venv-accel-{kind}"
   python = venv / "bin" / "python"
   stamp = venv / f".installed-jax-{jax_version}"
   if not stamp.exists():

@@ -39,9 +39,9 @@ if str(HERE) not in sys.path:  # `import bench_<name>`, `import _harness`
 
 ORDER = ("core", "logits")
 # Sections run only when named (`--sections accel`): they need their own environments
-# (accel), an accelerator and tens of GB of its memory (device), or minutes of CPU sorting
-# (uld).
-OPT_IN = ("accel", "device", "uld")
+# (accel, tunix), an accelerator and tens of GB of its memory (device), or minutes of CPU
+# sorting (uld).
+OPT_IN = ("accel", "device", "tunix", "uld")
 
 
 def available_sections() -> list[str]:

@@ -244,7 +244,7 @@ def test_accel_section_parses_and_is_opt_in(monkeypatch):
   args = bench_accel.parser().parse_args(["--quick", "--targets", "v5e", "--cases", "kl_div"])
   assert args.quick and args.targets == "v5e" and bench_accel._cases(args) == ["kl_div"]
   assert "accel" in run.available_sections()
-  assert run.OPT_IN == ("accel", "device", "uld")
+  assert run.OPT_IN == ("accel", "device", "tunix", "uld")
   row = {"case": "tvd", "kind": "row", "shape": [8, 4], "dtype": "float32"}
   row |= {"time_ratio": 0.9, "naive_hbm_ratio": 4.0, "hbm_ratio": 2.0, "temp_ratio": 0.0}
   fused = {"case": "fused_topk", "kind": "fused", "shape": [8, 2, 4], "dtype": "bfloat16"}
@@ -301,3 +301,79 @@ def test_uld_section_reports_time_temp_and_its_target(monkeypatch, tmp_path):
     assert all(result["memory"][n][op]["temp_bytes"] is not None for n in names)
   (target,) = result["targets"]
   assert target["value"] is not None and target["pass"] is True
+
+
+class _FakeCompiled:
+  """A compiled step whose memory_analysis() reports ``peak`` bytes (XLA's peak)."""
+
+  def __init__(self, peak):
+    self.peak = peak
+
+  def memory_analysis(self):
+    return argparse.Namespace(
+      argument_size_in_bytes=1, output_size_in_bytes=1, alias_size_in_bytes=0,
+      temp_size_in_bytes=self.peak - 2, generated_code_size_in_bytes=0,
+      peak_memory_in_bytes=self.peak,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+  ("base_gib", "per_batch_gib", "fail_above", "expected"),
+  [
+    (2.0, 1.0, None, 14),  # linear: (16 - 2) / 1 = 14
+    (2.0, 0.3, None, 46),  # linear: (16 - 2) / 0.3 = 46.7
+    (2.0, 1.0, 9, 9),  # XLA cannot fit above 9 (a compile error), whatever the line says
+    (17.0, 1.0, None, 0),  # not even one sequence
+  ],
+)
+def test_tunix_max_batch_search(monkeypatch, base_gib, per_batch_gib, fail_above, expected):
+  """bench_tunix's largest micro-batch on a 16 GiB v5e: a compile error or a peak above the
+  chip's memory is "does not fit"; the answer is the closed form of a linear peak (or the
+  compile limit), found in a handful of compiles."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_tunix
+
+  compiles = []
+
+  class Setup:
+    target, name = "v5e", "fake"
+
+    def measure(self, step, variant, batch, seq):
+      compiles.append(batch)
+      if fail_above is not None and batch > fail_above:
+        raise RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+      compiled = _FakeCompiled(int((base_gib + per_batch_gib * batch) * 2**30))
+      return bench_tunix.memory(compiled) | {"flops": 1e12 * batch, "bytes": 1e9 * batch}
+
+  found = bench_tunix.max_batch(Setup(), "grpo", "stock", 4096, {})
+  assert found["max_batch"] == expected
+  assert len(compiles) == len(set(compiles)) <= 8
+  assert sorted(int(b) for b in found["probes"]) == sorted(compiles)
+
+
+def test_tunix_section_parses_and_tabulates(monkeypatch):
+  """bench_tunix's CLI parses without its environments and its table shows a step that XLA
+  could not fit as OOM, the peak saved over the float32 logits and the largest micro-batches."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_tunix
+
+  args = bench_tunix.parser().parse_args(["--targets", "v5e", "--no-max-batch", "--seq", "4096"])
+  assert not args.max_batch and args.seq == "4096" and args.batch == 8
+  case = {"target": "v5e", "model": "qwen3_0p6b", "step": "grpo", "seq": 4096, "layers": 2}
+  step = case | {"kind": "step", "batch": 8, "saved_over_logits": 1.25, "time_ratio": 0.9}
+  step["stock"] = {"error": "XlaRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in hbm"}
+  step["kldiv_jax"] = {"peak_bytes": 3 * 2**30, "xla_peak_bytes": 12 * 2**30, "seconds": 0.5}
+  largest = [case | {"kind": "max_batch", "variant": v, "max_batch": b} for v, b in
+             (("stock", 3), ("kldiv_jax", 11))]  # fmt: skip
+  table = bench_tunix.table([step, *largest]).splitlines()
+  assert len(table) == 3
+  cells = [c.strip() for c in table[2].strip("|").split("|")]
+  assert cells[5:9] == ["OOM", "12.0", "1.25", "—"]
+  assert cells[-3:] == ["0.900", "3", "11"]
+  # Without a time at B = 8 (stock did not compile): the ratio at the largest micro-batch of
+  # the searches where both compiled.
+  del step["time_ratio"]
+  largest[0]["probes"] = {"1": {"seconds": 2.0}, "2": {"seconds": 4.0}, "4": {"error": "OOM"}}
+  largest[1]["probes"] = {"1": {"seconds": 1.0}, "2": {"seconds": 3.0}, "8": {"seconds": 9.0}}
+  cells = [c.strip() for c in bench_tunix.table([step, *largest]).splitlines()[2].split("|")]
+  assert cells[-4] == "0.750 (B=2)"
