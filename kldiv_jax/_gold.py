@@ -106,8 +106,9 @@ def gold_loss(
       reverse KL).
     matched_weight, unmatched_weight: GOLD's ``uld_hybrid_matched_weight`` and
       ``uld_hybrid_unmatched_weight`` (both ``None``: adaptive).
-    student_temperature, teacher_temperature, where, reduction, student_groups,
-      teacher_groups, student_tokens, teacher_tokens, merge_strategy: as :func:`uld_loss`.
+    student_temperature, teacher_temperature, where, reduction: as :func:`uld_loss`.
+    student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy: as
+      :func:`uld_loss` (the alignment and its span merging).
 
   Returns:
     A scalar (``"none"``: per row) in the promoted logits dtype.
