@@ -14,6 +14,8 @@ targets and writes ``<out>/<name>.json`` (``_harness.py`` holds what they share)
 * ``precision``: every divergence on bf16 logits against float64;
 * ``accel`` (only when named): every loss compiled for TPU and an H100, XLA's estimates.
 * ``device`` (only when named): ``accel``'s cases timed on the attached GPU or TPU.
+* ``tunix`` (only when named): Tunix's whole GRPO and distillation train steps, stock
+  against the fused losses, compiled for v5e and an H100 (XLA's estimates; its own venvs).
 * ``uld`` (only when named): ULD's sort at V=151936 (minutes of CPU sorting): the
   chunked ``uld_loss``, ``uld_loss_from_topk``; ``--accel``: XLA's v5e and H100 estimates.
 
