@@ -148,27 +148,25 @@ def _parse(
   return _Parsed(options, aggregation, normalizer, rollout_correction, bounds, valid)
 
 
-def _with_trl_options(name, parsed: _Parsed, vespo_gamma, threshold, fraction) -> _Parsed:
-  """``parsed`` with the VESPO, off-policy-mask and top-entropy options (:mod:`_trl_options`)."""
-  gamma, threshold, fraction = check_trl_options(
-    name, parsed.options.surrogate, parsed.rollout_correction, vespo_gamma, threshold, fraction
-  )
-  options = parsed.options._replace(
-    vespo_gamma=gamma, off_policy_threshold=threshold, top_entropy_fraction=fraction
-  )
-  return parsed._replace(options=options)
-
-
 def _parse_more(
-  name, parsed: _Parsed, *, cov_fraction, cov_bounds, cov_kl_coef, cov_key, rollout_rejection,
-  rollout_normalize, has_rollout,
+  name, parsed: _Parsed, *, vespo_gamma, off_policy_threshold, top_entropy_fraction,
+  cov_fraction, cov_bounds, cov_kl_coef, cov_key, rollout_rejection, rollout_normalize,
+  has_rollout,
 ) -> _Parsed:  # fmt: skip
-  """``parsed`` with the options of Clip-Cov/KL-Cov and of rollout rejection checked."""
+  """``parsed`` with the peers' further options checked: TRL's VESPO, off-policy and
+  top-entropy masks (:mod:`_trl_options`), verl's Clip-Cov/KL-Cov and rollout rejection."""
+  gamma, threshold, top = check_trl_options(
+    name, parsed.options.surrogate, parsed.rollout_correction, vespo_gamma,
+    off_policy_threshold, top_entropy_fraction,
+  )  # fmt: skip
   fraction, bounds, coef, key = parse_cov(name, cov_fraction, cov_bounds, cov_kl_coef, cov_key)
   rejection, normalize = parse_rollout_options(
     name, rollout_rejection, rollout_normalize, parsed.rollout_correction, has_rollout
   )
-  options = parsed.options._replace(cov_fraction=fraction, cov_bounds=bounds, cov_kl_coef=coef)
+  options = parsed.options._replace(
+    vespo_gamma=gamma, off_policy_threshold=threshold, top_entropy_fraction=top,
+    cov_fraction=fraction, cov_bounds=bounds, cov_kl_coef=coef,
+  )  # fmt: skip
   return parsed._replace(
     options=options, rejection=rejection, rollout_normalize=normalize, cov_key=key
   )
@@ -393,10 +391,11 @@ def policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
-  parsed = _with_trl_options(name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction)
   parsed = _parse_more(
-    name, parsed, cov_fraction=cov_fraction, cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef,
-    cov_key=cov_key, rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
+    name, parsed, vespo_gamma=vespo_gamma, off_policy_threshold=off_policy_threshold,
+    top_entropy_fraction=top_entropy_fraction, cov_fraction=cov_fraction,
+    cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef, cov_key=cov_key,
+    rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
     has_rollout=rollout_log_probs is not None,
   )  # fmt: skip
   named = {"log_probs": log_probs, "old_log_probs": old_log_probs, "advantages": advantages}
@@ -600,10 +599,11 @@ def fused_policy_loss(
     kl_in_loss=kl_in_loss, entropy_coef=entropy_coef, rollout_correction=rollout_correction,
     rollout_bounds=rollout_bounds,
   )  # fmt: skip
-  parsed = _with_trl_options(name, parsed, vespo_gamma, off_policy_threshold, top_entropy_fraction)
   parsed = _parse_more(
-    name, parsed, cov_fraction=cov_fraction, cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef,
-    cov_key=cov_key, rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
+    name, parsed, vespo_gamma=vespo_gamma, off_policy_threshold=off_policy_threshold,
+    top_entropy_fraction=top_entropy_fraction, cov_fraction=cov_fraction,
+    cov_bounds=cov_bounds, cov_kl_coef=cov_kl_coef, cov_key=cov_key,
+    rollout_rejection=rollout_rejection, rollout_normalize=rollout_normalize,
     has_rollout=rollout_log_probs is not None,
   )  # fmt: skip
   keep = None

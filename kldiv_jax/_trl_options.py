@@ -137,7 +137,7 @@ def check_trl_options(name, surrogate, rollout_correction, vespo_gamma, off_poli
       f"the lambdas >= 0; got {vespo_gamma!r}."
     )
   gamma = tuple(float(x) for x in gamma)
-  if surrogate == "vespo" and rollout_correction.startswith("sequence"):
+  if surrogate == "vespo" and (rollout_correction or "").startswith("sequence"):
     raise ValueError(
       f"{name}: surrogate='vespo' takes the per-token rollout corrections ('token_truncate' or "
       f"'token_mask'), which it folds into its sequence weight (as TRL); got "

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _references import central_difference
 
-from kldiv_jax import fused_policy_loss, policy_loss, token_log_probs
+from kldiv_jax import fused_policy_loss, policy_loss, rollout_rejection_mask, token_log_probs
 
 B, T = 4, 6
 SEGMENTS = np.array([[1, 1, 2, 2, 2, 0], [1, 1, 1, 1, 0, 0], [0] * T, [1, 2, 2, 3, 3, 3]])
@@ -235,6 +235,21 @@ def test_sequence_clip_metrics(x64, rng, packed, surrogate):
   assert frac_low.max() + frac_high.max() > 0  # something clipped
   if surrogate == "gspo" and not packed:
     assert set(frac_low) | set(frac_high) <= {0.0, 1.0}
+
+
+def test_vespo_with_rejection_only(x64, rng):
+  """VESPO beside verl's rollout rejection without weights (``rollout_correction=None``): the
+  loss of VESPO on the tokens :func:`rollout_rejection_mask` keeps (no weights to fold in)."""
+  d = batch(rng)
+  modes = {"token_k1": (0.9, 1.1)}
+  keep = rollout_rejection_mask(d["old"], d["rollout"], modes, where=d["mask"] > 0)
+  assert 0 < int(keep.sum()) < int((d["mask"] > 0).sum())
+  got, _ = policy_loss(
+    d["logp"], d["old"], d["adv"], where=d["mask"] > 0, surrogate="vespo",
+    rollout_log_probs=d["rollout"], rollout_correction=None, rollout_rejection=modes,
+  )  # fmt: skip
+  want, _ = policy_loss(d["logp"], d["old"], d["adv"], where=keep, surrogate="vespo")
+  np.testing.assert_allclose(got, want, rtol=1e-13)
 
 
 def test_metrics_without_tokens_are_zero(x64, rng):
