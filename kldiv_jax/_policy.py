@@ -18,7 +18,6 @@ from kldiv_jax._checks import (
   check_normalizer,
   clip_bounds,
   compute_dtype,
-  mask_array,
   promote_and_broadcast,
   real_scalar,
   result_dtype,
@@ -45,8 +44,8 @@ from kldiv_jax._surrogates import (
   Weights,
   aggregation_weights,
   reduce_metrics,
-  sequence_layout,
   sequence_log_ratio,
+  token_layout,
   token_losses,
 )
 from kldiv_jax._trl_options import check_trl_options, selection
@@ -69,15 +68,6 @@ def _scalar(name, option, value, test, expected):
       raise ValueError(f"{name}: {option} must be {expected}; got {value!r}.")
     return out, True
   return out, test(out)
-
-
-def _token_array(name, arg, value, shape, kind):
-  a = jnp.asarray(as_array(name, arg, value))
-  if not jnp.issubdtype(a.dtype, kind):
-    raise TypeError(f"{name}: {arg} must be an {kind.__name__} array; got dtype {a.dtype}.")
-  if a.shape != shape:
-    raise ValueError(f"{name}: {arg} must have the tokens' shape {shape}; got {a.shape}.")
-  return a
 
 
 class _Parsed(NamedTuple):
@@ -221,19 +211,7 @@ def _layout(name, shape, named, where, segment_ids, parsed: _Parsed, dtypes=(), 
   if jnp.broadcast_shapes(got, shape) != shape:
     raise ValueError(f"{name}: the per-token arrays broadcast to {got}, not the tokens' {shape}.")
   out_dtype = result_dtype(out_dtype, *dtypes)  # standard promotion, in strict mode too
-  mask = jnp.ones(shape, bool)
-  if where is not None:
-    w = mask_array(name, where)
-    if jnp.broadcast_shapes(w.shape, shape) != shape:
-      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
-    mask = jnp.broadcast_to(w, shape)
-  mask = mask if keep is None else mask & keep
-  ids = (
-    None
-    if segment_ids is None
-    else _token_array(name, "segment_ids", segment_ids, shape, jnp.integer)
-  )
-  segment, num_segments, mask, ids_ok = sequence_layout(shape, mask, ids)
+  segment, num_segments, mask, ids_ok = token_layout(name, shape, where, segment_ids, keep)
   # Padding cannot leak, -inf included.
   a = {k: jnp.where(mask, jnp.broadcast_to(x, shape), 0.0) for k, x in zip(named, arrays)}
   dtype = compute_dtype(out_dtype)

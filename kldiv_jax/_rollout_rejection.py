@@ -26,7 +26,6 @@ from kldiv_jax._checks import (
   as_array,
   check_bool,
   compute_dtype,
-  mask_array,
   promote_and_broadcast,
 )
 from kldiv_jax._surrogates import (
@@ -36,7 +35,7 @@ from kldiv_jax._surrogates import (
   _segment_sum,
   aggregation_weights,
   rollout_weights,
-  sequence_layout,
+  token_layout,
 )
 
 REJECTION_MODES = (
@@ -232,21 +231,7 @@ def rollout_rejection_mask(
   shape = logp.shape
   if len(shape) == 0:
     raise ValueError(f"{name}: log_probs must have a token axis, shape [..., T]; got a scalar.")
-  mask = jnp.ones(shape, bool)
-  if where is not None:
-    w = mask_array(name, where)
-    if jnp.broadcast_shapes(w.shape, shape) != shape:
-      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
-    mask = jnp.broadcast_to(w, shape)
-  ids = None
-  if segment_ids is not None:
-    ids = jnp.asarray(as_array(name, "segment_ids", segment_ids))
-    if not jnp.issubdtype(ids.dtype, jnp.integer) or ids.shape != shape:
-      raise ValueError(
-        f"{name}: segment_ids must be integers of the tokens' shape {shape}; got {ids.dtype} "
-        f"{ids.shape}."
-      )
-  segment, num_segments, mask, _ = sequence_layout(shape, mask, ids)
+  segment, num_segments, mask, _ = token_layout(name, shape, where, segment_ids)
   dtype = compute_dtype(logp.dtype)
   weights = aggregation_weights(mask, segment, num_segments, "token-mean", None, dtype)
   logp, rollout = logp.astype(dtype), rollout.astype(dtype)

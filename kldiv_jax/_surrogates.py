@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kldiv_jax._checks import as_array, mask_array
 from kldiv_jax._cov_clip import COV_SURROGATES, cov_token_losses
 from kldiv_jax._numerics import at_most
 from kldiv_jax._rl import kl_estimate
@@ -182,6 +183,27 @@ def sequence_layout(shape, mask, segment_ids):
   valid = jnp.all((ids >= 0) & (ids <= length))
   segment = row * (length + 1) + jnp.clip(ids, 0, length)
   return segment, max(rows * (length + 1), 1), mask & (ids != 0), valid
+
+
+def token_layout(name, shape, where=None, segment_ids=None, keep=None):
+  """:func:`sequence_layout` of the tokens ``shape`` (``[..., T]``) from the user's ``where``
+  (a boolean mask broadcastable to them), ``keep`` (bool, the tokens' shape) and
+  ``segment_ids`` (integers of the tokens' shape); errors name ``name`` and the argument."""
+  mask = jnp.ones(shape, bool)
+  if where is not None:
+    w = mask_array(name, where)
+    if jnp.broadcast_shapes(w.shape, shape) != shape:
+      raise ValueError(f"{name}: where has shape {w.shape}, which does not broadcast to {shape}.")
+    mask = jnp.broadcast_to(w, shape)
+  mask = mask if keep is None else mask & keep
+  ids = None
+  if segment_ids is not None:
+    ids = jnp.asarray(as_array(name, "segment_ids", segment_ids))
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"{name}: segment_ids must be an integer array; got dtype {ids.dtype}.")
+    if ids.shape != shape:
+      raise ValueError(f"{name}: segment_ids must have the tokens' shape {shape}; got {ids.shape}.")
+  return sequence_layout(shape, mask, ids)
 
 
 def aggregation_weights(
