@@ -20,9 +20,10 @@ from kldiv_jax._id_checks import check_ids, index_array
 from kldiv_jax._numerics import is_static, nan_unless, nonnegative_finite
 from kldiv_jax._uld import (
   PROBABILITY_FLOOR,
-  aligned_rows,
   check_reduction,
+  probability_rows,
   reduce_rows,
+  row_operands,
   sorted_l1,
 )
 
@@ -129,11 +130,12 @@ def gold_loss(
   reduction = check_reduction(name, reduction)
   beta, _ = check_unit_interval(name, "beta", beta)
   spec = loss_divergence(name, divergence, beta)
-  rows = aligned_rows(
+  rows = row_operands(
     name, student_logits, teacher_logits, student_temperature, teacher_temperature, where,
     student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy,
   )  # fmt: skip
-  vs, vt = rows.student.shape[-1], rows.teacher.shape[-1]
+  ps, pt = probability_rows(rows, merge_strategy)
+  vs, vt = ps.shape[-1], pt.shape[-1]
   sid = _vocabulary_ids(name, "student_ids", student_ids, vs)
   tid = _vocabulary_ids(name, "teacher_ids", teacher_ids, vt)
   if sid.shape != tid.shape:
@@ -142,7 +144,7 @@ def gold_loss(
       f"{sid.shape} and {tid.shape}."
     )
   w_m, w_u, w_checks = _weights(name, matched_weight, unmatched_weight, tid.shape[0], vt)
-  q, p = rows.student, rows.teacher
+  q, p = ps, pt
   # The matched entries, floored: TRL's log(clamp_min(1e-8)) before generalized_jsd_loss.
   qm = jnp.maximum(jnp.take(q, sid, axis=-1, mode="clip"), PROBABILITY_FLOOR)
   pm = jnp.maximum(jnp.take(p, tid, axis=-1, mode="clip"), PROBABILITY_FLOOR)

@@ -160,27 +160,31 @@ def merge_spans(
   return merge_rows(p, tok, g, strategy).astype(dtype)
 
 
-class Aligned(NamedTuple):
-  """The rows a ULD-family loss compares: probabilities of each side and which rows count."""
+class Operands(NamedTuple):
+  """A ULD-family loss's checked operands (:func:`row_operands`)."""
 
-  student: jax.Array  # [rows..., Vs]
-  teacher: jax.Array  # [rows..., Vt]
-  valid: jax.Array  # [rows...]
+  zs: jax.Array  # the logits as given, [..., Vs] and [..., Vt]
+  zt: jax.Array
+  ts: jax.Array  # the temperatures, in the compute dtype
+  tt: jax.Array
+  valid: jax.Array  # [rows...]: the rows that count
+  align: tuple | None  # (student_groups, teacher_groups, student_tokens, teacher_tokens)
+  cdt: jnp.dtype  # the compute dtype
   out_dtype: jnp.dtype
-  checks: tuple
+  checks: tuple  # the traced temperatures' range tests (NaN when one fails)
 
 
-def aligned_rows(
+def row_operands(
   name, student_logits, teacher_logits, student_temperature, teacher_temperature, where,
-  student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy,
-) -> Aligned:  # fmt: skip
-  """Validate and lay out a ULD-family loss's rows (errors name ``name``).
+  student_groups=None, teacher_groups=None, student_tokens=None, teacher_tokens=None,
+  merge_strategy="observed",
+) -> Operands:  # fmt: skip
+  """Validate a ULD-family loss's operands and lay out its rows (errors name ``name``).
 
   Without groups each position is a row (the shapes without the class axis must agree,
   GOLD's positional ULD after truncation to the shorter side). With groups (all four of
   ``*_groups`` and ``*_tokens``) the logits are ``[..., T, V]`` and the rows the groups
-  ``[..., G]``, merged by :func:`merge_rows`; a group counts when both sides' are
-  non-empty (TRL drops the others).
+  ``[..., G]``; a group counts when both sides' are non-empty (TRL drops the others).
   """
   names = ("student_logits", "teacher_logits")
   out_dtype = check_float(name, names, student_logits, teacher_logits)
@@ -212,15 +216,19 @@ def aligned_rows(
       )
     valid = valid & w
   ts, tt = (jnp.asarray(x).astype(cdt) for x in (ts, tt))
-  if align is None:
-    ps, pt = _probabilities(zs, ts, valid, cdt), _probabilities(zt, tt, valid, cdt)
-  else:
-    gs, gt, ys, yt = align
-    ps = _probabilities(zs, ts, _used(gs, valid, zs.shape[-2]), cdt)
-    pt = _probabilities(zt, tt, _used(gt, valid, zt.shape[-2]), cdt)
-    ps = merge_rows(ps, ys, gs, merge_strategy)
-    pt = merge_rows(pt, yt, gt, merge_strategy)
-  return Aligned(ps, pt, valid, out_dtype, (ok_s, ok_t))
+  return Operands(zs, zt, ts, tt, valid, align, cdt, out_dtype, (ok_s, ok_t))
+
+
+def probability_rows(o: Operands, merge_strategy: str) -> tuple[jax.Array, jax.Array]:
+  """Each row's probabilities, student and teacher ``[rows..., V]`` (with groups, the spans
+  merged by :func:`merge_rows`); rows outside ``o.valid`` are selected away before the
+  softmax."""
+  if o.align is None:
+    return _probabilities(o.zs, o.ts, o.valid, o.cdt), _probabilities(o.zt, o.tt, o.valid, o.cdt)
+  gs, gt, ys, yt = o.align
+  ps = _probabilities(o.zs, o.ts, _used(gs, o.valid, o.zs.shape[-2]), o.cdt)
+  pt = _probabilities(o.zt, o.tt, _used(gt, o.valid, o.zt.shape[-2]), o.cdt)
+  return merge_rows(ps, ys, gs, merge_strategy), merge_rows(pt, yt, gt, merge_strategy)
 
 
 def _alignment(name, zs, zt, *arrays):
@@ -376,14 +384,12 @@ def uld_loss(
   """
   name = "uld_loss"
   reduction = check_reduction(name, reduction)
-  rows = aligned_rows(
+  o = row_operands(
     name, student_logits, teacher_logits, student_temperature, teacher_temperature, where,
     student_groups, teacher_groups, student_tokens, teacher_tokens, merge_strategy,
   )  # fmt: skip
-  if student_groups is None:  # positions: the chunked sort from the logits (bounded memory)
-    zs, zt = (jnp.asarray(z).astype(rows.student.dtype) for z in (student_logits, teacher_logits))
-    per_row = uld_rows(zs, zt, student_temperature, teacher_temperature, rows.valid)
+  if o.align is None:  # positions: the chunked sort from the logits (bounded memory)
+    per_row = uld_rows(o.zs.astype(o.cdt), o.zt.astype(o.cdt), o.ts, o.tt, o.valid)
   else:
-    per_row = sorted_l1(rows.student, rows.teacher)
-  out = reduce_rows(per_row, rows.valid, reduction)
-  return nan_unless(out, *rows.checks).astype(rows.out_dtype)
+    per_row = sorted_l1(*probability_rows(o, merge_strategy))
+  return nan_unless(reduce_rows(per_row, o.valid, reduction), *o.checks).astype(o.out_dtype)

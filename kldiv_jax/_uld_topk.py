@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._checks import check_float, check_int, compute_dtype, mask_array, result_dtype
+from kldiv_jax._checks import check_int
 from kldiv_jax._numerics import nan_unless
-from kldiv_jax._uld import check_reduction, check_temperature_of, reduce_rows
+from kldiv_jax._uld import check_reduction, reduce_rows, row_operands
 
 
 def side_topk(z: jax.Array, t: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -114,30 +114,8 @@ def uld_loss_from_topk(
   k = check_int(name, "k", k)
   if k < 1:
     raise ValueError(f"{name}: k must be at least 1 (the ranks compared one by one); got {k}.")
-  names = ("student_logits", "teacher_logits")
-  out_dtype = check_float(name, names, student_logits, teacher_logits)
-  cdt = compute_dtype(result_dtype(out_dtype))
-  zs, zt = (jnp.asarray(x) for x in (student_logits, teacher_logits))
-  for arg, z in zip(names, (zs, zt)):
-    if z.ndim == 0 or z.shape[-1] == 0:
-      raise ValueError(f"{name}: {arg} must have a class axis, [..., vocab]; got {z.shape}.")
-  if zs.shape[:-1] != zt.shape[:-1]:
-    raise ValueError(
-      f"{name}: student_logits and teacher_logits must have the same shape without the "
-      f"class axis (one row per aligned position); got {zs.shape} and {zt.shape}."
-    )
-  ts, ok_s = check_temperature_of(name, "student_temperature", student_temperature)
-  tt, ok_t = check_temperature_of(name, "teacher_temperature", teacher_temperature)
-  valid = jnp.ones(zs.shape[:-1], jnp.bool_)
-  if where is not None:
-    w = mask_array(name, where)
-    if w.shape != valid.shape:
-      raise ValueError(
-        f"{name}: where must be a row mask of shape {valid.shape} (the logits' shape "
-        f"without the class axis); got {w.shape}."
-      )
-    valid = w
-  per_row = topk_distance(
-    zs.astype(cdt), zt.astype(cdt), jnp.asarray(ts, cdt), jnp.asarray(tt, cdt), k
+  o = row_operands(
+    name, student_logits, teacher_logits, student_temperature, teacher_temperature, where
   )
-  return nan_unless(reduce_rows(per_row, valid, reduction), ok_s, ok_t).astype(out_dtype)
+  per_row = topk_distance(o.zs.astype(o.cdt), o.zt.astype(o.cdt), o.ts, o.tt, k)
+  return nan_unless(reduce_rows(per_row, o.valid, reduction), *o.checks).astype(o.out_dtype)
