@@ -1519,3 +1519,31 @@ def verl_batch_normalize(w, mask, level):
     valid = m.sum(-1) > 0
     mean = (seq * valid).sum() / max(valid.sum(), 1e-8)
   return w / mean if mean > 1e-8 else w
+
+
+# ---------------------------------------------------------------- packing the policy tests' batch
+
+# The policy tests' batch holds sequences of 6, 4, 0 and 2 counted tokens (a prefix of each
+# row): packed into two rows of PACKED_LENGTH tokens, [seq 0 | pad] and [seq 1, seq 3 | pad],
+# segment ids 1 and 1, 2 (0: padding). (row, sequence, start, id) of each packed sequence:
+PACKING = ((0, 0, 0, 1), (1, 1, 0, 1), (1, 3, 4, 2))
+PACKED_LENGTH = 8
+
+
+def pack(x, mask, fill=0):
+  """``x [B, T]``'s counted tokens laid out as :data:`PACKING` says, ``[2, PACKED_LENGTH]``
+  (``fill`` elsewhere)."""
+  x = np.asarray(x)
+  out = np.full((2, PACKED_LENGTH), fill, x.dtype)
+  for row, seq, start, _ in PACKING:
+    n = int(np.sum(mask[seq]))
+    out[row, start : start + n] = x[seq, :n]
+  return out
+
+
+def packed_segment_ids(mask):
+  """The segment ids of :func:`pack`'s layout, ``[2, PACKED_LENGTH]`` int32."""
+  ids = np.zeros((2, PACKED_LENGTH), np.int32)
+  for row, seq, start, sid in PACKING:
+    ids[row, start : start + int(np.sum(mask[seq]))] = sid
+  return ids

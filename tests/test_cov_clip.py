@@ -5,7 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import central_difference, verl_agg_loss, verl_cov_losses
+from _references import (
+  central_difference,
+  pack,
+  packed_segment_ids,
+  verl_agg_loss,
+  verl_cov_losses,
+)
 
 from kldiv_jax import policy_loss
 
@@ -73,15 +79,8 @@ def test_kl_cov_packed_equals_unpacked(x64, rng):
   """KL-Cov's top-k does not depend on where the tokens sit: two rows packing the batch's
   three sequences (segment_ids) give the unpacked loss and its gradient."""
   logp, old, adv, mask = batch(rng)
-  lengths = mask.sum(-1)  # 6, 4, 0, 2
-  packed = np.zeros((3, 2, 8))
-  ids = np.zeros((2, 8), np.int32)
-  packed[:, 0, :6] = logp[0], old[0], adv[0]
-  ids[0, :6] = 1
-  for start, seq, sid in ((0, 1, 1), (4, 3, 2)):
-    n = lengths[seq]
-    packed[:, 1, start : start + n] = logp[seq, :n], old[seq, :n], adv[seq, :n]
-    ids[1, start : start + n] = sid
+  packed = np.stack([pack(x, mask) for x in (logp, old, adv)])
+  ids = packed_segment_ids(mask)
   packed[:, 1, 7] = -np.inf, 0.0, 5.0  # padding: cannot leak
   kw = dict(surrogate="kl-cov", cov_fraction=0.3, aggregation="seq-mean-token-mean")
   want, want_grad, _ = value_and_grad(logp, old, adv, where=mask, **kw)

@@ -9,6 +9,8 @@ import pytest
 from _references import (
   central_difference,
   np_verl_kl_penalty,
+  pack,
+  packed_segment_ids,
   torch_policy_loss_and_grad,
   trl_grpo_loss,
   trl_vllm_is_ratio,
@@ -249,15 +251,8 @@ def test_packed_sequences_do_not_mix(x64, rng):
   """Two rows packing the four sequences of ``batch`` (segment ids 1, 2; 0 is padding) give
   verl's per-sequence losses (and GSPO's sequence ratios) of the unpacked batch."""
   logp, old, adv, mask = batch(rng)
-  lengths = mask.sum(-1).astype(int)  # 6, 4, 0, 2
-  packed = np.zeros((3, 2, 8))  # logp, old, adv for rows [seq0 | pad], [seq1, seq3 | pad]
-  ids = np.zeros((2, 8), np.int32)
-  packed[:, 0, :6] = logp[0], old[0], adv[0]
-  ids[0, :6] = 1
-  for start, seq, sid in ((0, 1, 1), (4, 3, 2)):
-    n = lengths[seq]
-    packed[:, 1, start : start + n] = logp[seq, :n], old[seq, :n], adv[seq, :n]
-    ids[1, start : start + n] = sid
+  packed = np.stack([pack(x, mask) for x in (logp, old, adv)])  # [seq0 | pad], [seq1, seq3 | pad]
+  ids = packed_segment_ids(mask)
   packed[:, 1, 7] = -np.inf, 0.0, 5.0  # padding: cannot leak
   results = packed_losses_and_grads(*packed, ids)
   for (_, verl_name), (got, grads) in zip(PACKED, results):

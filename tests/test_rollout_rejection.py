@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from _references import (
   central_difference,
+  pack,
+  packed_segment_ids,
   verl_batch_normalize,
   verl_policy_loss,
   verl_rejection_keep,
@@ -109,17 +111,8 @@ def test_packed_sequences_are_their_own(x64):
   _, old, _, mask, rollout = batch(np.random.default_rng(4))
   spec = {"seq_sum_k1": (0.9, 1.1), "seq_max_k3": 0.04}
   kept = verl_rejection_keep(old, rollout, mask, spec)
-  packed = np.zeros((2, 2, 8))
-  ids = np.zeros((2, 8), np.int32)
-  packed[:, 0, :6] = old[0], rollout[0]
-  ids[0, :6] = 1
-  want = np.zeros((2, 8), bool)
-  want[0, :6] = kept[0]
-  for start, seq, sid in ((0, 1, 1), (4, 3, 2)):
-    n = mask[seq].sum()
-    packed[:, 1, start : start + n] = old[seq, :n], rollout[seq, :n]
-    ids[1, start : start + n] = sid
-    want[1, start : start + n] = kept[seq, :n]
+  packed = [pack(old, mask), pack(rollout, mask)]
+  ids, want = packed_segment_ids(mask), pack(kept, mask, fill=False)
   got = rollout_rejection_mask(*packed, {ours_name(m): b for m, b in spec.items()}, segment_ids=ids)
   np.testing.assert_array_equal(got, want)
 
