@@ -18,18 +18,22 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "distill_lm.py"
 MODELS = ("teacher", "student (labels)", "student (fused KD)", "student (top-32)")
 
 
-def test_distill_lm_quick(tmp_path):
-  out = tmp_path / "distill_lm.png"
-  env = {**os.environ, "TQDM_DISABLE": "1"}
+def _run_quick(script, out):
+  """``script --quick --out out`` in a subprocess (no progress bars); its stdout lines."""
   proc = subprocess.run(
-    [sys.executable, str(EXAMPLE), "--quick", "--out", str(out)],
+    [sys.executable, str(script), "--quick", "--out", str(out)],
     capture_output=True,
     text=True,
     timeout=300,
-    env=env,
+    env={**os.environ, "TQDM_DISABLE": "1"},
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  lines = proc.stdout.splitlines()
+  return proc.stdout.splitlines()
+
+
+def test_distill_lm_quick(tmp_path):
+  out = tmp_path / "distill_lm.png"
+  lines = _run_quick(EXAMPLE, out)
   header = next(i for i, line in enumerate(lines) if line.startswith("model "))
   assert "held-out ppl" in lines[header] and "KL(teacher‖model)" in lines[header]
   rows = {line.split("  ")[0]: line for line in lines[header + 2 : header + 2 + len(MODELS)]}
@@ -49,16 +53,7 @@ def test_distill_across_tokenizers_quick(tmp_path):
   model's held-out bits per character, the ULD to the teacher for the student-tokenizer
   students, the plot."""
   out = tmp_path / "cross.png"
-  env = {**os.environ, "TQDM_DISABLE": "1"}
-  proc = subprocess.run(
-    [sys.executable, str(CROSS), "--quick", "--out", str(out)],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  lines = proc.stdout.splitlines()
+  lines = _run_quick(CROSS, out)
   assert "shared" in lines[0]  # the matched vocabulary
   header = next(i for i, line in enumerate(lines) if line.startswith("model "))
   rows = [line.split() for line in lines[header + 2 : header + 2 + len(CROSS_MODELS)]]
