@@ -4,7 +4,8 @@ Runs where google-tunix is installed (``make integration``), skipped elsewhere. 
 here is one of Tunix's own families (Gemma, Gemma 3, Qwen 2, Qwen 3, Llama 3, Gemma 4) at a
 tiny configuration; the expected values are Tunix's own: its ``compute_per_token_logps``,
 its registered ``"grpo"`` policy loss, its ``LogitStrategy``, run by its own RL actor
-trainer and distillation trainer on its own data structures.
+trainer, its whole ``GRPOLearner`` (rollout included) and its distillation trainer on its
+own data structures.
 
 Tolerance of the stock-vs-fused comparisons (float32): ``rtol=2e-5, atol=1e-6``. The fused
 path computes the same float32 logits chunk by chunk and its log-softmax with an online
