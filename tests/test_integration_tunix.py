@@ -4,7 +4,8 @@ Runs where google-tunix is installed (``make integration``), skipped elsewhere. 
 here is one of Tunix's own families (Gemma, Gemma 3, Qwen 2, Qwen 3, Llama 3, Gemma 4) at a
 tiny configuration; the expected values are Tunix's own: its ``compute_per_token_logps``,
 its registered ``"grpo"`` policy loss, its ``LogitStrategy``, run by its own RL actor
-trainer and distillation trainer on its own data structures.
+trainer, its whole ``GRPOLearner`` (rollout included) and its distillation trainer on its
+own data structures.
 
 Tolerance of the stock-vs-fused comparisons (float32): ``rtol=2e-5, atol=1e-6``. The fused
 path computes the same float32 logits chunk by chunk and its log-softmax with an online
@@ -13,7 +14,9 @@ ulps (~1e-7 relative); two SGD steps carry that into the parameters at the same 
 wrong option, mask, shift, head or temperature moves the numbers by 1e-3 or more.
 """
 
+import contextlib
 import re
+import warnings
 from pathlib import Path
 
 import jax
@@ -27,13 +30,17 @@ import kldiv_jax
 # Tunix and its own dependency flax: skipped where the integration environment is not.
 nnx = pytest.importorskip("flax.nnx")
 kt = pytest.importorskip("kldiv_jax.tunix")
+_tunix_rl = pytest.importorskip("kldiv_jax._tunix_rl")  # spied on in the learner's run
 distillation_trainer = pytest.importorskip("tunix.distillation.distillation_trainer")
 logit = pytest.importorskip("tunix.distillation.strategies.logit")
 algo_core = pytest.importorskip("tunix.rl.algo_core")
 common = pytest.importorskip("tunix.rl.common")
 function_registry = pytest.importorskip("tunix.rl.function_registry")
 rl_trainer = pytest.importorskip("tunix.rl.trainer")
-GRPOConfig = pytest.importorskip("tunix.rl.grpo.grpo_learner").GRPOConfig
+grpo_learner = pytest.importorskip("tunix.rl.grpo.grpo_learner")
+GRPOConfig = grpo_learner.GRPOConfig
+rl_cluster = pytest.importorskip("tunix.rl.rl_cluster")
+base_rollout = pytest.importorskip("tunix.rl.rollout.base_rollout")
 hooks = pytest.importorskip("tunix.sft.hooks")
 peft_trainer = pytest.importorskip("tunix.sft.peft_trainer")
 gemma = pytest.importorskip("tunix.models.gemma.model")
@@ -558,6 +565,189 @@ def test_grpo_train_step_bf16():
   steps = _grpo_steps(make, example, _config(kt.PolicyLossConfig, **kwargs), 1)
   t_steps = _grpo_steps(make, example, _config(GRPOConfig, **kwargs), 1)
   _same_steps(steps, t_steps, _params(make()), rtol=2e-2, atol=2e-2)
+
+
+# RL: Tunix's GRPOLearner end to end ----------------------------------------------------------
+
+BOS = 2
+
+
+class _WordTokenizer:
+  """Token ``i`` is the word ``"w{i}"``: Tunix's TokenizerAdapter takes any object with these
+  five methods."""
+
+  def encode(self, text, **kwargs):
+    return [int(word[1:]) for word in text.split()]
+
+  def decode(self, ids, **kwargs):
+    return " ".join(f"w{i}" for i in ids)
+
+  def bos_id(self):
+    return BOS
+
+  def eos_id(self):
+    return EOS
+
+  def pad_id(self):
+    return PAD
+
+
+def _distinct_words(prompts, completions, **kwargs):
+  """The reward: how many different tokens a completion has."""
+  return [float(len(set(text.split()))) for text in completions]
+
+
+# Two batches of two prompts (as grain batches them: arrays of strings), each prompt sampled
+# twice (num_generations=2) and each batch trained on twice (num_iterations=2).
+_PROMPTS = [["w5 w6 w7", "w8 w9"], ["w10 w11 w12 w13", "w3"]]
+
+
+def _spy(monkeypatch, module, name):
+  """Record the arguments of each call of ``module.name`` (in any thread)."""
+  calls, original = [], getattr(module, name)
+
+  def spy(*args, **kwargs):
+    calls.append((args, kwargs))
+    return original(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, spy)
+  return calls
+
+
+def _grpo_learner_run(options, *, fused, packing=None):
+  """Tunix's GRPOLearner on CPU: its vanilla rollout sampling from the actor it trains, a
+  reference model of its own, 2 rollouts of 2 steps each; switched to kldiv_jax (``fused``)
+  as docs/tunix.md tells a user. Returns each rollout's TrainExample, each step's loss and
+  parameters, the trainer's metrics, and the cluster."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  cluster = rl_cluster.RLCluster(
+    actor=tiny("qwen3", seed=13),
+    reference=tiny("qwen3", seed=14),
+    tokenizer=_WordTokenizer(),
+    cluster_config=rl_cluster.ClusterConfig(
+      role_to_mesh=dict.fromkeys(rl_cluster.Role, mesh),
+      rollout_engine="vanilla",
+      training_config=rl_cluster.RLTrainingConfig(
+        actor_optimizer=optax.sgd(0.3),
+        eval_every_n_steps=100,
+        max_steps=4,
+        max_seq_token_per_tpu=packing,
+      ),
+      rollout_config=base_rollout.RolloutConfig(
+        max_tokens_to_generate=6,
+        max_prompt_length=8,
+        kv_cache_size=32,
+        temperature=0.8,
+        seed=3,
+      ),
+    ),
+  )
+  config = GRPOConfig(policy_loss_fn="kldiv_jax" if fused else "grpo", **options)
+  learner = grpo_learner.GRPOLearner(cluster, config, _distinct_words)
+  assert not learner.should_sync_weights  # the rollout samples from the model trained
+  record, examples = _Record(), []
+  cluster.actor_trainer.with_training_hooks(record)
+  generate = learner._generate_and_compute_advantage  # each rollout's TrainExample
+
+  def rollout(*args, **kwargs):
+    examples.append(generate(*args, **kwargs))
+    return examples[-1]
+
+  learner._generate_and_compute_advantage = rollout
+  data = [{"prompts": np.array(prompts)} for prompts in _PROMPTS]
+  with kt.use_fused_log_probs() if fused else contextlib.nullcontext():
+    learner.train(data)
+  logger = cluster.actor_trainer.metrics_logger
+  metrics = {
+    k: logger.get_metric_history("actor", k, "train") for k in ("loss", "kl", "pg_clipfrac")
+  }
+  return examples, record.steps, metrics, cluster
+
+
+@pytest.fixture
+def _allow_rank_promotion_in_every_thread():
+  """The learner samples and computes its log-probs in a thread of its own, which the
+  (thread-local) context of _allow_rank_promotion does not reach."""
+  previous = jax.config.jax_numpy_rank_promotion
+  jax.config.update("jax_numpy_rank_promotion", "allow")
+  yield
+  jax.config.update("jax_numpy_rank_promotion", previous)
+
+
+@pytest.mark.usefixtures("_allow_rank_promotion_in_every_thread")
+@pytest.mark.filterwarnings(
+  "ignore:`with mesh.` context manager has been deprecated:DeprecationWarning"
+)
+@pytest.mark.parametrize(
+  ("options", "packing"),
+  [
+    (dict(beta=0.04, kl_loss_mode="low_var_kl", num_iterations=2), None),
+    # Packed rows: token-mean (Tunix's per-sequence means are per row, see test_packed_rows).
+    (dict(beta=0.04, loss_agg_mode="token-mean", epsilon=0.1, num_iterations=2), 40),
+  ],
+  ids=["docs-config", "packed-token-mean"],
+)
+def test_grpo_learner_with_rollout_equals_stock(monkeypatch, options, packing):
+  """Tunix's whole GRPOLearner, rollout included, stock (its "grpo" loss and log-prob
+  passes) and with policy_loss_fn="kldiv_jax" plus use_fused_log_probs(), from the same
+  seed: the same sampled completions (so rewards) and advantages, exactly; the same
+  reference and old-policy log-probs, and the same loss, KL, clip fraction and parameters
+  after each step, to float32 rounding. The fused run hands fused_policy_loss the hidden
+  states and the head, its passes go through per_token_logps and none to Tunix's function
+  (a materialising fallback warns: an error here).
+
+  Tolerance: the module's (rtol=2e-5, atol=1e-6). Measured here: the log-probs differ by
+  one float32 ulp (2.4e-7 at |log p| ~ 3.7), the parameters by at most 1.3e-7 after 4 steps;
+  a temperature off by 1e-3 or a beta off by 1e-2 fails at 1e-4. The completions are exact:
+  the sampler calls no kldiv_jax code, and the second rollout samples from parameters that
+  differ by those ulps, which moves a sampled token only at a near-tie of two logits (none
+  at this seed)."""
+  with monkeypatch.context() as m:
+    stock_calls = _spy(m, common, "compute_per_token_logps")
+    stock = _grpo_learner_run(options, fused=False, packing=packing)
+  with monkeypatch.context() as m, warnings.catch_warnings():
+    warnings.simplefilter("error", kt.MaterializedLogitsWarning)
+    passes = _spy(m, _tunix_rl, "per_token_logps")  # what use_fused_log_probs installs
+    materialised = _spy(m, _tunix_rl, "_STOCK")
+    losses = _spy(m, _tunix_rl, "fused_policy_loss")
+    fused = _grpo_learner_run(options, fused=True, packing=packing)
+  (examples, steps, metrics, cluster), (t_examples, t_steps, t_metrics, t_cluster) = fused, stock
+  # 2 rollouts, each with a reference pass and an old-policy pass (num_iterations > 1).
+  t_passes = [c for c in stock_calls if not c[1].get("return_logits")]
+  assert len(examples) == len(t_examples) == 2 and len(passes) == len(t_passes) == 4
+  # The passes called as Tunix calls them: the reference at the rollout's temperature, the
+  # old policy (Tunix 0.1.7's rollout get_per_token_logps passes none) at 1.
+  temperatures = [[kw.get("temperature", 1.0) for _, kw in c] for c in (passes, t_passes)]
+  assert temperatures[0] == temperatures[1] == [0.8, 1.0, 0.8, 1.0]
+  assert not materialised
+  assert losses, "fused_policy_loss was never called"
+  for (hidden, head, *_), kwargs in losses:  # hidden states [B, K, H] and the head [H, V]
+    assert hidden.ndim == 3 and hidden.shape[-1] == head.shape[0] == SMALL["embed_dim"]
+    assert head.shape == (SMALL["embed_dim"], VOCAB)
+    assert (kwargs["segment_ids"] is None) == (packing is None)
+  for ex, t_ex in zip(examples, t_examples):
+    for key in ("prompt_ids", "completion_ids", "completion_mask", "advantages"):
+      np.testing.assert_array_equal(getattr(ex, key), getattr(t_ex, key), err_msg=key)
+    _close(ex.ref_per_token_logps, t_ex.ref_per_token_logps)
+    _close(ex.old_per_token_logps, t_ex.old_per_token_logps)
+    assert np.any(np.asarray(ex.advantages) != 0)
+  assert len(steps) == len(t_steps) >= 2
+  _same_steps(steps, t_steps, _params(tiny("qwen3", seed=13)))
+  for key in ("loss", "kl", "pg_clipfrac"):
+    _close(metrics[key], t_metrics[key])
+  assert max(t_metrics["pg_clipfrac"]) > 0  # a second pass over a batch clips
+  if packing is None:
+    # The train step the learner runs, compiled: no [B, L, V] array (the model's own
+    # logits, unread, are removed), where Tunix's has them.
+    logits = re.compile(rf"\[{examples[0].completion_ids.shape[0]},\d+,{VOCAB}\]")
+    for trainer, expect in [(cluster.actor_trainer, False), (t_cluster.actor_trainer, True)]:
+      step = nnx.jit(trainer.create_train_step_fn())  # what the trainer jits
+      text = step.lower(trainer.model, trainer.optimizer, examples[0]).compile().as_text()
+      assert bool(logits.search(text)) == expect
+    # Tunix's own "grpo" loss, as the learner wired it, asks for the logits: with the
+    # fused log-probs installed that is loud, not a silent [B, L, V] pass.
+    with kt.use_fused_log_probs(), pytest.warns(kt.MaterializedLogitsWarning):
+      t_cluster.actor_trainer.loss_fn(t_cluster.actor_trainer.model, t_examples[0], None)
 
 
 # Distillation -----------------------------------------------------------------------------------
