@@ -66,6 +66,19 @@ PROGRAMS = 1024
 MIN_TILES = 4
 NUM_WARPS = 4
 NUM_STAGES = 3
+# The whole-row kernel of ROW_SUMS (one read): a program holds its rows of both inputs in
+# registers, as float32, their classes padded to a power of 2, up to WHOLE_ROW_ELEMENTS
+# elements of each (rows x padded classes): 8192, a row pair of 64 KiB at (4096, 8192) f32.
+# With their exponentials (kept for the class sums) that is four arrays of 32 KiB, half of an
+# H100 SM's 256 KiB register file, at WHOLE_ROW_THREAD elements of each per thread: 16 warps
+# (512 threads, 128 registers each at most) hold them in 64 registers a thread, the rest for
+# the class sums' terms (Triton's softmax tutorial holds a row likewise, 16 warps from 4096
+# classes). Longer rows (131072 classes, 512 KiB in bfloat16, over the 228 KiB of shared
+# memory too) take the split-column kernels. Rows per program: at most WHOLE_ROWS (short
+# rows), so that 4096 rows of 512 classes still give 256 programs for the 132 SMs.
+WHOLE_ROW_ELEMENTS = 8192
+WHOLE_ROW_THREAD = 16
+WHOLE_ROWS = 16
 
 # (rows per program, classes per tile, tiles per split, splits)
 Layout = tuple[int, int, int, int]
@@ -85,6 +98,40 @@ def layout(rows: int, classes: int, block_rows=None, tile=None, splits=None) -> 
     splits = max(1, min(-(-PROGRAMS // row_blocks), tiles // MIN_TILES))
   per_split = -(-tiles // splits)
   return block_rows, tile, per_split, -(-tiles // per_split)
+
+
+def whole_rows_layout(rows: int, classes: int, block_rows=None) -> Layout | None:
+  """The grid of the whole-row kernel, ``(rows per program, padded classes, 1, 1)``, or
+  ``None`` where a row pair does not fit a program (:data:`WHOLE_ROW_ELEMENTS`)."""
+  width = max(32, _pow2(classes))
+  if width > WHOLE_ROW_ELEMENTS:
+    return None
+  block_rows = block_rows or min(_pow2(rows), WHOLE_ROWS, WHOLE_ROW_ELEMENTS // width)
+  return block_rows, width, 1, 1
+
+
+def _whole_rows_warps(grid: Layout) -> int:
+  """Warps of a whole-row program: :data:`WHOLE_ROW_THREAD` elements of each input a thread
+  (4 to 16 warps, a power of 2)."""
+  return max(4, min(16, grid[0] * grid[1] // (32 * WHOLE_ROW_THREAD)))
+
+
+def _launch(shape, setting, grid=None, whole=False) -> tuple[Layout, int, int, bool]:
+  """``(layout, warps, stages, whole rows)`` of a kernel call: ``grid`` where given (tests),
+  else from the switch's value (``True``: the defaults; a tuple ``(rows per program, tile,
+  warps, stages)``: a layout of the benchmarks' sweeps, ``tile`` 0 for whole rows). With
+  ``whole`` (:data:`ROW_SUMS`' kernels) a layout of one tile per row takes the whole-row
+  kernel, by default where the rows fit (:func:`whole_rows_layout`)."""
+  rows, classes = shape
+  block_rows, tile, warps, stages = (
+    setting if isinstance(setting, tuple) else (None, None, None, NUM_STAGES)
+  )
+  if grid is None and whole and not tile:
+    grid = whole_rows_layout(rows, classes, block_rows)
+    if grid is not None:
+      return grid, warps or _whole_rows_warps(grid), 1, True
+  grid = grid or layout(rows, classes, block_rows, tile or None)
+  return grid, warps or NUM_WARPS, stages, whole and grid[2] == grid[3] == 1
 
 
 def takes(z, y, temperature, masks=()) -> bool:
@@ -228,6 +275,13 @@ def _stats_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, ki
     ref[...] = x.reshape(grid[0])
 
 
+def _params(scalars_ref, static):
+  """The formula's parameters: static floats as they are, traced ones from the scalars
+  (after the temperature)."""
+  traced = iter(scalars_ref[i] for i in range(1, 1 + sum(s is None for s in static)))
+  return tuple(next(traced) if s is None else s for s in static)
+
+
 def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, formula_spec):
   """Partial class sums of one program, given the combined row statistics ``(mu, inv_su,
   log_su, mv, inv_sv, log_sv)`` (blocks ``[rows per program]``)."""
@@ -235,8 +289,7 @@ def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, for
   num = len(kinds)
   mask_refs, stat_refs, out_refs = refs[:num], refs[num : num + 6], refs[num + 6 :]
   tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
-  traced = iter(scalars_ref[i] for i in range(1, 1 + sum(s is None for s in static)))
-  params = tuple(next(traced) if s is None else s for s in static)
+  params = _params(scalars_ref, static)
   stats = tuple(r[...].reshape(grid[0], 1) for r in stat_refs)
 
   def body(t, sums):
@@ -250,25 +303,35 @@ def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, for
     ref[...] = x.reshape(grid[0])
 
 
-def _config(setting) -> tuple[int | None, int | None, int, int]:
-  """``(rows per program, tile, warps, stages)`` of the switch's value (``True``: the
-  defaults, :data:`BLOCK_ROWS` etc.; a tuple: a layout of the benchmarks' sweeps)."""
-  if isinstance(setting, tuple):
-    return setting
-  return None, None, NUM_WARPS, NUM_STAGES
+def _whole_rows_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, formula_spec):
+  """One program's block of whole rows, held on chip (one tile: the padded row): both sides'
+  statistics and the identical-rows gap, then the class sums from the same registers, the
+  logits read once: ``(mu, su, mv, sv, gap, *sums)`` (maxes :func:`max_shift`-ed)."""
+  name, static, needs = formula_spec
+  mask_refs, out_refs = refs[: len(kinds)], refs[len(kinds) :]
+  tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
+  u, v = tiles.load(0)
+  mu, su, _, eu = _tile_softmax(u)
+  mv, sv, _, ev = _tile_softmax(v)
+  mu, mv = max_shift(mu), max_shift(mv)
+  n = norms(su, sv)
+  # The exponentials kept: normalized's exp(u - mu), exp(v - mv) are these (0 at -inf).
+  c = normalized(u, v, mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv, eu, ev)
+  terms = summands(FORMULAS[name], _params(scalars_ref, static), needs, c, False)
+  out = (mu, su, mv, sv, _row_sum(identical_gap(u, v)), *map(_row_sum, terms))
+  for ref, x in zip(out_refs, out):
+    ref[...] = x.reshape(grid[0])
 
 
-def _call(
-  kernel, num_out, z, y, scalars, masks, extra=(), grid=None, setting=True, interpret=False
-):
-  """``kernel`` over the grid ``(row blocks, splits)``: partials ``[splits, rows]`` each."""
+def _call(kernel, num_out, z, y, scalars, masks, launch, extra=(), interpret=False):
+  """``kernel`` over the grid ``(row blocks, splits)`` of ``launch`` (:func:`_launch`'s):
+  partials ``[splits, rows]`` each."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
   rows, classes = z.shape
-  block_rows, tile, warps, stages = _config(setting)
-  block_rows, tile, per_split, splits = grid or layout(rows, classes, block_rows, tile)
-  grid = (block_rows, tile, per_split, splits)
+  grid, warps, stages, _ = launch
+  block_rows, _, _, splits = grid
   row_blocks = -(-rows // block_rows)
   padded = row_blocks * block_rows
   kinds, mask_arrays = _masks_in(masks, rows)
@@ -306,17 +369,9 @@ def triton_one_pass_sums(
   (``True`` or a layout); ``interpret``: Pallas' interpreter."""
   scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
   num = 4 + _num_sums(kind)
-  parts = _call(
-    functools.partial(_stats_kernel, caps=caps, kind=kind),
-    num,
-    z,
-    y,
-    scalars,
-    masks,
-    grid=grid,
-    setting=setting,
-    interpret=interpret,
-  )
+  kernel = functools.partial(_stats_kernel, caps=caps, kind=kind)
+  launch = _launch(z.shape, setting, grid)
+  parts = _call(kernel, num, z, y, scalars, masks, launch, interpret=interpret)
   inf = -jnp.inf
   init = (inf, 0, inf, 0) + (0,) * (num - 4)
   mu, su, mv, sv, *sums = _reduce_splits(parts, init, _one_pass_form(kind)[1])
@@ -324,13 +379,21 @@ def triton_one_pass_sums(
 
 
 def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False) -> tuple:
-  """:func:`kldiv_jax._whole_rows.xla_row_sums` from two Triton kernels: the statistics and
-  identical-rows gap (one read of the logits), then the class sums (a second)."""
+  """:func:`kldiv_jax._whole_rows.xla_row_sums` from Triton kernels: where a program holds
+  whole rows (:func:`whole_rows_layout`, or a ``grid`` of one tile per row) one kernel, the
+  logits read once (:func:`_whole_rows_kernel`); else the statistics and identical-rows gap
+  (a read of the logits), then the class sums (a second). ``grid``, ``setting``,
+  ``interpret``: as :func:`triton_one_pass_sums`'."""
   name, static, needs, caps, _ = spec
   z, y, temperature, params, masks = _split(spec, args)
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
-  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid, setting=setting)
+  launch = _launch(z.shape, setting, grid, whole=True)
+  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, launch=launch)
+  formula_spec = (name, static, needs)
+  if launch[3]:
+    kernel = functools.partial(_whole_rows_kernel, caps=caps, formula_spec=formula_spec)
+    return tuple(x[0][:, None] for x in run(kernel, 5 + needs.num_sums(), interpret=interpret))
   parts = run(functools.partial(_stats_kernel, caps=caps, kind=None), 5, interpret=interpret)
 
   def combine(a, b):
@@ -342,7 +405,7 @@ def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False)
   n = norms(su, sv)
   stats = (mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv)
   sums = run(
-    functools.partial(_sums_kernel, caps=caps, formula_spec=(name, static, needs)),
+    functools.partial(_sums_kernel, caps=caps, formula_spec=formula_spec),
     needs.num_sums(),
     extra=stats,
     interpret=interpret,
