@@ -2,10 +2,11 @@
 
 XLA:GPU's row reductions moved the divergences' HBM floor at 7-23% of an H200's bandwidth
 (``benchmarks/README.md``). These kernels compute the same per-row statistics with Pallas'
-Triton backend, tiled over columns so that a row of 131072 classes need not fit one SM: a
-grid ``(row blocks, column splits)`` whose programs each reduce a block of rows over a
+Triton backend. Tiled over columns, a row of 131072 classes need not fit one SM: a grid
+``(row blocks, column splits)`` whose programs each reduce a block of rows over a
 contiguous run of column tiles and write per-split partials ``[splits, rows]``, combined
 in XLA (online softmax: the partial maxes and rescaled sums, Milakov & Gimelshein 2018).
+Rows that fit a program are held whole where that saves a read (:func:`triton_row_sums`).
 
 - :func:`triton_one_pass_sums`: the one-pass statistics of the KL family
   (:func:`kldiv_jax._online_kl.online_kl_sums`: both sides' maxes and sums of exponentials
@@ -13,8 +14,15 @@ in XLA (online softmax: the partial maxes and rescaled sums, Milakov & Gimelshei
   (:func:`kldiv_jax._online_ab.online_ab_sums`) from one read of the logits, as the
   :data:`ONE_PASS_SUMS` primitive.
 - :func:`triton_row_sums`: the CUDA lowering of :data:`kldiv_jax._whole_rows.ROW_SUMS`
-  (JSD, skew KL, skew reverse KL, TVD: terms that need both normalisers first): a
-  statistics kernel, then a class-sums kernel given the combined row statistics.
+  (JSD, skew KL, skew reverse KL, TVD: terms that need both normalisers first). Where a
+  row pair fits a program (:func:`whole_rows_layout`: up to :data:`WHOLE_ROW_ELEMENTS`
+  classes padded to a power of 2, 8192 at one row a program, 16 warps), one kernel per
+  block of whole rows held in registers: the statistics, then the class sums from the same
+  values, the logits read once (as the TPU kernel, :mod:`kldiv_jax._whole_rows`; with the
+  derivative rule's pass 5/3 of the HBM floor, not 7/3). Compiled for an H100 (sm_90a) at
+  (4096, 8192) float32, ptxas gives it 128 registers a thread at 512 threads and no spill
+  (``benchmarks/bench_accel.py``). Longer rows: a statistics kernel, then a class-sums
+  kernel given the combined row statistics (two reads).
 
 Both compute from the raw logits (the soft-cap, temperature and masks of rows or classes
 applied in the kernel, so no scaled copy is written), with the per-class formulas of
@@ -23,8 +31,9 @@ applied in the kernel, so no scaled copy is written), with the per-class formula
 :func:`~kldiv_jax._class_sums.identical_gap`). Their derivatives (hessians) are those of
 the XLA passes. The engine's derivative rule (its elementwise pass) stays XLA's.
 
-**Opt-in** (off by default: on an H200 they measured 0.91-1.14x the time of XLA's
-fusions, ``benchmarks/README.md``): the losses' ``implementation="pallas"``, per call or
+**Opt-in** (off by default: on an H200 the split kernels measured 0.76-1.26x the time of
+XLA's fusions, ``benchmarks/README.md``; the whole-row kernel has not run on a GPU yet,
+``benchmarks/gpu_check.sh`` times it): the losses' ``implementation="pallas"``, per call or
 process-wide (:func:`kldiv_jax.set_implementation`, ``KLDIV_JAX_IMPLEMENTATION=pallas``:
 :mod:`kldiv_jax._implementation`), resolved at trace time and turned into the kernels'
 setting by :func:`~kldiv_jax._platform.gpu_kernels_for`: by the engine for the KL family,
