@@ -510,9 +510,13 @@ def test_a_layout_for_the_benchmarks_sweeps():
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
 
 
-def test_x64(small_tiles):
+@pytest.mark.parametrize("whole", [False, True], ids=["split", "whole-rows"])
+def test_x64(whole, small_tiles, monkeypatch):
   """Under ``jax_enable_x64`` float32 logits take the kernels (int32 indices beside int64
-  Python ints), with the values and gradients of the XLA path; float64 keeps the XLA path."""
+  Python ints), with the values and gradients of the XLA path; float64 keeps the XLA path.
+  JSD's sums split over columns, or from whole rows."""
+  if whole:
+    monkeypatch.setattr(_gpu_rows, "WHOLE_ROW_ELEMENTS", 8192)
   z, y = _logits(11, 150, jnp.float32, seed=4)
   with enable_x64():
     for name in ("forward_kl", "jsd"):
