@@ -20,7 +20,9 @@ loss traced with the opt-in Pallas Triton kernels on (``kldiv_jax._gpu_rows``; o
 only), timed round-robin with the other two, its ratio to ``kldiv_jax`` (XLA) and the rate at
 which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax``.
 ``--gpu-configs 2x2048w8s3,...`` adds one such contender per layout of the kernels (rows per
-program x classes per tile, warps, pipeline stages), ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
+program x classes per tile, warps, pipeline stages; tile 0: JSD, skew KL, skew reverse KL and
+TVD from whole rows held by a program, ``1x0w16s1`` the default where a row fits),
+``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
 
 A fused case ending ``+logits_f32`` runs the loss with ``logits_dtype=jnp.float32`` and times
 the default (bf16 chunk logits) fused loss beside it, in the same round robin.
@@ -202,7 +204,8 @@ def main(argv=None) -> int:
   p.add_argument(
     "--gpu-configs",
     default="",
-    help="layouts of the GPU kernels to time side by side, RxTILEwWARPSsSTAGES, comma-separated",
+    help="layouts of the GPU kernels to time side by side, RxTILEwWARPSsSTAGES (TILE 0: whole "
+    "rows), comma-separated",
   )
   p.add_argument(
     "--shapes", default="", help="row shapes NxV:dtype, comma-separated (default: the standard)"

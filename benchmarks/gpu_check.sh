@@ -2,14 +2,18 @@
 # The device check of the opt-in Pallas Triton row kernels (kldiv_jax/_gpu_rows.py, issue 37),
 # one command on a machine with an NVIDIA GPU (python3 with jax[cuda], pytest, numpy):
 #
-#   bash benchmarks/gpu_check.sh          # at most 340 s (the steps' limits), compiles included
+#   bash benchmarks/gpu_check.sh          # at most 490 s (the steps' limits), compiles included
 #
 # 1. a smoke test: three row cases at a small shape, the kernels off and on side by side;
 # 2. the issue's shapes, (4096, 8192) float32 and (2048, 131072) bfloat16, value_and_grad,
 #    XLA's path and the kernels' in one round-robin (medians, the floor's TB/s, values);
 # 3. tests/test_gpu_rows.py with the kernels compiled by Triton for real (not interpreted),
 #    against XLA's path on the same GPU;
-# 4. a sweep of the kernels' layout (rows per program x tile, warps, stages) for forward KL
+# 4. the whole-row kernel (JSD, skew KL, skew reverse KL, TVD at (4096, 8192) float32: a
+#    program holds a row pair, one read of the logits) against XLA's path, the split kernels
+#    at their old layout (4x1024w4s3: two reads) and whole rows at 8 and 32 warps (1x0w8s1,
+#    1x0w32s1; the default is 16);
+# 5. a sweep of the kernels' layout (rows per program x tile, warps, stages) for forward KL
 #    (one-pass kernel) and JSD (statistics + class sums kernels) at the same shapes.
 # Results: $OUT/gpu-check/ (or benchmarks/results/gpu-check/): device-*.json and the logs.
 # Each step has its own time limit; a step that fails or times out does not stop the next.
@@ -33,9 +37,13 @@ step quick 35 "$PY" benchmarks/bench_device.py --quick --cases forward_kl,jsd,tv
   --gpu-kernels both --repeats 5 --out "$RES/quick"
 step full 150 "$PY" benchmarks/bench_device.py --cases "$CASES" --gpu-kernels both \
   --repeats 7 --out "$RES/full"
-step tests 90 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_rows.py
+step tests 150 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_rows.py
+step whole 90 "$PY" benchmarks/bench_device.py --cases jsd,skew_kl,skew_reverse_kl,tvd \
+  --shapes 4096x8192:float32 --gpu-kernels both \
+  --gpu-configs "${GPU_CHECK_WHOLE_CONFIGS:-4x1024w4s3,1x0w8s1,1x0w32s1}" --repeats 7 \
+  --out "$RES/whole"
 step sweep 45 "$PY" benchmarks/bench_device.py --cases forward_kl,jsd --gpu-kernels both \
   --gpu-configs "${GPU_CHECK_CONFIGS:-2x2048w8s3,8x512w8s3}" --repeats 5 --out "$RES/sweep"
 echo "=== summary (gpu: the kernels' time / XLA's, and the floor's TB/s)"
-grep -h -A4 "kldiv_jax " "$RES"/full.log "$RES"/sweep.log | grep -v "^--" || true
+grep -h -A6 "kldiv_jax " "$RES"/full.log "$RES"/whole.log "$RES"/sweep.log | grep -v "^--" || true
 tail -n 3 "$RES/tests.log" || true

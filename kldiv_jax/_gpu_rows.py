@@ -2,10 +2,11 @@
 
 XLA:GPU's row reductions moved the divergences' HBM floor at 7-23% of an H200's bandwidth
 (``benchmarks/README.md``). These kernels compute the same per-row statistics with Pallas'
-Triton backend, tiled over columns so that a row of 131072 classes need not fit one SM: a
-grid ``(row blocks, column splits)`` whose programs each reduce a block of rows over a
+Triton backend. Tiled over columns, a row of 131072 classes need not fit one SM: a grid
+``(row blocks, column splits)`` whose programs each reduce a block of rows over a
 contiguous run of column tiles and write per-split partials ``[splits, rows]``, combined
 in XLA (online softmax: the partial maxes and rescaled sums, Milakov & Gimelshein 2018).
+Rows that fit a program are held whole where that saves a read (:func:`triton_row_sums`).
 
 - :func:`triton_one_pass_sums`: the one-pass statistics of the KL family
   (:func:`kldiv_jax._online_kl.online_kl_sums`: both sides' maxes and sums of exponentials
@@ -13,8 +14,15 @@ in XLA (online softmax: the partial maxes and rescaled sums, Milakov & Gimelshei
   (:func:`kldiv_jax._online_ab.online_ab_sums`) from one read of the logits, as the
   :data:`ONE_PASS_SUMS` primitive.
 - :func:`triton_row_sums`: the CUDA lowering of :data:`kldiv_jax._whole_rows.ROW_SUMS`
-  (JSD, skew KL, skew reverse KL, TVD: terms that need both normalisers first): a
-  statistics kernel, then a class-sums kernel given the combined row statistics.
+  (JSD, skew KL, skew reverse KL, TVD: terms that need both normalisers first). Where a
+  row pair fits a program (:func:`whole_rows_layout`: up to :data:`WHOLE_ROW_ELEMENTS`
+  classes padded to a power of 2, 8192 at one row a program, 16 warps), one kernel per
+  block of whole rows held in registers: the statistics, then the class sums from the same
+  values, the logits read once (as the TPU kernel, :mod:`kldiv_jax._whole_rows`; with the
+  derivative rule's pass 5/3 of the HBM floor, not 7/3). Compiled for an H100 (sm_90a) at
+  (4096, 8192) float32, ptxas gives it 128 registers a thread at 512 threads and no spill
+  (``benchmarks/bench_accel.py``). Longer rows: a statistics kernel, then a class-sums
+  kernel given the combined row statistics (two reads).
 
 Both compute from the raw logits (the soft-cap, temperature and masks of rows or classes
 applied in the kernel, so no scaled copy is written), with the per-class formulas of
@@ -23,8 +31,9 @@ applied in the kernel, so no scaled copy is written), with the per-class formula
 :func:`~kldiv_jax._class_sums.identical_gap`). Their derivatives (hessians) are those of
 the XLA passes. The engine's derivative rule (its elementwise pass) stays XLA's.
 
-**Opt-in** (off by default: on an H200 they measured 0.91-1.14x the time of XLA's
-fusions, ``benchmarks/README.md``): the losses' ``implementation="pallas"``, per call or
+**Opt-in** (off by default: on an H200 the split kernels measured 0.76-1.26x the time of
+XLA's fusions, ``benchmarks/README.md``; the whole-row kernel has not run on a GPU yet,
+``benchmarks/gpu_check.sh`` times it): the losses' ``implementation="pallas"``, per call or
 process-wide (:func:`kldiv_jax.set_implementation`, ``KLDIV_JAX_IMPLEMENTATION=pallas``:
 :mod:`kldiv_jax._implementation`), resolved at trace time and turned into the kernels'
 setting by :func:`~kldiv_jax._platform.gpu_kernels_for`: by the engine for the KL family,
@@ -66,6 +75,20 @@ PROGRAMS = 1024
 MIN_TILES = 4
 NUM_WARPS = 4
 NUM_STAGES = 3
+# The whole-row kernel of ROW_SUMS (one read): a program holds its rows of both inputs in
+# registers, as float32, their classes padded to a power of 2, up to WHOLE_ROW_ELEMENTS
+# elements of each (rows x padded classes): 8192, a row pair of 64 KiB at (4096, 8192) f32.
+# With their exponentials (kept for the class sums) that is four arrays of 32 KiB, half of an
+# H100 SM's 256 KiB register file, at WHOLE_ROW_THREAD elements of each per thread: 16 warps
+# (512 threads, 128 registers each at most) hold them in 64 registers a thread, the rest for
+# the class sums' terms (Triton's fused-softmax tutorial likewise holds a row in one block).
+# ptxas (sm_90a) at (4096, 8192) f32: 128 registers (TVD 64), no spill; two rows a program
+# spill. Longer rows (131072 classes, 512 KiB in bfloat16, over the 228 KiB of shared
+# memory too) take the split-column kernels. Rows per program: at most WHOLE_ROWS (short
+# rows), so that 4096 rows of 512 classes still give 256 programs for the 132 SMs.
+WHOLE_ROW_ELEMENTS = 8192
+WHOLE_ROW_THREAD = 16
+WHOLE_ROWS = 16
 
 # (rows per program, classes per tile, tiles per split, splits)
 Layout = tuple[int, int, int, int]
@@ -85,6 +108,40 @@ def layout(rows: int, classes: int, block_rows=None, tile=None, splits=None) -> 
     splits = max(1, min(-(-PROGRAMS // row_blocks), tiles // MIN_TILES))
   per_split = -(-tiles // splits)
   return block_rows, tile, per_split, -(-tiles // per_split)
+
+
+def whole_rows_layout(rows: int, classes: int, block_rows=None) -> Layout | None:
+  """The grid of the whole-row kernel, ``(rows per program, padded classes, 1, 1)``, or
+  ``None`` where a row pair does not fit a program (:data:`WHOLE_ROW_ELEMENTS`)."""
+  width = max(32, _pow2(classes))
+  if width > WHOLE_ROW_ELEMENTS:
+    return None
+  block_rows = block_rows or min(_pow2(rows), WHOLE_ROWS, WHOLE_ROW_ELEMENTS // width)
+  return block_rows, width, 1, 1
+
+
+def _whole_rows_warps(grid: Layout) -> int:
+  """Warps of a whole-row program: :data:`WHOLE_ROW_THREAD` elements of each input a thread
+  (4 to 16 warps, a power of 2)."""
+  return max(4, min(16, grid[0] * grid[1] // (32 * WHOLE_ROW_THREAD)))
+
+
+def _launch(shape, setting, grid=None, whole=False) -> tuple[Layout, int, int, bool]:
+  """``(layout, warps, stages, whole rows)`` of a kernel call: ``grid`` where given (tests),
+  else from the switch's value (``True``: the defaults; a tuple ``(rows per program, tile,
+  warps, stages)``: a layout of the benchmarks' sweeps, ``tile`` 0 for whole rows). With
+  ``whole`` (:data:`ROW_SUMS`' kernels) a layout of one tile per row takes the whole-row
+  kernel, by default where the rows fit (:func:`whole_rows_layout`)."""
+  rows, classes = shape
+  block_rows, tile, warps, stages = (
+    setting if isinstance(setting, tuple) else (None, None, None, NUM_STAGES)
+  )
+  if grid is None and whole and not tile:
+    grid = whole_rows_layout(rows, classes, block_rows)
+    if grid is not None:
+      return grid, warps or _whole_rows_warps(grid), 1, True
+  grid = grid or layout(rows, classes, block_rows, tile or None)
+  return grid, warps or NUM_WARPS, stages, whole and grid[2] == grid[3] == 1
 
 
 def takes(z, y, temperature, masks=()) -> bool:
@@ -228,6 +285,13 @@ def _stats_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, ki
     ref[...] = x.reshape(grid[0])
 
 
+def _params(scalars_ref, static):
+  """The formula's parameters: static floats as they are, traced ones from the scalars
+  (after the temperature)."""
+  traced = iter(scalars_ref[i] for i in range(1, 1 + sum(s is None for s in static)))
+  return tuple(next(traced) if s is None else s for s in static)
+
+
 def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, formula_spec):
   """Partial class sums of one program, given the combined row statistics ``(mu, inv_su,
   log_su, mv, inv_sv, log_sv)`` (blocks ``[rows per program]``)."""
@@ -235,8 +299,7 @@ def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, for
   num = len(kinds)
   mask_refs, stat_refs, out_refs = refs[:num], refs[num : num + 6], refs[num + 6 :]
   tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
-  traced = iter(scalars_ref[i] for i in range(1, 1 + sum(s is None for s in static)))
-  params = tuple(next(traced) if s is None else s for s in static)
+  params = _params(scalars_ref, static)
   stats = tuple(r[...].reshape(grid[0], 1) for r in stat_refs)
 
   def body(t, sums):
@@ -250,25 +313,35 @@ def _sums_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, for
     ref[...] = x.reshape(grid[0])
 
 
-def _config(setting) -> tuple[int | None, int | None, int, int]:
-  """``(rows per program, tile, warps, stages)`` of the switch's value (``True``: the
-  defaults, :data:`BLOCK_ROWS` etc.; a tuple: a layout of the benchmarks' sweeps)."""
-  if isinstance(setting, tuple):
-    return setting
-  return None, None, NUM_WARPS, NUM_STAGES
+def _whole_rows_kernel(shape, grid, kinds, scalars_ref, z_ref, y_ref, *refs, caps, formula_spec):
+  """One program's block of whole rows, held on chip (one tile: the padded row): both sides'
+  statistics and the identical-rows gap, then the class sums from the same registers, the
+  logits read once: ``(mu, su, mv, sv, gap, *sums)`` (maxes :func:`max_shift`-ed)."""
+  name, static, needs = formula_spec
+  mask_refs, out_refs = refs[: len(kinds)], refs[len(kinds) :]
+  tiles = _Tiles(shape, grid, kinds, scalars_ref, z_ref, y_ref, mask_refs, caps)
+  u, v = tiles.load(0)
+  mu, su, _, eu = _tile_softmax(u)
+  mv, sv, _, ev = _tile_softmax(v)
+  mu, mv = max_shift(mu), max_shift(mv)
+  n = norms(su, sv)
+  # The exponentials kept: normalized's exp(u - mu), exp(v - mv) are these (0 at -inf).
+  c = normalized(u, v, mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv, eu, ev)
+  terms = summands(FORMULAS[name], _params(scalars_ref, static), needs, c, False)
+  out = (mu, su, mv, sv, _row_sum(identical_gap(u, v)), *map(_row_sum, terms))
+  for ref, x in zip(out_refs, out):
+    ref[...] = x.reshape(grid[0])
 
 
-def _call(
-  kernel, num_out, z, y, scalars, masks, extra=(), grid=None, setting=True, interpret=False
-):
-  """``kernel`` over the grid ``(row blocks, splits)``: partials ``[splits, rows]`` each."""
+def _call(kernel, num_out, z, y, scalars, masks, launch, extra=(), interpret=False):
+  """``kernel`` over the grid ``(row blocks, splits)`` of ``launch`` (:func:`_launch`'s):
+  partials ``[splits, rows]`` each."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
   rows, classes = z.shape
-  block_rows, tile, warps, stages = _config(setting)
-  block_rows, tile, per_split, splits = grid or layout(rows, classes, block_rows, tile)
-  grid = (block_rows, tile, per_split, splits)
+  grid, warps, stages, _ = launch
+  block_rows, _, _, splits = grid
   row_blocks = -(-rows // block_rows)
   padded = row_blocks * block_rows
   kinds, mask_arrays = _masks_in(masks, rows)
@@ -306,17 +379,9 @@ def triton_one_pass_sums(
   (``True`` or a layout); ``interpret``: Pallas' interpreter."""
   scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
   num = 4 + _num_sums(kind)
-  parts = _call(
-    functools.partial(_stats_kernel, caps=caps, kind=kind),
-    num,
-    z,
-    y,
-    scalars,
-    masks,
-    grid=grid,
-    setting=setting,
-    interpret=interpret,
-  )
+  kernel = functools.partial(_stats_kernel, caps=caps, kind=kind)
+  launch = _launch(z.shape, setting, grid)
+  parts = _call(kernel, num, z, y, scalars, masks, launch, interpret=interpret)
   inf = -jnp.inf
   init = (inf, 0, inf, 0) + (0,) * (num - 4)
   mu, su, mv, sv, *sums = _reduce_splits(parts, init, _one_pass_form(kind)[1])
@@ -324,13 +389,21 @@ def triton_one_pass_sums(
 
 
 def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False) -> tuple:
-  """:func:`kldiv_jax._whole_rows.xla_row_sums` from two Triton kernels: the statistics and
-  identical-rows gap (one read of the logits), then the class sums (a second)."""
+  """:func:`kldiv_jax._whole_rows.xla_row_sums` from Triton kernels: where a program holds
+  whole rows (:func:`whole_rows_layout`, or a ``grid`` of one tile per row) one kernel, the
+  logits read once (:func:`_whole_rows_kernel`); else the statistics and identical-rows gap
+  (a read of the logits), then the class sums (a second). ``grid``, ``setting``,
+  ``interpret``: as :func:`triton_one_pass_sums`'."""
   name, static, needs, caps, _ = spec
   z, y, temperature, params, masks = _split(spec, args)
   traced = [p for p in params if not is_static(p)]
   scalars = jnp.stack([temperature, *traced]).astype(jnp.float32)
-  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, grid=grid, setting=setting)
+  launch = _launch(z.shape, setting, grid, whole=True)
+  run = functools.partial(_call, z=z, y=y, scalars=scalars, masks=masks, launch=launch)
+  formula_spec = (name, static, needs)
+  if launch[3]:
+    kernel = functools.partial(_whole_rows_kernel, caps=caps, formula_spec=formula_spec)
+    return tuple(x[0][:, None] for x in run(kernel, 5 + needs.num_sums(), interpret=interpret))
   parts = run(functools.partial(_stats_kernel, caps=caps, kind=None), 5, interpret=interpret)
 
   def combine(a, b):
@@ -342,7 +415,7 @@ def triton_row_sums(spec: Spec, *args, grid=None, setting=True, interpret=False)
   n = norms(su, sv)
   stats = (mu, n.inv_su, n.log_su, mv, n.inv_sv, n.log_sv)
   sums = run(
-    functools.partial(_sums_kernel, caps=caps, formula_spec=(name, static, needs)),
+    functools.partial(_sums_kernel, caps=caps, formula_spec=formula_spec),
     needs.num_sums(),
     extra=stats,
     interpret=interpret,

@@ -41,7 +41,8 @@ GPU_KERNELS = _make(False) if _make is not None else None
 def gpu_kernels_setting():
   """The private context's value: ``False``, ``True`` or a tuple ``(rows per program,
   classes per tile, warps, stages)`` of the kernels' layout (:func:`kldiv_jax._gpu_rows.layout`;
-  for the benchmarks' sweeps), hashable: a static parameter of the kernels' primitives."""
+  tile 0: whole rows a program, :func:`kldiv_jax._gpu_rows.whole_rows_layout`; for the
+  benchmarks' sweeps), hashable: a static parameter of the kernels' primitives."""
   value = GPU_KERNELS.value if GPU_KERNELS is not None else False
   return tuple(value) if isinstance(value, (tuple, list)) else bool(value)
 
@@ -63,7 +64,8 @@ def gpu_kernels_for(implementation: str):
 def gpu_kernels(enabled: bool | tuple[int, int, int, int] = True):
   """A context manager: inside it the GPU kernels are on (or off); a ``jax.jit`` function
   traced inside is traced and compiled again for it. A tuple ``(rows per program, classes
-  per tile, warps, stages)`` switches them on with that layout (the benchmarks' sweeps). Below
+  per tile, warps, stages)`` switches them on with that layout (the benchmarks' sweeps; tile
+  0: whole rows a program where they fit). Below
   jax 0.7.2 it changes nothing (the kernels stay off)."""
   if GPU_KERNELS is None:
     return contextlib.nullcontext()

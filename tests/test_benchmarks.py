@@ -263,6 +263,40 @@ def test_accel_section_parses_and_is_opt_in(monkeypatch):
   }
 
 
+def test_accel_counts_the_triton_calls_bytes(monkeypatch):
+  """XLA's cost analysis counts no bytes of a Triton custom call: bench_accel adds each call's
+  results and operands (their shapes in the optimized module's text, layouts in braces), once
+  each, and no other custom call's; the opt-in kernels' HBM ratio is reported beside the
+  targets (not one of them: the default path is)."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_accel
+
+  hlo = "\n".join(
+    [
+      "  %p = f32[4096,8192]{1,0} parameter(0)",
+      "  %c = (f32[1,4096]{1,0}, bf16[1,4096]{1,0}) custom-call(%a, %b, %d),"
+      ' custom_call_target="__gpu$xla.gpu.triton", operand_layout_constraints={f32[1]{0},'
+      " f32[4096,8192]{1,0}, bf16[4096,8192]{1,0}}, api_version=API_VERSION_TYPED_FFI",
+      '  %o = f32[8]{0} custom-call(%p), custom_call_target="other",'
+      " operand_layout_constraints={f32[4096,8192]{1,0}}",
+    ]
+  )
+  want = 4096 * 4 + 4096 * 2 + 4 + 4096 * 8192 * (4 + 2)
+  assert bench_accel.kernel_bytes(hlo) == (1, want)
+  row = {"case": "jsd", "kind": "row", "shape": [8, 4], "dtype": "float32"}
+  row |= {"time_ratio": 0.5, "naive_hbm_ratio": 4.0, "hbm_ratio": 2.3, "temp_ratio": 0.0}
+  row["kldiv_jax_gpu"] = {"hbm_ratio": 5 / 3}
+  checks = {
+    c["target"].split(": ", 1)[1]: c["pass"] for c in bench_accel.check_targets("h100", [row], True)
+  }
+  assert checks["HBM / floor"] is False and checks["gpu kernels compiled"] is True
+  assert checks["opt-in gpu kernels, HBM / floor (calls' bytes added)"] is None  # reported
+  (reported,) = [
+    c for c in bench_accel.check_targets("h100", [row], True) if "opt-in" in c["target"]
+  ]
+  assert reported["value"] == 5 / 3
+
+
 def test_accel_logits_f32_cases_report_their_cost_and_are_not_targets(monkeypatch):
   """bench_accel's ``+logits_f32`` cases (the fused losses with ``logits_dtype=float32``):
   one per fused loss, their time and temp over the default fused loss's row of the same

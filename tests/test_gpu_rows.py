@@ -4,8 +4,8 @@ Without a GPU the kernels run in Pallas' interpreter on CPU (the CUDA lowerings 
 for CPU, every ``lax.platform_dependent`` on its CUDA branch); with one (``jax.default_backend()
 == "gpu"``, as ``benchmarks/gpu_check.sh`` runs this file) they are compiled by Triton for real and
 compared with the XLA path on the same device. Against the XLA passes they replace: the KL
-family's one-pass statistics and the class sums of JSD, skew KL, skew reverse KL and TVD,
-on rows with ``-inf``, NaN and ``+inf`` logits, identical rows, rows without mass, shapes
+family's one-pass statistics and the class sums of JSD, skew KL, skew reverse KL and TVD
+(split over columns, and from whole rows held by a program: one read), on rows with ``-inf``, NaN and ``+inf`` logits, identical rows, rows without mass, shapes
 that are no multiple of a block or a split, bfloat16, soft-caps, masks of rows and classes
 and traced parameters; the public losses through them (values, gradients, a hessian,
 ``vmap``); the switch (off by default, on in its context, the jit caches keyed by it); and
@@ -32,6 +32,7 @@ from kldiv_jax._gpu_rows import (
   layout,
   triton_one_pass_sums,
   triton_row_sums,
+  whole_rows_layout,
   xla_one_pass_sums,
 )
 from kldiv_jax._platform import gpu_kernels, gpu_kernels_setting
@@ -194,6 +195,68 @@ def test_row_sums_match_the_xla_passes(formula, rows, classes, dtype, caps, mask
   _close(got, want, used, 1e-4)
 
 
+@pytest.mark.parametrize("formula", TWO_PASS, ids=lambda f: f"{f[0]}{f[1]}")
+@pytest.mark.parametrize(
+  "rows,classes,dtype,caps,masked,block_rows,temperature",
+  [
+    (13, 300, jnp.float32, (None, None), False, None, 2.0),  # the default: one program
+    (13, 300, jnp.float32, (20.0, 30.0), True, 2, 1.0),  # 7 programs, the last half empty
+    (10, 200, jnp.bfloat16, (None, 25.0), True, 4, 2.0),
+    (9, 256, jnp.float32, (None, None), False, 1, 1.0),  # a row a program, no padding
+    (11, 37, jnp.float32, (None, None), True, 8, 0.5),
+  ],
+)
+def test_whole_row_sums_match_the_xla_passes(
+  formula, rows, classes, dtype, caps, masked, block_rows, temperature
+):
+  """The whole-row kernel (one Triton call: a program's rows held on chip, the statistics
+  then the class sums) against ``xla_row_sums``: statistics, identical-rows gap, class sums,
+  on hostile rows, odd row counts and widths (padded to a power of 2), bfloat16, soft-caps,
+  masks of rows and classes, traced parameters, several temperatures."""
+  name, static, traced = formula
+  needs = Needs(a=True, b=True, params=tuple(s is None for s in static))
+  z, y = _logits(rows, classes, dtype)
+  masks = ()
+  if masked:
+    masks = (jnp.arange(rows)[:, None] % 4 != 1, jnp.arange(classes)[None, :] % 5 != 0)
+  spec = (name, static, needs, caps, len(masks))
+  args = (z, y, jnp.float32(temperature), *(jnp.float32(t) for t in traced), *masks)
+  grid = whole_rows_layout(rows, classes, block_rows)
+  assert grid is not None and grid[1] >= classes and grid[2:] == (1, 1)
+  kernel = functools.partial(triton_row_sums, spec, grid=grid, interpret=INTERPRET)
+  assert str(jax.make_jaxpr(kernel)(*args)).count("pallas_call[") == 1  # one read
+  got = np.concatenate(jax.jit(kernel)(*args), 1)
+  want = np.concatenate(jax.jit(functools.partial(xla_row_sums, spec))(*args), 1)
+  assert got.shape == want.shape == (rows, 5 + needs.num_sums())
+  # The maxes exactly (but on row 3, a NaN: Triton's max skips it, XLA's returns it).
+  keep = np.arange(rows) != 3
+  if INTERPRET:
+    np.testing.assert_array_equal(got[keep][:, [0, 2]], want[keep][:, [0, 2]])
+  np.testing.assert_array_equal(got[:, 4] == 0, want[:, 4] == 0)  # identical rows
+  assert got[5, 4] == 0 and (got[2, 4] == 0) == (caps[0] == caps[1])
+  assert np.isnan(got[[3, 4], 1]).all()
+  if masked:  # a masked row has no mass on either side
+    np.testing.assert_array_equal(got[1::4, [1, 3]], 0.0)
+  used = np.isfinite(want[:, 1]) & np.isfinite(want[:, 3]) & (want[:, 4] != 0)
+  assert used.sum() >= rows - 5 - 3 * masked
+  _close(got, want, used, 1e-4)
+
+
+def test_which_rows_a_program_holds():
+  """Rows fit a program up to ``WHOLE_ROW_ELEMENTS`` classes (padded to a power of 2), one
+  row a program at 8192 with 16 warps; longer rows take the split kernels; the switch's
+  layout can ask for whole rows (tile 0) or for the split kernels."""
+  launch = _gpu_rows._launch
+  assert launch((4096, 8192), True, whole=True) == ((1, 8192, 1, 1), 16, 1, True)
+  assert launch((4096, 1000), True, whole=True) == ((8, 1024, 1, 1), 16, 1, True)
+  assert launch((3, 100), True, whole=True) == ((4, 128, 1, 1), 4, 1, True)
+  assert launch((4096, 8193), True, whole=True)[3] is False
+  assert launch((2048, 131072), True, whole=True)[3] is False
+  assert launch((4096, 8192), True)[3] is False  # the one-pass kernel: already one read
+  assert launch((4096, 8192), (2, 0, 8, 1), whole=True) == ((2, 8192, 1, 1), 8, 1, True)
+  assert launch((4096, 8192), (4, 1024, 4, 3), whole=True)[3] is False
+
+
 def _loss(name, *, where=None, **params):
   divergence = kd.Divergence(name, **params)
   return lambda z, y: kd.divergence_from_logits(
@@ -204,9 +267,10 @@ def _loss(name, *, where=None, **params):
 @pytest.fixture
 def small_tiles(monkeypatch):
   """The default layout with tiles of 32 classes and no minimum of tiles per split, so that
-  the small test rows take several splits."""
+  the small test rows take several splits (and no whole-row kernel: no row fits)."""
   monkeypatch.setattr(_gpu_rows, "TILE", 32)
   monkeypatch.setattr(_gpu_rows, "MIN_TILES", 1)
+  monkeypatch.setattr(_gpu_rows, "WHOLE_ROW_ELEMENTS", 16)
 
 
 @pytest.mark.parametrize(
@@ -224,9 +288,16 @@ def small_tiles(monkeypatch):
 def test_public_loss_through_the_kernels(name, params, small_tiles):
   """Per-row values and gradients (student and teacher) of ``divergence_from_logits`` with
   the kernels against the XLA path, on hostile rows and in bfloat16, with a mask of rows."""
-  z, y = _logits(11, 150, jnp.float32, seed=1)
   where = jnp.arange(11)[:, None] != 9
-  loss = _loss(name, where=where, **params)
+  one_pass = name in ("forward_kl", "reverse_kl", "symmetric_kl", "alpha_beta")
+  _check_public(_loss(name, where=where, **params), one_pass)
+
+
+def _check_public(loss, one_pass, masked_row=9, identical=True):
+  """``loss`` of hostile ``[11, 150]`` logits (float32, bfloat16): per-row values and both
+  gradients with the kernels against the XLA path (``identical``: row 2's sides are equal;
+  not with different soft-caps)."""
+  z, y = _logits(11, 150, jnp.float32, seed=1)
   total = lambda z, y: jnp.sum(jnp.nan_to_num(loss(z, y), nan=0.0, posinf=0.0))  # noqa: E731
   run = lambda z, y: (loss(z, y), jax.value_and_grad(total, (0, 1))(z, y))  # noqa: E731
   with xla_path():
@@ -236,12 +307,13 @@ def test_public_loss_through_the_kernels(name, params, small_tiles):
     got = jax.jit(run)(z, y)
     got16 = jax.jit(run)(z.astype(jnp.bfloat16), y.astype(jnp.bfloat16))
     text = str(jax.make_jaxpr(loss)(z, y))
-  one_pass = name in ("forward_kl", "reverse_kl", "symmetric_kl", "alpha_beta")
   assert ("kldiv_jax_gpu_one_pass_sums" in text) == one_pass
   assert ("kldiv_jax_row_sums" in text) == (not one_pass)
   per_row = np.asarray(got[0])
-  assert np.isnan(per_row[[3, 4]]).all() and per_row[2] == 0 and per_row[5] == 0
-  assert per_row[9] == 0  # masked by where
+  assert np.isnan(per_row[[3, 4]]).all() and per_row[5] == 0
+  assert (per_row[2] == 0) == identical
+  if masked_row is not None:
+    assert per_row[masked_row] == 0  # masked by where
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
   for g, w in zip(jax.tree.leaves(got16), jax.tree.leaves(want16)):
@@ -250,9 +322,53 @@ def test_public_loss_through_the_kernels(name, params, small_tiles):
     )
 
 
-def test_hessian_and_vmap_through_the_kernels(small_tiles):
+@pytest.mark.parametrize(
+  "name,params",
+  [
+    ("jsd", {"beta": 0.3}),
+    ("skew_kl", {"alpha": 0.1}),
+    ("skew_reverse_kl", {"alpha": 0.2}),
+    ("tvd", {}),
+  ],
+)
+@pytest.mark.parametrize(
+  "temperature,caps,where",
+  [(1.0, {}, "rows"), (2.0, {"softcap": 30.0, "target_softcap": 20.0}, "classes")],
+  ids=["T1", "T2-softcap-classes"],
+)
+def test_public_loss_through_the_whole_row_kernel(
+  name, params, temperature, caps, where, monkeypatch
+):
+  """As above through the whole-row kernel (the default where a row fits, here 150 classes):
+  JSD, skew KL, skew reverse KL and TVD at the default temperature and at T = 2 with soft-caps,
+  a mask of rows or of classes; the kernel traced (not the XLA passes' fallback)."""
+  calls = []
+  kernel = _gpu_rows._whole_rows_kernel
+
+  def spy(*args, **kwargs):
+    calls.append(1)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(_gpu_rows, "_whole_rows_kernel", spy)
+  mask = jnp.arange(11)[:, None] != 9 if where == "rows" else jnp.arange(150)[None, :] % 7 != 3
+  divergence = kd.Divergence(name, **params)
+
+  def loss(z, y):
+    return kd.divergence_from_logits(
+      z, y, divergence=divergence, temperature=temperature, where=mask, **caps
+    )
+
+  _check_public(loss, False, masked_row=9 if where == "rows" else None, identical=not caps)
+  assert calls  # traced by the CUDA lowering
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["split", "whole-rows"])
+def test_hessian_and_vmap_through_the_kernels(whole, small_tiles, monkeypatch):
   """A hessian (the statistics differentiated: the XLA passes' derivatives) and ``vmap``
-  (a batch of logits stacked into one call) of forward KL and JSD."""
+  (a batch of logits stacked into one call) of forward KL and JSD (JSD's sums split over
+  columns, or from whole rows)."""
+  if whole:
+    monkeypatch.setattr(_gpu_rows, "WHOLE_ROW_ELEMENTS", 8192)
   rng = np.random.default_rng(2)
   z = jnp.asarray(rng.standard_normal((3, 70)), jnp.float32)
   y = jnp.asarray(rng.standard_normal((3, 70)), jnp.float32)
@@ -310,18 +426,21 @@ def _cuda_text(fn, *args):
   return exported.mlir_module()
 
 
-@pytest.mark.parametrize("name", ["forward_kl", "jsd"])
-def test_the_cuda_program_holds_the_kernels(name):
+@pytest.mark.parametrize(
+  "name,classes,kernels", [("forward_kl", 256, 1), ("jsd", 256, 1), ("jsd", 8200, 2)]
+)
+def test_the_cuda_program_holds_the_kernels(name, classes, kernels):
   """Lowered for CUDA with the kernels on, the loss and its gradient hold Triton calls (one
-  for the KL family's statistics, two for JSD's); off, none; masks of single elements keep
-  the XLA passes."""
-  z, y = _logits(16, 256, jnp.float32)
+  for the KL family's statistics; one for JSD's from whole rows, two where a row does not fit
+  a program: statistics, then class sums); off, none; masks of single elements keep the XLA
+  passes."""
+  z, y = _logits(16, classes, jnp.float32)
   grad = jax.grad(lambda z: jnp.sum(_loss(name)(z, y)))
   assert TRITON_CALL not in _cuda_text(grad, z)
   with gpu_kernels(True):
     text = _cuda_text(grad, z)
-    element = _cuda_text(_loss(name, where=jnp.ones((16, 256), bool)), z, y)
-  assert text.count(f"@{TRITON_CALL}") == {"forward_kl": 1, "jsd": 2}[name], text.count(TRITON_CALL)
+    element = _cuda_text(_loss(name, where=jnp.ones((16, classes), bool)), z, y)
+  assert text.count(f"@{TRITON_CALL}") == kernels, text.count(TRITON_CALL)
   assert TRITON_CALL not in element
 
 
@@ -341,7 +460,7 @@ def test_the_public_switch_chooses_the_gpu_kernels(name, monkeypatch):
   def calls(fn):
     return _cuda_text(fn, z, y).count(f"@{TRITON_CALL}")
 
-  kernels = {"forward_kl": 1, "tvd": 2}[name]
+  kernels = 1  # forward KL's one-pass kernel; TVD's whole-row kernel
   assert calls(loss()) == 0
   assert calls(loss("pallas")) == kernels
   assert calls(loss("xla")) == 0
@@ -367,19 +486,23 @@ def test_the_switch_inside_a_traced_function():
     with gpu_kernels(True):
       return loss(z, y)
 
-  assert _cuda_text(on, z, y).count(f"@{TRITON_CALL}") == 2
+  assert _cuda_text(on, z, y).count(f"@{TRITON_CALL}") == 1
   assert TRITON_CALL not in _cuda_text(loss, z, y)
 
 
 def test_a_layout_for_the_benchmarks_sweeps():
   """A layout in the switch, ``(rows per program, tile, warps, stages)``, reaches the Triton
-  calls of both primitives (their launch parameters), and its results are the same."""
+  calls of both primitives (their launch parameters; tile 0: whole rows), and its results
+  are the same."""
   z, y = _logits(16, 256, jnp.float32)
   for name in ("forward_kl", "tvd"):
     with gpu_kernels((2, 64, 8, 2)):
       text = _cuda_text(_loss(name), z, y)
     assert "num_warps = 8 : i32" in text and "num_stages = 2 : i32" in text
     assert "num_warps = 4 : i32" not in text
+  with gpu_kernels((2, 0, 16, 1)):  # tile 0: whole rows, 2 a program, 16 warps
+    text = _cuda_text(_loss("tvd"), z, y)
+  assert text.count(f"@{TRITON_CALL}") == 1 and "num_warps = 16 : i32" in text
   with xla_path():
     want = jax.jit(_loss("jsd", beta=0.3))(z, y)
   with gpu_kernel(), gpu_kernels((2, 64, 8, 2)):
@@ -387,9 +510,13 @@ def test_a_layout_for_the_benchmarks_sweeps():
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
 
 
-def test_x64(small_tiles):
+@pytest.mark.parametrize("whole", [False, True], ids=["split", "whole-rows"])
+def test_x64(whole, small_tiles, monkeypatch):
   """Under ``jax_enable_x64`` float32 logits take the kernels (int32 indices beside int64
-  Python ints), with the values and gradients of the XLA path; float64 keeps the XLA path."""
+  Python ints), with the values and gradients of the XLA path; float64 keeps the XLA path.
+  JSD's sums split over columns, or from whole rows."""
+  if whole:
+    monkeypatch.setattr(_gpu_rows, "WHOLE_ROW_ELEMENTS", 8192)
   z, y = _logits(11, 150, jnp.float32, seed=4)
   with enable_x64():
     for name in ("forward_kl", "jsd"):
