@@ -33,7 +33,9 @@ from kldiv_jax._fused_chunks import (
   zero_cotangent,
   zero_head_grads,
 )
-from kldiv_jax._platform import compiled
+from kldiv_jax._gpu_fused_head import HeadKernel, blocks, cuda_or_xla, takes
+from kldiv_jax._implementation import resolve_implementation
+from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._rows import times_slope
 from kldiv_jax._tokens import class_derivatives, local_ids, token_layout, token_outputs, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
@@ -131,6 +133,9 @@ def fold_token_grads(
 fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
 fused_tokens = compiled(fused_tokens, static_argnums=0)
 
+# The GPU kernels in Pallas' interpreter (the tests, on CPU); read at trace time.
+_INTERPRET = False
+
 
 def fused_token_log_probs(
   hidden: jax.typing.ArrayLike,
@@ -146,6 +151,7 @@ def fused_token_log_probs(
   chunk_size: int | None = None,
   axis_name: str | None = None,
   logits_dtype: jax.typing.DTypeLike | None = None,
+  implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Sampled tokens' log-probabilities (and the entropy) from hidden states and an LM head.
 
@@ -168,6 +174,10 @@ def fused_token_log_probs(
       gradient in the inputs' dtype, as the materialised ``hidden @ weight``; ``jnp.float32``
       keeps the matmuls' float32 results (the accuracy of float32 logits, at a cost:
       :ref:`fused-logits-dtype`), as in :func:`fused_distillation_loss`.
+    implementation: ``"pallas"``: in a program lowered for CUDA, the opt-in Pallas Triton
+      kernels (the logits of a block only on chip, Cut Cross-Entropy's design; never yet
+      measured on a GPU) where they take the operands, else as ``None``; ``"xla"`` or
+      ``None`` (default, :func:`set_implementation`): the XLA chunk loop.
 
   Returns:
     The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``, ``(lp, entropy)``.
@@ -183,6 +193,7 @@ def fused_token_log_probs(
     True
   """
   name = "fused_token_log_probs"
+  impl = resolve_implementation(name, implementation)
   out_dtype = check_linear(name, "student", hidden, weight, bias)
   temperature, _ = check_temperature(name, temperature)
   cap = check_softcap(name, "softcap", softcap)
@@ -212,7 +223,13 @@ def fused_token_log_probs(
     call = lambda chunk: fused_tokens(  # noqa: E731
       TokenKernel(chunk, axis_name, cap, low), h, w_arr, b_arr, safe, t, mask
     )
-    out = per_platform(chunk_size, name, n, vocab * num_shards, call)
+    xla = lambda: per_platform(chunk_size, name, n, vocab * num_shards, call)  # noqa: E731
+    gpu = gpu_kernels_for(impl)
+    if gpu and takes(h, w_arr, axis_name):
+      cfg = HeadKernel(blocks(n, h.shape[1], vocab), cap, low, interpret=_INTERPRET)
+      out = cuda_or_xla(cfg, xla, h, w_arr, b_arr, safe, t.astype(jnp.float32), mask)
+    else:
+      out = xla()
     log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   return token_outputs(
     log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy
