@@ -33,7 +33,7 @@ from kldiv_jax._fused_chunks import (
   zero_cotangent,
   zero_head_grads,
 )
-from kldiv_jax._gpu_fused_head import HeadKernel, blocks, cuda_or_xla, takes
+from kldiv_jax._gpu_fused_head import cuda_or_xla, head_kernel, takes
 from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._rows import times_slope
@@ -133,9 +133,6 @@ def fold_token_grads(
 fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
 fused_tokens = compiled(fused_tokens, static_argnums=0)
 
-# The GPU kernels in Pallas' interpreter (the tests, on CPU); read at trace time.
-_INTERPRET = False
-
 
 def fused_token_log_probs(
   hidden: jax.typing.ArrayLike,
@@ -226,7 +223,7 @@ def fused_token_log_probs(
     xla = lambda: per_platform(chunk_size, name, n, vocab * num_shards, call)  # noqa: E731
     gpu = gpu_kernels_for(impl)
     if gpu and takes(h, w_arr, axis_name):
-      cfg = HeadKernel(blocks(n, h.shape[1], vocab), cap, low, interpret=_INTERPRET)
+      cfg = head_kernel(n, h.shape[1], vocab, cap, low)
       out = cuda_or_xla(cfg, xla, h, w_arr, b_arr, safe, t.astype(jnp.float32), mask)
     else:
       out = xla()

@@ -70,6 +70,8 @@ BLOCK_HIDDEN = 64
 NUM_WARPS = 4
 NUM_STAGES = 3
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Pallas' interpreter instead of Triton (the tests, on CPU); read at trace time.
+INTERPRET = False
 
 
 class HeadKernel(NamedTuple):
@@ -91,7 +93,17 @@ def blocks(n: int, hidden: int, vocab: int, sizes=None) -> tuple[int, int, int]:
   """The blocks for ``[n, hidden] @ [hidden, vocab]``: ``sizes`` (default :data:`BLOCK_TOKENS`
   etc.) cut to the next power of 2 of each dimension, at least 16."""
   bn, bv, bk = sizes or (BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_HIDDEN)
-  return tuple(max(16, min(b, _pow2(d))) for b, d in ((bn, n), (bv, vocab), (bk, hidden)))
+
+  def fit(b: int, d: int) -> int:
+    return max(16, min(b, _pow2(d)))
+
+  return fit(bn, n), fit(bv, vocab), fit(bk, hidden)
+
+
+def head_kernel(n: int, hidden: int, vocab: int, cap, low) -> HeadKernel:
+  """The kernels' setting for ``[n, hidden] @ [hidden, vocab]`` (the module's blocks, read
+  now)."""
+  return HeadKernel(blocks(n, hidden, vocab), cap, low, interpret=INTERPRET)
 
 
 def takes(h, w, axis_name) -> bool:
@@ -314,9 +326,7 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     head.barrier()
     return db + jnp.sum(dz, axis=0, keepdims=True)
 
-  db = lax.fori_loop(
-    0, -(-head.n // head.bn), block, jnp.zeros((1, head.bv), jnp.float32)
-  )
+  db = lax.fori_loop(0, -(-head.n // head.bn), block, jnp.zeros((1, head.bv), jnp.float32))
   if db_ref is not None:
     plgpu.store(db_ref.at[pl.ds(c0, head.bv)], db.reshape(head.bv), mask=col_in[0])
 
