@@ -384,6 +384,16 @@ def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = T
   return run
 
 
+# The fused cases that take the opt-in Pallas Triton kernels of the LM-head chunk
+# (kldiv_jax._gpu_fused_head): on the CUDA target the program with them is compiled too, at
+# N tokens (``kldiv_jax_gpu``: its temp, and XLA's counts, which leave out the three Triton
+# calls, i.e. every matmul: only the glue around them), with a model beside it: the kernels'
+# five N H V matmuls (forward, dh and dW each recompute the logits) at the chip's bf16 peak,
+# the time they would take compute-bound (an ideal, not an estimate of Triton's code).
+GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32)
+GPU_HEAD_MATMULS = 5
+
+
 def _row_records(target: str, dev, shapes, cases) -> list[dict[str, Any]]:
   import jax.numpy as jnp
 
@@ -477,6 +487,16 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
 
   mat = row["materialised"] = _or_error(lambda: measure(materialised, n))
   ours = row["fused"] = _or_error(estimate)
+  if TARGETS[target]["kind"] == "cuda" and row["case"] in GPU_FUSED_CASES:
+
+    def gpu():
+      out = measure(with_gpu_kernels(fused(chunk)), n)
+      flops = GPU_HEAD_MATMULS * 2 * n * h * v
+      return out | {"model_flops": flops, "model_seconds": flops / TARGETS[target]["peak"]}
+
+    row["kldiv_jax_gpu"] = _or_error(gpu)
+    if "model_seconds" in row["kldiv_jax_gpu"] and "seconds" in mat:
+      row["kldiv_jax_gpu"]["model_ratio"] = row["kldiv_jax_gpu"]["model_seconds"] / mat["seconds"]
   if "seconds" in ours and mat.get("time_source") not in (None, ours["time_source"]):
     # the materialised loss's time from the same source as the fused one's
     mat["seconds"], mat["time_source"] = _seconds({**mat, "optimal_seconds": None}, target, True)
@@ -583,7 +603,7 @@ def _line(row: dict[str, Any]) -> str:
   fused = row.get("fused", {})
   if "time_ratio" not in row:
     return f"{what} chunk {row['chunk']}: error: {fused.get('error') or row['materialised'].get('error')}"
-  return (
+  return _gpu_head_text(row) + (
     f"{what} chunk {row['chunk']:>5}  time {fmt_ratio(row['time_ratio']):>5}x materialised  "
     f"temp {fmt_bytes(fused['temp_bytes']):>7} (materialised "
     f"{fmt_bytes(row['materialised']['temp_bytes'])})  intensity {fused['chunk_intensity']:.0f}"
@@ -595,6 +615,24 @@ def _line(row: dict[str, Any]) -> str:
       if "vs_default" in row
       else ""
     )
+  )
+
+
+def _gpu_head_text(row: dict[str, Any]) -> str:
+  """The opt-in fused-head kernels of a fused row (``GPU_FUSED_CASES``), on a line of their
+  own above the row's: compiled, temp, and the compute-bound model against the materialised
+  loss (XLA counts none of a Triton call's flops or bytes)."""
+  gpu = row.get("kldiv_jax_gpu")
+  if gpu is None:
+    return ""
+  if "error" in gpu:
+    return f"gpu kernels: error {gpu['error']}\n  "
+  model = f"{gpu['model_ratio']:.2f}x" if "model_ratio" in gpu else "?"
+  return (
+    f"gpu kernels ({row['case']}): compiled in {gpu['compile_s']:.1f}s, temp "
+    f"{fmt_bytes(gpu['temp_bytes'])}; XLA counts {gpu['flops'] / 1e9:.1f} GFLOP "
+    f"{fmt_bytes(gpu['bytes'])} outside the Triton calls; model (5 matmuls at peak) "
+    f"{gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised\n  "
   )
 
 

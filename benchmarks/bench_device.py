@@ -21,6 +21,9 @@ only), timed round-robin with the other two, its ratio to ``kldiv_jax`` (XLA) an
 which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax``.
 ``--gpu-configs 2x2048w8s3,...`` adds one such contender per layout of the kernels (rows per
 program x classes per tile, warps, pipeline stages), ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
+The fused token log-probs (``GPU_FUSED_CASES``) take ``--gpu-kernels`` too: the opt-in
+fused-head kernels (``kldiv_jax._gpu_fused_head``) beside XLA's chunk loop and the
+materialised loss, in one round-robin.
 
 A fused case ending ``+logits_f32`` runs the loss with ``logits_dtype=jnp.float32`` and times
 the default (bf16 chunk logits) fused loss beside it, in the same round robin.
@@ -38,6 +41,7 @@ from _harness import fmt_bytes, fmt_ratio
 from bench_accel import (
   FUSED_ARGS,
   FUSED_SHAPE,
+  GPU_FUSED_CASES,
   LOGITS_F32,
   POLICY_SHAPE,
   QUICK_FUSED_SHAPE,
@@ -125,18 +129,31 @@ def _row(
   return row
 
 
-def _fused(case: str, shape, repeats: int, seed: int) -> dict[str, Any]:
+def _fused(case: str, shape, repeats: int, seed: int, gpu: str = "off") -> dict[str, Any]:
+  """A fused case against the materialised loss; ``gpu`` (``GPU_FUSED_CASES``): the opt-in
+  fused-head kernels (``kldiv_jax._gpu_fused_head``) off, on (in place of XLA's chunk loop)
+  or both side by side."""
   n, h, v = shape
   kinds, _ = FUSED_ARGS[case]
   args = _inputs(kinds, n, v, h, jnp.dtype("bfloat16"), seed)
   materialised, fused = _fused_contenders(case)
   fns = {"materialised": materialised, "fused": fused(None)}
+  gpu = gpu if case in GPU_FUSED_CASES else "off"
+  if gpu == "on":
+    fns["fused"] = with_gpu_kernels(fns["fused"])
+  elif gpu == "both":
+    fns["kldiv_jax_gpu"] = with_gpu_kernels(fns["fused"])
   base = case.removesuffix(LOGITS_F32)
   if base != case:  # logits_dtype=float32: timed beside the default (bf16) fused loss too
     fns["fused_default"] = _fused_contenders(base)[1](None)
   row: dict[str, Any] = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16"}
   row |= _pair(fns, args, (0, 1), repeats)
   row["time_ratio"] = row["fused"]["median_ms"] / row["materialised"]["median_ms"]
+  row["gpu_kernels"] = gpu
+  if "kldiv_jax_gpu" in row:
+    kernel = row["kldiv_jax_gpu"]["median_ms"]
+    row["kldiv_jax_gpu"]["time_ratio_to_xla"] = kernel / row["fused"]["median_ms"]
+    row["kldiv_jax_gpu"]["time_ratio"] = kernel / row["materialised"]["median_ms"]
   if "fused_default" in row:
     ours, default = row["fused"], row["fused_default"]
     row["vs_default"] = {
@@ -163,7 +180,15 @@ def _line(row: dict[str, Any]) -> str:
     )
   if row["kind"] == "row":
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
-  for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
+  if row["kind"] == "fused" and "kldiv_jax_gpu" in row:
+    g = row["kldiv_jax_gpu"]
+    text += (
+      f"\n{'':<24} {'gpu (fused-head kernels)':<22} {g['median_ms']:8.3f} ms"
+      f" = {fmt_ratio(g['time_ratio'])} x materialised, {fmt_ratio(g['time_ratio_to_xla'])} x"
+      f" fused (XLA)  temp {fmt_bytes(g['temp_bytes'])}  value {g['value']:.6g}"
+      f"  compile {g['compile_s']:.1f}s ({row['fused']['compile_s']:.1f}s)"
+    )
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu") and row["kind"] == "row"]:
     g = row[name]
     text += (
       f"\n{'':<24} {name[len('kldiv_jax_') :]:<22} {g['median_ms']:8.3f} ms"
@@ -196,8 +221,8 @@ def main(argv=None) -> int:
     "--gpu-kernels",
     choices=("off", "on", "both"),
     default="off",
-    help="the row cases with kldiv_jax's opt-in Pallas Triton kernels: off (default), on "
-    "(in place of XLA's), both (side by side, in one round-robin)",
+    help="the row cases and fused_token_log_probs with kldiv_jax's opt-in Pallas Triton "
+    "kernels: off (default), on (in place of XLA's), both (side by side, in one round-robin)",
   )
   p.add_argument(
     "--gpu-configs",
@@ -240,7 +265,7 @@ def main(argv=None) -> int:
     policy = case.startswith("fused_policy")
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None
     shape = shape or (QUICK_FUSED_SHAPE if args.quick else FUSED_SHAPE)
-    record(_fused, case, shape, max(3, repeats // 2), args.seed + 1)
+    record(_fused, case, shape, max(3, repeats // 2), args.seed + 1, args.gpu_kernels)
   print(json.dumps({"errors": sum("error" in r for r in records)}))
   return 0
 

@@ -72,6 +72,12 @@ NUM_STAGES = 3
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Pallas' interpreter instead of Triton (the tests, on CPU); read at trace time.
 INTERPRET = False
+# The backward: "owned" (a dh kernel and a dW kernel, each program owning the rows or columns
+# it adds to: deterministic, five N H V matmuls in all) or "atomic" (one kernel over token
+# blocks: dz computed once per tile, dh owned, dW and db by atomic adds: four matmuls, CCE's
+# design, the order of the dW sums not fixed). Read at trace time.
+BACKWARDS = ("owned", "atomic")
+BACKWARD = "owned"
 
 
 class HeadKernel(NamedTuple):
@@ -83,6 +89,7 @@ class HeadKernel(NamedTuple):
   warps: int = NUM_WARPS
   stages: int = NUM_STAGES
   interpret: bool = False
+  backward: str = "owned"  # BACKWARDS: two kernels (deterministic) or one with atomic dW
 
 
 def _pow2(n: int) -> int:
@@ -103,7 +110,9 @@ def blocks(n: int, hidden: int, vocab: int, sizes=None) -> tuple[int, int, int]:
 def head_kernel(n: int, hidden: int, vocab: int, cap, low) -> HeadKernel:
   """The kernels' setting for ``[n, hidden] @ [hidden, vocab]`` (the module's blocks, read
   now)."""
-  return HeadKernel(blocks(n, hidden, vocab), cap, low, interpret=INTERPRET)
+  if BACKWARD not in BACKWARDS:
+    raise ValueError(f"_gpu_fused_head.BACKWARD must be one of {BACKWARDS}; got {BACKWARD!r}.")
+  return HeadKernel(blocks(n, hidden, vocab), cap, low, interpret=INTERPRET, backward=BACKWARD)
 
 
 def takes(h, w, axis_name) -> bool:
@@ -273,7 +282,7 @@ def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     def step(k, _):
       k0 = k * head.bk
       w = head.w_chunk(k0, c0, col_in)
-      add = sum(plgpu.dot(d, w, trans_b=True) for d in parts)
+      add = _dots(plgpu, parts, lambda d: (d, w), trans_b=True)
       ref, inside = out_at(k0)
       plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
       return _
@@ -317,7 +326,7 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     def step(k, _):
       k0 = k * head.bk
       a = head.h_chunk(r0, row_in, k0)
-      add = sum(plgpu.dot(a, d, trans_a=True) for d in parts)
+      add = _dots(plgpu, parts, lambda d, a=a: (a, d), trans_a=True)
       ref, inside = out_at(k0)
       plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
       return _
@@ -331,11 +340,77 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     plgpu.store(db_ref.at[pl.ds(c0, head.bv)], db.reshape(head.bv), mask=col_in[0])
 
 
+def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
+  """One backward kernel over token blocks (``backward="atomic"``): per vocabulary tile,
+  ``dz`` once; ``dh[block] += dz W[:, tile]^T`` (owned, as :func:`_dh_kernel`), and
+  ``dW[:, tile] += h[block]^T dz``, ``db[tile] += sum dz`` by atomic adds into zeroed float32
+  buffers padded to whole blocks (Pallas' interpreter takes no masked atomics: the values
+  outside are 0 instead)."""
+  b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+  ids_ref, mask_ref, stat_refs = refs[0], refs[1], refs[2:7]
+  # refs[7 : 8 + bias]: the zero buffers aliased to the outputs dW (and db)
+  dh_ref, dw_ref = refs[8 + bias], refs[9 + bias]
+  db_ref = refs[10 + bias] if bias else None
+  head = _Head(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref)
+  pl, plgpu = head.pl, head.plgpu
+  r0 = pl.program_id(0) * head.bn
+  row_in, kept, ids = head.rows(r0)
+  stats = _stats(head, r0, stat_refs)
+
+  def dh_at(k0):
+    k_in = k0 + lax.broadcasted_iota(jnp.int32, (1, head.bk), 1) < head.hidden
+    return dh_ref.at[pl.ds(r0, head.bn), pl.ds(k0, head.bk)], row_in & k_in
+
+  def zero(k, _):
+    ref, inside = dh_at(k * head.bk)
+    plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
+    return _
+
+  lax.fori_loop(0, head.k_steps(), zero, 0)
+  head.barrier()
+
+  def tile(j, _):
+    c0 = j * head.bv
+    dz, col_in = head.logit_grad(r0, c0, row_in, kept, ids, stats)
+    parts = head.operands(dz)
+
+    def step(k, _):
+      k0 = k * head.bk
+      w = head.w_chunk(k0, c0, col_in)
+      ref, inside = dh_at(k0)
+      add = _dots(plgpu, parts, lambda d: (d, w), trans_b=True)
+      plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
+      a = head.h_chunk(r0, row_in, k0)  # 0 past N and H: so is its product
+      add_w = _dots(plgpu, parts, lambda d: (a, d), trans_a=True)
+      plgpu.atomic_add(dw_ref, (pl.ds(k0, head.bk), pl.ds(c0, head.bv)), add_w)
+      return _
+
+    lax.fori_loop(0, head.k_steps(), step, 0)
+    head.barrier()
+    if db_ref is not None:
+      plgpu.atomic_add(db_ref, (pl.ds(c0, head.bv),), jnp.sum(dz, axis=0))
+    return _
+
+  lax.fori_loop(0, -(-head.vocab // head.bv), tile, 0)
+
+
+def _dots(plgpu, parts, operands, **transposes):
+  """The sum of ``plgpu.dot(*operands(d))`` over the parts of ``dz``."""
+  out = plgpu.dot(*operands(parts[0]), **transposes)
+  for d in parts[1:]:
+    out = out + plgpu.dot(*operands(d), **transposes)
+  return out
+
+
 # ---------------------------------------------------------------------------- the calls
 
 
-def _call(cfg: HeadKernel, kernel, grid, out_shapes, h, w, b, ids, temperature, mask, extra=()):
-  """``kernel`` over ``grid`` with every operand whole in HBM (``pl.no_block_spec``)."""
+def _call(
+  cfg: HeadKernel, kernel, grid, out_shapes, h, w, b, ids, temperature, mask, extra=(), zeros=()
+):
+  """``kernel`` over ``grid`` with every operand whole in HBM (``pl.no_block_spec``);
+  ``zeros``: float32 zero buffers aliased to the last outputs (their shapes), after
+  ``out_shapes``."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
@@ -343,6 +418,10 @@ def _call(cfg: HeadKernel, kernel, grid, out_shapes, h, w, b, ids, temperature, 
   scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
   operands = [scalars, h, w, *([] if b is None else [b])]
   operands += [ids[:, 0].astype(jnp.int32), mask[:, 0].astype(jnp.int32), *extra]
+  first = len(operands)
+  operands += [jnp.zeros(z, jnp.float32) for z in zeros]
+  out_shapes = [*out_shapes, *zeros]
+  aliases = {first + i: len(out_shapes) - len(zeros) + i for i in range(len(zeros))}
   body = functools.partial(kernel, cfg, shape, bias=b is not None)
   with warnings.catch_warnings():  # as _gpu_rows._lower: the backend's deprecation
     warnings.filterwarnings(
@@ -355,6 +434,7 @@ def _call(cfg: HeadKernel, kernel, grid, out_shapes, h, w, b, ids, temperature, 
       out_specs=[pl.no_block_spec for _ in out_shapes],
       out_shape=[jax.ShapeDtypeStruct(s, jnp.float32) for s in out_shapes],
       compiler_params=plgpu.CompilerParams(num_warps=cfg.warps, num_stages=cfg.stages),
+      input_output_aliases=aliases,
       interpret=cfg.interpret,
       name=f"kldiv_jax_gpu_head_{kernel.__name__.strip('_')}",
     )(*operands)
@@ -397,9 +477,17 @@ def _pallas_tokens_bwd(cfg, residuals, g):
   n, hidden, vocab = h.shape[0], h.shape[1], w.shape[1]
   stats = (top, log_s, entropy, g_lp, g_h)
   run = functools.partial(_call, cfg, h=h, w=w, b=b, ids=ids, temperature=temperature, mask=mask)
-  (dh,) = run(_dh_kernel, (-(-n // cfg.blocks[0]),), [(n, hidden)], extra=stats)
-  outs = [(hidden, vocab)] + ([] if b is None else [(vocab,)])
-  dw, *db = run(_dw_kernel, (-(-vocab // cfg.blocks[1]),), outs, extra=stats)
+  token_blocks = (-(-n // cfg.blocks[0]),)
+  if cfg.backward == "atomic":
+    _, bv, bk = cfg.blocks
+    padded = [(-(-hidden // bk) * bk, -(-vocab // bv) * bv)]
+    padded += [] if b is None else [(padded[0][1],)]
+    dh, dw, *db = run(_atomic_kernel, token_blocks, [(n, hidden)], extra=stats, zeros=padded)
+    dw, db = dw[:hidden, :vocab], [x[:vocab] for x in db]
+  else:
+    (dh,) = run(_dh_kernel, token_blocks, [(n, hidden)], extra=stats)
+    outs = [(hidden, vocab)] + ([] if b is None else [(vocab,)])
+    dw, *db = run(_dw_kernel, (-(-vocab // cfg.blocks[1]),), outs, extra=stats)
   return (
     dh.astype(h.dtype),
     dw.astype(w.dtype),

@@ -9,8 +9,9 @@ tokens, hidden and vocabulary edges). Against float64 NumPy (the materialised ``
 its log-softmax, the gradients in closed form) and against the XLA chunk loop on the same
 branch (``implementation="xla"``): values, entropies and the gradients wrt ``hidden``,
 ``weight`` and ``bias``, float32 and bfloat16 (both ``logits_dtype``), temperatures, a
-soft-cap, ``where`` and ``ignore_index``, ``-inf`` classes, a NaN token; and the program
-lowered for CUDA (three Triton calls with ``"pallas"``, none otherwise).
+soft-cap, ``where`` and ``ignore_index``, ``-inf`` classes, a NaN token, both backwards
+(``_gpu_fused_head.BACKWARD``); and the program lowered for CUDA (three Triton calls with
+``"pallas"``, two with the atomic backward, none otherwise).
 """
 
 import contextlib
@@ -120,17 +121,23 @@ def _close(got, want, rtol, atol):
 
 
 @pytest.mark.parametrize(
-  "dtype,logits_dtype,temperature,cap,bias",
+  "dtype,logits_dtype,temperature,cap,bias,backward",
   [
-    (jnp.float32, None, 1.0, None, True),
-    (jnp.float32, None, 0.7, 3.0, False),
-    (jnp.bfloat16, None, 1.3, None, True),
-    (jnp.bfloat16, jnp.float32, 1.0, None, True),
+    (jnp.float32, None, 1.0, None, True, "owned"),
+    (jnp.float32, None, 0.7, 3.0, False, "owned"),
+    (jnp.bfloat16, None, 1.3, None, True, "owned"),
+    (jnp.bfloat16, jnp.float32, 1.0, None, True, "owned"),
+    (jnp.float32, None, 0.7, 3.0, True, "atomic"),
+    (jnp.bfloat16, None, 1.3, None, False, "atomic"),
   ],
 )
-def test_values_and_gradients_against_float64(dtype, logits_dtype, temperature, cap, bias):
+def test_values_and_gradients_against_float64(
+  dtype, logits_dtype, temperature, cap, bias, backward, monkeypatch
+):
   """Log-probs, entropies and the gradients wrt hidden, weight and bias against the float64
-  materialised loss, with a mask of tokens (``where``) and ``ignore_index``."""
+  materialised loss, with a mask of tokens (``where``) and ``ignore_index``; both backwards
+  (two kernels that own their sums, or one with atomic adds to the weight's gradient)."""
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", backward)
   h, w, b, ids = _operands(dtype, bias=bias)
   ids = ids.at[5].set(-100)
   where = jnp.asarray(np.arange(N) % 7 != 3)
@@ -159,11 +166,13 @@ def test_values_and_gradients_against_float64(dtype, logits_dtype, temperature, 
     _close(got, want[: got.shape[0]] if got.ndim == 1 else want, **gtol)
 
 
+@pytest.mark.parametrize("backward", ["owned", "atomic"])
 @pytest.mark.parametrize("dtype,logits_dtype", [(jnp.float32, None), (jnp.bfloat16, None),
                                                 (jnp.bfloat16, jnp.float32)])  # fmt: skip
-def test_the_xla_chunk_loop_agrees(dtype, logits_dtype):
+def test_the_xla_chunk_loop_agrees(dtype, logits_dtype, backward, monkeypatch):
   """The same program with ``implementation="xla"`` (the chunk loop, on the same branch):
-  values and gradients, float32 and bfloat16 with both ``logits_dtype``."""
+  values and gradients, float32 and bfloat16 with both ``logits_dtype``, both backwards."""
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", backward)
   h, w, b, ids = _operands(dtype, seed=1)
   where = jnp.asarray(np.arange(N) % 5 != 1)
   options = dict(temperature=0.8, where=where, logits_dtype=logits_dtype, chunk_size=8)
@@ -230,6 +239,9 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
     return _cuda_text(jax.grad(loss, (0, 1)), h, w).count(f"@{TRITON_CALL}")
 
   assert calls("pallas") == 3
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", "atomic")
+  assert calls("pallas") == 2  # the forward and one backward kernel
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", "owned")
   assert calls() == 0 and calls("xla") == 0
   assert calls("pallas", w=w.astype(jnp.float32)) == 0  # mixed dtypes
   previous = kd.set_implementation("pallas")
