@@ -386,12 +386,31 @@ def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = T
 
 # The fused cases that take the opt-in Pallas Triton kernels of the LM-head chunk
 # (kldiv_jax._gpu_fused_head): on the CUDA target the program with them is compiled too, at
-# N tokens (``kldiv_jax_gpu``: its temp, and XLA's counts, which leave out the three Triton
-# calls, i.e. every matmul: only the glue around them), with a model beside it: the kernels'
-# five N H V matmuls (forward, dh and dW each recompute the logits) at the chip's bf16 peak,
-# the time they would take compute-bound (an ideal, not an estimate of Triton's code).
+# N tokens, with each backward (``kldiv_jax_gpu``: two kernels that own their sums;
+# ``kldiv_jax_gpu_atomic``: one kernel, dW by atomic adds): its temp, and XLA's counts, which
+# leave out the Triton calls, i.e. every matmul (only the glue around them), with a model
+# beside it: the kernels' N H V matmuls (five, or four with the atomic backward) at the
+# chip's bf16 peak, the time they would take compute-bound (an ideal, not an estimate of
+# Triton's code).
 GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32)
-GPU_HEAD_MATMULS = 5
+# contender: (kldiv_jax._gpu_fused_head.BACKWARD, N H V matmuls)
+GPU_HEAD_BACKWARDS = {"kldiv_jax_gpu": ("owned", 5), "kldiv_jax_gpu_atomic": ("atomic", 4)}
+
+
+def with_head_backward(fn: Callable, backward: str) -> Callable:
+  """``fn`` traced with the fused-head kernels on (:func:`with_gpu_kernels`) and their
+  ``backward`` (``"owned"`` or ``"atomic"``: ``kldiv_jax._gpu_fused_head.BACKWARD``, read at
+  trace time)."""
+  from kldiv_jax import _gpu_fused_head
+
+  def run(*args):
+    saved, _gpu_fused_head.BACKWARD = _gpu_fused_head.BACKWARD, backward
+    try:
+      return with_gpu_kernels(fn)(*args)
+    finally:
+      _gpu_fused_head.BACKWARD = saved
+
+  return run
 
 
 def _row_records(target: str, dev, shapes, cases) -> list[dict[str, Any]]:
@@ -487,16 +506,18 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
 
   mat = row["materialised"] = _or_error(lambda: measure(materialised, n))
   ours = row["fused"] = _or_error(estimate)
-  if TARGETS[target]["kind"] == "cuda" and row["case"] in GPU_FUSED_CASES:
+  for name, (backward, matmuls) in GPU_HEAD_BACKWARDS.items():
+    if TARGETS[target]["kind"] != "cuda" or row["case"] not in GPU_FUSED_CASES:
+      break
 
-    def gpu():
-      out = measure(with_gpu_kernels(fused(chunk)), n)
-      flops = GPU_HEAD_MATMULS * 2 * n * h * v
+    def gpu(backward=backward, matmuls=matmuls):
+      out = measure(with_head_backward(fused(chunk), backward), n)
+      flops = matmuls * 2 * n * h * v
       return out | {"model_flops": flops, "model_seconds": flops / TARGETS[target]["peak"]}
 
-    row["kldiv_jax_gpu"] = _or_error(gpu)
-    if "model_seconds" in row["kldiv_jax_gpu"] and "seconds" in mat:
-      row["kldiv_jax_gpu"]["model_ratio"] = row["kldiv_jax_gpu"]["model_seconds"] / mat["seconds"]
+    gpu_row = row[name] = _or_error(gpu)
+    if "model_seconds" in gpu_row and "seconds" in mat:
+      gpu_row["model_ratio"] = gpu_row["model_seconds"] / mat["seconds"]
   if "seconds" in ours and mat.get("time_source") not in (None, ours["time_source"]):
     # the materialised loss's time from the same source as the fused one's
     mat["seconds"], mat["time_source"] = _seconds({**mat, "optimal_seconds": None}, target, True)
@@ -622,18 +643,22 @@ def _gpu_head_text(row: dict[str, Any]) -> str:
   """The opt-in fused-head kernels of a fused row (``GPU_FUSED_CASES``), on a line of their
   own above the row's: compiled, temp, and the compute-bound model against the materialised
   loss (XLA counts none of a Triton call's flops or bytes)."""
-  gpu = row.get("kldiv_jax_gpu")
-  if gpu is None:
-    return ""
-  if "error" in gpu:
-    return f"gpu kernels: error {gpu['error']}\n  "
-  model = f"{gpu['model_ratio']:.2f}x" if "model_ratio" in gpu else "?"
-  return (
-    f"gpu kernels ({row['case']}): compiled in {gpu['compile_s']:.1f}s, temp "
-    f"{fmt_bytes(gpu['temp_bytes'])}; XLA counts {gpu['flops'] / 1e9:.1f} GFLOP "
-    f"{fmt_bytes(gpu['bytes'])} outside the Triton calls; model (5 matmuls at peak) "
-    f"{gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised\n  "
-  )
+  text = ""
+  for name, (backward, matmuls) in GPU_HEAD_BACKWARDS.items():
+    gpu = row.get(name)
+    if gpu is None:
+      continue
+    if "error" in gpu:
+      text += f"gpu kernels ({backward} backward): error {gpu['error']}\n  "
+      continue
+    model = f"{gpu['model_ratio']:.2f}x" if "model_ratio" in gpu else "?"
+    text += (
+      f"gpu kernels ({row['case']}, {backward} backward): compiled in {gpu['compile_s']:.1f}s,"
+      f" temp {fmt_bytes(gpu['temp_bytes'])}; XLA counts {gpu['flops'] / 1e9:.1f} GFLOP "
+      f"{fmt_bytes(gpu['bytes'])} outside the Triton calls; model ({matmuls} matmuls at peak)"
+      f" {gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised\n  "
+    )
+  return text
 
 
 def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -> list[dict]:
@@ -664,9 +689,11 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
       out.append(target_row(f"{name}: chip balance / chunk weight intensity", 1.0, value))
     elif "time_ratio" not in r:
       out.append({"target": f"{name}: compiled", "limit": None, "value": None, "pass": False})
-    if "kldiv_jax_gpu" in r:  # the opt-in GPU kernels compile for the chip (no estimate)
-      ok = "error" not in r["kldiv_jax_gpu"]
-      out.append({"target": f"{name}: gpu kernels compiled", "limit": None, "value": None})
+    for gpu in [k for k in ("kldiv_jax_gpu", "kldiv_jax_gpu_atomic") if k in r]:
+      # the opt-in GPU kernels compile for the chip (no estimate)
+      ok = "error" not in r[gpu]
+      what = "gpu kernels" + (" (atomic backward)" if gpu.endswith("atomic") else "")
+      out.append({"target": f"{name}: {what} compiled", "limit": None, "value": None})
       out[-1]["pass"] = ok
   for row in out:
     row["indicative"] = not full_size

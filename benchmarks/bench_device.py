@@ -22,8 +22,9 @@ which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax`
 ``--gpu-configs 2x2048w8s3,...`` adds one such contender per layout of the kernels (rows per
 program x classes per tile, warps, pipeline stages), ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
 The fused token log-probs (``GPU_FUSED_CASES``) take ``--gpu-kernels`` too: the opt-in
-fused-head kernels (``kldiv_jax._gpu_fused_head``) beside XLA's chunk loop and the
-materialised loss, in one round-robin.
+fused-head kernels (``kldiv_jax._gpu_fused_head``), each backward (two kernels that own
+their sums, ``gpu owned``; one with atomic adds to dW, ``gpu atomic``), beside XLA's chunk
+loop and the materialised loss, in one round-robin.
 
 A fused case ending ``+logits_f32`` runs the loss with ``logits_dtype=jnp.float32`` and times
 the default (bf16 chunk logits) fused loss beside it, in the same round robin.
@@ -42,6 +43,7 @@ from bench_accel import (
   FUSED_ARGS,
   FUSED_SHAPE,
   GPU_FUSED_CASES,
+  GPU_HEAD_BACKWARDS,
   LOGITS_F32,
   POLICY_SHAPE,
   QUICK_FUSED_SHAPE,
@@ -55,6 +57,7 @@ from bench_accel import (
   _temperature,
   row_temperatures,
   with_gpu_kernels,
+  with_head_backward,
 )
 
 
@@ -141,8 +144,9 @@ def _fused(case: str, shape, repeats: int, seed: int, gpu: str = "off") -> dict[
   gpu = gpu if case in GPU_FUSED_CASES else "off"
   if gpu == "on":
     fns["fused"] = with_gpu_kernels(fns["fused"])
-  elif gpu == "both":
-    fns["kldiv_jax_gpu"] = with_gpu_kernels(fns["fused"])
+  elif gpu == "both":  # each backward of the kernels (GPU_HEAD_BACKWARDS)
+    for name, (backward, _) in GPU_HEAD_BACKWARDS.items():
+      fns[name] = with_head_backward(fns["fused"], backward)
   base = case.removesuffix(LOGITS_F32)
   if base != case:  # logits_dtype=float32: timed beside the default (bf16) fused loss too
     fns["fused_default"] = _fused_contenders(base)[1](None)
@@ -150,10 +154,10 @@ def _fused(case: str, shape, repeats: int, seed: int, gpu: str = "off") -> dict[
   row |= _pair(fns, args, (0, 1), repeats)
   row["time_ratio"] = row["fused"]["median_ms"] / row["materialised"]["median_ms"]
   row["gpu_kernels"] = gpu
-  if "kldiv_jax_gpu" in row:
-    kernel = row["kldiv_jax_gpu"]["median_ms"]
-    row["kldiv_jax_gpu"]["time_ratio_to_xla"] = kernel / row["fused"]["median_ms"]
-    row["kldiv_jax_gpu"]["time_ratio"] = kernel / row["materialised"]["median_ms"]
+  for name in [k for k in GPU_HEAD_BACKWARDS if k in row]:
+    kernel = row[name]["median_ms"]
+    row[name]["time_ratio_to_xla"] = kernel / row["fused"]["median_ms"]
+    row[name]["time_ratio"] = kernel / row["materialised"]["median_ms"]
   if "fused_default" in row:
     ours, default = row["fused"], row["fused_default"]
     row["vs_default"] = {
@@ -180,10 +184,10 @@ def _line(row: dict[str, Any]) -> str:
     )
   if row["kind"] == "row":
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
-  if row["kind"] == "fused" and "kldiv_jax_gpu" in row:
-    g = row["kldiv_jax_gpu"]
+  for name in [k for k in GPU_HEAD_BACKWARDS if k in row and row["kind"] == "fused"]:
+    g = row[name]
     text += (
-      f"\n{'':<24} {'gpu (fused-head kernels)':<22} {g['median_ms']:8.3f} ms"
+      f"\n{'':<24} {'gpu ' + GPU_HEAD_BACKWARDS[name][0] + ' backward':<22} {g['median_ms']:8.3f} ms"
       f" = {fmt_ratio(g['time_ratio'])} x materialised, {fmt_ratio(g['time_ratio_to_xla'])} x"
       f" fused (XLA)  temp {fmt_bytes(g['temp_bytes'])}  value {g['value']:.6g}"
       f"  compile {g['compile_s']:.1f}s ({row['fused']['compile_s']:.1f}s)"
