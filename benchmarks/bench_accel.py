@@ -392,7 +392,7 @@ def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = T
 # beside it: the kernels' N H V matmuls (five, or four with the atomic backward) at the
 # chip's bf16 peak, the time they would take compute-bound (an ideal, not an estimate of
 # Triton's code).
-GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32)
+GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32, "fused_policy")
 # contender: (kldiv_jax._gpu_fused_head.BACKWARD, N H V matmuls)
 GPU_HEAD_BACKWARDS = {"kldiv_jax_gpu": ("owned", 5), "kldiv_jax_gpu_atomic": ("atomic", 4)}
 

@@ -253,3 +253,43 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
     assert calls("pallas", h.astype(jnp.float64), w.astype(jnp.float64)) == 0
   with pytest.raises(ValueError, match="fused_token_log_probs: implementation must be"):
     kd.fused_token_log_probs(h, w, ids, implementation="triton")
+
+
+@pytest.mark.parametrize(
+  "dtype,surrogate,backward",
+  [(jnp.float32, "ppo", "owned"), (jnp.bfloat16, "ppo", "atomic"), (jnp.float32, "gspo", "atomic")],
+)
+def test_the_fused_policy_loss_through_the_kernels(dtype, surrogate, backward, monkeypatch):
+  """``fused_policy_loss(implementation="pallas")`` (the loss in two passes around the
+  kernels, token-level and sequence-level surrogates) against its XLA chunk loop on the same
+  branch: loss, metrics and the gradients wrt hidden, weight and bias, with an entropy bonus,
+  a clip-higher and a mask."""
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", backward)
+  h, w, b, ids = _operands(dtype, seed=4)
+  rng = np.random.default_rng(5)
+  old = jnp.asarray(rng.normal(-4.0, 0.5, N), jnp.float32)
+  adv = jnp.asarray(rng.standard_normal(N), jnp.float32)
+  where = jnp.asarray(np.arange(N) % 6 != 4)
+  segments = jnp.asarray(np.arange(N) // 10, jnp.int32)
+
+  def program(implementation):
+    def loss(h, w, b):
+      return kd.fused_policy_loss(
+        h, w, ids, old, adv, bias=b, surrogate=surrogate, clip_high=0.28,
+        entropy_coef=0.01, where=where, segment_ids=segments, temperature=0.9,
+        chunk_size=8, implementation=implementation,
+      )  # fmt: skip
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+
+  with cuda_branch():
+    got = program("pallas")(h, w, b)
+    want = program("xla")(h, w, b)
+    text = str(jax.make_jaxpr(program("pallas"))(h, w, b))
+  assert "kldiv_jax_gpu_head" in text
+  f32 = dtype == jnp.float32
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, x = np.asarray(g, np.float64), np.asarray(x, np.float64)
+    scale = np.abs(x).max(initial=1e-3)
+    rtol, atol = (2e-5, 2e-5 * scale) if f32 else (2e-2, 1e-2 * scale)
+    np.testing.assert_allclose(g, x, rtol=rtol, atol=atol)
