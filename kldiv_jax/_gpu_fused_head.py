@@ -20,13 +20,22 @@ computed by ``plgpu.dot`` into registers and reduced there; no ``[tokens, vocab]
   ``dW[:, tile] += h[block]^T dz`` a hidden chunk at a time and ``db[tile] += sum dz``.
 
 Each program owns the rows of ``dh`` (the columns of ``dW``) it adds to, so the sums are
-deterministic (no atomics; CCE's single backward kernel adds both with atomics instead): the
-running sums live in the float32 outputs in HBM (an ``[H]``-wide accumulator does not fit a
-program's registers), read and written once per vocabulary tile (token block), from L2 in
-practice, with a barrier between the tiles. The backward recomputes the logits twice
-(five ``N H V`` matmuls in all against the XLA chunk loop's four): the price of
-deterministic sums without atomics. CCE's skipping of tiles whose gradient is below
-rounding is **not** done (it is not exact).
+deterministic (no atomics): the running sums live in the float32 outputs in HBM (an
+``[H]``-wide accumulator does not fit a program's registers), read and written once per
+vocabulary tile (token block), from L2 in practice, with a barrier between the tiles. This
+backward recomputes the logits twice: five ``N H V`` matmuls in all, against the XLA chunk
+loop's four. :data:`BACKWARD` ``= "atomic"`` has one backward kernel instead (CCE's, which
+adds both gradients with atomics): per token block and vocabulary tile ``dz`` once, ``dh``
+owned as above, ``dW`` and ``db`` by ``plgpu.atomic_add`` into zeroed float32 buffers padded
+to whole blocks: four matmuls, the order of ``dW``'s sums left to the hardware (not
+bit-reproducible run to run). CCE's skipping of tiles whose gradient is below rounding is
+**not** done (not exact).
+
+:func:`kldiv_jax.fused_policy_loss` (``_fused_policy.fused_token_loss``) runs through the same
+kernels with ``implementation="pallas"``: the forward kernel's ``[N]`` statistics, the
+per-token loss and its derivatives ``g_lp, g_H`` in XLA, then the backward kernels (the XLA
+path's token-level losses take one pass of three matmuls a chunk, computing the gradient in
+the forward; the kernels take two passes, four or five matmuls, with no logits in HBM).
 
 The numbers are the XLA path's conventions (:mod:`kldiv_jax._fused_tokens`): bf16/f16 inputs
 with the default ``logits_dtype`` round each logit to the inputs' dtype after the float32
@@ -48,7 +57,10 @@ program lowered for CUDA (``lax.platform_dependent``: CPU, TPU and ROCm keep XLA
 past ``V`` is ``-inf``, a row past ``N`` is not stored, a hidden column past ``H`` is 0).
 ``chunk_size`` is not read (the kernels have blocks, not chunks). **Opt-in, never measured
 on a GPU** (``benchmarks/README.md``): the default stays XLA's chunk loop until
-``make bench-device`` times it.
+``make bench-device`` times it (``bash benchmarks/gpu_check.sh``, its ``head`` steps).
+Compiled for an H100 without a device (``bench_accel.py``, XLA's deviceless CUDA client), the
+kernels' temp at 16384 x 2048 x 131072 bf16 is the float32 ``dW`` (1.0 GiB) against the
+chunk loop's 1.1 GiB; XLA's cost analysis counts none of a Triton call's flops or bytes.
 """
 
 import functools
