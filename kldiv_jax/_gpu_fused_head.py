@@ -183,7 +183,7 @@ class _Head:
       a, b = self.h_chunk(r0, row_in, k0), self.w_chunk(k0, c0, col_in)
       return acc + self.plgpu.dot(a, b)
 
-    acc = lax.fori_loop(0, self.k_steps(), step, jnp.zeros((self.bn, self.bv), jnp.float32))
+    acc = _loop(self.k_steps(), step, jnp.zeros((self.bn, self.bv), jnp.float32))
     z = acc if cfg.low is None else acc.astype(cfg.low)
     if self.b_ref is not None:
       bias = self.plgpu.load(self.b_ref.at[self.pl.ds(c0, self.bv)], mask=col_in[0], other=0)
@@ -250,7 +250,7 @@ def _forward_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
 
   zero = jnp.zeros((head.bn, 1), jnp.float32)
   init = (jnp.full((head.bn, 1), -jnp.inf, jnp.float32), zero, zero, zero)
-  out = lax.fori_loop(0, -(-head.vocab // head.bv), tile, init)
+  out = _loop(-(-head.vocab // head.bv), tile, init)
   for ref, x in zip(out_refs, out):
     head.plgpu.store(ref.at[head.pl.ds(r0, head.bn)], x.reshape(head.bn), mask=row_in[:, 0])
 
@@ -283,7 +283,7 @@ def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
     return _
 
-  lax.fori_loop(0, head.k_steps(), zero, 0)
+  _loop(head.k_steps(), zero, 0)
   head.barrier()
 
   def tile(j, _):
@@ -299,11 +299,11 @@ def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
       plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
       return _
 
-    lax.fori_loop(0, head.k_steps(), step, 0)
+    _loop(head.k_steps(), step, 0)
     head.barrier()
     return _
 
-  lax.fori_loop(0, -(-head.vocab // head.bv), tile, 0)
+  _loop(-(-head.vocab // head.bv), tile, 0)
 
 
 def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
@@ -326,7 +326,7 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     plgpu.store(ref, jnp.zeros((head.bk, head.bv), jnp.float32), mask=inside)
     return _
 
-  lax.fori_loop(0, head.k_steps(), zero, 0)
+  _loop(head.k_steps(), zero, 0)
   head.barrier()
 
   def block(i, db):
@@ -343,11 +343,11 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
       plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
       return _
 
-    lax.fori_loop(0, head.k_steps(), step, 0)
+    _loop(head.k_steps(), step, 0)
     head.barrier()
     return db + jnp.sum(dz, axis=0, keepdims=True)
 
-  db = lax.fori_loop(0, -(-head.n // head.bn), block, jnp.zeros((1, head.bv), jnp.float32))
+  db = _loop(-(-head.n // head.bn), block, jnp.zeros((1, head.bv), jnp.float32))
   if db_ref is not None:
     plgpu.store(db_ref.at[pl.ds(c0, head.bv)], db.reshape(head.bv), mask=col_in[0])
 
@@ -378,7 +378,7 @@ def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
     return _
 
-  lax.fori_loop(0, head.k_steps(), zero, 0)
+  _loop(head.k_steps(), zero, 0)
   head.barrier()
 
   def tile(j, _):
@@ -397,13 +397,19 @@ def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
       plgpu.atomic_add(dw_ref, (pl.ds(k0, head.bk), pl.ds(c0, head.bv)), add_w)
       return _
 
-    lax.fori_loop(0, head.k_steps(), step, 0)
+    _loop(head.k_steps(), step, 0)
     head.barrier()
     if db_ref is not None:
       plgpu.atomic_add(db_ref, (pl.ds(c0, head.bv),), jnp.sum(dz, axis=0))
     return _
 
-  lax.fori_loop(0, -(-head.vocab // head.bv), tile, 0)
+  _loop(-(-head.vocab // head.bv), tile, 0)
+
+
+def _loop(upper, body, init):
+  """``lax.fori_loop`` from 0 with int32 bounds (an int64 counter under ``jax_enable_x64``
+  would meet the int32 program ids in an index)."""
+  return lax.fori_loop(jnp.int32(0), jnp.int32(upper), body, init)
 
 
 def _dots(plgpu, parts, operands, **transposes):

@@ -293,3 +293,31 @@ def test_the_fused_policy_loss_through_the_kernels(dtype, surrogate, backward, m
     scale = np.abs(x).max(initial=1e-3)
     rtol, atol = (2e-5, 2e-5 * scale) if f32 else (2e-2, 1e-2 * scale)
     np.testing.assert_allclose(g, x, rtol=rtol, atol=atol)
+
+
+def test_x64_and_vmap():
+  """Under ``jax_enable_x64`` float32 operands take the kernels (int32 indices beside int64
+  Python ints) with the XLA path's values and gradients; ``vmap`` over sequences (a batched
+  kernel call) too."""
+  h, w, b, ids = _operands(jnp.float32, seed=6)
+  with enable_x64(), cuda_branch():
+    got = _program("pallas", temperature=1.2)[0](h, w, b, ids)
+    want = _program("xla", temperature=1.2)[0](h, w, b, ids)
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == x.dtype
+    np.testing.assert_allclose(g, x, rtol=2e-5, atol=2e-5 * np.abs(x).max(initial=1.0))
+  hb, idsb = h[:36].reshape(3, 12, H), ids[:36].reshape(3, 12)
+
+  def grads(implementation):
+    def loss(h, w, y):
+      lp = kd.fused_token_log_probs(h, w, y, implementation=implementation)
+      return jnp.sum(lp)
+
+    return jax.jit(jax.vmap(jax.grad(loss, (0, 1)), (0, None, 0)))
+
+  with cuda_branch():
+    text = str(jax.make_jaxpr(grads("pallas"))(hb, w, idsb))
+    got, want = grads("pallas")(hb, w, idsb), grads("xla")(hb, w, idsb)
+  assert "kldiv_jax_gpu_head" in text
+  for g, x in zip(got, want):
+    np.testing.assert_allclose(g, x, rtol=2e-5, atol=2e-5 * np.abs(x).max())
