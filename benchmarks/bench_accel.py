@@ -397,18 +397,37 @@ GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32
 GPU_HEAD_BACKWARDS = {"kldiv_jax_gpu": ("owned", 5), "kldiv_jax_gpu_atomic": ("atomic", 4)}
 
 
-def with_head_backward(fn: Callable, backward: str) -> Callable:
+# The module settings of kldiv_jax._gpu_fused_head a layout sets (read at trace time).
+HEAD_SETTINGS = ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN", "NUM_WARPS", "NUM_STAGES")
+
+
+def head_config(text: str) -> tuple[int, int, int, int, int]:
+  """``"64x128x64w4s3"`` as the fused-head kernels' layout ``(tokens per block, vocabulary
+  tile, hidden step, warps, stages)``."""
+  dims, rest = text.split("w")
+  warps, stages = rest.split("s")
+  bn, bv, bk = (int(d) for d in dims.split("x"))
+  return bn, bv, bk, int(warps), int(stages)
+
+
+def with_head_backward(fn: Callable, backward: str, config: tuple | None = None) -> Callable:
   """``fn`` traced with the fused-head kernels on (:func:`with_gpu_kernels`) and their
-  ``backward`` (``"owned"`` or ``"atomic"``: ``kldiv_jax._gpu_fused_head.BACKWARD``, read at
-  trace time)."""
-  from kldiv_jax import _gpu_fused_head
+  ``backward`` (``"owned"`` or ``"atomic"``: ``kldiv_jax._gpu_fused_head.BACKWARD``) and
+  ``config`` (:func:`head_config`; ``None``: the module's defaults), read at trace time."""
+  from kldiv_jax import _gpu_fused_head as head
+
+  names = ("BACKWARD", *HEAD_SETTINGS)
 
   def run(*args):
-    saved, _gpu_fused_head.BACKWARD = _gpu_fused_head.BACKWARD, backward
+    saved = {k: getattr(head, k) for k in names}
+    head.BACKWARD = backward
+    for k, value in zip(HEAD_SETTINGS, config or ()):
+      setattr(head, k, value)
     try:
       return with_gpu_kernels(fn)(*args)
     finally:
-      _gpu_fused_head.BACKWARD = saved
+      for k, value in saved.items():
+        setattr(head, k, value)
 
   return run
 

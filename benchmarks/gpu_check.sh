@@ -3,7 +3,7 @@
 # (kldiv_jax/_gpu_rows.py) and the fused LM-head kernels (kldiv_jax/_gpu_fused_head.py), one
 # command on a machine with an NVIDIA GPU (python3 with jax[cuda], pytest, numpy):
 #
-#   bash benchmarks/gpu_check.sh          # at most 500 s (the steps' limits), compiles included
+#   bash benchmarks/gpu_check.sh          # at most 560 s (the steps' limits), compiles included
 #
 # 1. a smoke test: three row cases at a small shape, the kernels off and on side by side;
 # 2. the issue's shapes, (4096, 8192) float32 and (2048, 131072) bfloat16, value_and_grad,
@@ -13,8 +13,9 @@
 # 4. a sweep of the kernels' layout (rows per program x tile, warps, stages) for forward KL
 #    (one-pass kernel) and JSD (statistics + class sums kernels) at the same shapes;
 # 5. the fused token log-probs (16384 x 2048 x 131072 bf16, value_and_grad wrt hidden and
-#    weight): the materialised loss, XLA's chunk loop and the fused-head kernels in one
-#    round-robin (--quick first), and tests/test_gpu_fused_head.py compiled by Triton.
+#    weight): the materialised loss, XLA's chunk loop and the fused-head kernels (both
+#    backwards, and two more layouts: blocks of 128 x 128 x 64, 8 warps) in one round-robin
+#    (--quick first), and tests/test_gpu_fused_head.py compiled by Triton.
 # Results: $OUT/gpu-check/ (or benchmarks/results/gpu-check/): device-*.json and the logs.
 # Each step has its own time limit; a step that fails or times out does not stop the next.
 # GPU_CHECK_STEPS=head-quick,head,head-tests runs only those steps (the fused head's).
@@ -44,10 +45,11 @@ step sweep 45 "$PY" benchmarks/bench_device.py --cases forward_kl,jsd --gpu-kern
   --gpu-configs "${GPU_CHECK_CONFIGS:-2x2048w8s3,8x512w8s3}" --repeats 5 --out "$RES/sweep"
 step head-quick 40 "$PY" benchmarks/bench_device.py --quick --cases fused_token_log_probs \
   --gpu-kernels both --repeats 3 --out "$RES/head-quick"
-step head 90 "$PY" benchmarks/bench_device.py --cases fused_token_log_probs --gpu-kernels both \
+step head 150 "$PY" benchmarks/bench_device.py --cases fused_token_log_probs --gpu-kernels both \
+  --head-configs "${GPU_CHECK_HEAD_CONFIGS:-owned:128x128x64w8s3,atomic:128x128x64w8s3}" \
   --repeats 5 --out "$RES/head"
 step head-tests 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_fused_head.py
 echo "=== summary (gpu: the kernels' time / XLA's, and the floor's TB/s)"
 grep -h -A4 "kldiv_jax " "$RES"/full.log "$RES"/sweep.log | grep -v "^--" || true
-grep -h -A1 "^fused_token_log_probs" "$RES"/head.log || true
+grep -h -A4 "^fused_token_log_probs" "$RES"/head.log || true
 tail -n 3 "$RES/tests.log" "$RES/head-tests.log" || true

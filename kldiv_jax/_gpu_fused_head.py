@@ -120,11 +120,13 @@ def blocks(n: int, hidden: int, vocab: int, sizes=None) -> tuple[int, int, int]:
 
 
 def head_kernel(n: int, hidden: int, vocab: int, cap, low) -> HeadKernel:
-  """The kernels' setting for ``[n, hidden] @ [hidden, vocab]`` (the module's blocks, read
-  now)."""
+  """The kernels' setting for ``[n, hidden] @ [hidden, vocab]``: the module's blocks, warps,
+  stages and backward, read now (the tests and the benchmarks' sweeps set them)."""
   if BACKWARD not in BACKWARDS:
     raise ValueError(f"_gpu_fused_head.BACKWARD must be one of {BACKWARDS}; got {BACKWARD!r}.")
-  return HeadKernel(blocks(n, hidden, vocab), cap, low, interpret=INTERPRET, backward=BACKWARD)
+  return HeadKernel(
+    blocks(n, hidden, vocab), cap, low, NUM_WARPS, NUM_STAGES, INTERPRET, backward=BACKWARD
+  )
 
 
 def takes(h, w, axis_name) -> bool:
