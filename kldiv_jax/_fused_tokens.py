@@ -6,7 +6,9 @@ log-probability, the entropy and two statistics (the row max and the log-normali
 backward pass *recomputes* each chunk's logits from them and folds the chunk's gradient into
 the gradients wrt ``hidden``, ``weight`` and ``bias`` (:func:`fold_token_grads`, shared with
 the forward pass of the fused policy losses, ``_fused_policy``). Liger Kernel's fused linear
-cross entropy is the same design.
+cross entropy is the same design. With ``implementation="pallas"``, a program lowered for CUDA
+runs the opt-in Pallas Triton kernels of :mod:`kldiv_jax._gpu_fused_head` instead (no chunk's
+logits in HBM), where they take the operands.
 """
 
 from __future__ import annotations
