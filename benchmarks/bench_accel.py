@@ -393,8 +393,13 @@ def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = T
 # chip's bf16 peak, the time they would take compute-bound (an ideal, not an estimate of
 # Triton's code).
 GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32, "fused_policy")
-# contender: (kldiv_jax._gpu_fused_head.BACKWARD, N H V matmuls)
-GPU_HEAD_BACKWARDS = {"kldiv_jax_gpu": ("owned", 5), "kldiv_jax_gpu_atomic": ("atomic", 4)}
+# contender: (kldiv_jax._gpu_fused_head.BACKWARD, N H V matmuls, its SKIP_BELOW: CCE's
+# gradient filter, here at 2**-12, where the matmuls are a bound: skipped tiles skip two)
+GPU_HEAD_BACKWARDS = {
+  "kldiv_jax_gpu": ("owned", 5, None),
+  "kldiv_jax_gpu_atomic": ("atomic", 4, None),
+  "kldiv_jax_gpu_atomic_skip": ("atomic", 4, 2.0**-12),
+}
 
 
 # The module settings of kldiv_jax._gpu_fused_head a layout sets (read at trace time).
@@ -410,17 +415,20 @@ def head_config(text: str) -> tuple[int, int, int, int, int]:
   return bn, bv, bk, int(warps), int(stages)
 
 
-def with_head_backward(fn: Callable, backward: str, config: tuple | None = None) -> Callable:
+def with_head_backward(
+  fn: Callable, backward: str, config: tuple | None = None, skip: float | None = None
+) -> Callable:
   """``fn`` traced with the fused-head kernels on (:func:`with_gpu_kernels`) and their
-  ``backward`` (``"owned"`` or ``"atomic"``: ``kldiv_jax._gpu_fused_head.BACKWARD``) and
-  ``config`` (:func:`head_config`; ``None``: the module's defaults), read at trace time."""
+  ``backward`` (``"owned"`` or ``"atomic"``: ``kldiv_jax._gpu_fused_head.BACKWARD``),
+  ``config`` (:func:`head_config`; ``None``: the module's defaults) and gradient filter
+  ``skip`` (``SKIP_BELOW``), read at trace time."""
   from kldiv_jax import _gpu_fused_head as head
 
-  names = ("BACKWARD", *HEAD_SETTINGS)
+  names = ("BACKWARD", "SKIP_BELOW", *HEAD_SETTINGS)
 
   def run(*args):
     saved = {k: getattr(head, k) for k in names}
-    head.BACKWARD = backward
+    head.BACKWARD, head.SKIP_BELOW = backward, skip
     for k, value in zip(HEAD_SETTINGS, config or ()):
       setattr(head, k, value)
     try:
@@ -525,12 +533,12 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
 
   mat = row["materialised"] = _or_error(lambda: measure(materialised, n))
   ours = row["fused"] = _or_error(estimate)
-  for name, (backward, matmuls) in GPU_HEAD_BACKWARDS.items():
+  for name, (backward, matmuls, skip) in GPU_HEAD_BACKWARDS.items():
     if TARGETS[target]["kind"] != "cuda" or row["case"] not in GPU_FUSED_CASES:
       break
 
-    def gpu(backward=backward, matmuls=matmuls):
-      out = measure(with_head_backward(fused(chunk), backward), n)
+    def gpu(backward=backward, matmuls=matmuls, skip=skip):
+      out = measure(with_head_backward(fused(chunk), backward, skip=skip), n)
       flops = matmuls * 2 * n * h * v
       return out | {"model_flops": flops, "model_seconds": flops / TARGETS[target]["peak"]}
 
@@ -663,7 +671,8 @@ def _gpu_head_text(row: dict[str, Any]) -> str:
   own above the row's: compiled, temp, and the compute-bound model against the materialised
   loss (XLA counts none of a Triton call's flops or bytes)."""
   text = ""
-  for name, (backward, matmuls) in GPU_HEAD_BACKWARDS.items():
+  for name, (backward, matmuls, skip) in GPU_HEAD_BACKWARDS.items():
+    backward += "" if skip is None else f", skip < {skip:g}"
     gpu = row.get(name)
     if gpu is None:
       continue
@@ -708,10 +717,10 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
       out.append(target_row(f"{name}: chip balance / chunk weight intensity", 1.0, value))
     elif "time_ratio" not in r:
       out.append({"target": f"{name}: compiled", "limit": None, "value": None, "pass": False})
-    for gpu in [k for k in ("kldiv_jax_gpu", "kldiv_jax_gpu_atomic") if k in r]:
+    for gpu in [k for k in ("kldiv_jax_gpu", *GPU_HEAD_BACKWARDS) if k in r]:
       # the opt-in GPU kernels compile for the chip (no estimate)
       ok = "error" not in r[gpu]
-      what = "gpu kernels" + (" (atomic backward)" if gpu.endswith("atomic") else "")
+      what = "gpu kernels" + (f" ({gpu[14:].replace('_', ' ')} backward)" if gpu[14:] else "")
       out.append({"target": f"{name}: {what} compiled", "limit": None, "value": None})
       out[-1]["pass"] = ok
   for row in out:

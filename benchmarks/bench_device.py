@@ -23,7 +23,8 @@ which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax`
 program x classes per tile, warps, pipeline stages), ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
 The fused token log-probs (``GPU_FUSED_CASES``) take ``--gpu-kernels`` too: the opt-in
 fused-head kernels (``kldiv_jax._gpu_fused_head``), each backward (two kernels that own
-their sums, ``gpu owned``; one with atomic adds to dW, ``gpu atomic``), beside XLA's chunk
+their sums, ``gpu owned``; one with atomic adds to dW, ``gpu atomic``, and it with CCE's
+gradient filter at 2**-12, ``gpu atomic skip``), beside XLA's chunk
 loop and the materialised loss, in one round-robin; ``--head-configs
 owned:128x128x64w8s3,...`` adds one contender per layout of theirs (backward, tokens per
 block x vocabulary tile x hidden step, warps, stages).
@@ -150,8 +151,8 @@ def _fused(
   if gpu == "on":
     fns["fused"] = with_gpu_kernels(fns["fused"])
   elif gpu == "both":  # each backward of the kernels (GPU_HEAD_BACKWARDS)
-    for name, (backward, _) in GPU_HEAD_BACKWARDS.items():
-      fns[name] = with_head_backward(fns["fused"], backward)
+    for name, (backward, _, skip) in GPU_HEAD_BACKWARDS.items():
+      fns[name] = with_head_backward(fns["fused"], backward, skip=skip)
   for text in configs if gpu != "off" else ():
     backward, _, layout = text.partition(":")
     fns[f"kldiv_jax_gpu[{text}]"] = with_head_backward(fns["fused"], backward, head_config(layout))
@@ -194,7 +195,8 @@ def _line(row: dict[str, Any]) -> str:
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
   for name in [k for k in row if k.startswith("kldiv_jax_gpu") and row["kind"] == "fused"]:
     g = row[name]
-    label = GPU_HEAD_BACKWARDS[name][0] + " backward" if name in GPU_HEAD_BACKWARDS else name[14:-1]
+    label = name[14:].replace("_", " ") + " backward" if name in GPU_HEAD_BACKWARDS else name[14:-1]
+    label = "owned backward" if name == "kldiv_jax_gpu" else label
     text += (
       f"\n{'':<24} {'gpu ' + label:<22} {g['median_ms']:8.3f} ms"
       f" = {fmt_ratio(g['time_ratio'])} x materialised, {fmt_ratio(g['time_ratio_to_xla'])} x"

@@ -90,6 +90,11 @@ INTERPRET = False
 # design, the order of the dW sums not fixed). Read at trace time.
 BACKWARDS = ("owned", "atomic")
 BACKWARD = "owned"
+# CCE's gradient filter, off (None) by default: a positive float skips the backward matmuls of
+# a [token block, vocabulary tile] whose every |dz| is below it relative to its token's
+# cotangents (|dz| / (|g_lp| + |g_H|), the scale of the softmax's own terms p and p log p);
+# not exact (the skipped terms are dropped), so never on by default. Read at trace time.
+SKIP_BELOW: float | None = None
 
 
 class HeadKernel(NamedTuple):
@@ -102,6 +107,7 @@ class HeadKernel(NamedTuple):
   stages: int = NUM_STAGES
   interpret: bool = False
   backward: str = "owned"  # BACKWARDS: two kernels (deterministic) or one with atomic dW
+  skip: float | None = None  # SKIP_BELOW: tiles whose relative gradient is below it skipped
 
 
 def _pow2(n: int) -> int:
@@ -125,7 +131,7 @@ def head_kernel(n: int, hidden: int, vocab: int, cap, low) -> HeadKernel:
   if BACKWARD not in BACKWARDS:
     raise ValueError(f"_gpu_fused_head.BACKWARD must be one of {BACKWARDS}; got {BACKWARD!r}.")
   return HeadKernel(
-    blocks(n, hidden, vocab), cap, low, NUM_WARPS, NUM_STAGES, INTERPRET, backward=BACKWARD
+    blocks(n, hidden, vocab), cap, low, NUM_WARPS, NUM_STAGES, INTERPRET, BACKWARD, SKIP_BELOW
   )
 
 
@@ -203,9 +209,30 @@ class _Head:
     lp = jnp.where(keep, x - log_s, 0.0)
     p = jnp.where(keep, jnp.exp(lp), 0.0)
     hit = (c0 + lax.broadcasted_iota(jnp.int32, (1, self.bv), 1) == ids).astype(jnp.float32)
-    dz = g_lp * (hit - p) + g_h * (-p * (lp + entropy))
-    dz = times_slope(dz, zc, self.cfg.cap) / self.temperature
+    du = g_lp * (hit - p) + g_h * (-p * (lp + entropy))
+    dz = times_slope(du, zc, self.cfg.cap) / self.temperature
     return jnp.where(kept & col_in, dz, 0.0), col_in
+
+  def needed(self, dz, stats):
+    """Whether the tile's backward matmuls run (a traced bool): always without
+    :data:`SKIP_BELOW`; with it, unless every ``|dz|`` is below it relative to its token's
+    ``(|g_lp| + |g_H|) / T`` (a count of the others, so that a NaN counts: Triton's ``max``
+    skips NaNs)."""
+    if self.cfg.skip is None:
+      return None
+    scale = (jnp.abs(stats[3]) + jnp.abs(stats[4])) / self.temperature
+    rel = jnp.abs(dz) / jnp.where(scale > 0, scale, 1.0)
+    return jnp.sum(jnp.where(rel < self.cfg.skip, 0, 1)) > 0
+
+  def when(self, needed, body):
+    """``body()`` where ``needed`` (``None``: always)."""
+    if needed is None:
+      body()
+      return
+
+    @self.pl.when(needed)
+    def _():
+      body()
 
   def operands(self, dz):
     """``dz`` as the backward matmuls' operands (their products summed): as
@@ -301,7 +328,7 @@ def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
       plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
       return _
 
-    _loop(head.k_steps(), step, 0)
+    head.when(head.needed(dz, stats), lambda: _loop(head.k_steps(), step, 0))
     head.barrier()
     return _
 
@@ -334,7 +361,8 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
   def block(i, db):
     r0 = i * head.bn
     row_in, kept, ids = head.rows(r0)
-    dz, _ = head.logit_grad(r0, c0, row_in, kept, ids, _stats(head, r0, stat_refs))
+    stats = _stats(head, r0, stat_refs)
+    dz, _ = head.logit_grad(r0, c0, row_in, kept, ids, stats)
     parts = head.operands(dz)
 
     def step(k, _):
@@ -345,7 +373,7 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
       plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
       return _
 
-    _loop(head.k_steps(), step, 0)
+    head.when(head.needed(dz, stats), lambda: _loop(head.k_steps(), step, 0))
     head.barrier()
     return db + jnp.sum(dz, axis=0, keepdims=True)
 
@@ -399,7 +427,7 @@ def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
       plgpu.atomic_add(dw_ref, (pl.ds(k0, head.bk), pl.ds(c0, head.bv)), add_w)
       return _
 
-    _loop(head.k_steps(), step, 0)
+    head.when(head.needed(dz, stats), lambda: _loop(head.k_steps(), step, 0))
     head.barrier()
     if db_ref is not None:
       plgpu.atomic_add(db_ref, (pl.ds(c0, head.bv),), jnp.sum(dz, axis=0))

@@ -324,3 +324,41 @@ def test_x64_and_vmap():
   assert "kldiv_jax_gpu_head" in text
   for g, x in zip(got, want):
     np.testing.assert_allclose(g, x, rtol=F32, atol=F32 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("backward", ["owned", "atomic"])
+def test_the_gradient_filter(backward, monkeypatch):
+  """``SKIP_BELOW`` (CCE's filter, off by default): at ``2**-8`` on a peaked softmax, bf16,
+  some tiles are skipped (the gradients differ) and the gradients are the unfiltered
+  kernels' to bf16's rounding; at a threshold above every
+  relative gradient, no matmul runs (zero gradients wrt hidden and weight: the filter acts),
+  but a NaN tile is never skipped (its NaN reaches the weight's gradient)."""
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", backward)
+  # A peaked softmax over 19 tiles, 10 tokens: most tiles hold no label, and tiny gradients.
+  rng = np.random.default_rng(7)
+  h = jnp.asarray(rng.standard_normal((10, 32)), jnp.bfloat16)
+  w = jnp.asarray(2 * rng.standard_normal((32, 300)), jnp.bfloat16)
+  ids = jnp.asarray(rng.integers(0, 300, 10), jnp.int32)
+
+  def grads():
+    def loss(h, w):
+      lp, ent = kd.fused_token_log_probs(h, w, ids, return_entropy=True, implementation="pallas")
+      return jnp.mean(lp.astype(jnp.float32)) + 0.01 * jnp.mean(ent.astype(jnp.float32))
+
+    return jax.jit(jax.grad(loss, (0, 1)))
+
+  with cuda_branch():
+    want = grads()(h, w)
+    monkeypatch.setattr(_gpu_fused_head, "SKIP_BELOW", 2.0**-8)
+    filtered = grads()(h, w)
+    monkeypatch.setattr(_gpu_fused_head, "SKIP_BELOW", 1e3)
+    nothing = grads()(h, w)
+    nan = grads()(h.at[3, 0].set(jnp.nan), w)
+  assert any(not np.array_equal(g, x) for g, x in zip(filtered, want))
+  for g, x in zip(filtered, want):
+    g, x = np.asarray(g, np.float32), np.asarray(x, np.float32)
+    np.testing.assert_allclose(g, x, rtol=2e-2, atol=1e-2 * np.abs(x).max())
+  for g in nothing:
+    np.testing.assert_array_equal(np.asarray(g, np.float32), 0.0)
+  assert np.isnan(np.asarray(nan[1], np.float32)).any()
+  assert np.isnan(np.asarray(nan[0], np.float32)[3]).all()
