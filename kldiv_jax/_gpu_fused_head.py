@@ -29,7 +29,9 @@ adds both gradients with atomics): per token block and vocabulary tile ``dz`` on
 owned as above, ``dW`` and ``db`` by ``plgpu.atomic_add`` into zeroed float32 buffers padded
 to whole blocks: four matmuls, the order of ``dW``'s sums left to the hardware (not
 bit-reproducible run to run). CCE's skipping of tiles whose gradient is below rounding is
-**not** done (not exact).
+an option, off by default (:data:`SKIP_BELOW`): not exact (at ``2**-12`` on a peaked bf16
+softmax in the tests' interpreter runs the gradient wrt ``hidden`` moved by 0.5% of its
+largest entry, about one bf16 rounding, that wrt ``weight`` by 0.01%).
 
 :func:`kldiv_jax.fused_policy_loss` (``_fused_policy.fused_token_loss``) runs through the same
 kernels with ``implementation="pallas"``: the forward kernel's ``[N]`` statistics, the
