@@ -58,7 +58,8 @@ from kldiv_jax._fused_chunks import (
   zero_head_grads,
 )
 from kldiv_jax._fused_tokens import TokenKernel, fold_token_grads, fused_tokens
-from kldiv_jax._gpu_fused_head import HeadKernel, head_kernel, pallas_tokens, takes
+from kldiv_jax._gpu_fused_head import head_kernel, pallas_tokens, takes
+from kldiv_jax._gpu_head_kernels import HeadKernel
 from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._numerics import nan_unless, positive_finite
 from kldiv_jax._platform import compiled, gpu_kernels_for
