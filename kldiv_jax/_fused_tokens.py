@@ -175,8 +175,10 @@ def fused_token_log_probs(
       :ref:`fused-logits-dtype`), as in :func:`fused_distillation_loss`.
     implementation: ``"pallas"``: in a program lowered for CUDA, the opt-in Pallas Triton
       kernels (the logits of a block only on chip, Cut Cross-Entropy's design; never yet
-      measured on a GPU) where they take the operands, else as ``None``; ``"xla"`` or
-      ``None`` (default, :func:`set_implementation`): the XLA chunk loop.
+      measured on a GPU) where they take the operands (hidden and weight of one dtype among
+      float32, bf16, f16; no ``axis_name``), else the XLA chunk loop; ``"xla"``: the chunk
+      loop; ``None`` (default): the process-wide default (:func:`set_implementation`), the
+      chunk loop unless set.
 
   Returns:
     The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``, ``(lp, entropy)``.
