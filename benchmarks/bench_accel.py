@@ -489,6 +489,62 @@ def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = T
   return run
 
 
+# The fused cases that take the opt-in Pallas Triton kernels of the LM-head chunk
+# (kldiv_jax._gpu_fused_head): on the CUDA target the program with them is compiled too, at
+# N tokens, with each backward (``kldiv_jax_gpu``: two kernels that own their sums;
+# ``kldiv_jax_gpu_atomic``: one kernel, dW by atomic adds): its temp, and XLA's counts, which
+# leave out the Triton calls, i.e. every matmul (only the glue around them), with a model
+# beside it: the kernels' N H V matmuls (five, or four with the atomic backward) at the
+# chip's bf16 peak, the time they would take compute-bound (an ideal, not an estimate of
+# Triton's code).
+GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32, "fused_policy")
+# contender: (kldiv_jax._gpu_fused_head.BACKWARD, N H V matmuls, its SKIP_BELOW: CCE's
+# gradient filter, here at 2**-12, where the matmuls are a bound: skipped tiles skip two)
+GPU_HEAD_BACKWARDS = {
+  "kldiv_jax_gpu": ("owned", 5, None),
+  "kldiv_jax_gpu_atomic": ("atomic", 4, None),
+  "kldiv_jax_gpu_atomic_skip": ("atomic", 4, 2.0**-12),
+}
+
+
+# The module settings of kldiv_jax._gpu_fused_head a layout sets (read at trace time).
+HEAD_SETTINGS = ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN", "NUM_WARPS", "NUM_STAGES")
+
+
+def head_config(text: str) -> tuple[int, int, int, int, int]:
+  """``"64x128x64w4s3"`` as the fused-head kernels' layout ``(tokens per block, vocabulary
+  tile, hidden step, warps, stages)``."""
+  dims, rest = text.split("w")
+  warps, stages = rest.split("s")
+  bn, bv, bk = (int(d) for d in dims.split("x"))
+  return bn, bv, bk, int(warps), int(stages)
+
+
+def with_head_backward(
+  fn: Callable, backward: str, config: tuple | None = None, skip: float | None = None
+) -> Callable:
+  """``fn`` traced with the fused-head kernels on (:func:`with_gpu_kernels`) and their
+  ``backward`` (``"owned"`` or ``"atomic"``: ``kldiv_jax._gpu_fused_head.BACKWARD``),
+  ``config`` (:func:`head_config`; ``None``: the module's defaults) and gradient filter
+  ``skip`` (``SKIP_BELOW``), read at trace time."""
+  from kldiv_jax import _gpu_fused_head as head
+
+  names = ("BACKWARD", "SKIP_BELOW", *HEAD_SETTINGS)
+
+  def run(*args):
+    saved = {k: getattr(head, k) for k in names}
+    head.BACKWARD, head.SKIP_BELOW = backward, skip
+    for k, value in zip(HEAD_SETTINGS, config or ()):
+      setattr(head, k, value)
+    try:
+      return with_gpu_kernels(fn)(*args)
+    finally:
+      for k, value in saved.items():
+        setattr(head, k, value)
+
+  return run
+
+
 def _row_records(target: str, dev, shapes, cases) -> list[dict[str, Any]]:
   import jax.numpy as jnp
 
@@ -589,6 +645,18 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
 
   mat = row["materialised"] = _or_error(lambda: measure(materialised, n))
   ours = row["fused"] = _or_error(estimate)
+  for name, (backward, matmuls, skip) in GPU_HEAD_BACKWARDS.items():
+    if TARGETS[target]["kind"] != "cuda" or row["case"] not in GPU_FUSED_CASES:
+      break
+
+    def gpu(backward=backward, matmuls=matmuls, skip=skip):
+      out = measure(with_head_backward(fused(chunk), backward, skip=skip), n)
+      flops = matmuls * 2 * n * h * v
+      return out | {"model_flops": flops, "model_seconds": flops / TARGETS[target]["peak"]}
+
+    gpu_row = row[name] = _or_error(gpu)
+    if "model_seconds" in gpu_row and "seconds" in mat:
+      gpu_row["model_ratio"] = gpu_row["model_seconds"] / mat["seconds"]
   if "seconds" in ours and mat.get("time_source") not in (None, ours["time_source"]):
     # the materialised loss's time from the same source as the fused one's
     mat["seconds"], mat["time_source"] = _seconds({**mat, "optimal_seconds": None}, target, True)
@@ -706,7 +774,7 @@ def _line(row: dict[str, Any]) -> str:
   fused = row.get("fused", {})
   if "time_ratio" not in row:
     return f"{what} chunk {row['chunk']}: error: {fused.get('error') or row['materialised'].get('error')}"
-  return (
+  return _gpu_head_text(row) + (
     f"{what} chunk {row['chunk']:>5}  time {fmt_ratio(row['time_ratio']):>5}x materialised  "
     f"temp {fmt_bytes(fused['temp_bytes']):>7} (materialised "
     f"{fmt_bytes(row['materialised']['temp_bytes'])})  intensity {fused['chunk_intensity']:.0f}"
@@ -719,6 +787,29 @@ def _line(row: dict[str, Any]) -> str:
       else ""
     )
   )
+
+
+def _gpu_head_text(row: dict[str, Any]) -> str:
+  """The opt-in fused-head kernels of a fused row (``GPU_FUSED_CASES``), on a line of their
+  own above the row's: compiled, temp, and the compute-bound model against the materialised
+  loss (XLA counts none of a Triton call's flops or bytes)."""
+  text = ""
+  for name, (backward, matmuls, skip) in GPU_HEAD_BACKWARDS.items():
+    backward += "" if skip is None else f", skip < {skip:g}"
+    gpu = row.get(name)
+    if gpu is None:
+      continue
+    if "error" in gpu:
+      text += f"gpu kernels ({backward} backward): error {gpu['error']}\n  "
+      continue
+    model = f"{gpu['model_ratio']:.2f}x" if "model_ratio" in gpu else "?"
+    text += (
+      f"gpu kernels ({row['case']}, {backward} backward): compiled in {gpu['compile_s']:.1f}s,"
+      f" temp {fmt_bytes(gpu['temp_bytes'])}; XLA counts {gpu['flops'] / 1e9:.1f} GFLOP "
+      f"{fmt_bytes(gpu['bytes'])} outside the Triton calls; model ({matmuls} matmuls at peak)"
+      f" {gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised\n  "
+    )
+  return text
 
 
 def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -> list[dict]:
@@ -749,13 +840,16 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
       out.append(target_row(f"{name}: chip balance / chunk weight intensity", 1.0, value))
     elif "time_ratio" not in r:
       out.append({"target": f"{name}: compiled", "limit": None, "value": None, "pass": False})
-    if "kldiv_jax_gpu" in r:  # the opt-in GPU kernels compile for the chip
-      gpu = r["kldiv_jax_gpu"]
-      out.append({"target": f"{name}: gpu kernels compiled", "limit": None, "value": None})
-      out[-1]["pass"] = "error" not in gpu
-      if "hbm_ratio" in gpu:  # XLA's count with the Triton calls' operands and results added
+    for gpu in [k for k in ("kldiv_jax_gpu", *GPU_HEAD_BACKWARDS) if k in r]:
+      # the opt-in GPU kernels compile for the chip (no estimate)
+      ok = "error" not in r[gpu]
+      what = "gpu kernels" + (f" ({gpu[14:].replace('_', ' ')} backward)" if gpu[14:] else "")
+      out.append({"target": f"{name}: {what} compiled", "limit": None, "value": None})
+      out[-1]["pass"] = ok
+      if gpu == "kldiv_jax_gpu" and "hbm_ratio" in r[gpu]:
+        # XLA's count with the Triton calls' operands and results added
         label = f"{name}: opt-in gpu kernels, HBM / floor (calls' bytes added)"
-        row = target_row(label, ROW_HBM_TARGET, gpu["hbm_ratio"])  # reported: not the default
+        row = target_row(label, ROW_HBM_TARGET, r[gpu]["hbm_ratio"])  # reported: not the default
         out.append(row | {"pass": None, "detail": "opt-in, reported, not a target"})
   for row in out:
     row["indicative"] = not full_size

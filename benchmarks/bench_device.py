@@ -23,6 +23,13 @@ which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax`
 program x classes per tile, warps, pipeline stages; tile 0: JSD, skew KL, skew reverse KL and
 TVD from whole rows held by a program, ``1x0w16s1`` the default where a row fits),
 ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
+The fused token log-probs (``GPU_FUSED_CASES``) take ``--gpu-kernels`` too: the opt-in
+fused-head kernels (``kldiv_jax._gpu_fused_head``), each backward (two kernels that own
+their sums, ``gpu owned``; one with atomic adds to dW, ``gpu atomic``, and it with CCE's
+gradient filter at 2**-12, ``gpu atomic skip``), beside XLA's chunk
+loop and the materialised loss, in one round-robin; ``--head-configs
+owned:128x128x64w8s3,...`` adds one contender per layout of theirs (backward, tokens per
+block x vocabulary tile x hidden step, warps, stages).
 
 A fused case ending ``+logits_f32`` runs the loss with ``logits_dtype=jnp.float32`` and times
 the default (bf16 chunk logits) fused loss beside it, in the same round robin.
@@ -40,6 +47,8 @@ from _harness import fmt_bytes, fmt_ratio
 from bench_accel import (
   FUSED_ARGS,
   FUSED_SHAPE,
+  GPU_FUSED_CASES,
+  GPU_HEAD_BACKWARDS,
   LOGITS_F32,
   POLICY_SHAPE,
   QUICK_FUSED_SHAPE,
@@ -51,8 +60,10 @@ from bench_accel import (
   _fused_contenders,
   _row_contenders,
   _temperature,
+  head_config,
   row_temperatures,
   with_gpu_kernels,
+  with_head_backward,
 )
 
 
@@ -127,18 +138,37 @@ def _row(
   return row
 
 
-def _fused(case: str, shape, repeats: int, seed: int) -> dict[str, Any]:
+def _fused(
+  case: str, shape, repeats: int, seed: int, gpu: str = "off", configs=()
+) -> dict[str, Any]:
+  """A fused case against the materialised loss; ``gpu`` (``GPU_FUSED_CASES``): the opt-in
+  fused-head kernels (``kldiv_jax._gpu_fused_head``) off, on (in place of XLA's chunk loop)
+  or both side by side; ``configs``: their layouts to sweep (``"owned:64x128x64w4s3"``)."""
   n, h, v = shape
   kinds, _ = FUSED_ARGS[case]
   args = _inputs(kinds, n, v, h, jnp.dtype("bfloat16"), seed)
   materialised, fused = _fused_contenders(case)
   fns = {"materialised": materialised, "fused": fused(None)}
+  gpu = gpu if case in GPU_FUSED_CASES else "off"
+  if gpu == "on":
+    fns["fused"] = with_gpu_kernels(fns["fused"])
+  elif gpu == "both":  # each backward of the kernels (GPU_HEAD_BACKWARDS)
+    for name, (backward, _, skip) in GPU_HEAD_BACKWARDS.items():
+      fns[name] = with_head_backward(fns["fused"], backward, skip=skip)
+  for text in configs if gpu != "off" else ():
+    backward, _, layout = text.partition(":")
+    fns[f"kldiv_jax_gpu[{text}]"] = with_head_backward(fns["fused"], backward, head_config(layout))
   base = case.removesuffix(LOGITS_F32)
   if base != case:  # logits_dtype=float32: timed beside the default (bf16) fused loss too
     fns["fused_default"] = _fused_contenders(base)[1](None)
   row: dict[str, Any] = {"case": case, "kind": "fused", "shape": list(shape), "dtype": "bfloat16"}
   row |= _pair(fns, args, (0, 1), repeats)
   row["time_ratio"] = row["fused"]["median_ms"] / row["materialised"]["median_ms"]
+  row["gpu_kernels"] = gpu
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
+    kernel = row[name]["median_ms"]
+    row[name]["time_ratio_to_xla"] = kernel / row["fused"]["median_ms"]
+    row[name]["time_ratio"] = kernel / row["materialised"]["median_ms"]
   if "fused_default" in row:
     ours, default = row["fused"], row["fused_default"]
     row["vs_default"] = {
@@ -165,7 +195,17 @@ def _line(row: dict[str, Any]) -> str:
     )
   if row["kind"] == "row":
     text += f"  floor at {row['floor_tb_per_s']:.2f} TB/s ({row['naive_floor_tb_per_s']:.2f})"
-  for name in [k for k in row if k.startswith("kldiv_jax_gpu")]:
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu") and row["kind"] == "fused"]:
+    g = row[name]
+    label = name[14:].replace("_", " ") + " backward" if name in GPU_HEAD_BACKWARDS else name[14:-1]
+    label = "owned backward" if name == "kldiv_jax_gpu" else label
+    text += (
+      f"\n{'':<24} {'gpu ' + label:<22} {g['median_ms']:8.3f} ms"
+      f" = {fmt_ratio(g['time_ratio'])} x materialised, {fmt_ratio(g['time_ratio_to_xla'])} x"
+      f" fused (XLA)  temp {fmt_bytes(g['temp_bytes'])}  value {g['value']:.6g}"
+      f"  compile {g['compile_s']:.1f}s ({row['fused']['compile_s']:.1f}s)"
+    )
+  for name in [k for k in row if k.startswith("kldiv_jax_gpu") and row["kind"] == "row"]:
     g = row[name]
     text += (
       f"\n{'':<24} {name[len('kldiv_jax_') :]:<22} {g['median_ms']:8.3f} ms"
@@ -198,14 +238,20 @@ def main(argv=None) -> int:
     "--gpu-kernels",
     choices=("off", "on", "both"),
     default="off",
-    help="the row cases with kldiv_jax's opt-in Pallas Triton kernels: off (default), on "
-    "(in place of XLA's), both (side by side, in one round-robin)",
+    help="the row cases and fused_token_log_probs with kldiv_jax's opt-in Pallas Triton "
+    "kernels: off (default), on (in place of XLA's), both (side by side, in one round-robin)",
   )
   p.add_argument(
     "--gpu-configs",
     default="",
     help="layouts of the GPU kernels to time side by side, RxTILEwWARPSsSTAGES (TILE 0: whole "
     "rows), comma-separated",
+  )
+  p.add_argument(
+    "--head-configs",
+    default="",
+    help="layouts of the fused-head kernels to time side by side (with --gpu-kernels), "
+    "BACKWARD:TOKENSxVOCABxHIDDENwWARPSsSTAGES (owned:64x128x64w4s3), comma-separated",
   )
   p.add_argument(
     "--shapes", default="", help="row shapes NxV:dtype, comma-separated (default: the standard)"
@@ -243,7 +289,8 @@ def main(argv=None) -> int:
     policy = case.startswith("fused_policy")
     shape = (QUICK_POLICY_SHAPE if args.quick else POLICY_SHAPE) if policy else None
     shape = shape or (QUICK_FUSED_SHAPE if args.quick else FUSED_SHAPE)
-    record(_fused, case, shape, max(3, repeats // 2), args.seed + 1)
+    head_configs = [c for c in args.head_configs.split(",") if c]
+    record(_fused, case, shape, max(3, repeats // 2), args.seed + 1, args.gpu_kernels, head_configs)
   print(json.dumps({"errors": sum("error" in r for r in records)}))
   return 0
 

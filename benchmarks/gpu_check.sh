@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The device check of the opt-in Pallas Triton row kernels (kldiv_jax/_gpu_rows.py, issue 37),
-# one command on a machine with an NVIDIA GPU (python3 with jax[cuda], pytest, numpy):
+# The device check of the opt-in Pallas Triton kernels (issue 37): the row kernels
+# (kldiv_jax/_gpu_rows.py) and the fused LM-head kernels (kldiv_jax/_gpu_fused_head.py), one
+# command on a machine with an NVIDIA GPU (python3 with jax[cuda], pytest, numpy):
 #
-#   bash benchmarks/gpu_check.sh          # at most 490 s (the steps' limits), compiles included
+#   bash benchmarks/gpu_check.sh          # at most 740 s (the steps' limits), compiles included
+#   GPU_CHECK_STEPS=env,quick,full,tests,whole bash benchmarks/gpu_check.sh   # in two calls
+#   GPU_CHECK_STEPS=sweep,head-quick,head,head-tests bash benchmarks/gpu_check.sh  # of <= 600 s
 #
 # 1. a smoke test: three row cases at a small shape, the kernels off and on side by side;
 # 2. the issue's shapes, (4096, 8192) float32 and (2048, 131072) bfloat16, value_and_grad,
@@ -14,9 +17,14 @@
 #    at their old layout (4x1024w4s3: two reads) and whole rows at 8 and 32 warps (1x0w8s1,
 #    1x0w32s1; the default is 16);
 # 5. a sweep of the kernels' layout (rows per program x tile, warps, stages) for forward KL
-#    (one-pass kernel) and JSD (statistics + class sums kernels) at the same shapes.
+#    (one-pass kernel) and JSD (statistics + class sums kernels) at the same shapes;
+# 6. the fused token log-probs (16384 x 2048 x 131072 bf16, value_and_grad wrt hidden and
+#    weight): the materialised loss, XLA's chunk loop and the fused-head kernels (both
+#    backwards, and two more layouts: blocks of 128 x 128 x 64, 8 warps) in one round-robin
+#    (--quick first), and tests/test_gpu_fused_head.py compiled by Triton.
 # Results: $OUT/gpu-check/ (or benchmarks/results/gpu-check/): device-*.json and the logs.
 # Each step has its own time limit; a step that fails or times out does not stop the next.
+# GPU_CHECK_STEPS=head-quick,head,head-tests runs only those steps (the fused head's).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
@@ -24,9 +32,10 @@ PY="${PYTHON:-python3}"
 RES="${OUT:-benchmarks/results}/gpu-check"
 mkdir -p "$RES"
 CASES="${GPU_CHECK_CASES:-forward_kl,reverse_kl,symmetric_kl,jsd,skew_kl,skew_reverse_kl,tvd,alpha_beta}"
-step() {  # step NAME SECONDS CMD...
+step() {  # step NAME SECONDS CMD... (only the steps named in $GPU_CHECK_STEPS, if set)
   local name=$1 limit=$2
   shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then return; fi
   echo "=== $name ($(date -u +%T), limit ${limit}s): $*"
   local start=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$RES/$name.log"
@@ -44,6 +53,13 @@ step whole 90 "$PY" benchmarks/bench_device.py --cases jsd,skew_kl,skew_reverse_
   --out "$RES/whole"
 step sweep 45 "$PY" benchmarks/bench_device.py --cases forward_kl,jsd --gpu-kernels both \
   --gpu-configs "${GPU_CHECK_CONFIGS:-2x2048w8s3,8x512w8s3}" --repeats 5 --out "$RES/sweep"
+step head-quick 40 "$PY" benchmarks/bench_device.py --quick --cases fused_token_log_probs \
+  --gpu-kernels both --repeats 3 --out "$RES/head-quick"
+step head 150 "$PY" benchmarks/bench_device.py --cases fused_token_log_probs --gpu-kernels both \
+  --head-configs "${GPU_CHECK_HEAD_CONFIGS:-owned:128x128x64w8s3,atomic:128x128x64w8s3}" \
+  --repeats 5 --out "$RES/head"
+step head-tests 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_fused_head.py
 echo "=== summary (gpu: the kernels' time / XLA's, and the floor's TB/s)"
 grep -h -A6 "kldiv_jax " "$RES"/full.log "$RES"/whole.log "$RES"/sweep.log | grep -v "^--" || true
-tail -n 3 "$RES/tests.log" || true
+grep -h -A4 "^fused_token_log_probs" "$RES"/head.log || true
+tail -n 3 "$RES/tests.log" "$RES/head-tests.log" || true

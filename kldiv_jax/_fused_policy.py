@@ -58,8 +58,11 @@ from kldiv_jax._fused_chunks import (
   zero_head_grads,
 )
 from kldiv_jax._fused_tokens import TokenKernel, fold_token_grads, fused_tokens
+from kldiv_jax._gpu_fused_head import head_kernel, pallas_tokens, takes
+from kldiv_jax._gpu_head_kernels import HeadKernel
+from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._numerics import nan_unless, positive_finite
-from kldiv_jax._platform import compiled
+from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._tokens import token_layout, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
 
@@ -172,11 +175,17 @@ _one_pass.defvjp(_one_pass_fwd, _one_pass_bwd)
 _one_pass = compiled(_one_pass, static_argnums=0)
 
 
-def _two_pass(static: _Static, h, w, b, ids, temperature, mask, args):
+def _two_pass(
+  static: _Static, h, w, b, ids, temperature, mask, args, head: HeadKernel | None = None
+):
   """Pass 1 (forward) and pass 2 (its backward) of :func:`fused_token_log_probs`'s kernel,
-  ``per_token_fn`` on the whole ``[N]`` arrays between them."""
-  kernel = TokenKernel(static.chunk, static.axis_name, static.cap, static.low)
-  out = fused_tokens(kernel, h, w, b, ids, temperature, mask)
+  ``per_token_fn`` on the whole ``[N]`` arrays between them; ``head``: with the opt-in GPU
+  kernels (:func:`kldiv_jax._gpu_fused_head.pallas_tokens`) instead of the chunk loop."""
+  if head is not None:
+    out = pallas_tokens(head, h, w, b, ids, temperature.astype(jnp.float32), mask)
+  else:
+    kernel = TokenKernel(static.chunk, static.axis_name, static.cap, static.low)
+    out = fused_tokens(kernel, h, w, b, ids, temperature, mask)
   # The cast restates fused_tokens' result, lost to jax.custom_vjp's unannotated __new__.
   log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   loss, aux = _apply(static, log_p, entropy, mask, lax.stop_gradient(args))
@@ -204,6 +213,7 @@ def fused_token_loss(
   name: str = "fused_token_loss",
   loss_dtype: Any = None,
   logits_dtype: Any = None,
+  implementation: str | None = None,
 ) -> tuple[jax.Array, TokenOutputs]:
   """``(sum_i per_token_fn(log p, H, args)_i, TokenOutputs)`` from ``hidden @ weight + bias``.
 
@@ -238,7 +248,12 @@ def fused_token_loss(
   float32 with ``logits_dtype=jnp.float32`` (:func:`kldiv_jax._fused_chunks.low_dtype`);
   the loss comes back in ``loss_dtype`` (``None``: the promoted dtype of
   ``hidden`` and ``weight``), NaN for an invalid traced temperature.
+  ``implementation="pallas"``: in a program lowered for CUDA, where the kernels take the
+  operands (:func:`kldiv_jax._gpu_fused_head.takes`), the two passes run as the opt-in
+  fused-head kernels (a forward kernel, ``per_token_fn`` on the ``[N]`` statistics, the
+  backward kernels), token-level losses too.
   """
+  impl = resolve_implementation(name, implementation)
   out_dtype = check_linear(name, "student", hidden, weight, bias)
   temperature, _ = check_temperature(name, temperature)
   cap = check_softcap(name, "softcap", softcap)
@@ -295,7 +310,13 @@ def fused_token_loss(
         return _two_pass(s, h, w, b, safe, t, mask, per_token_args)
       return _one_pass(s, h, w, b, safe, t, mask, per_token_args, buffers)
 
-    out = per_platform(chunk_size, name, n, vocab * num_shards, call, _CHUNK_ELEMENTS)
+    xla = lambda: per_platform(chunk_size, name, n, vocab * num_shards, call, _CHUNK_ELEMENTS)  # noqa: E731
+    if gpu_kernels_for(impl) and takes(h, w, axis_name):
+      head = head_kernel(n, h.shape[1], vocab, cap, low)
+      gpu = lambda: _two_pass(static, h, w, b, safe, t, mask, per_token_args, head)  # noqa: E731
+      out = lax.platform_dependent(cuda=gpu, default=xla)
+    else:
+      out = xla()
     loss, outs = cast(tuple[jax.Array, tuple], out)
   valid = positive_finite(temperature)
   loss_dtype = out_dtype if loss_dtype is None else loss_dtype

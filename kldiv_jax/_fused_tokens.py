@@ -6,7 +6,9 @@ log-probability, the entropy and two statistics (the row max and the log-normali
 backward pass *recomputes* each chunk's logits from them and folds the chunk's gradient into
 the gradients wrt ``hidden``, ``weight`` and ``bias`` (:func:`fold_token_grads`, shared with
 the forward pass of the fused policy losses, ``_fused_policy``). Liger Kernel's fused linear
-cross entropy is the same design.
+cross entropy is the same design. With ``implementation="pallas"``, a program lowered for CUDA
+runs the opt-in Pallas Triton kernels of :mod:`kldiv_jax._gpu_fused_head` instead (no chunk's
+logits in HBM), where they take the operands.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from kldiv_jax._fused_chunks import (
   zero_cotangent,
   zero_head_grads,
 )
-from kldiv_jax._platform import compiled
+from kldiv_jax._gpu_fused_head import cuda_or_xla, head_kernel, takes
+from kldiv_jax._implementation import resolve_implementation
+from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._rows import times_slope
 from kldiv_jax._tokens import class_derivatives, local_ids, token_layout, token_outputs, token_stats
 from kldiv_jax._vocab_parallel import check_axis_name, global_classes
@@ -146,6 +150,7 @@ def fused_token_log_probs(
   chunk_size: int | None = None,
   axis_name: str | None = None,
   logits_dtype: jax.typing.DTypeLike | None = None,
+  implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   r"""Sampled tokens' log-probabilities (and the entropy) from hidden states and an LM head.
 
@@ -168,6 +173,12 @@ def fused_token_log_probs(
       gradient in the inputs' dtype, as the materialised ``hidden @ weight``; ``jnp.float32``
       keeps the matmuls' float32 results (the accuracy of float32 logits, at a cost:
       :ref:`fused-logits-dtype`), as in :func:`fused_distillation_loss`.
+    implementation: ``"pallas"``: in a program lowered for CUDA, the opt-in Pallas Triton
+      kernels (the logits of a block only on chip, Cut Cross-Entropy's design; never yet
+      measured on a GPU) where they take the operands (hidden and weight of one dtype among
+      float32, bf16, f16; no ``axis_name``), else the XLA chunk loop; ``"xla"``: the chunk
+      loop; ``None`` (default): the process-wide default (:func:`set_implementation`), the
+      chunk loop unless set.
 
   Returns:
     The log-probabilities ``hidden.shape[:-1]``; with ``return_entropy``, ``(lp, entropy)``.
@@ -183,6 +194,7 @@ def fused_token_log_probs(
     True
   """
   name = "fused_token_log_probs"
+  impl = resolve_implementation(name, implementation)
   out_dtype = check_linear(name, "student", hidden, weight, bias)
   temperature, _ = check_temperature(name, temperature)
   cap = check_softcap(name, "softcap", softcap)
@@ -212,7 +224,13 @@ def fused_token_log_probs(
     call = lambda chunk: fused_tokens(  # noqa: E731
       TokenKernel(chunk, axis_name, cap, low), h, w_arr, b_arr, safe, t, mask
     )
-    out = per_platform(chunk_size, name, n, vocab * num_shards, call)
+    xla = lambda: per_platform(chunk_size, name, n, vocab * num_shards, call)  # noqa: E731
+    gpu = gpu_kernels_for(impl)
+    if gpu and takes(h, w_arr, axis_name):
+      cfg = head_kernel(n, h.shape[1], vocab, cap, low)
+      out = cuda_or_xla(cfg, xla, h, w_arr, b_arr, safe, t.astype(jnp.float32), mask)
+    else:
+      out = xla()
     log_p, entropy = cast(tuple[jax.Array, jax.Array], out)
   return token_outputs(
     log_p, entropy, in_range, mask, token_shape, out_dtype, temperature, return_entropy

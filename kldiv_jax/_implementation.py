@@ -7,7 +7,8 @@ a process-wide default.
 * ``"xla"``: XLA's fusions only, on every platform: no custom kernel is lowered.
 * ``"pallas"``: the Pallas kernels wherever the library has one for the platform and the
   operands take it: the TPU whole-row kernel (:mod:`kldiv_jax._whole_rows`) and the opt-in
-  Triton kernels for NVIDIA GPUs (:mod:`kldiv_jax._gpu_rows`); XLA elsewhere.
+  Triton kernels for NVIDIA GPUs (:mod:`kldiv_jax._gpu_rows`, and the fused LM-head kernels
+  of :mod:`kldiv_jax._gpu_fused_head`); XLA elsewhere.
 * ``None`` (every loss's default): the process-wide default, :func:`set_implementation`'s
   value, else the environment variable :data:`ENV_VAR` (``KLDIV_JAX_IMPLEMENTATION``), else
   the library's choice per platform (:data:`AUTO`): the Pallas kernel on TPU, XLA on GPUs

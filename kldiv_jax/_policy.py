@@ -520,6 +520,7 @@ def fused_policy_loss(
   cov_key: jax.Array | None = None,
   rollout_rejection: Mapping[str, float | tuple[float, float]] | None = None,
   rollout_normalize: bool = False,
+  implementation: str | None = None,
 ) -> tuple[jax.Array, PolicyMetrics]:
   r""":func:`policy_loss` from hidden states and the LM head, with no ``[tokens, vocab]`` array.
 
@@ -534,9 +535,10 @@ def fused_policy_loss(
     hidden, weight: hidden states ``[..., T, H]``, the LM head ``[H, V]``; ``bias``: ``[V]``.
     token_ids: the sampled tokens ``[..., T]``, aligned with ``hidden`` (``token_ids[t]``
       predicted from ``hidden[t]``: for a causal LM, shifted, :func:`shift_labels`).
-    temperature, softcap, ignore_index, axis_name, chunk_size, logits_dtype: as in
-      :func:`fused_token_log_probs` (``logits_dtype=jnp.float32``: bf16 inputs' chunk logits
-      and their gradient in float32, :ref:`fused-logits-dtype`); the other options as in
+    temperature, softcap, ignore_index, axis_name, chunk_size, logits_dtype, implementation:
+      as in :func:`fused_token_log_probs` (``logits_dtype=jnp.float32``: bf16 inputs' chunk
+      logits and their gradient in float32, :ref:`fused-logits-dtype`; ``"pallas"``: the
+      opt-in GPU kernels, the loss in two passes around them); the other options as in
       :func:`policy_loss` (``top_entropy_fraction`` on the entropy measured here).
 
   Returns:
@@ -657,6 +659,7 @@ def fused_policy_loss(
     where=weights.mask.reshape(n), temperature=temperature, softcap=softcap,
     axis_name=axis_name, chunk_size=chunk_size, with_entropy=with_entropy, has_aux=True,
     two_pass=two_pass, name=name, loss_dtype=out_dtype, logits_dtype=logits_dtype,
+    implementation=implementation,
   )  # fmt: skip
   terms, loss_w, token_w = outs.aux if rejection else (outs.aux, args["loss"], args["token"])
   if rejection:  # the weights of the tokens kept, from the kernel

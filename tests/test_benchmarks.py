@@ -320,6 +320,32 @@ def test_accel_logits_f32_cases_report_their_cost_and_are_not_targets(monkeypatc
   ]
 
 
+def test_accel_fused_head_kernels_are_reported_and_their_compile_checked(monkeypatch):
+  """bench_accel's rows of the fused token log-probs on the CUDA target carry the opt-in
+  fused-head kernels, one entry per backward: each one's compile is a check (no estimate: XLA
+  counts no flops of a Triton call), and the report prints their temp and the model's ratio."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_accel
+
+  assert set(bench_accel.GPU_HEAD_BACKWARDS) == {
+    "kldiv_jax_gpu", "kldiv_jax_gpu_atomic", "kldiv_jax_gpu_atomic_skip"
+  }  # fmt: skip
+  gpu = {"compile_s": 1.0, "temp_bytes": 2**30, "flops": 1e9, "bytes": 2e9}
+  gpu |= {"model_seconds": 0.04, "model_ratio": 1.5}
+  row = {"case": "fused_token_log_probs", "kind": "fused", "shape": [8, 2, 4], "chunk": 4}
+  row |= {"dtype": "bfloat16", "time_ratio": 1.0, "materialised": {"temp_bytes": 1}}
+  row |= {"fused": {"seconds": 1.0, "temp_bytes": 1, "weight_intensity": 1e9}}
+  row |= {"chunk_intensity": 1.0, "kldiv_jax_gpu": gpu, "kldiv_jax_gpu_atomic": {"error": "x"}}
+  row["fused"]["chunk_intensity"] = 1.0
+  checks = {c["target"]: c["pass"] for c in bench_accel.check_targets("h100", [row], True)}
+  name = "fused_token_log_probs 8x2x4 bfloat16"
+  assert checks[f"{name}: gpu kernels compiled"] is True
+  assert checks[f"{name}: gpu kernels (atomic backward) compiled"] is False
+  text = bench_accel._line(row)
+  assert "owned backward): compiled in 1.0s, temp" in text and "= 1.50x materialised" in text
+  assert "gpu kernels (atomic backward): error x" in text
+
+
 def test_uld_section_reports_time_temp_and_its_target(monkeypatch, tmp_path):
   """bench_uld on CPU at --quick sizes: every contender timed (value and value_and_grad, as
   ratios to jnp.sort's), its temp measured, and the temp target checked."""
