@@ -840,7 +840,7 @@ def check_targets(target: str, records: list[dict[str, Any]], full_size: bool) -
       out.append(target_row(f"{name}: chip balance / chunk weight intensity", 1.0, value))
     elif "time_ratio" not in r:
       out.append({"target": f"{name}: compiled", "limit": None, "value": None, "pass": False})
-    for gpu in [k for k in ("kldiv_jax_gpu", *GPU_HEAD_BACKWARDS) if k in r]:
+    for gpu in [k for k in dict.fromkeys(("kldiv_jax_gpu", *GPU_HEAD_BACKWARDS)) if k in r]:
       # the opt-in GPU kernels compile for the chip (no estimate)
       ok = "error" not in r[gpu]
       what = "gpu kernels" + (f" ({gpu[14:].replace('_', ' ')} backward)" if gpu[14:] else "")
