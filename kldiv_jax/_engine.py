@@ -77,7 +77,7 @@ from kldiv_jax._class_sums import (
 )
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, Norms
-from kldiv_jax._gpu_rows import one_pass_sums
+from kldiv_jax._gpu_one_pass import one_pass_sums
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums

@@ -25,16 +25,10 @@ from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import mlir
 
 import kldiv_jax as kd
-from kldiv_jax import _gpu_rows
+from kldiv_jax import _gpu_one_pass, _gpu_rows
 from kldiv_jax._class_sums import Needs
-from kldiv_jax._gpu_rows import (
-  ONE_PASS_SUMS,
-  layout,
-  triton_one_pass_sums,
-  triton_row_sums,
-  whole_rows_layout,
-  xla_one_pass_sums,
-)
+from kldiv_jax._gpu_one_pass import ONE_PASS_SUMS, triton_one_pass_sums, xla_one_pass_sums
+from kldiv_jax._gpu_rows import layout, triton_row_sums, whole_rows_layout
 from kldiv_jax._platform import gpu_kernels, gpu_kernels_setting
 from kldiv_jax._whole_rows import ROW_SUMS, xla_row_sums
 
@@ -88,7 +82,7 @@ def gpu_kernel():
     )
     mlir.register_lowering(
       ONE_PASS_SUMS,
-      functools.partial(_gpu_rows.one_pass_cuda_lowering, interpret=True),
+      functools.partial(_gpu_one_pass.one_pass_cuda_lowering, interpret=True),
       platform="cpu",
     )
     try:
@@ -97,7 +91,7 @@ def gpu_kernel():
       from kldiv_jax._whole_rows import XLA_LOWERING
 
       mlir.register_lowering(ROW_SUMS, XLA_LOWERING, platform="cpu")
-      mlir.register_lowering(ONE_PASS_SUMS, _gpu_rows.ONE_PASS_XLA_LOWERING, platform="cpu")
+      mlir.register_lowering(ONE_PASS_SUMS, _gpu_one_pass.ONE_PASS_XLA_LOWERING, platform="cpu")
 
 
 @contextlib.contextmanager
@@ -393,7 +387,7 @@ def test_the_switch():
   z, y = _logits(8, 64, jnp.float32)
   loss = jax.jit(_loss("forward_kl"))
   seen = []
-  original = _gpu_rows.one_pass_sums
+  original = _gpu_one_pass.one_pass_sums
 
   def spy(*args):
     seen.append(bool(gpu_kernels_setting()))
