@@ -122,6 +122,10 @@ def _student_bwd(kernel: UldKernel, residuals, ct):
     z = _logits(kernel, hc, w, b, acc, keep_c)
     rows = lambda z: topk_gap(*_top(kernel, z, t, keep_c), top_c, tail_c)  # noqa: E731
     _, vjp = jax.vjp(rows, z)
+    # A NaN teacher row makes the row's gradient NaN, as its value: the derivative of
+    # |a - NaN| alone would be finite.
+    nan = jnp.any(jnp.isnan(top_c), axis=-1) | jnp.isnan(tail_c)
+    ct_c = jnp.where(nan, jnp.nan, ct_c)
     (dz,) = vjp(jnp.where(keep_c, ct_c, 0.0).astype(acc))
     hc = jnp.where(keep_c[:, None], hc, 0)  # as _logits read it: no NaN * 0 in grad_w
     return fold_logit_grad(grads, start, hc, w, dz, None, acc, kernel.low)
