@@ -38,6 +38,7 @@ from kldiv_jax._fused_chunks import (
   chunk_logits,
   chunks,
   fold_logit_grad,
+  head_cotangents,
   low_dtype,
   per_platform,
   token_zero,
@@ -50,6 +51,12 @@ from kldiv_jax._platform import compiled
 from kldiv_jax._tokens import token_mask
 from kldiv_jax._uld import check_reduction, check_temperature_of, reduce_rows
 from kldiv_jax._uld_topk import check_k, side_topk, topk_gap
+
+# Logits per chunk and side on CPU (chunk_size=None): 2**24, 64 tokens at V = 151936, as
+# fused_policy_loss's (the 2**22 of the other fused losses, 16 tokens there, re-read the
+# head per chunk at a quarter of the matmul's work: 3.5x the materialised loss's time, 64
+# tokens 1.3x, measured at N=256, H=512). GPUs and TPUs: the fused losses' own defaults.
+CHUNK_ELEMENTS = 1 << 24
 
 
 class UldKernel(NamedTuple):
@@ -113,21 +120,29 @@ def _student_fwd(kernel: UldKernel, h, w, b, t, top_t, tail_t, keep):
   return out, (h, w, b, t, top_t, tail_t, keep)
 
 
+def _chunk_grad(kernel: UldKernel, hc, w, b, t, top_c, tail_c, keep_c, ct_c):
+  """A chunk's distances ``[size]``, their gradient wrt its logits times the per-token
+  cotangent ``ct_c`` (``[size, V]``: ``(S - c p) / T`` through autodiff of the rule) and
+  the hidden states the logits read."""
+  acc = t.dtype
+  z = _logits(kernel, hc, w, b, acc, keep_c)
+  rows = lambda z: topk_gap(*_top(kernel, z, t, keep_c), top_c, tail_c)  # noqa: E731
+  d, vjp = jax.vjp(rows, z)
+  # A NaN teacher row makes the row's gradient NaN, as its value: the derivative of
+  # |a - NaN| alone would be finite.
+  nan = jnp.any(jnp.isnan(top_c), axis=-1) | jnp.isnan(tail_c)
+  ct_c = jnp.where(nan, jnp.nan, ct_c)
+  (dz,) = vjp(jnp.where(keep_c, ct_c, 0.0).astype(acc))
+  return d, dz, jnp.where(keep_c[:, None], hc, 0)  # as _logits read it: no NaN * 0 in grad_w
+
+
 def _student_bwd(kernel: UldKernel, residuals, ct):
   h, w, b, t, top_t, tail_t, keep = residuals
   acc = t.dtype
 
   def part(start, size, cut, grads):
     hc, top_c, tail_c, keep_c, ct_c = cut((h, top_t, tail_t, keep, ct))
-    z = _logits(kernel, hc, w, b, acc, keep_c)
-    rows = lambda z: topk_gap(*_top(kernel, z, t, keep_c), top_c, tail_c)  # noqa: E731
-    _, vjp = jax.vjp(rows, z)
-    # A NaN teacher row makes the row's gradient NaN, as its value: the derivative of
-    # |a - NaN| alone would be finite.
-    nan = jnp.any(jnp.isnan(top_c), axis=-1) | jnp.isnan(tail_c)
-    ct_c = jnp.where(nan, jnp.nan, ct_c)
-    (dz,) = vjp(jnp.where(keep_c, ct_c, 0.0).astype(acc))
-    hc = jnp.where(keep_c[:, None], hc, 0)  # as _logits read it: no NaN * 0 in grad_w
+    _, dz, hc = _chunk_grad(kernel, hc, w, b, t, top_c, tail_c, keep_c, ct_c)
     return fold_logit_grad(grads, start, hc, w, dz, None, acc, kernel.low)
 
   grad_h, grad_w, grad_b = chunks(h.shape[0], kernel.chunk, part, zero_head_grads(h, w, acc))
@@ -135,15 +150,44 @@ def _student_bwd(kernel: UldKernel, residuals, ct):
     grad_h.astype(h.dtype),
     grad_w.astype(w.dtype),
     None if b is None else grad_b.astype(b.dtype),
-    jnp.zeros_like(t),
-    jnp.zeros_like(top_t),
-    jnp.zeros_like(tail_t),
-    zero_cotangent(keep),
+    *(zero_cotangent(x) for x in (t, top_t, tail_t, keep)),
   )
 
 
 student_distance.defvjp(_student_fwd, _student_bwd)
 student_distance = compiled(student_distance, static_argnums=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def weighted_distance(kernel: UldKernel, h, w, b, t, top_t, tail_t, keep, weights):
+  """``sum_r weights_r D_r`` (a scalar reduction's weights ``[n]``) of
+  :func:`student_distance`'s distances, the gradients computed in the forward pass (as
+  ``_fused_distill``'s): three matmuls per chunk, where a per-token output needs four."""
+  return jnp.sum(weights * _student_fwd(kernel, h, w, b, t, top_t, tail_t, keep)[0])
+
+
+def _weighted_fwd(kernel: UldKernel, h, w, b, t, top_t, tail_t, keep, weights):
+  acc = t.dtype
+
+  def part(start, size, cut, carry):
+    total, grads = carry
+    hc, top_c, tail_c, keep_c, ct_c = cut((h, top_t, tail_t, keep, weights))
+    d, dz, hc = _chunk_grad(kernel, hc, w, b, t, top_c, tail_c, keep_c, ct_c)
+    total = total + jnp.sum(ct_c * d)
+    return total, fold_logit_grad(grads, start, hc, w, dz, None, acc, kernel.low)
+
+  zero = token_zero(h, top_t, keep, weights).astype(acc)
+  total, grads = chunks(h.shape[0], kernel.chunk, part, (zero, zero_head_grads(h, w, acc)))
+  return total, (grads, (h, w, b, t, top_t, tail_t, keep, weights))
+
+
+def _weighted_bwd(kernel: UldKernel, residuals, g):
+  grads, (h, w, b, *operands) = residuals
+  return head_cotangents(grads, g.astype(grads[0].dtype), h, w, b, operands)
+
+
+weighted_distance.defvjp(_weighted_fwd, _weighted_bwd)
+weighted_distance = compiled(weighted_distance, static_argnums=0)
 
 
 def _teacher_rows(name, token_shape, hidden, weight, bias):
@@ -248,24 +292,34 @@ def fused_uld_loss_from_topk(
   n = th.shape[0]
   keep = token_mask(name, where, token_shape, n)[:, 0]
   lows = (low_dtype(name, s_dtype, logits_dtype), low_dtype(name, t_dtype, logits_dtype))
-  check_chunk(name, chunk_size, n, vocab_s)  # a bad chunk_size fails early
+  check_chunk(name, chunk_size, n, vocab_s, CHUNK_ELEMENTS)  # a bad chunk_size fails early
   ts, tt = (jnp.asarray(x).astype(cdt) for x in (ts, tt))
+  valid = keep.reshape(token_shape)
   if n == 0:
-    per_row = jnp.zeros(0, cdt)
-  else:
-    h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
+    loss = reduce_rows(jnp.zeros(token_shape, cdt), valid, reduction)
+    return nan_unless(loss, ok_s, ok_t).astype(out_dtype)
+  h = jnp.asarray(hidden).reshape(n, np.shape(hidden)[-1])
 
-    def teacher(chunk):
-      return teacher_topk(UldKernel(chunk, k, caps[1], lows[1]), th, tw, tb, tt, keep)
+  def teacher(chunk):
+    return teacher_topk(UldKernel(chunk, k, caps[1], lows[1]), th, tw, tb, tt, keep)
 
-    top_t, tail_t = per_platform(chunk_size, name, n, vocab_t, teacher)
-    w, b = vary_like_tokens(weight, bias, h, keep)
+  top_t, tail_t = per_platform(chunk_size, name, n, vocab_t, teacher, CHUNK_ELEMENTS)
+  w, b = vary_like_tokens(weight, bias, h, keep)
+  if reduction == "none":  # a per-token output: its cotangent comes in the backward pass
 
     def student(chunk):
       kernel = UldKernel(chunk, k, caps[0], lows[0])
       return student_distance(kernel, h, w, b, ts, top_t, tail_t, keep)
 
-    per_row = cast(jax.Array, per_platform(chunk_size, name, n, vocab_s, student))
-  per_row = per_row.reshape(token_shape)
-  loss = reduce_rows(per_row, keep.reshape(token_shape), reduction)
+    per_row = cast(jax.Array, per_platform(chunk_size, name, n, vocab_s, student, CHUNK_ELEMENTS))
+    loss = reduce_rows(per_row.reshape(token_shape), valid, reduction)
+  else:  # a scalar: the linear reduction's weights per token, gradients in the forward pass
+    zeros = jnp.zeros(token_shape, cdt)
+    weights = jax.grad(lambda r: reduce_rows(r, valid, reduction))(zeros).reshape(n)
+
+    def scalar(chunk):
+      kernel = UldKernel(chunk, k, caps[0], lows[0])
+      return weighted_distance(kernel, h, w, b, ts, top_t, tail_t, keep, weights)
+
+    loss = cast(jax.Array, per_platform(chunk_size, name, n, vocab_s, scalar, CHUNK_ELEMENTS))
   return nan_unless(loss, ok_s, ok_t).astype(out_dtype)

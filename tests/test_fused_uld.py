@@ -282,9 +282,9 @@ def test_errors_name_the_argument(changes, error, match):
 
 def test_temp_below_one_logits_array():
   """XLA's compiled temp of value_and_grad wrt the student's hidden states and head: the
-  fused loss below a quarter of one ``[N, Vs]`` float32 array, the materialised one above
+  fused loss below a tenth of one ``[N, Vs]`` float32 array, the materialised one above
   it (compiled, not run)."""
-  n, hs, ht, vs, vt = 2048, 64, 48, 32768, 30000
+  n, hs, ht, vs, vt = 4096, 64, 48, 151936, 128256
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
   args = (f32(n, hs), f32(hs, vs), f32(n, ht), f32(ht, vt))
 
@@ -294,4 +294,4 @@ def test_temp_below_one_logits_array():
 
   ours = temp(lambda h, w, th, tw: fused_uld_loss_from_topk(h, w, th, tw, k=64))
   theirs = temp(lambda h, w, th, tw: materialised(h, w, None, th, tw, None, k=64))
-  assert ours < 0.25 < 1.0 < theirs, (ours, theirs)
+  assert ours < 0.1 < 1.0 < theirs, (ours, theirs)
