@@ -9,9 +9,11 @@ vocab]`` array exists, forward or backward.
 Two passes over the tokens. The teacher's: each chunk's logits reduced to what the top-k
 distance reads of the teacher, its ``k`` largest probabilities and its tail mass
 (``[n, k]`` and ``[n]``, no gradient: the teacher is stopped, as in the other fused
-distillation losses). The student's, a :func:`jax.custom_vjp` (as
-:func:`kldiv_jax.fused_token_log_probs`): the forward pass keeps the per-token distances;
-the backward pass recomputes each chunk's logits and their gradient, which with ``S`` the
+distillation losses). The student's, a :func:`jax.custom_vjp`: for a scalar reduction
+(:func:`weighted_distance`, each token's weight in it known) the gradients computed in the
+forward pass, as ``_fused_distill``'s; for per-token outputs (:func:`student_distance`, as
+:func:`kldiv_jax.fused_token_log_probs`) the forward pass keeps the distances and the
+backward pass recomputes each chunk's logits. A chunk's gradient wrt its logits, with ``S`` the
 ``k`` entries ``a_i g_i`` at the student's top ids, ``g_i = sign(a_i - b_i) - sign(A - B)``
 and ``c = sum_i a_i g_i`` is sparse plus rank one, ``dz = (S - c p) / T``; it is folded into
 the gradients wrt ``hidden``, ``weight`` and ``bias`` (two matmuls,
@@ -52,11 +54,12 @@ from kldiv_jax._tokens import token_mask
 from kldiv_jax._uld import check_reduction, check_temperature_of, reduce_rows
 from kldiv_jax._uld_topk import check_k, side_topk, topk_gap
 
-# Logits per chunk and side on CPU (chunk_size=None): 2**24, 64 tokens at V = 151936, as
-# fused_policy_loss's (the 2**22 of the other fused losses, 16 tokens there, re-read the
-# head per chunk at a quarter of the matmul's work: 3.5x the materialised loss's time, 64
-# tokens 1.3x, measured at N=256, H=512). GPUs and TPUs: the fused losses' own defaults.
-CHUNK_ELEMENTS = 1 << 24
+# Logits per chunk and side on CPU (chunk_size=None): 2**25, 128 tokens at V = 151936. Each
+# chunk re-reads the head; fewer tokens per chunk leave the matmuls bound by that read: at
+# N=512, H=512, V=151936 (value_and_grad, against the materialised loss's time) 64 tokens
+# (2**24, fused_policy_loss's) took 1.5x, 128 tokens 1.0x, 512 0.85x; the 2**22 of the other
+# fused losses (16 tokens) 3.5x. GPUs and TPUs: the fused losses' own defaults.
+CHUNK_ELEMENTS = 1 << 25
 
 
 class UldKernel(NamedTuple):
@@ -236,8 +239,9 @@ def fused_uld_loss_from_topk(
 
   per token (its bound on ULD's distance: :func:`uld_loss_from_topk`). No ``[tokens,
   vocab]`` array exists, forward or backward: a pass over the teacher keeps its top ``k``
-  and tail mass per token, the student's forward pass its distance per token, and the
-  backward pass recomputes each chunk's logits (:doc:`/cross-tokenizer`). Reverse mode only;
+  and tail mass per token, then the student's pass computes the gradients as it goes
+  (``reduction="none"``: the backward pass recomputes each chunk's logits;
+  :doc:`/cross-tokenizer`). Reverse mode only;
   gradients wrt ``hidden``, ``weight`` and ``bias``, zeros for the teacher (stopped, as in
   :func:`fused_distillation_loss`) and the temperatures: :ref:`derivatives`. Ties: those of
   ``lax.top_k``, as :func:`uld_loss_from_topk` (at rank ``k`` the lower id is kept).
