@@ -295,3 +295,36 @@ def test_temp_below_one_logits_array():
   ours = temp(lambda h, w, th, tw: fused_uld_loss_from_topk(h, w, th, tw, k=64))
   theirs = temp(lambda h, w, th, tw: materialised(h, w, None, th, tw, None, k=64))
   assert ours < 0.1 < 1.0 < theirs, (ours, theirs)
+
+
+def test_vmap_of_grad_of_the_scalar_reduction():
+  """The scalar path (gradients in the forward pass) under vmap: per sequence, as the
+  materialised loss's."""
+  rng = np.random.default_rng(10)
+  (h, w, b), (th, tw, tb) = make(rng, tokens=(3, 7), vs=20, vt=26, dtype=np.float32)
+
+  def per_seq(loss):
+    f = lambda h, th: loss(h, w, b, th, tw, tb, k=4, reduction="mean", **kw)  # noqa: E731
+    return jax.vmap(jax.value_and_grad(f))(h, th)
+
+  kw = {}
+  want = per_seq(materialised)
+  kw = {"chunk_size": 3}
+  got = jax.jit(lambda: per_seq(fused))()
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(g, r, **F32)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_accelerator_branch(accelerator_platform, reduction):
+  """The GPU/TPU code run on CPU (each platform's chunk and weight-gradient update)."""
+  rng = np.random.default_rng(11)
+  (h, w, b), (th, tw, tb) = make(rng, tokens=(11,), vs=40, vt=33, dtype=np.float32)
+  weights = rng.uniform(size=11)
+  args = (th, tw, tb)
+  kw = {"k": 5, "reduction": reduction, "teacher_temperature": 0.7}
+  for chunk in (None, 4):
+    got = grads(fused, args, kw | {"chunk_size": chunk}, weights)(h, w, b)
+    want = grads(materialised, args, kw, weights)(h, w, b)
+    for g, r in zip(got, want, strict=True):
+      np.testing.assert_allclose(g, r, **F32)
