@@ -19,6 +19,15 @@ flop and byte counts) and temp, at N=256.
   python benchmarks/bench_uld.py                       # CPU: time and temp
   python benchmarks/bench_uld.py --accel --venvs /work/main   # + v5e, H100 estimates
   python benchmarks/bench_uld.py --quick               # small vocabularies, a smoke test
+
+``--fused`` (opt-in, instead of the above): ``fused_uld_loss_from_topk`` from hidden states
+and LM heads against ``uld_loss_from_topk(h_s @ W_s, h_t @ W_t)`` on the materialised
+logits, ``value_and_grad`` wrt the student's hidden states and head (teacher stopped), k=64,
+N=1024 tokens, H=512 on both sides: CPU medians (round-robin) and XLA's compiled temp, as
+ratios to the materialised form; with ``--accel``, XLA's v5e and H100 estimates of the same.
+
+  python benchmarks/bench_uld.py --fused --repeats 3
+  python benchmarks/bench_uld.py --fused --accel --no-cpu --venvs /work/main
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ QUICK_TOKENS = 32
 KS = (64, 1024)
 TEMP_TARGET = 2.0  # uld_loss's temp / one [N, Vs] float32 array
 BASELINE = "jnp.sort"
+# --fused: the fused form from hidden states against the materialised logits.
+FUSED_TOKENS, FUSED_HIDDEN, FUSED_K = 1024, 512, 64
+QUICK_FUSED_TOKENS, QUICK_FUSED_HIDDEN = 64, 32
+FUSED_BASELINE = "materialised"
 # Compiled without the device, XLA:GPU cannot use its CUB radix sort (its rewrite asks the
 # device, "invalid device ordinal"): the H100 estimates are of XLA's own sort.
 CUDA_FLAGS = "--xla_gpu_enable_cub_radix_sort=false"
@@ -64,6 +77,73 @@ def contenders() -> dict[str, Callable]:
     out[f"topk k={k}"] = lambda s, t, u, k=k: kd.uld_loss_from_topk(s, stop(t), k=k)
   out["kl (same vocab)"] = lambda s, t, u: jnp.mean(kd.kl_div_from_logits(s, stop(u)))
   return out
+
+
+def fused_contenders() -> dict[str, Callable]:
+  """Scalar losses of ``(h [N, H], w [H, Vs], th [N, H], tw [H, Vt])``, the teacher stopped."""
+  import jax
+
+  import kldiv_jax as kd
+
+  stop = jax.lax.stop_gradient
+  return {
+    FUSED_BASELINE: lambda h, w, th, tw: kd.uld_loss_from_topk(h @ w, stop(th @ tw), k=FUSED_K),
+    "fused": lambda h, w, th, tw: kd.fused_uld_loss_from_topk(h, w, stop(th), stop(tw), k=FUSED_K),
+  }
+
+
+def fused_structs(n: int, hidden: int, vs: int, vt: int, sharding=None):
+  import jax
+  import jax.numpy as jnp
+
+  kw = {} if sharding is None else {"sharding": sharding}
+  shapes = ((n, hidden), (hidden, vs), (n, hidden), (hidden, vt))
+  return [jax.ShapeDtypeStruct(s, jnp.float32, **kw) for s in shapes]
+
+
+def fused_cpu(n: int, hidden: int, vs: int, vt: int, repeats: int, seed: int) -> dict[str, Any]:
+  """value_and_grad wrt ``(h, w)``: medians (ms, round-robin) and XLA's temp of each contender,
+  as ratios to the materialised form's; the two losses checked to agree first."""
+  import jax
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  scale = 4.0 / np.sqrt(hidden)  # logits of spread ~4: peaked rows, a tail of some mass
+  shapes = fused_structs(n, hidden, vs, vt)
+  args = [
+    jax.numpy.asarray(rng.normal(size=a.shape) * (1.0 if i % 2 == 0 else scale), "float32")
+    for i, a in enumerate(shapes)
+  ]
+
+  def agree(*outs):
+    (value, (gh, gw)), (fused, (fh, fw)) = outs
+    np.testing.assert_allclose(fused, value, rtol=1e-4)
+    np.testing.assert_allclose(fw, gw, rtol=1e-3, atol=1e-3 * float(np.abs(gw).max()))
+    np.testing.assert_allclose(fh, gh, rtol=1e-3, atol=1e-3 * float(np.abs(gh).max()))
+
+  fns = {name: (jax.value_and_grad(f, (0, 1)), args) for name, f in fused_contenders().items()}
+  times = _harness.time_contenders(fns, repeats, check=agree)
+  one = n * vs * 4
+  base = times[FUSED_BASELINE]
+  return {
+    name: {k: t[k] for k in ("median_ms", "times_ms", "temp_bytes", "compile_s")}
+    | {"ratio": ratio(t["median_ms"], base["median_ms"])}
+    | {"temp_ratio": ratio(t["temp_bytes"], base["temp_bytes"])}
+    | {"temp_over_logits": ratio(t["temp_bytes"], one)}
+    for name, t in times.items()
+  }
+
+
+def print_fused(result: dict, n: int, hidden: int, vs: int, vt: int) -> None:
+  print(
+    f"\nvalue_and_grad wrt (hidden, weight), N={n}, H={hidden}, Vs={vs}, Vt={vt}, k={FUSED_K}, "
+    f"CPU (ratios to {FUSED_BASELINE}; temp also over one [N, Vs] f32 array)"
+  )
+  for name, r in result.items():
+    print(
+      f"  {name:13} {fmt_ms(r['median_ms']):>10} ({r['ratio']:.2f})   temp "
+      f"{fmt_bytes(r['temp_bytes']):>10} ({r['temp_ratio']:.3f}; {r['temp_over_logits']:.3f}x)"
+    )
 
 
 def structs(n: int, vs: int, vt: int, sharding=None):
@@ -113,8 +193,9 @@ def temps(n: int, vs: int, vt: int, device=None) -> dict[str, dict[str, Any]]:
 # ----------------------------------------------------------------------------- accelerators
 
 
-def accel_worker(target: str, n: int, vs: int, vt: int, out: Path) -> int:
-  """In an accelerator venv: each contender compiled for ``target``, XLA's estimates."""
+def accel_worker(target: str, n: int, vs: int, vt: int, out: Path, hidden: int = 0) -> int:
+  """In an accelerator venv: each contender compiled for ``target``, XLA's estimates
+  (``hidden``: the ``--fused`` contenders, value_and_grad wrt ``(h, w)``)."""
   import jax
   from bench_accel import TARGETS, _cost, _device, _seconds, _unrolled_loops
 
@@ -123,11 +204,17 @@ def accel_worker(target: str, n: int, vs: int, vt: int, out: Path) -> int:
   dev = _device(target)
   from jax.sharding import SingleDeviceSharding
 
-  args = structs(n, vs, vt, SingleDeviceSharding(dev))
+  sharding = SingleDeviceSharding(dev)
+  if hidden:
+    args = fused_structs(n, hidden, vs, vt, sharding)
+    fns, ops = fused_contenders(), (("value_and_grad", lambda f: jax.value_and_grad(f, (0, 1))),)
+  else:
+    args = structs(n, vs, vt, sharding)
+    fns, ops = contenders(), (("value", lambda f: f), ("value_and_grad", jax.value_and_grad))
   records = {}
-  for name, fn in contenders().items():
+  for name, fn in fns.items():
     records[name] = {}
-    for op, wrap in (("value", lambda f: f), ("value_and_grad", jax.value_and_grad)):
+    for op, wrap in ops:
 
       def estimate(fn=fn, wrap=wrap):
         looped = jax.jit(wrap(fn)).lower(*args).compile()
@@ -136,7 +223,7 @@ def accel_worker(target: str, n: int, vs: int, vt: int, out: Path) -> int:
           with _unrolled_loops():
             unrolled = jax.jit(wrap(fn)).lower(*args).compile()
         cost = _cost(unrolled, target)
-        seconds, source = _seconds(cost, target, matmul=False)
+        seconds, source = _seconds(cost, target, matmul=bool(hidden))
         temp = int(looped.memory_analysis().temp_size_in_bytes)
         return cost | {"seconds": seconds, "time_source": source, "temp_bytes": temp}
 
@@ -151,7 +238,9 @@ def accel_worker(target: str, n: int, vs: int, vt: int, out: Path) -> int:
   return 0
 
 
-def accel(venvs: Path, n: int, vs: int, vt: int, out_dir: Path, targets) -> dict[str, Any]:
+def accel(
+  venvs: Path, n: int, vs: int, vt: int, out_dir: Path, targets, hidden: int = 0
+) -> dict[str, Any]:
   """Runs :func:`accel_worker` for ``targets`` in ``venvs/.venv-accel-{tpu,cuda}``."""
   from bench_accel import TARGETS, _worker_env
 
@@ -171,7 +260,7 @@ def accel(venvs: Path, n: int, vs: int, vt: int, out_dir: Path, targets) -> dict
       "--worker-out",
       str(part),
     ]
-    cmd += ["--tokens", str(n), "--vocabs", f"{vs},{vt}"]
+    cmd += ["--tokens", str(n), "--vocabs", f"{vs},{vt}", "--hidden", str(hidden)]
     env = _worker_env(target)
     if kind == "cuda":  # XLA:GPU's CUB radix sort queries the device it compiles for: off
       env["XLA_FLAGS"] = (env["XLA_FLAGS"] + " " + CUDA_FLAGS).strip()
@@ -214,6 +303,9 @@ def print_estimates(target: str, payload: dict) -> None:
     for name, ops in payload["records"].items():
       cells = []
       for op in ("value", "value_and_grad"):
+        if op not in ops:
+          cells.append("-")
+          continue
         r = ops[op]
         cells.append(
           "error"
@@ -236,6 +328,10 @@ def parser():
   p.add_argument("--worker-out", type=Path, default=None, help=argparse.SUPPRESS)
   p.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--vocabs", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--hidden", type=int, default=0, help=argparse.SUPPRESS)
+  p.add_argument(
+    "--fused", action="store_true", help="the fused form from hidden states vs the materialised"
+  )
   return p
 
 
@@ -243,7 +339,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser().parse_args(argv)
   if args.worker:
     vs, vt = (int(v) for v in args.vocabs.split(","))
-    return accel_worker(args.worker, args.tokens, vs, vt, args.worker_out)
+    return accel_worker(args.worker, args.tokens, vs, vt, args.worker_out, args.hidden)
+  if args.fused:
+    return fused_main(args)
   vs, vt = (QUICK_VS, QUICK_VT) if args.quick else (VS, VT)
   n_time = QUICK_TOKENS if args.quick else TIME_TOKENS
   n_mem = QUICK_TOKENS * 4 if args.quick else MEMORY_TOKENS
@@ -269,6 +367,32 @@ def main(argv: Sequence[str] | None = None) -> int:
   settings |= {"time_tokens": n_time, "memory_tokens": n_mem, "accel_tokens": n_accel}
   result = {"section": "uld", "machine": machine, "settings": settings, "time": time}
   result |= {"memory": memory, "estimates": estimates, "targets": targets}
+  result["note"] = "estimates: XLA's compile-only figures (deviceless), not measurements"
+  save(result, args.out)
+  return 0
+
+
+def fused_main(args) -> int:
+  """``--fused``: the section ``uld-fused`` (CPU time and temp; ``--accel``: estimates)."""
+  vs, vt = (QUICK_VS, QUICK_VT) if args.quick else (VS, VT)
+  n = args.accel_tokens or (QUICK_FUSED_TOKENS if args.quick else FUSED_TOKENS)
+  hidden = QUICK_FUSED_HIDDEN if args.quick else FUSED_HIDDEN
+  repeats = args.repeats or (1 if args.quick else 3)
+  machine = start("uld-fused")
+  cpu = None
+  if not args.no_cpu:
+    cpu = fused_cpu(n, hidden, vs, vt, repeats, args.seed)
+    print_fused(cpu, n, hidden, vs, vt)
+  estimates = None
+  if args.accel:
+    args.out.mkdir(parents=True, exist_ok=True)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    estimates = accel(args.venvs, n, vs, vt, args.out, targets, hidden)
+    print_report(None, None, estimates, n, n)
+  settings = {"quick": args.quick, "repeats": repeats, "seed": args.seed, "vocabs": [vs, vt]}
+  settings |= {"tokens": n, "hidden": hidden, "k": FUSED_K}
+  result = {"section": "uld-fused", "machine": machine, "settings": settings, "cpu": cpu}
+  result |= {"estimates": estimates}
   result["note"] = "estimates: XLA's compile-only figures (deviceless), not measurements"
   save(result, args.out)
   return 0

@@ -15,6 +15,7 @@ from kldiv_jax._divergence_spec import Divergence as Divergence
 from kldiv_jax._fused_distill import fused_distillation_loss as fused_distillation_loss
 from kldiv_jax._fused_distill import fused_topk_distillation_loss as fused_topk_distillation_loss
 from kldiv_jax._fused_tokens import fused_token_log_probs as fused_token_log_probs
+from kldiv_jax._fused_uld import fused_uld_loss_from_topk as fused_uld_loss_from_topk
 from kldiv_jax._gaussian import gaussian_kl as gaussian_kl
 from kldiv_jax._gold import gold_loss as gold_loss
 from kldiv_jax._implementation import set_implementation as set_implementation
@@ -66,6 +67,7 @@ __all__ = [
   "fused_policy_loss",
   "fused_token_log_probs",
   "fused_topk_distillation_loss",
+  "fused_uld_loss_from_topk",
   "gaussian_kl",
   "generalized_jsd",
   "generalized_kl_divergence",

@@ -36,11 +36,22 @@ def side_topk(z: jax.Array, t: jax.Array, k: int) -> tuple[jax.Array, jax.Array]
   return top, jnp.maximum(mass - jnp.sum(top, axis=-1), 0.0)
 
 
-def topk_distance(zs: jax.Array, zt: jax.Array, ts, tt, k: int) -> jax.Array:
-  """``sum_{i<=k} |a_i - b_i| + |A - B|`` per row (see :func:`uld_loss_from_topk`)."""
-  a, tail_a = side_topk(zs, ts, k)
-  b, tail_b = side_topk(zt, tt, k)
+def topk_gap(a: jax.Array, tail_a: jax.Array, b: jax.Array, tail_b: jax.Array) -> jax.Array:
+  """``sum_{i<=k} |a_i - b_i| + |A - B|`` per row from each side's :func:`side_topk`."""
   return jnp.sum(jnp.abs(a - b), axis=-1) + jnp.abs(tail_a - tail_b)
+
+
+def topk_distance(zs: jax.Array, zt: jax.Array, ts, tt, k: int) -> jax.Array:
+  """:func:`topk_gap` of two sides' logits (see :func:`uld_loss_from_topk`)."""
+  return topk_gap(*side_topk(zs, ts, k), *side_topk(zt, tt, k))
+
+
+def check_k(name: str, k: object) -> int:
+  """``k``, the ranks compared one by one: a Python int ``>= 1``."""
+  k = check_int(name, "k", k)
+  if k < 1:
+    raise ValueError(f"{name}: k must be at least 1 (the ranks compared one by one); got {k}.")
+  return k
 
 
 def uld_loss_from_topk(
@@ -111,9 +122,7 @@ def uld_loss_from_topk(
   """
   name = "uld_loss_from_topk"
   reduction = check_reduction(name, reduction)
-  k = check_int(name, "k", k)
-  if k < 1:
-    raise ValueError(f"{name}: k must be at least 1 (the ranks compared one by one); got {k}.")
+  k = check_k(name, k)
   o = row_operands(
     name, student_logits, teacher_logits, student_temperature, teacher_temperature, where
   )

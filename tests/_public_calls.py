@@ -309,6 +309,22 @@ PUBLIC_CALLS: dict[str, PublicCall] = {
       argnums=(0, 1),
       options={"k": 3, "student_temperature": 2.0, "reduction": "sum"},
     ),
+    # the same from hidden states and LM heads, chunked over tokens (jax.custom_vjp)
+    PublicCall(
+      "fused_uld_loss_from_topk",
+      kd.fused_uld_loss_from_topk,
+      (
+        *_HEADS,
+        ("target_hidden", "th"),
+        ("target_weight", "tw"),
+        ("bias", "b"),
+        ("target_bias", "tb"),
+      ),
+      argnums=(0, 1),
+      options={"k": 3, "student_temperature": 2.0, "reduction": "sum"},
+      reverse_only=True,
+      chunked=True,
+    ),
     # closed forms
     PublicCall(
       "gaussian_kl",

@@ -1415,6 +1415,35 @@ def np_uld_rows(p, q):
   return np.abs(ps - qs).sum(-1)
 
 
+def np_uld_topk_rows(p, q, k):
+  """The top-``k`` form of ULD per row (``kldiv_jax.uld_loss_from_topk``'s docstring):
+  ``sum_{i<=k} |a_i - b_i| + |A - B|`` of each side's probabilities sorted in descending
+  order and zero-padded, ``A``, ``B`` the masses past rank ``k``."""
+  p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+  v = max(p.shape[-1], q.shape[-1], k)
+  pad = lambda x: np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, v - x.shape[-1])])  # noqa: E731
+  a, b = pad(-np.sort(-p, axis=-1)), pad(-np.sort(-q, axis=-1))
+  tails = a[..., k:].sum(-1) - b[..., k:].sum(-1)
+  return np.abs(a[..., :k] - b[..., :k]).sum(-1) + np.abs(tails)
+
+
+def np_uld_topk_logit_grad(z, y, k, ts=1.0, tt=1.0):
+  """``d D_k / d z`` per row of the student's logits ``z [n, Vs]`` against a teacher's ``y
+  [n, Vt]``, from the closed form (docs/cross-tokenizer.md): ``(S - c p) / T_s``, ``S`` the
+  ``k`` entries ``a_i g_i`` at the student's top ids (NumPy's stable sort: at a tie the
+  lower id first), ``g_i = sign(a_i - b_i) - sign(A - B)``, ``c = sum_i a_i g_i``. For
+  ``k < Vs`` (a tail that is not clamped)."""
+  p, q = np_softmax(z, ts), np_softmax(y, tt)
+  top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+  a = np.take_along_axis(p, top, -1)
+  b = -np.sort(-q, axis=-1)[:, :k]
+  b = np.pad(b, ((0, 0), (0, k - b.shape[-1])))
+  g = np.sign(a - b) - np.sign((1 - a.sum(-1)) - (1 - b.sum(-1)))[:, None]
+  s = np.zeros_like(p)
+  np.put_along_axis(s, top, a * g, -1)
+  return (s - (a * g).sum(-1, keepdims=True) * p) / ts
+
+
 def np_merge_spans(probs, tokens, groups, strategy):
   """TRL 1.16.0's ``ULDLoss._merge_probabilities_with_alignment_groups`` on one sequence:
   ``probs [T, V]``, ``tokens [T]``, groups as lists of positions; ``[G, V]``."""

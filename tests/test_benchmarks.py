@@ -363,6 +363,21 @@ def test_uld_section_reports_time_temp_and_its_target(monkeypatch, tmp_path):
   assert target["value"] is not None and target["pass"] is True
 
 
+def test_uld_fused_section_reports_time_and_temp(monkeypatch, tmp_path):
+  """bench_uld --fused at --quick sizes: the fused form and the materialised one timed
+  (value_and_grad, after their values and gradients are checked to agree), as ratios to the
+  materialised, with their temps."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_uld
+
+  argv = ["--fused", "--quick", "--repeats", "1", "--out", str(tmp_path)]
+  assert bench_uld.main(argv) == 0
+  result = json.loads((tmp_path / "uld-fused.json").read_text())
+  assert list(result["cpu"]) == ["materialised", "fused"]
+  assert result["cpu"]["materialised"]["ratio"] == pytest.approx(1.0)
+  assert all(r["temp_bytes"] is not None for r in result["cpu"].values())
+
+
 class _FakeCompiled:
   """A compiled step whose memory_analysis() reports ``peak`` bytes (XLA's peak)."""
 
