@@ -367,6 +367,55 @@ def test_log_ratio_mix_where_the_mixture_is_far_below_the_larger_side():
       np.testing.assert_array_equal(np.asarray(fn(p, p)), 0.0)
 
 
+# ------------------------------------------------------------------ one-pass sums, run by XLA:CPU
+
+ONE_PASS = {
+  "reverse_kl (TPU branch)": ("reverse_kl", {}, "default"),
+  "skew_kl (GPU branch)": ("skew_kl", {"alpha": 0.1}, "cuda"),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_PASS))
+def test_accelerator_code_on_cpu_as_precise_as_the_straightforward_formula(case):
+  """The accelerator code run on CPU at ``V = 2**17`` (issue 33; the data of
+  ``bench_precision.py --sweep``, float32: two rows per logit scale 1, 3 and 10 of ``scale *
+  N(0, 1)``): its one-pass reductions (the online softmax's sums of exponentials, the
+  one-pass KL sums) are variadic, which XLA:CPU runs through each group of the CPU tree in
+  sequence (``kldiv_jax._sums.VARIADIC_GROUP``). In groups of 256 the sums of exponentials
+  were up to 4.7 ulps off and the value with them: reverse KL at scale 3, 6.4e-7 against
+  the straightforward formula's 2.1e-7; skew KL on XLA:GPU's branch at scale 10, 5.5e-7
+  against 1.3e-7. The value within twice the straightforward formula's error, or two ulps
+  times its condition, per scale."""
+  name, params, platform = ONE_PASS[case]
+  vocab = 2**17
+  rng = np.random.default_rng(vocab)  # bench_precision.sweep_logits at seed 0
+  scale = np.repeat([1.0, 3.0, 10.0], 2)[:, None]
+  s, t = (jnp.asarray(scale * rng.normal(size=(6, vocab)), jnp.float32) for _ in range(2))
+  s64, t64 = _f64(s), _f64(t)
+  lq, lp = refs.np_log_softmax(s64), refs.np_log_softmax(t64)
+  terms = refs.np_divergence_terms(name, params, lp, lq)[0]
+  want = np.sum(terms, -1)
+  condition = np.sum(np.abs(terms), -1) / np.abs(want)
+
+  def plain(s, t):
+    lq, lp = jax.nn.log_softmax(s, axis=-1), jax.nn.log_softmax(t, axis=-1)
+    if name == "reverse_kl":
+      return per_token_reference(name, params, lq, lp)
+    return _skew_reference(name, params, lq, lp)
+
+  spec = Divergence(name, **params)
+  with refs.platform_branch(platform):
+    got, _ = _value_and_grads(
+      lambda s, t: kd.divergence_from_logits(s, t, divergence=spec), refs.DEFAULT_CODEGEN
+    )(s, t)
+  base, _ = _value_and_grads(plain, refs.DEFAULT_CODEGEN)(s, t)
+  err = np.abs(_f64(got) - want) / want
+  err0 = np.abs(_f64(base) - want) / want
+  for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
+    floor = 2 * EPS * np.max(condition[rows])
+    assert np.max(err[rows]) <= 2 * max(np.max(err0[rows]), floor), (case, rows, err, err0)
+
+
 # ------------------------------------------------------------------ top-k, a large tail bucket
 
 BUCKET = {"reverse_kl": {}, "jsd": {"beta": 0.5}, "skew_reverse_kl": {"alpha": 0.1}, "tvd": {}}
