@@ -241,9 +241,9 @@ def log_ratio_mix(p: jax.Array, lp: jax.Array, q: jax.Array, lq: jax.Array, w: P
   well below ``p``, or the mirror case), ``log1p`` of ``x`` near ``-(1 - w)`` would multiply
   ``x``'s rounding by ``p/m``, up to ``1/w`` (10 at the skew KLs' default): a divergence
   saturated at ``-log w`` then read 5 float32 ulps off. There the same log is ``log w +
-  log1p((1 - w)/w * q/p)``, the constant taken once per call and ``log1p`` of a quotient
-  rounded to its own size (:func:`_far_mixture`): the same one ``log1p`` and one division
-  per class.
+  log1p((1 - w)/w * q/p)`` (``log1p`` of a non-negative quotient rounded to its own size, the
+  constant taken once per call: :func:`_far_mixture`): the same one ``log1p`` and one
+  division per class.
   """
   upper = p >= q
   big = jnp.maximum(p, q)
