@@ -45,6 +45,7 @@ at the bounds).
 
 import contextvars
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -235,14 +236,51 @@ def log_ratio_mix(p: jax.Array, lp: jax.Array, q: jax.Array, lq: jax.Array, w: P
   log1p(w (p - q)/q)`` where ``p < q``. Exactly 0 where ``p == q``; ``-log w``
   where ``q = 0`` (``+inf`` at ``w = 0``). Multiplied by ``p``, it is finite
   wherever the mixture's KL term is.
+
+  Where the mixture is below half the larger side (``m < p/2``: ``w < 1/2`` and ``q``
+  well below ``p``, or the mirror case), ``log1p`` of ``x`` near ``-(1 - w)`` would multiply
+  ``x``'s rounding by ``p/m``, up to ``1/w`` (10 at the skew KLs' default): a divergence
+  saturated at ``-log w`` then read 5 float32 ulps off. There the same log is ``log w +
+  log1p((1 - w)/w * q/p)`` (``log1p`` of a non-negative quotient rounded to its own size, the
+  constant taken once per call: :func:`_far_mixture`): the same one ``log1p`` and one
+  division per class.
   """
   upper = p >= q
   big = jnp.maximum(p, q)
-  x = select(upper, 1.0 - w, w) * (-jnp.abs(p - q)) / jnp.where(big > 0, big, 1.0)
+  safe_big = jnp.where(big > 0, big, 1.0)
+  gap = select(upper, 1.0 - w, w) * jnp.abs(p - q)  # the larger side minus m
   has = p > 0
   # Where p < q, log q is finite; where p = 0 the result is 0 (log p is not used).
   offset = jnp.where(upper, 0.0, jnp.where(has, lp, 0.0) - jnp.where(upper, 0.0, lq))
+  ok, ratio, log_own = _far_mixture(w)
+  if ok is False:  # w static, 0, 1/2 or 1: m is never below half the larger side
+    return jnp.where(has, offset - jnp.log1p(-gap / safe_big), 0.0)
+  far = (gap > 0.5 * big) if ok is True else ok & (gap > 0.5 * big)
+  # The smaller side: q where w < 1/2 (there p is the larger side), p where w > 1/2.
+  small = select(w < 0.5, q, p) if is_static(w) else jnp.minimum(p, q)
+  x = jnp.where(far, ratio * small, -gap) / safe_big
+  offset = offset - jnp.where(far, log_own, 0.0)
   return jnp.where(has, offset - jnp.log1p(x), 0.0)
+
+
+def _far_mixture(w: Param):
+  """``(ok, c, log_own)`` of :func:`log_ratio_mix` where ``m`` is below half the larger side.
+
+  That side is ``p`` for ``w < 1/2`` (``gap = (1 - w)|p - q| > p/2`` needs ``1 - w > 1/2``),
+  ``q`` for ``w > 1/2``; its own weight ``own`` is ``w`` or ``1 - w``, ``m / big = own (1 +
+  c small / big)`` with ``c = (1 - own) / own`` and ``log_own = log(own)``. ``ok``: whether
+  such classes exist (``own > 0``); ``False`` for a static ``w`` where none can.
+  """
+  if is_static(w):
+    if 0 < w < 0.5:
+      return True, (1.0 - w) / w, math.log(w)
+    if 0.5 < w < 1:
+      return True, w / (1.0 - w), math.log1p(-w)
+    return False, 1.0, 0.0
+  own = jnp.where(w < 0.5, w, 1.0 - w)
+  ok = own > 0
+  safe = jnp.where(ok, own, 1.0)
+  return ok, (1.0 - safe) / safe, jnp.log(safe)
 
 
 def mix_quotient(p: jax.Array, q: jax.Array, w: Param) -> jax.Array:

@@ -11,7 +11,11 @@ where it is given one: a row reduced alone (a block of one row: the CPU row loop
 variadic reduction (the online softmax's combiner), up to ``V`` times. The tree bounds each
 sequential run by a group; the groups' results (``[rows, V / GROUP]``) are the only
 temporary, and a row reduced alone is faster (XLA:CPU splits the groups over its threads).
-Rows of at most :data:`SHORT` classes are XLA's own reduction.
+Rows of at most :data:`SHORT` classes are XLA's own reduction. A variadic reduction's groups
+are smaller (:data:`VARIADIC_GROUP`): XLA:CPU vectorises a plain sum over its lanes (a group
+of 256 classes is 8 runs of 32 with AVX2) but runs a variadic one through the whole group in
+sequence, and at 256 the online softmax's sums of exponentials were off by up to 4.7 float32
+ulps at ``V = 2**17`` (under 1.5 at 32: ``benchmarks/README.md``, *Precision*).
 
 Elsewhere the sums are XLA's own reductions, which GPUs and TPUs compute as trees already:
 on TPU the reshape into groups would change the logits' tiled layout, and XLA then writes
@@ -33,6 +37,9 @@ from jax import lax
 # Classes per group of the tree: XLA:CPU vectorises a group's reduction (and adds a
 # variadic one in sequence), and a level of partial results is ``1 / GROUP`` of the data.
 GROUP = 256
+# Classes per group of a variadic reduction's tree (class_reduce): XLA:CPU runs such a
+# reduction through a group in sequence, so a group is as long as a plain sum's run per lane.
+VARIADIC_GROUP = 32
 # Rows of at most this many classes are reduced as XLA reduces them (a run of at most 4096
 # adds; programs of short rows are the same as without the tree).
 SHORT = 16 * GROUP
@@ -93,10 +100,11 @@ def class_reduce(
   """``lax.reduce(operands, inits, combine, (last axis,))``; on CPU a tree of groups of ``group``.
 
   ``combine`` must be associative up to rounding (a monoid with ``inits`` its identity:
-  padding takes the ``inits``). The results drop the class axis. ``group``: as
-  :func:`class_sum`'s.
+  padding takes the ``inits``). The results drop the class axis. ``group``: default
+  :data:`VARIADIC_GROUP`, read at trace time; rows of at most :data:`SHORT` classes are one
+  reduction.
   """
-  group = GROUP if group is None else group
+  group = VARIADIC_GROUP if group is None else group
   ops, inits = tuple(operands), tuple(inits)
   axis = ops[0].ndim - 1
 
