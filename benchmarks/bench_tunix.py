@@ -160,8 +160,9 @@ def hidden_states(model, tokens, **kwargs):
 # ----------------------------------------------------------------------------- the losses
 
 
-def grpo_losses(t, name: str) -> dict[str, Callable]:
-  """``{"stock": f, "kldiv_jax": g}``: GRPO policy losses ``(model, batch) -> (loss, aux)``."""
+def grpo_losses(t, name: str, chunk_size: int | None = None) -> dict[str, Callable]:
+  """``{"stock": f, "kldiv_jax": g}``: GRPO policy losses ``(model, batch) -> (loss, aux)``
+  (``chunk_size``: the fused loss's, ``None`` for the library's default)."""
   import kldiv_jax
 
   algo = types.SimpleNamespace(**GRPO)
@@ -187,15 +188,16 @@ def grpo_losses(t, name: str) -> dict[str, Callable]:
       h, head(model, name), b["completion"], None, b["advantages"],
       clip_low=algo.epsilon, clip_high=algo.epsilon_high, aggregation="seq-mean-token-mean",
       where=b["mask"].astype(bool), ref_log_probs=b["ref"], beta=algo.beta, kl_estimator="k1",
-      temperature=algo.temperature,
+      temperature=algo.temperature, chunk_size=chunk_size,
     )  # fmt: skip
     return loss, {"pg_loss": m.pg_loss, "kl": m.kl, "entropy": m.entropy, "ppo_kl": m.approx_kl}
 
   return {"stock": stock, "kldiv_jax": fused}
 
 
-def distill_losses(t, name: str) -> dict[str, Callable]:
-  """``{"stock": f, "kldiv_jax": g}``: distillation losses ``(model, batch) -> (loss, aux)``."""
+def distill_losses(t, name: str, chunk_size: int | None = None) -> dict[str, Callable]:
+  """``{"stock": f, "kldiv_jax": g}``: distillation losses ``(model, batch) -> (loss, aux)``
+  (``chunk_size`` as in :func:`grpo_losses`)."""
   import jax
   import jax.numpy as jnp
 
@@ -225,7 +227,7 @@ def distill_losses(t, name: str) -> dict[str, Callable]:
     h = hidden_states(model, b["tokens"], **inputs(b))
     loss, parts = kldiv_jax.fused_distillation_loss(
       h, head(model, name), b["teacher_hidden"], b["teacher_head"], labels=next_tokens(b),
-      return_parts=True, **DISTILL,
+      return_parts=True, chunk_size=chunk_size, **DISTILL,
     )  # fmt: skip
     tokens = jnp.maximum(parts.num_tokens, 1)
     return loss, {
@@ -286,7 +288,10 @@ def train_step(graphdef, loss_fn: Callable, tx) -> Callable:
 class Setup:
   """One (target, model) of the worker: the model's shapes, its losses, the device."""
 
-  def __init__(self, target: str, name: str, layers: int, quick: bool, remat: str = "none"):
+  def __init__(
+    self, target: str, name: str, layers: int, quick: bool, remat: str = "none",
+    chunk_size: int | None = None,
+  ):  # fmt: skip
     import jax
     import numpy as np
     import optax
@@ -296,7 +301,7 @@ class Setup:
     self.target, self.name, self.dev = target, name, _device(target)
     flash = TARGETS[target]["kind"] == "tpu" and name == "qwen3_0p6b"
     self.cfg, self.vocab = model_config(self.t, name, layers, quick, flash, remat)
-    self.remat = remat
+    self.remat, self.chunk_size = remat, chunk_size
     self.flash = flash
     self.graphdef, params, rest = abstract_model(self.t, name, self.cfg)
     self.sharding = SingleDeviceSharding(self.dev)
@@ -310,7 +315,10 @@ class Setup:
     self.logits_dtype = "float32" if name == "qwen3_0p6b" else "bfloat16"
     self.cfg_v = (embed, self.vocab, self.logits_dtype)
     self._chunk_costs: dict[tuple[str, int], dict[str, Any]] = {}
-    self.losses = {"grpo": grpo_losses(self.t, name), "distill": distill_losses(self.t, name)}
+    self.losses = {
+      "grpo": grpo_losses(self.t, name, chunk_size),
+      "distill": distill_losses(self.t, name, chunk_size),
+    }
 
   def compile(self, step: str, variant: str, batch: int, seq: int):
     import jax
@@ -342,7 +350,8 @@ class Setup:
     from kldiv_jax._fused_chunks import platform_chunk_size
 
     platform = "tpu" if TARGETS[self.target]["kind"] == "tpu" else "cuda"
-    c = platform_chunk_size(tokens, self.vocab, platform)
+    c = self.chunk_size or platform_chunk_size(tokens, self.vocab, platform)
+    c = min(c, tokens)
     if (step, c) in self._chunk_costs:  # the same for every length with this chunk
       return self._chunk_costs[step, c] | {"chunks": -(-tokens // c)}
     h = self.cfg.embed_dim
@@ -514,7 +523,7 @@ def case_record(setup: Setup, step: str, seq: int, batch: int) -> dict[str, Any]
   row: dict[str, Any] = {"kind": "step", "target": setup.target, "model": setup.name}
   row |= {"step": step, "seq": seq, "batch": batch, "layers": setup.cfg.num_layers}
   row |= {"vocab": setup.vocab, "flash_attention": setup.flash, "remat": setup.remat}
-  row |= {"logits_dtype": setup.logits_dtype}
+  row |= {"logits_dtype": setup.logits_dtype, "chunk_size": setup.chunk_size}
   row["logits_f32_bytes"] = tokens_of(step, batch, seq) * setup.vocab * 4
   for variant in ("kldiv_jax", "stock"):  # the fused one first: it compiles (XLA:TPU's
     # out-of-memory compiles of stock are the slow ones)
@@ -545,12 +554,13 @@ def worker(args: argparse.Namespace) -> int:
       f.write(json.dumps(row) + "\n")
 
   for name in _list(args.models):
-    setup = Setup(args.worker, name, args.layers, args.quick, args.remat)
+    setup = Setup(args.worker, name, args.layers, args.quick, args.remat, args.chunk_size)
     for seq in [int(s) for s in _list(args.seq)]:
       for step in _list(args.steps):
-        keys = ("target", "model", "step", "seq", "layers", "remat")
+        keys = ("target", "model", "step", "seq", "layers", "remat", "chunk_size")
         row = {"target": setup.target, "model": name, "step": step, "seq": seq}
         row |= {"layers": setup.cfg.num_layers, "remat": setup.remat}
+        row |= {"chunk_size": setup.chunk_size}
         if not args.search_only:
           row = case_record(setup, step, seq, args.batch)
           save(row)
@@ -634,6 +644,7 @@ def table(rows: list[dict[str, Any]]) -> str:
   probes: dict[tuple, dict] = {}
   for r in rows:
     key = (r["target"], r["model"], r["step"], r["seq"], r["layers"], r.get("remat", "none"))
+    key += (r.get("chunk_size"),)
     if r.get("kind", "step") == "max_batch":
       largest[(*key, r["variant"])] = r["max_batch"]
       probes[(*key, r["variant"])] = r.get("probes", {})
@@ -667,6 +678,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         ratio = f"{pf[b]['seconds'] / ps[b]['seconds']:.3f} (B={b})"
     big = [largest.get((*key[:-1], v), "—") for v in ("stock", "kldiv_jax")]
     remat = "" if r.get("remat", "none") == "none" else f", remat {r['remat']}"
+    remat += "" if r.get("chunk_size") is None else f", chunk {r['chunk_size']}"
     lines.append(
       f"| {r['target']} | {r['model']} ({r['layers']}{remat}) | {r['step']} | {r['seq']} | {r['batch']} |"
       f" {peak_s} | {peak_f} | {saved} | {ts} | {tf} | {ratio} | {big[0]} | {big[1]} |"
@@ -695,6 +707,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--search-only", action="store_true",
     help="only the largest micro-batch (its probes' records), not the step at --batch",
+  )  # fmt: skip
+  p.add_argument(
+    "--chunk-size", type=int, default=None,
+    help="the fused losses' chunk of tokens (default: the library's for the target)",
   )  # fmt: skip
   p.add_argument("--venvs", type=Path, default=None, help="where .venv-accel-* live (the repo)")
   p.add_argument("--report", action="store_true", help="print the tables of <out>/tunix.jsonl")
@@ -730,6 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       cmd += ["--worker-out", str(jsonl), "--models", args.models, "--steps", args.steps]
       cmd += ["--seq", args.seq, "--batch", str(args.batch), "--layers", str(args.layers)]
       cmd += ["--remat", args.remat]
+      cmd += [] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]
       cmd += ["--max-batch" if args.max_batch else "--no-max-batch"]
       cmd += ["--search-only"] if args.search_only else []
       cmd += ["--quick"] if args.quick else []
