@@ -15,6 +15,7 @@ from _references import np_softmax, np_uld_topk_logit_grad, np_uld_topk_rows
 from jax.test_util import check_grads
 
 from kldiv_jax import fused_uld_loss_from_topk, uld_loss_from_topk
+from kldiv_jax._fused_uld import CHUNK_ELEMENTS
 
 F32 = {"rtol": 2e-5, "atol": 1e-6}
 BF16 = {"rtol": 1.6e-2, "atol": 2e-3}
@@ -280,21 +281,26 @@ def test_errors_name_the_argument(changes, error, match):
     fused_uld_loss_from_topk(**kw)
 
 
-def test_temp_below_one_logits_array():
-  """XLA's compiled temp of value_and_grad wrt the student's hidden states and head: the
-  fused loss below a tenth of one ``[N, Vs]`` float32 array, the materialised one above
-  it (compiled, not run)."""
-  n, hs, ht, vs, vt = 4096, 64, 48, 151936, 128256
+def test_temp_is_a_few_chunks_at_any_token_count():
+  """XLA's compiled temp of value_and_grad wrt the student's hidden states and head
+  (compiled, not run): the fused loss's is a few chunks' logits (each side's chunk and its
+  gradient, at the default chunk) and does not grow with the tokens; the materialised
+  loss's is above one ``[N, Vs]`` float32 array and doubles with them."""
+  hs, ht, vs, vt = 64, 48, 151936, 128256
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-  args = (f32(n, hs), f32(hs, vs), f32(n, ht), f32(ht, vt))
 
-  def temp(loss):
+  def temp(loss, n):
+    args = (f32(n, hs), f32(hs, vs), f32(n, ht), f32(ht, vt))
     c = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile()
-    return c.memory_analysis().temp_size_in_bytes / (n * vs * 4)
+    return c.memory_analysis().temp_size_in_bytes
 
-  ours = temp(lambda h, w, th, tw: fused_uld_loss_from_topk(h, w, th, tw, k=64))
-  theirs = temp(lambda h, w, th, tw: materialised(h, w, None, th, tw, None, k=64))
-  assert ours < 0.1 < 1.0 < theirs, (ours, theirs)
+  ours = lambda h, w, th, tw: fused_uld_loss_from_topk(h, w, th, tw, k=64)  # noqa: E731
+  theirs = lambda h, w, th, tw: materialised(h, w, None, th, tw, None, k=64)  # noqa: E731
+  n = 4096
+  chunk = CHUNK_ELEMENTS * 4  # one chunk's float32 logits
+  assert temp(ours, n) < 4 * chunk < n * vs * 4 < temp(theirs, n), (temp(ours, n), chunk)
+  assert temp(ours, 2 * n) < 1.1 * temp(ours, n) + 2 * n * 64 * 8  # per-token top-k only
+  assert temp(theirs, 2 * n) > 1.9 * temp(theirs, n)
 
 
 def test_vmap_of_grad_of_the_scalar_reduction():
