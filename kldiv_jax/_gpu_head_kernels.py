@@ -175,6 +175,26 @@ def _stats(head, r0, stat_refs):
   )
 
 
+def _zeroed_dh(head, dh_ref, r0, row_in):
+  """The program's block of rows of ``dh`` zeroed (before a barrier), and ``at(k0)``: the
+  block's hidden chunk from ``k0`` as ``(ref, inside)``, ``inside`` the mask of its entries
+  within ``[N, H]``."""
+  pl, plgpu = head.pl, head.plgpu
+
+  def at(k0):
+    k_in = k0 + lax.broadcasted_iota(jnp.int32, (1, head.bk), 1) < head.hidden
+    return dh_ref.at[pl.ds(r0, head.bn), pl.ds(k0, head.bk)], row_in & k_in
+
+  def zero(k, _):
+    ref, inside = at(k * head.bk)
+    plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
+    return _
+
+  _loop(head.k_steps(), zero, 0)
+  head.barrier()
+  return at
+
+
 def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
   """``dh[block] = sum over tiles of dz W[:, tile]^T``, a hidden chunk at a time."""
   b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
@@ -185,17 +205,7 @@ def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
   row_in, kept, ids = head.rows(r0)
   stats = _stats(head, r0, stat_refs)
 
-  def out_at(k0):
-    k_in = k0 + lax.broadcasted_iota(jnp.int32, (1, head.bk), 1) < head.hidden
-    return dh_ref.at[pl.ds(r0, head.bn), pl.ds(k0, head.bk)], row_in & k_in
-
-  def zero(k, _):
-    ref, inside = out_at(k * head.bk)
-    plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
-    return _
-
-  _loop(head.k_steps(), zero, 0)
-  head.barrier()
+  out_at = _zeroed_dh(head, dh_ref, r0, row_in)
 
   def tile(j, _):
     c0 = j * head.bv
@@ -281,17 +291,7 @@ def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
   row_in, kept, ids = head.rows(r0)
   stats = _stats(head, r0, stat_refs)
 
-  def dh_at(k0):
-    k_in = k0 + lax.broadcasted_iota(jnp.int32, (1, head.bk), 1) < head.hidden
-    return dh_ref.at[pl.ds(r0, head.bn), pl.ds(k0, head.bk)], row_in & k_in
-
-  def zero(k, _):
-    ref, inside = dh_at(k * head.bk)
-    plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
-    return _
-
-  _loop(head.k_steps(), zero, 0)
-  head.barrier()
+  dh_at = _zeroed_dh(head, dh_ref, r0, row_in)
 
   def tile(j, _):
     c0 = j * head.bv
