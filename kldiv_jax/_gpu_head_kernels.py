@@ -175,37 +175,27 @@ def _stats(head, r0, stat_refs):
   )
 
 
-def _zeroed_dh(head, dh_ref, r0, row_in):
-  """The program's block of rows of ``dh`` zeroed (before a barrier), and ``at(k0)``: the
-  block's hidden chunk from ``k0`` as ``(ref, inside)``, ``inside`` the mask of its entries
-  within ``[N, H]``."""
-  pl, plgpu = head.pl, head.plgpu
-
-  def at(k0):
-    k_in = k0 + lax.broadcasted_iota(jnp.int32, (1, head.bk), 1) < head.hidden
-    return dh_ref.at[pl.ds(r0, head.bn), pl.ds(k0, head.bk)], row_in & k_in
-
-  def zero(k, _):
-    ref, inside = at(k * head.bk)
-    plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
-    return _
-
-  _loop(head.k_steps(), zero, 0)
-  head.barrier()
-  return at
-
-
-def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
-  """``dh[block] = sum over tiles of dz W[:, tile]^T``, a hidden chunk at a time."""
-  b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-  ids_ref, mask_ref, stat_refs, dh_ref = refs[0], refs[1], refs[2:7], refs[7]
-  head = _Head(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref)
+def _dh_pass(head, stat_refs, dh_ref, at_chunk=None, at_tile=None):
+  """The program's block of rows of ``dh``: zeroed, then ``sum over tiles of dz W[:, tile]^T``
+  added a hidden chunk at a time. The atomic backward's adds to dW and db, if given:
+  ``at_chunk(parts, c0, k0, r0, row_in)`` at each hidden chunk of a tile, ``at_tile(dz, c0)``
+  after the tile."""
   pl, plgpu = head.pl, head.plgpu
   r0 = pl.program_id(0) * head.bn
   row_in, kept, ids = head.rows(r0)
   stats = _stats(head, r0, stat_refs)
 
-  out_at = _zeroed_dh(head, dh_ref, r0, row_in)
+  def dh_at(k0):
+    k_in = k0 + lax.broadcasted_iota(jnp.int32, (1, head.bk), 1) < head.hidden
+    return dh_ref.at[pl.ds(r0, head.bn), pl.ds(k0, head.bk)], row_in & k_in
+
+  def zero(k, _):
+    ref, inside = dh_at(k * head.bk)
+    plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
+    return _
+
+  _loop(head.k_steps(), zero, 0)
+  head.barrier()
 
   def tile(j, _):
     c0 = j * head.bv
@@ -215,16 +205,28 @@ def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     def step(k, _):
       k0 = k * head.bk
       w = head.w_chunk(k0, c0, col_in)
+      ref, inside = dh_at(k0)
       add = _dots(plgpu, parts, lambda d: (d, w), trans_b=True)
-      ref, inside = out_at(k0)
       plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
+      if at_chunk is not None:
+        at_chunk(parts, c0, k0, r0, row_in)
       return _
 
     head.when(head.needed(dz, stats), lambda: _loop(head.k_steps(), step, 0))
     head.barrier()
+    if at_tile is not None:
+      at_tile(dz, c0)
     return _
 
   _loop(-(-head.vocab // head.bv), tile, 0)
+
+
+def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
+  """``dh[block] = sum over tiles of dz W[:, tile]^T``, a hidden chunk at a time."""
+  b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+  ids_ref, mask_ref, stat_refs, dh_ref = refs[0], refs[1], refs[2:7], refs[7]
+  head = _Head(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref)
+  _dh_pass(head, stat_refs, dh_ref)
 
 
 def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
@@ -287,35 +289,16 @@ def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
   db_ref = refs[10 + bias] if bias else None
   head = _Head(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref)
   pl, plgpu = head.pl, head.plgpu
-  r0 = pl.program_id(0) * head.bn
-  row_in, kept, ids = head.rows(r0)
-  stats = _stats(head, r0, stat_refs)
 
-  dh_at = _zeroed_dh(head, dh_ref, r0, row_in)
+  def add_dw(parts, c0, k0, r0, row_in):
+    a = head.h_chunk(r0, row_in, k0)  # 0 past N and H: so is its product
+    add_w = _dots(plgpu, parts, lambda d: (a, d), trans_a=True)
+    plgpu.atomic_add(dw_ref, (pl.ds(k0, head.bk), pl.ds(c0, head.bv)), add_w)
 
-  def tile(j, _):
-    c0 = j * head.bv
-    dz, col_in = head.logit_grad(r0, c0, row_in, kept, ids, stats)
-    parts = head.operands(dz)
+  def add_db(dz, c0):
+    plgpu.atomic_add(db_ref, (pl.ds(c0, head.bv),), jnp.sum(dz, axis=0))
 
-    def step(k, _):
-      k0 = k * head.bk
-      w = head.w_chunk(k0, c0, col_in)
-      ref, inside = dh_at(k0)
-      add = _dots(plgpu, parts, lambda d: (d, w), trans_b=True)
-      plgpu.store(ref, plgpu.load(ref, mask=inside, other=0) + add, mask=inside)
-      a = head.h_chunk(r0, row_in, k0)  # 0 past N and H: so is its product
-      add_w = _dots(plgpu, parts, lambda d: (a, d), trans_a=True)
-      plgpu.atomic_add(dw_ref, (pl.ds(k0, head.bk), pl.ds(c0, head.bv)), add_w)
-      return _
-
-    head.when(head.needed(dz, stats), lambda: _loop(head.k_steps(), step, 0))
-    head.barrier()
-    if db_ref is not None:
-      plgpu.atomic_add(db_ref, (pl.ds(c0, head.bv),), jnp.sum(dz, axis=0))
-    return _
-
-  _loop(-(-head.vocab // head.bv), tile, 0)
+  _dh_pass(head, stat_refs, dh_ref, add_dw, add_db if db_ref is not None else None)
 
 
 def _loop(upper, body, init):
