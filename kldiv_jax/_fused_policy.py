@@ -58,7 +58,7 @@ from kldiv_jax._fused_chunks import (
   zero_head_grads,
 )
 from kldiv_jax._fused_tokens import TokenKernel, fold_token_grads, fused_tokens
-from kldiv_jax._gpu_fused_head import head_kernel, pallas_tokens, takes
+from kldiv_jax._gpu_fused_head import cuda_or_xla, head_kernel, pallas_tokens, takes
 from kldiv_jax._gpu_head_kernels import HeadKernel
 from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._numerics import nan_unless, positive_finite
@@ -314,7 +314,7 @@ def fused_token_loss(
     if gpu_kernels_for(impl) and takes(h, w, axis_name):
       head = head_kernel(n, h.shape[1], vocab, cap, low)
       gpu = lambda: _two_pass(static, h, w, b, safe, t, mask, per_token_args, head)  # noqa: E731
-      out = lax.platform_dependent(cuda=gpu, default=xla)
+      out = cuda_or_xla(gpu, xla)
     else:
       out = xla()
     loss, outs = cast(tuple[jax.Array, tuple], out)

@@ -35,7 +35,7 @@ from kldiv_jax._fused_chunks import (
   zero_cotangent,
   zero_head_grads,
 )
-from kldiv_jax._gpu_fused_head import cuda_or_xla, head_kernel, takes
+from kldiv_jax._gpu_fused_head import cuda_or_xla, head_kernel, pallas_tokens, takes
 from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._rows import times_slope
@@ -228,7 +228,8 @@ def fused_token_log_probs(
     gpu = gpu_kernels_for(impl)
     if gpu and takes(h, w_arr, axis_name):
       cfg = head_kernel(n, h.shape[1], vocab, cap, low)
-      out = cuda_or_xla(cfg, xla, h, w_arr, b_arr, safe, t.astype(jnp.float32), mask)
+      t32 = t.astype(jnp.float32)
+      out = cuda_or_xla(lambda: pallas_tokens(cfg, h, w_arr, b_arr, safe, t32, mask), xla)
     else:
       out = xla()
     log_p, entropy = cast(tuple[jax.Array, jax.Array], out)

@@ -235,10 +235,9 @@ def _pallas_tokens_bwd(cfg, residuals, g):
 pallas_tokens.defvjp(_pallas_tokens_fwd, _pallas_tokens_bwd)
 
 
-def cuda_or_xla(cfg: HeadKernel, xla, h, w, b, ids, temperature, mask):
-  """:func:`pallas_tokens` in a program lowered for CUDA, ``xla()`` (the chunk loop)
-  elsewhere (``lax.platform_dependent``: lowering keeps the platform's own)."""
-  out = lax.platform_dependent(
-    cuda=lambda: pallas_tokens(cfg, h, w, b, ids, temperature, mask), default=xla
-  )
+def cuda_or_xla(gpu, xla):
+  """``gpu()`` (a loss through :func:`pallas_tokens`) in a program lowered for CUDA, ``xla()``
+  (the chunk loop) elsewhere (``lax.platform_dependent``: lowering keeps the platform's
+  own)."""
+  out = lax.platform_dependent(cuda=gpu, default=xla)
   return jax.tree.map(lambda r: lax.convert_element_type(r, r.dtype), out)
