@@ -67,18 +67,33 @@ def local_ids(ids, axis_name, width):
   return ids if axis_name is None else ids - class_offset(axis_name, width).astype(ids.dtype)
 
 
+def _normalizer(tops, rest):
+  """``(s != 0, 1/s, log s)`` of ``s = tops + rest``, ``tops`` the number of classes at the
+  row's largest logit (each ``e = 1``; 0 where not counted apart) and ``rest`` the sum of the
+  others' ``e``: ``log s = log n + log1p(rest / n)`` keeps the digits of a small ``rest``."""
+  has, inv_s, log_s = normalizer(tops + rest)
+  apart = tops > 0
+  n = jnp.where(apart, tops, 1.0)
+  return has, inv_s, jnp.where(apart, jnp.log(n) + jnp.log1p(rest / n), log_s)
+
+
 def token_stats(axis_name, cap, z, ids, temperature, masks):
   dtype = temperature.dtype
   ids = local_ids(ids, axis_name, z.shape[1])
 
   def sums(z, ids, top, *masks):
+    # The classes at the row's largest logit (x = 0, e = 1 each, with their derivatives)
+    # are summed apart from the others: a float32 ``1 + S`` would lose the low digits of a
+    # small ``S``, which the entropy of a peaked row (about ``S``) is made of.
     zc, keep = _capped(z, masks, cap, dtype)
     x = _shifted(zc, keep, top, temperature)
     e = jnp.exp(x)
-    s = class_sum(e)
+    at_top = x == 0
+    tops = class_sum(jnp.where(at_top, e, 0.0))
+    rest = class_sum(jnp.where(at_top, 0.0, e))
     picked = class_sum(jnp.where(label_hit(ids, x.shape), x, 0.0))
     centred = class_sum(e * jnp.where(keep, x, 0.0))
-    return s, picked, centred
+    return tops, rest, picked, centred
 
   num_classes = global_classes(z.shape[1], axis_name)
   if axis_name is None:
@@ -102,9 +117,13 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
       delta = m - top / temperature
       scale = jnp.exp(delta)
       s, centred = s * scale, (centred + delta * s) * scale
-      return top, s, _shifted(zy, zy != -jnp.inf, top, temperature), centred
+      # The one-pass sum is not split at the top class: its groups keep the digits.
+      tops = jnp.zeros_like(s)
+      return top, tops, s, _shifted(zy, zy != -jnp.inf, top, temperature), centred
 
-    top, s, picked, centred = map_rows(fn, (z, ids, *masks), z.shape[0], num_classes, accel=online)
+    top, tops, rest, picked, centred = map_rows(
+      fn, (z, ids, *masks), z.shape[0], num_classes, accel=online
+    )
   else:
 
     def tops(z, *masks):
@@ -112,9 +131,9 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
 
     (top,) = map_rows(tops, (z, *masks), z.shape[0], num_classes)
     top = lax.stop_gradient(max_shift(lax.pmax(top, axis_name)))
-    s, picked, centred = map_rows(sums, (z, ids, top, *masks), z.shape[0], num_classes)
-    s, picked, centred = lax.psum((s, picked, centred), axis_name)
-  has, inv_s, log_s = normalizer(s)
+    tops, rest, picked, centred = map_rows(sums, (z, ids, top, *masks), z.shape[0], num_classes)
+    tops, rest, picked, centred = lax.psum((tops, rest, picked, centred), axis_name)
+  has, inv_s, log_s = _normalizer(tops, rest)
   log_p = jnp.where(has, picked - log_s, 0.0)
   entropy = jnp.where(has, nonnegative(log_s - centred * inv_s), 0.0)
   return log_p[:, 0], entropy[:, 0], (top, log_s, ids)

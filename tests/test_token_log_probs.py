@@ -107,7 +107,8 @@ def test_log_probs_alone_against_float64(x64, rng, temperature, path, request):
 def test_log_probs_alone_equal_the_entropy_kernels_at_the_edges():
   """-inf logits, a token on a class without mass (-inf), a row without mass (0) and a NaN
   row (NaN): the log-probabilities alone and their gradients (wrt the logits and a traced T)
-  equal those computed with the entropy, in float32."""
+  equal those computed with the entropy, in float32, to a few ulps (the entropy kernel sums
+  the top class apart from the others)."""
   z = np.array(
     [[1, -np.inf, 2, 0], [0, 1, -np.inf, 3], [-np.inf] * 4, [0, np.nan, 1, 2]], np.float32
   )
@@ -120,7 +121,7 @@ def test_log_probs_alone_equal_the_entropy_kernels_at_the_edges():
 
   for t in (1.0, 0.7):
     got, want = lp(z, t, False), lp(z, t, True)
-    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got, want, rtol=3e-7)
     assert got[1] == -np.inf and got[2] == 0 and np.isnan(got[3])
     total = lambda z, t, e, rows=4: jnp.sum(a[:rows] * lp(z, t, e, rows))  # noqa: E731
     grads = [jax.grad(total, (0, 1))(z, jnp.float32(t), e) for e in (False, True)]
