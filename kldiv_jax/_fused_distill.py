@@ -46,7 +46,7 @@ from kldiv_jax._fused_chunks import (
   vary_like_tokens,
   zero_head_grads,
 )
-from kldiv_jax._gpu_fused_distill import distill_kernel, pallas_distill
+from kldiv_jax._gpu_fused_distill import distill_kernel, one_pass_kind, pallas_distill
 from kldiv_jax._gpu_fused_distill import takes as gpu_takes
 from kldiv_jax._gpu_fused_head import cuda_or_xla
 from kldiv_jax._id_checks import teacher_classes
@@ -341,8 +341,9 @@ def _gpu_or_xla(s, w, b, teacher: DenseTeacher, static: Static, ce_opts, tokens,
     ids, ok = jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.bool_)
   else:
     ids, ok = _safe_labels(labels, labelled, vocab)
+  kind = one_pass_kind(static.key, params)
   cfg, view = distill_kernel(
-    n, s.h.shape[1], vocab, static.low, static.key, th.shape[1], tb is not None, hard
+    n, s.h.shape[1], vocab, static.low, static.key, th.shape[1], tb is not None, hard, kind
   )
   scalars = jnp.stack([t, *params]).astype(jnp.float32)
   coefs32 = coefs.astype(jnp.float32)

@@ -21,7 +21,7 @@ from jax import lax
 from kldiv_jax._class_sums import Needs, identical_gap, normalized, summands
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._gpu_head_kernels import _Head, _loop, _stats
-from kldiv_jax._gpu_rows import _params, _row_sum, _tile_softmax
+from kldiv_jax._gpu_rows import _num_sums, _one_pass_form, _params, _row_sum, _tile_softmax
 from kldiv_jax._rows import scaled
 from kldiv_jax._whole_rows import _merge
 
@@ -47,6 +47,7 @@ class DistillView(NamedTuple):
   teacher_block: int  # the teacher's hidden columns per matmul step
   teacher_bias: bool
   labels: bool  # the hard-label cross entropy is on
+  kind: tuple | None = None  # the divergence's one-pass form (_gpu_rows.Kind), or None
 
   def open(self, cfg, shape, scalars_ref, h_ref, w_ref, refs, bias, num_stats=None):
     """``(head, stat_refs, the refs after them)``, as :meth:`_Head.open`: the student's bias
@@ -115,29 +116,37 @@ def _store(head, r0, row_in, out_refs, values):
 
 def _stats_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view: DistillView):
   """Per token of a block: both sides' raw maxes and sums of exponentials of ``u``, ``v``
-  (online softmax), the identical-rows gap, and with labels the max and sum of ``z`` (``T =
-  1``) and the label's logit."""
+  (online softmax), then the identical-rows gap, or with a one-pass form (``view.kind``) its
+  sums (:func:`kldiv_jax._gpu_rows._one_pass_form`); with labels the max and sum of ``z``
+  (``T = 1``) and the label's logit."""
   head, _, out_refs = view.open(cfg, shape, scalars_ref, h_ref, w_ref, refs, bias, 0)
   r0 = head.pl.program_id(0) * head.bn
   row_in, kept, ids = head.rows(r0)
 
   def tile(j, carry):
+    soft, hard = carry
     c0 = j * head.bv
     _, z, u, v = head.both(r0, c0, row_in, kept)
-    mu, su, _, _ = _tile_softmax(u)
-    mv, sv, _, _ = _tile_softmax(v)
-    out = (*_merge(carry[0:2], (mu, su)), *_merge(carry[2:4], (mv, sv)))
-    out += (carry[4] + _row_sum(identical_gap(u, v)),)
+    mu, su, u0, eu = _tile_softmax(u)
+    mv, sv, v0, ev = _tile_softmax(v)
+    if view.kind is not None:
+      terms, combine, _, _ = _one_pass_form(view.kind)
+      soft = combine(soft, (mu, su, mv, sv, *map(_row_sum, terms(u0, v0, eu, ev))))
+    else:
+      gap = soft[4] + _row_sum(identical_gap(u, v))
+      soft = (*_merge(soft[0:2], (mu, su)), *_merge(soft[2:4], (mv, sv)), gap)
     if view.labels:
       m, s, _, _ = _tile_softmax(z)
-      picked = _row_sum(jnp.where(head.hit(c0, ids), z, 0.0))
-      out += (*_merge(carry[5:7], (m, s)), carry[7] + picked)
-    return out
+      picked = hard[2] + _row_sum(jnp.where(head.hit(c0, ids), z, 0.0))
+      hard = (*_merge(hard[0:2], (m, s)), picked)
+    return soft, hard
 
   none = jnp.full((head.bn, 1), -jnp.inf, jnp.float32)
   zero = jnp.zeros((head.bn, 1), jnp.float32)
-  init = (none, zero, none, zero, zero) + ((none, zero, zero) if view.labels else ())
-  _store(head, r0, row_in, out_refs, _loop(-(-head.vocab // head.bv), tile, init))
+  sums = 1 if view.kind is None else _num_sums(view.kind)
+  init = ((none, zero, none, zero) + (zero,) * sums, (none, zero, zero) if view.labels else ())
+  soft, hard = _loop(-(-head.vocab // head.bv), tile, init)
+  _store(head, r0, row_in, out_refs, (*soft, *hard))
 
 
 def _sums_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view: DistillView):

@@ -56,12 +56,14 @@ import jax
 import jax.numpy as jnp
 
 from kldiv_jax import _gpu_fused_head
-from kldiv_jax._class_sums import Needs, norms
-from kldiv_jax._engine import _outcomes
+from kldiv_jax._class_sums import formula_params, norms
+from kldiv_jax._divergences import FORMULAS
+from kldiv_jax._engine import _outcomes, one_pass_outcomes
 from kldiv_jax._fused_chunks import zero_cotangent
-from kldiv_jax._gpu_distill_kernels import DistillView, _stats_kernel, _sums_kernel
+from kldiv_jax._gpu_distill_kernels import NEEDS, DistillView, _stats_kernel, _sums_kernel
 from kldiv_jax._gpu_fused_head import DTYPES, _call, blocks, head_kernel
 from kldiv_jax._gpu_head_kernels import HeadKernel, _atomic_kernel, _dh_kernel, _dw_kernel
+from kldiv_jax._gpu_rows import _num_sums
 from kldiv_jax._numerics import max_shift, nan_unless
 from kldiv_jax._rows import normalizer
 
@@ -84,7 +86,7 @@ def takes(h, w, th, tw, axis_name, caps, ce_opts, soft: bool) -> bool:
   )
 
 
-def distill_kernel(n, hidden, vocab, low, key, teacher_hidden, teacher_bias, labels):
+def distill_kernel(n, hidden, vocab, low, key, teacher_hidden, teacher_bias, labels, kind=None):
   """``(HeadKernel, DistillView)`` for ``[n, hidden] @ [hidden, vocab]`` (``vocab`` the shared
   classes) beside the teacher's ``[n, teacher_hidden] @ [teacher_hidden, vocab]``: the
   module's blocks, warps, stages and backward, read now; no gradient filter."""
@@ -92,12 +94,23 @@ def distill_kernel(n, hidden, vocab, low, key, teacher_hidden, teacher_bias, lab
   teacher_block = blocks(
     n, teacher_hidden, vocab, (cfg.blocks[0], cfg.blocks[1], _gpu_fused_head.BLOCK_HIDDEN)
   )
-  view = DistillView(key, vocab, teacher_hidden, teacher_block[2], teacher_bias, labels)
+  view = DistillView(key, vocab, teacher_hidden, teacher_block[2], teacher_bias, labels, kind)
   return cfg, view
 
 
 def _teacher(th, tw, tb):
   return (th, tw) if tb is None else (th, tw, tb)
+
+
+def one_pass_kind(key, params):
+  """The kernels' one-pass form (:func:`kldiv_jax._gpu_rows._one_pass_form`'s ``kind``) of
+  the divergence ``key`` at ``params``, or ``None`` (a second pass for its class sums), as
+  the engine chooses off CPU."""
+  one_pass = FORMULAS[key[0]].one_pass
+  form = None if one_pass is None else one_pass(formula_params(key, params, jnp.float32))
+  if form is None or not (form.kl_sums or form.powers is not None):
+    return None
+  return ("kl",) if form.powers is None else ("ab", *form.powers)
 
 
 def _forward(cfg: HeadKernel, view: DistillView, h, w, b, th, tw, tb, labels, mask, ok, scalars):
@@ -109,18 +122,28 @@ def _forward(cfg: HeadKernel, view: DistillView, h, w, b, th, tw, tb, labels, ma
     vocab=view.vocab,
   )  # fmt: skip
   grid = (-(-n // cfg.blocks[0]),)
-  outs = run(_stats_kernel, grid, [(n,)] * (8 if view.labels else 5), extra=teacher)
-  mu, su, mv, sv, gap = outs[:5]
+  num = 4 + (1 if view.kind is None else _num_sums(view.kind))
+  outs = run(_stats_kernel, grid, [(n,)] * (num + 3 * view.labels), extra=teacher)
+  mu, su, mv, sv, *sums = outs[:num]
   mu, mv = max_shift(mu), max_shift(mv)
   n_ = norms(su, sv)
   row_norms = (mu, n_.inv_su, n_.log_su, mv, n_.inv_sv, n_.log_sv)
-  sums = run(_sums_kernel, grid, [(n,)] * 2, extra=(*teacher, *row_norms))
-  rows = _outcomes(Needs(b=True), mu, su, mv, sv, n_, gap == 0, tuple(sums))
+  if view.kind is None:
+    gap = sums[0]
+    sums = run(_sums_kernel, grid, [(n,)] * NEEDS.num_sums(), extra=(*teacher, *row_norms))
+    rows = _outcomes(NEEDS, mu, su, mv, sv, n_, gap == 0, tuple(sums))
+  else:
+    key = view.key
+    params = formula_params(key, list(scalars[1 : 1 + sum(v is None for _, v in key[1])]), mu.dtype)
+    one_pass = FORMULAS[key[0]].one_pass(params)
+    if one_pass.powers is None:
+      sums = [{"v": sums[0], "u": sums[1]}[k] for k in one_pass.kl_sums]
+    rows = one_pass_outcomes(one_pass, NEEDS, mu, su, mv, sv, tuple(sums))
   zero, total = rows.b
   soft_stats = (*row_norms, zero.astype(jnp.float32), total, rows.nan)
   if not view.labels:
     return rows.value, jnp.zeros_like(rows.value), (soft_stats, ())
-  m, s, picked = outs[5:]
+  m, s, picked = outs[num:]
   m = max_shift(m)
   has, inv_s, log_s = normalizer(s)
   hard = nan_unless(jnp.where(has, log_s + m - picked, 0.0), ok)
