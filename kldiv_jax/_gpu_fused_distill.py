@@ -57,7 +57,7 @@ import jax.numpy as jnp
 
 from kldiv_jax import _gpu_fused_head
 from kldiv_jax._class_sums import formula_params, norms
-from kldiv_jax._divergences import FORMULAS
+from kldiv_jax._divergences import FORMULAS, OnePass
 from kldiv_jax._engine import _outcomes, one_pass_outcomes
 from kldiv_jax._fused_chunks import zero_cotangent
 from kldiv_jax._gpu_distill_kernels import NEEDS, DistillView, _stats_kernel, _sums_kernel
@@ -102,13 +102,22 @@ def _teacher(th, tw, tb):
   return (th, tw) if tb is None else (th, tw, tb)
 
 
-def one_pass_kind(key, params):
-  """The kernels' one-pass form (:func:`kldiv_jax._gpu_rows._one_pass_form`'s ``kind``) of
-  the divergence ``key`` at ``params``, or ``None`` (a second pass for its class sums), as
-  the engine chooses off CPU."""
+def _one_pass(key, params) -> OnePass | None:
+  """The divergence's one-pass form at ``params``, where the kernels take it (the engine's
+  choice off CPU: the KL family's sums or alpha-beta's at static powers), else ``None``."""
   one_pass = FORMULAS[key[0]].one_pass
   form = None if one_pass is None else one_pass(formula_params(key, params, jnp.float32))
   if form is None or not (form.kl_sums or form.powers is not None):
+    return None
+  return form
+
+
+def one_pass_kind(key, params):
+  """The kernels' one-pass form (:func:`kldiv_jax._gpu_rows._one_pass_form`'s ``kind``) of
+  the divergence ``key`` at ``params`` (its traced ones), or ``None`` (a second pass for its
+  class sums)."""
+  form = _one_pass(key, params)
+  if form is None:
     return None
   return ("kl",) if form.powers is None else ("ab", *form.powers)
 
@@ -133,9 +142,9 @@ def _forward(cfg: HeadKernel, view: DistillView, h, w, b, th, tw, tb, labels, ma
     sums = run(_sums_kernel, grid, [(n,)] * NEEDS.num_sums(), extra=(*teacher, *row_norms))
     rows = _outcomes(NEEDS, mu, su, mv, sv, n_, gap == 0, tuple(sums))
   else:
-    key = view.key
-    params = formula_params(key, list(scalars[1 : 1 + sum(v is None for _, v in key[1])]), mu.dtype)
-    one_pass = FORMULAS[key[0]].one_pass(params)
+    traced = sum(v is None for _, v in view.key[1])
+    one_pass = _one_pass(view.key, [scalars[1 + i] for i in range(traced)])
+    assert one_pass is not None  # view.kind is one_pass_kind's
     if one_pass.powers is None:
       sums = [{"v": sums[0], "u": sums[1]}[k] for k in one_pass.kl_sums]
     rows = one_pass_outcomes(one_pass, NEEDS, mu, su, mv, sv, tuple(sums))
