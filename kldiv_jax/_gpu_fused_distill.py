@@ -55,7 +55,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kldiv_jax import _gpu_fused_head
 from kldiv_jax._class_sums import formula_params, norms
 from kldiv_jax._divergences import FORMULAS, OnePass
 from kldiv_jax._engine import _outcomes, one_pass_outcomes
@@ -66,6 +65,18 @@ from kldiv_jax._gpu_head_kernels import HeadKernel, _atomic_kernel, _dh_kernel, 
 from kldiv_jax._gpu_rows import _num_sums
 from kldiv_jax._numerics import max_shift, nan_unless
 from kldiv_jax._rows import normalizer
+
+# Tokens per block, vocabulary columns per tile, hidden columns per matmul step (powers of 2,
+# at least 16), warps, stages: a program holds both sides' [64, 64] float32 tiles and their
+# terms. Compiled for an H100 (sm_90a, ptxas -v; benchmarks/bench_accel.py) at 2048 x 256 x
+# 8192 bf16, forward KL and JSD: at 64 x 64 x 64, 8 warps, 159-197 registers a thread and no
+# spill in any kernel; at the token kernels' 64 x 128 x 64, 4 warps, 255 registers and 80 B
+# (dh) to 2.5 KB (statistics) spilled. Read at trace time (the tests set them).
+BLOCK_TOKENS = 64
+BLOCK_VOCAB = 64
+BLOCK_HIDDEN = 64
+NUM_WARPS = 8
+NUM_STAGES = 3
 
 
 def _one_dtype(h, w) -> bool:
@@ -88,12 +99,14 @@ def takes(h, w, th, tw, axis_name, caps, ce_opts, soft: bool) -> bool:
 
 def distill_kernel(n, hidden, vocab, low, key, teacher_hidden, teacher_bias, labels, kind=None):
   """``(HeadKernel, DistillView)`` for ``[n, hidden] @ [hidden, vocab]`` (``vocab`` the shared
-  classes) beside the teacher's ``[n, teacher_hidden] @ [teacher_hidden, vocab]``: the
-  module's blocks, warps, stages and backward, read now; no gradient filter."""
-  cfg = head_kernel(n, hidden, vocab, None, low)._replace(skip=None)
-  teacher_block = blocks(
-    n, teacher_hidden, vocab, (cfg.blocks[0], cfg.blocks[1], _gpu_fused_head.BLOCK_HIDDEN)
+  classes) beside the teacher's ``[n, teacher_hidden] @ [teacher_hidden, vocab]``: this
+  module's blocks, warps and stages, ``_gpu_fused_head``'s backward and interpreter switch,
+  read now; no gradient filter."""
+  sizes = (BLOCK_TOKENS, BLOCK_VOCAB, BLOCK_HIDDEN)
+  cfg = head_kernel(n, hidden, vocab, None, low)._replace(
+    blocks=blocks(n, hidden, vocab, sizes), warps=NUM_WARPS, stages=NUM_STAGES, skip=None
   )
+  teacher_block = blocks(n, teacher_hidden, vocab, sizes)
   view = DistillView(key, vocab, teacher_hidden, teacher_block[2], teacher_bias, labels, kind)
   return cfg, view
 

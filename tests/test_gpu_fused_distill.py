@@ -26,7 +26,7 @@ from jax import export
 from jax.experimental.pallas import triton as plgpu
 
 import kldiv_jax as kd
-from kldiv_jax import _gpu_fused_head
+from kldiv_jax import _gpu_fused_distill, _gpu_fused_head
 
 pytestmark = [
   pytest.mark.skipif(
@@ -43,10 +43,9 @@ F32 = 1e-2 if ON_GPU else 2e-5
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
   """Blocks of 16 tokens, vocabulary columns and hidden columns: several of each."""
-  monkeypatch.setattr(_gpu_fused_head, "BLOCK_TOKENS", 16)
-  monkeypatch.setattr(_gpu_fused_head, "BLOCK_VOCAB", 16)
-  monkeypatch.setattr(_gpu_fused_head, "BLOCK_HIDDEN", 16)
   monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
+  for name in ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN"):
+    monkeypatch.setattr(_gpu_fused_distill, name, 16)
 
 
 @contextlib.contextmanager
