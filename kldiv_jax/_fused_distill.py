@@ -8,7 +8,10 @@ chunk's loss and its gradient wrt the student's logits, folded at once into the 
 The backward pass only scales those gradients by the cotangent: no recomputation, memory of
 one chunk's logits plus the gradients. A teacher is a :class:`Teacher` (dense or top-k); the
 options are parsed by :func:`distillation_loss`'s parse (``_distill.distill_options``), a
-top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``).
+top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``). With
+``implementation="pallas"``, a program lowered for CUDA runs the dense teacher's loss through
+the opt-in Pallas Triton kernels of :mod:`kldiv_jax._gpu_fused_distill` instead (no chunk's
+logits in HBM), where they take the operands and options.
 """
 
 from __future__ import annotations
@@ -421,7 +424,12 @@ def fused_distillation_loss(
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
     scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts:
       as in :func:`distillation_loss`.
-    implementation: as in :func:`distillation_loss`.
+    implementation: as in :func:`distillation_loss`; ``"pallas"`` also runs, in a program
+      lowered for CUDA, the opt-in Pallas Triton kernels of the fused head (both sides'
+      logits of a block only on chip, Cut Cross-Entropy's design; never yet measured on a
+      GPU) where they take the operands and options (each side's hidden states and head of
+      one dtype among float32, bf16, f16; no ``axis_name``, soft-caps, ``label_smoothing``
+      or ``z_loss``: :mod:`kldiv_jax._gpu_fused_distill`), else the chunk loop.
     logits_dtype: bf16/f16 inputs: what each chunk's logits (both sides) and their gradient
       are held in between the matmuls and the softmax. ``None`` (default): the inputs' dtype,
       as in the materialised ``hidden @ weight`` (half the bytes on GPUs); where the logits are
