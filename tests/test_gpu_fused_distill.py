@@ -11,7 +11,8 @@ materialised forward KL and cross entropy, their gradients in closed form): the 
 parts and the gradients wrt ``hidden``, ``weight`` and ``bias``, for one-pass and two-pass
 divergences, static and traced parameters, temperatures, labels with ``alpha`` and
 ``ignore_index``, ``where``, float32 and bfloat16 (both ``logits_dtype``), both backwards,
-``-inf`` classes, NaN tokens and labels out of range; and the program lowered for CUDA.
+``-inf`` classes, NaN tokens and labels out of range, ``jax_enable_x64`` and ``vmap``; and
+the program lowered for CUDA.
 """
 
 import contextlib
@@ -231,9 +232,10 @@ def test_inf_nan_and_labels_out_of_range():
     _agree(got, want, True)
 
 
-def test_x64():
+def test_x64_and_vmap():
   """Under ``jax_enable_x64`` float32 operands take the kernels (int32 indices beside int64
-  Python ints) with the XLA chunk loop's values, parts and gradients, dtypes included."""
+  Python ints) with the XLA chunk loop's values, parts and gradients, dtypes included; and
+  ``vmap`` over sequences (batched kernel calls) too."""
   (h, w, b), teacher, labels = _operands(jnp.float32, seed=6)
   with enable_x64(), cuda_branch():
     program = _program("pallas", teacher, labels, divergence="jsd", temperature=1.2)
@@ -243,6 +245,20 @@ def test_x64():
   for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert g.dtype == x.dtype
   _agree(got, want, True)
+  hb, thb, yb = h[:36].reshape(3, 12, H), teacher[0][:36].reshape(3, 12, HT), labels[:36]
+
+  def grads(implementation):
+    def loss(h, w, th, y):
+      return kd.fused_distillation_loss(
+        h, w, th, teacher[1], y, divergence="reverse_kl", implementation=implementation
+      )
+
+    return jax.jit(jax.vmap(jax.grad(loss, (0, 1)), (0, None, 0, 0)))
+
+  with cuda_branch():
+    args = (hb, w, thb, yb.reshape(3, 12))
+    assert "kldiv_jax_gpu_head" in str(jax.make_jaxpr(grads("pallas"))(*args))
+    _agree(grads("pallas")(*args), grads("xla")(*args), True)
 
 
 def _cuda_text(fn, *args):
