@@ -203,6 +203,18 @@ def test_traced_parameters_and_heads_of_other_widths():
   _agree(got, want, True)
 
 
+def test_a_float32_teacher_beside_a_bf16_student():
+  """Each side of one dtype (not both of the same): a float32 teacher's logits are rounded to
+  the bf16 student's, as in the chunk loop (TVD, no labels)."""
+  (h, w, b), (th, tw, tb), _ = _operands(jnp.bfloat16, seed=7)
+  teacher = tuple(x.astype(jnp.float32) for x in (th, tw, tb))
+  with cuda_branch():
+    got = _program("pallas", teacher, None, divergence="tvd")(h, w, b)
+    want = _program("xla", teacher, None, divergence="tvd")(h, w, b)
+    assert "kldiv_jax_gpu_head" in str(jax.make_jaxpr(_program("pallas", teacher, None))(h, w, b))
+  _agree(got, want, False)
+
+
 def test_inf_nan_and_labels_out_of_range():
   """``-inf`` bias entries on either side (classes without mass; a label on a student's
   ``-inf`` class: ``+inf``), a NaN hidden state on each side and a traced label out of range
