@@ -346,9 +346,9 @@ def _unrolled_loops():
     jax.config.update("jax_pgle_profiling_runs", runs)
 
 
-def _measure(fn, argnums, structs, target: str, matmul: bool) -> dict[str, Any]:
+def _measure(fn, argnums, structs, target: str, matmul: bool, options=None) -> dict[str, Any]:
   start = time.perf_counter()
-  compiled = _compile(fn, argnums, structs)
+  compiled = _compile(fn, argnums, structs, options)
   cost = _cost(compiled, target)
   seconds, source = _seconds(cost, target, matmul)
   temp = int(compiled.memory_analysis().temp_size_in_bytes)
@@ -410,10 +410,10 @@ def kernel_bytes(hlo: str) -> tuple[int, int]:
   return calls, total
 
 
-def ptxas(dump: Path) -> list[dict[str, Any]]:
-  """ptxas's report (``-v``, sm_90a) of the library's Triton kernels in an XLA dump's PTX:
-  threads, registers and spill bytes per kernel (``[]`` without ptxas: the CUDA wheels'
-  ``nvidia-cuda-nvcc``)."""
+def ptxas(dump: Path, prefix: str = "kldiv_jax_gpu_rows") -> list[dict[str, Any]]:
+  """ptxas's report (``-v``, sm_90a) of the library's Triton kernels in an XLA dump's PTX
+  (those whose entry's name starts with ``prefix``): name, threads, registers and spill
+  bytes per kernel (``[]`` without ptxas: the CUDA wheels' ``nvidia-cuda-nvcc``)."""
   import importlib.util
   import re
   import shutil
@@ -425,19 +425,21 @@ def ptxas(dump: Path) -> list[dict[str, Any]]:
   out = []
   for ptx in sorted(dump.glob("*.ptx")) if exe else []:
     text = ptx.read_text()
-    if ".entry kldiv_jax_gpu_rows" not in text:
+    if f".entry {prefix}" not in text:
       continue
     threads = [int(t) for t in re.findall(r"\.reqntid (\d+)", text)]
     cubin = ptx.with_suffix(".cubin")
     run = subprocess.run([exe, "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)], **_TEXT)
     report = run.stderr.split("Compiling entry function")[1:]
     for i, part in enumerate(report):
-      if "kldiv_jax_gpu_rows" not in part.split("\n", 1)[0]:
+      first = part.split("\n", 1)[0]
+      if prefix not in first:
         continue
       spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", part)
       regs = re.search(r"Used (\d+) registers", part)
       out.append(
         {
+          "kernel": next(iter(re.findall(prefix + r"\w*", first)), prefix),
           "threads": threads[i] if i < len(threads) else None,
           "registers": int(regs.group(1)) if regs else None,
           "spill_bytes": int(spill.group(1)) + int(spill.group(2)) if spill else None,
@@ -498,6 +500,7 @@ def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = T
 # chip's bf16 peak, the time they would take compute-bound (an ideal, not an estimate of
 # Triton's code).
 GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32, "fused_policy")
+GPU_FUSED_CASES += ("fused_distillation",)
 # contender: (kldiv_jax._gpu_fused_head.BACKWARD, N H V matmuls, its SKIP_BELOW: CCE's
 # gradient filter, here at 2**-12, where the matmuls are a bound: skipped tiles skip two)
 GPU_HEAD_BACKWARDS = {
@@ -505,6 +508,11 @@ GPU_HEAD_BACKWARDS = {
   "kldiv_jax_gpu_atomic": ("atomic", 4, None),
   "kldiv_jax_gpu_atomic_skip": ("atomic", 4, 2.0**-12),
 }
+# The distillation kernels (kldiv_jax._gpu_fused_distill) compute both sides' logits per pass
+# (the teacher's head as wide as the student's here): forward KL (the case's divergence, a
+# one-pass form) takes 2 matmuls forward, then 6 (owned) or 4 (atomic) backward; they have no
+# gradient filter (SKIP_BELOW is the token kernels'): no "skip" contender.
+GPU_HEAD_MATMULS = {"fused_distillation": {"owned": 8, "atomic": 6}}
 
 
 # The module settings of kldiv_jax._gpu_fused_head a layout sets (read at trace time).
@@ -525,22 +533,28 @@ def with_head_backward(
 ) -> Callable:
   """``fn`` traced with the fused-head kernels on (:func:`with_gpu_kernels`) and their
   ``backward`` (``"owned"`` or ``"atomic"``: ``kldiv_jax._gpu_fused_head.BACKWARD``),
-  ``config`` (:func:`head_config`; ``None``: the module's defaults) and gradient filter
+  ``config`` (:func:`head_config`, of the token and the distillation kernels; ``None``: the
+  modules' defaults) and gradient filter
   ``skip`` (``SKIP_BELOW``), read at trace time."""
+  from kldiv_jax import _gpu_fused_distill as distill
   from kldiv_jax import _gpu_fused_head as head
 
   names = ("BACKWARD", "SKIP_BELOW", *HEAD_SETTINGS)
 
   def run(*args):
     saved = {k: getattr(head, k) for k in names}
+    saved_distill = {k: getattr(distill, k) for k in HEAD_SETTINGS}
     head.BACKWARD, head.SKIP_BELOW = backward, skip
     for k, value in zip(HEAD_SETTINGS, config or ()):
       setattr(head, k, value)
+      setattr(distill, k, value)  # the distillation kernels' layout (their own defaults)
     try:
       return with_gpu_kernels(fn)(*args)
     finally:
       for k, value in saved.items():
         setattr(head, k, value)
+      for k, value in saved_distill.items():
+        setattr(distill, k, value)
 
   return run
 
@@ -648,11 +662,22 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
   for name, (backward, matmuls, skip) in GPU_HEAD_BACKWARDS.items():
     if TARGETS[target]["kind"] != "cuda" or row["case"] not in GPU_FUSED_CASES:
       break
+    if row["case"] in GPU_HEAD_MATMULS:
+      if skip is not None:
+        continue
+      matmuls = GPU_HEAD_MATMULS[row["case"]][backward]
 
     def gpu(backward=backward, matmuls=matmuls, skip=skip):
-      out = measure(with_head_backward(fused(chunk), backward, skip=skip), n)
+      import tempfile
+
+      with tempfile.TemporaryDirectory() as dump:
+        fn = with_head_backward(fused(chunk), backward, skip=skip)
+        structs = _structs(kinds, {"n": n, "v": v, "h": h, "dtype": dt}, dev)
+        out = _measure(fn, (0, 1), structs, target, True, {"xla_dump_to": dump})
+        report = ptxas(Path(dump), "kldiv_jax_gpu_head")
       flops = matmuls * 2 * n * h * v
-      return out | {"model_flops": flops, "model_seconds": flops / TARGETS[target]["peak"]}
+      model = {"model_flops": flops, "model_seconds": flops / TARGETS[target]["peak"]}
+      return out | model | {"matmuls": matmuls, "ptxas": report}
 
     gpu_row = row[name] = _or_error(gpu)
     if "model_seconds" in gpu_row and "seconds" in mat:
@@ -803,11 +828,17 @@ def _gpu_head_text(row: dict[str, Any]) -> str:
       text += f"gpu kernels ({backward} backward): error {gpu['error']}\n  "
       continue
     model = f"{gpu['model_ratio']:.2f}x" if "model_ratio" in gpu else "?"
+    report = ", ".join(
+      f"{k.get('kernel', '?')[len('kldiv_jax_gpu_head_') :]}: {k['threads']} threads,"
+      f" {k['registers']} registers, {k['spill_bytes']} B spilled"
+      for k in gpu.get("ptxas", ())
+    )
     text += (
       f"gpu kernels ({row['case']}, {backward} backward): compiled in {gpu['compile_s']:.1f}s,"
       f" temp {fmt_bytes(gpu['temp_bytes'])}; XLA counts {gpu['flops'] / 1e9:.1f} GFLOP "
-      f"{fmt_bytes(gpu['bytes'])} outside the Triton calls; model ({matmuls} matmuls at peak)"
-      f" {gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised\n  "
+      f"{fmt_bytes(gpu['bytes'])} outside the Triton calls; model"
+      f" ({gpu.get('matmuls', matmuls)} matmuls at peak)"
+      f" {gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised; ptxas: {report or 'n/a'}\n  "
     )
   return text
 

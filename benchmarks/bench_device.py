@@ -23,8 +23,9 @@ which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax`
 program x classes per tile, warps, pipeline stages; tile 0: JSD, skew KL, skew reverse KL and
 TVD from whole rows held by a program, ``1x0w16s1`` the default where a row fits),
 ``kldiv_jax_gpu[2x2048w8s3]``: a sweep.
-The fused token log-probs (``GPU_FUSED_CASES``) take ``--gpu-kernels`` too: the opt-in
-fused-head kernels (``kldiv_jax._gpu_fused_head``), each backward (two kernels that own
+The fused token log-probs, policy and distillation losses (``GPU_FUSED_CASES``) take
+``--gpu-kernels`` too: the opt-in fused-head kernels (``kldiv_jax._gpu_fused_head``,
+``kldiv_jax._gpu_fused_distill``), each backward (two kernels that own
 their sums, ``gpu owned``; one with atomic adds to dW, ``gpu atomic``, and it with CCE's
 gradient filter at 2**-12, ``gpu atomic skip``), beside XLA's chunk
 loop and the materialised loss, in one round-robin; ``--head-configs
@@ -49,6 +50,7 @@ from bench_accel import (
   FUSED_SHAPE,
   GPU_FUSED_CASES,
   GPU_HEAD_BACKWARDS,
+  GPU_HEAD_MATMULS,
   LOGITS_F32,
   POLICY_SHAPE,
   QUICK_FUSED_SHAPE,
@@ -154,7 +156,8 @@ def _fused(
     fns["fused"] = with_gpu_kernels(fns["fused"])
   elif gpu == "both":  # each backward of the kernels (GPU_HEAD_BACKWARDS)
     for name, (backward, _, skip) in GPU_HEAD_BACKWARDS.items():
-      fns[name] = with_head_backward(fns["fused"], backward, skip=skip)
+      if skip is None or case not in GPU_HEAD_MATMULS:  # no filter in the distillation's
+        fns[name] = with_head_backward(fns["fused"], backward, skip=skip)
   for text in configs if gpu != "off" else ():
     backward, _, layout = text.partition(":")
     fns[f"kldiv_jax_gpu[{text}]"] = with_head_backward(fns["fused"], backward, head_config(layout))

@@ -8,7 +8,10 @@ chunk's loss and its gradient wrt the student's logits, folded at once into the 
 The backward pass only scales those gradients by the cotangent: no recomputation, memory of
 one chunk's logits plus the gradients. A teacher is a :class:`Teacher` (dense or top-k); the
 options are parsed by :func:`distillation_loss`'s parse (``_distill.distill_options``), a
-top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``).
+top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``). With
+``implementation="pallas"``, a program lowered for CUDA runs the dense teacher's loss through
+the opt-in Pallas Triton kernels of :mod:`kldiv_jax._gpu_fused_distill` instead (no chunk's
+logits in HBM), where they take the operands and options.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kldiv_jax._distill import (
   DistillationParts,
   DistillOptions,
   LossWeights,
+  _safe_labels,
   distill_options,
   hard_rows,
 )
@@ -45,9 +49,12 @@ from kldiv_jax._fused_chunks import (
   vary_like_tokens,
   zero_head_grads,
 )
+from kldiv_jax._gpu_fused_distill import distill_kernel, one_pass_kind, pallas_distill
+from kldiv_jax._gpu_fused_distill import takes as gpu_takes
+from kldiv_jax._gpu_fused_head import cuda_or_xla
 from kldiv_jax._id_checks import teacher_classes
 from kldiv_jax._implementation import resolve_implementation
-from kldiv_jax._platform import compiled
+from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import topk_rows
 from kldiv_jax._tokens import token_mask
@@ -302,15 +309,54 @@ def _fused_loss(
   params = tuple(jnp.asarray(x).astype(cdt) for x in o.spec.traced)
   tokens = (mask, labels, labelled)
 
-  def call(chunk):
-    static = Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low, implementation)
-    return _fused(static, s.h, w, b, teacher, t, params, tokens, coefs, ce_opts)
+  def static(chunk):
+    return Static(o.spec.key, chunk, axis_name, o.caps, weights, vocab, low, implementation)
 
-  totals = per_platform(chunk_size, name, n, vocab * s.num_shards, call)
+  def call(chunk):
+    return _fused(static(chunk), s.h, w, b, teacher, t, params, tokens, coefs, ce_opts)
+
+  def xla():
+    return per_platform(chunk_size, name, n, vocab * s.num_shards, call)
+
+  gpu = gpu_kernels_for(implementation)
+  if gpu and isinstance(teacher, DenseTeacher):
+    totals = _gpu_or_xla(s, w, b, teacher, static(0), ce_opts, tokens, t, params, coefs, xla)
+  else:
+    totals = xla()
   # Arrays: the cast restates ``_fused``'s annotation, which the checker loses
   # to jax.custom_vjp's unannotated ``__new__`` (it may return jax's custom_vjp3).
   loss, soft, hard = cast(tuple[jax.Array, jax.Array, jax.Array], totals)
   return o.finish(loss, soft * t2, hard, num_tokens, checks, s.out_dtype)
+
+
+def _gpu_or_xla(s, w, b, teacher: DenseTeacher, static: Static, ce_opts, tokens, t, params,
+                coefs, xla):  # fmt: skip
+  """The totals ``(loss, soft, hard)`` from the opt-in Pallas Triton kernels
+  (:mod:`kldiv_jax._gpu_fused_distill`) in a program lowered for CUDA, where they take the
+  operands and options; ``xla()`` (the chunk loop) elsewhere."""
+  th, tw, tb = teacher.hidden, teacher.weight, teacher.bias
+  soft, hard = static.weights.soft, static.weights.hard
+  if not gpu_takes(s.h, w, th, tw, static.axis_name, static.caps, ce_opts, soft):
+    return xla()
+  mask, labels, labelled = tokens
+  n, vocab = s.h.shape[0], static.shared
+  if labels is None or not hard:
+    ids, ok = jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.bool_)
+  else:
+    ids, ok = _safe_labels(labels, labelled, vocab)
+  kind = one_pass_kind(static.key, params)
+  cfg, view = distill_kernel(
+    n, s.h.shape[1], vocab, static.low, static.key, th.shape[1], tb is not None, hard, kind
+  )
+  scalars = jnp.stack([t, *params]).astype(jnp.float32)
+  coefs32 = coefs.astype(jnp.float32)
+
+  def gpu():
+    out = pallas_distill(cfg, view, s.h, w, b, th, tw, tb, ids, mask, ok, scalars, coefs32)
+    # The cast restates pallas_distill's result, which the checker loses to jax.custom_vjp.
+    return tuple(x.astype(coefs.dtype) for x in cast(tuple[jax.Array, ...], out))
+
+  return cuda_or_xla(gpu, xla)
 
 
 def fused_distillation_loss(
@@ -378,7 +424,12 @@ def fused_distillation_loss(
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
     scale_by_temperature_squared, softcap, target_softcap, teacher_vocab_size, return_parts:
       as in :func:`distillation_loss`.
-    implementation: as in :func:`distillation_loss`.
+    implementation: as in :func:`distillation_loss`; ``"pallas"`` also runs, in a program
+      lowered for CUDA, the opt-in Pallas Triton kernels of the fused head (both sides'
+      logits of a block only on chip, Cut Cross-Entropy's design; never yet measured on a
+      GPU) where they take the operands and options (each side's hidden states and head of
+      one dtype among float32, bf16, f16; no ``axis_name``, soft-caps, ``label_smoothing``
+      or ``z_loss``: :mod:`kldiv_jax._gpu_fused_distill`), else the chunk loop.
     logits_dtype: bf16/f16 inputs: what each chunk's logits (both sides) and their gradient
       are held in between the matmuls and the softmax. ``None`` (default): the inputs' dtype,
       as in the materialised ``hidden @ weight`` (half the bytes on GPUs); where the logits are

@@ -140,23 +140,41 @@ def takes(h, w, axis_name) -> bool:
 
 
 def _call(
-  cfg: HeadKernel, kernel, grid, out_shapes, h, w, b, ids, temperature, mask, extra=(), zeros=()
+  cfg: HeadKernel,
+  kernel,
+  grid,
+  out_shapes,
+  h,
+  w,
+  b,
+  ids,
+  temperature,
+  mask,
+  extra=(),
+  zeros=(),
+  view=None,
+  vocab=None,
 ):
   """``kernel`` over ``grid`` with every operand whole in HBM (``pl.no_block_spec``);
   ``zeros``: float32 zero buffers aliased to the last outputs (their shapes), after
-  ``out_shapes``."""
+  ``out_shapes``. ``temperature``: the scalars (the temperature first, then any others a
+  ``view`` reads: a vector, padded to a power of 2). ``view``: how the kernel opens its
+  operands (:class:`kldiv_jax._gpu_head_kernels._Head`'s ``open``); ``vocab``: the
+  classes the kernels see (default ``w``'s: a longer head's others are never read)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
-  shape = (h.shape[0], h.shape[1], w.shape[1])
-  scalars = jnp.reshape(temperature, (1,)).astype(jnp.float32)
+  shape = (h.shape[0], h.shape[1], w.shape[1] if vocab is None else vocab)
+  scalars = jnp.reshape(temperature, (-1,)).astype(jnp.float32)
+  scalars = jnp.pad(scalars, (0, _pow2(scalars.shape[0]) - scalars.shape[0]))
   operands = [scalars, h, w, *([] if b is None else [b])]
   operands += [ids[:, 0].astype(jnp.int32), mask[:, 0].astype(jnp.int32), *extra]
   first = len(operands)
   operands += [jnp.zeros(z, jnp.float32) for z in zeros]
   out_shapes = [*out_shapes, *zeros]
   aliases = {first + i: len(out_shapes) - len(zeros) + i for i in range(len(zeros))}
-  body = functools.partial(kernel, cfg, shape, bias=b is not None)
+  views = {} if view is None else {"view": view}
+  body = functools.partial(kernel, cfg, shape, bias=b is not None, **views)
   with warnings.catch_warnings():  # as _gpu_rows._lower: the backend's deprecation
     warnings.filterwarnings(
       "ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning

@@ -27,7 +27,22 @@ class HeadKernel(NamedTuple):
 
 
 class _Head:
-  """A program's view of the head: its logit tiles ``soft_cap(h W + b)`` and their ``dz``."""
+  """A program's view of the head: its logit tiles ``soft_cap(h W + b)`` and their ``dz``.
+
+  The backward kernels open their operands through ``view.open`` (this class by default;
+  :mod:`kldiv_jax._gpu_distill_kernels` gives the distillation loss's view, whose ``dz`` has
+  other row statistics and a teacher's logits): :data:`NUM_STATS` row statistics after the
+  ids and the mask."""
+
+  NUM_STATS = 5  # (top, log s, H, g_lp, g_H)
+
+  @classmethod
+  def open(cls, cfg, shape, scalars_ref, h_ref, w_ref, refs, bias):
+    """``(head, stat_refs, the refs after them)`` of a kernel's operands ``refs`` after
+    ``h`` and ``w``: the bias if ``bias``, the ids, the mask, the row statistics."""
+    b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+    head = cls(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, refs[0], refs[1])
+    return head, refs[2 : 2 + cls.NUM_STATS], refs[2 + cls.NUM_STATS :]
 
   def __init__(self, cfg: HeadKernel, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref):
     from jax.experimental import pallas as pl
@@ -221,21 +236,17 @@ def _dh_pass(head, stat_refs, dh_ref, at_chunk=None, at_tile=None):
   _loop(-(-head.vocab // head.bv), tile, 0)
 
 
-def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
+def _dh_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view=_Head):
   """``dh[block] = sum over tiles of dz W[:, tile]^T``, a hidden chunk at a time."""
-  b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-  ids_ref, mask_ref, stat_refs, dh_ref = refs[0], refs[1], refs[2:7], refs[7]
-  head = _Head(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref)
+  head, stat_refs, (dh_ref,) = view.open(cfg, shape, scalars_ref, h_ref, w_ref, refs, bias)
   _dh_pass(head, stat_refs, dh_ref)
 
 
-def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
+def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view=_Head):
   """``dW[:, tile] = sum over token blocks of h[block]^T dz`` a hidden chunk at a time, and
   ``db[tile] = sum dz``."""
-  b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-  ids_ref, mask_ref, stat_refs, dw_ref = refs[0], refs[1], refs[2:7], refs[7]
-  db_ref = refs[8] if bias else None
-  head = _Head(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref)
+  head, stat_refs, outs = view.open(cfg, shape, scalars_ref, h_ref, w_ref, refs, bias)
+  dw_ref, db_ref = outs[0], outs[1] if bias else None
   pl, plgpu = head.pl, head.plgpu
   c0 = pl.program_id(0) * head.bv
   col_in = c0 + lax.broadcasted_iota(jnp.int32, (1, head.bv), 1) < head.vocab
@@ -276,18 +287,16 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
     plgpu.store(db_ref.at[pl.ds(c0, head.bv)], db.reshape(head.bv), mask=col_in[0])
 
 
-def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias):
+def _atomic_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view=_Head):
   """One backward kernel over token blocks (``backward="atomic"``): per vocabulary tile,
   ``dz`` once; ``dh[block] += dz W[:, tile]^T`` (owned, as :func:`_dh_kernel`), and
   ``dW[:, tile] += h[block]^T dz``, ``db[tile] += sum dz`` by atomic adds into zeroed float32
   buffers padded to whole blocks (Pallas' interpreter takes no masked atomics: the values
   outside are 0 instead)."""
-  b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
-  ids_ref, mask_ref, stat_refs = refs[0], refs[1], refs[2:7]
-  # refs[7 : 8 + bias]: the zero buffers aliased to the outputs dW (and db)
-  dh_ref, dw_ref = refs[8 + bias], refs[9 + bias]
-  db_ref = refs[10 + bias] if bias else None
-  head = _Head(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, ids_ref, mask_ref)
+  head, stat_refs, outs = view.open(cfg, shape, scalars_ref, h_ref, w_ref, refs, bias)
+  # outs[: 1 + bias]: the zero buffers aliased to the outputs dW (and db)
+  dh_ref, dw_ref = outs[1 + bias], outs[2 + bias]
+  db_ref = outs[3 + bias] if bias else None
   pl, plgpu = head.pl, head.plgpu
 
   def add_dw(parts, c0, k0, r0, row_in):
