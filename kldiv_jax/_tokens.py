@@ -67,13 +67,14 @@ def local_ids(ids, axis_name, width):
   return ids if axis_name is None else ids - class_offset(axis_name, width).astype(ids.dtype)
 
 
-def _normalizer(tops, rest):
-  """``(s != 0, 1/s, log s)`` of ``s = tops + rest``, ``tops`` the number of classes at the
-  row's largest logit (each ``e = 1``; 0 where not counted apart) and ``rest`` the sum of the
-  others' ``e``: ``log s = log n + log1p(rest / n)`` keeps the digits of a small ``rest``."""
-  has, inv_s, log_s = normalizer(tops + rest)
-  apart = tops > 0
-  n = jnp.where(apart, tops, 1.0)
+def _normalizer(at_max, rest):
+  """``(s != 0, 1/s, log s)`` of ``s = at_max + rest``, ``at_max`` the sum of ``e`` over the
+  classes at the row's largest logit (``n`` of them, each ``e = 1``; 0 where not summed
+  apart) and ``rest`` the others': ``log s = log n + log1p(rest / n)`` keeps the digits of a
+  small ``rest``."""
+  has, inv_s, log_s = normalizer(at_max + rest)
+  apart = at_max > 0
+  n = jnp.where(apart, at_max, 1.0)
   return has, inv_s, jnp.where(apart, jnp.log(n) + jnp.log1p(rest / n), log_s)
 
 
@@ -89,11 +90,11 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
     x = _shifted(zc, keep, top, temperature)
     e = jnp.exp(x)
     at_top = x == 0
-    tops = class_sum(jnp.where(at_top, e, 0.0))
+    at_max = class_sum(jnp.where(at_top, e, 0.0))
     rest = class_sum(jnp.where(at_top, 0.0, e))
     picked = class_sum(jnp.where(label_hit(ids, x.shape), x, 0.0))
     centred = class_sum(e * jnp.where(keep, x, 0.0))
-    return tops, rest, picked, centred
+    return at_max, rest, picked, centred
 
   num_classes = global_classes(z.shape[1], axis_name)
   if axis_name is None:
@@ -118,10 +119,10 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
       scale = jnp.exp(delta)
       s, centred = s * scale, (centred + delta * s) * scale
       # The one-pass sum is not split at the top class: its groups keep the digits.
-      tops = jnp.zeros_like(s)
-      return top, tops, s, _shifted(zy, zy != -jnp.inf, top, temperature), centred
+      at_max = jnp.zeros_like(s)
+      return top, at_max, s, _shifted(zy, zy != -jnp.inf, top, temperature), centred
 
-    top, tops, rest, picked, centred = map_rows(
+    top, at_max, rest, picked, centred = map_rows(
       fn, (z, ids, *masks), z.shape[0], num_classes, accel=online
     )
   else:
@@ -131,9 +132,9 @@ def token_stats(axis_name, cap, z, ids, temperature, masks):
 
     (top,) = map_rows(tops, (z, *masks), z.shape[0], num_classes)
     top = lax.stop_gradient(max_shift(lax.pmax(top, axis_name)))
-    tops, rest, picked, centred = map_rows(sums, (z, ids, top, *masks), z.shape[0], num_classes)
-    tops, rest, picked, centred = lax.psum((tops, rest, picked, centred), axis_name)
-  has, inv_s, log_s = _normalizer(tops, rest)
+    at_max, rest, picked, centred = map_rows(sums, (z, ids, top, *masks), z.shape[0], num_classes)
+    at_max, rest, picked, centred = lax.psum((at_max, rest, picked, centred), axis_name)
+  has, inv_s, log_s = _normalizer(at_max, rest)
   log_p = jnp.where(has, picked - log_s, 0.0)
   entropy = jnp.where(has, nonnegative(log_s - centred * inv_s), 0.0)
   return log_p[:, 0], entropy[:, 0], (top, log_s, ids)
