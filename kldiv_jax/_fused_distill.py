@@ -11,7 +11,8 @@ options are parsed by :func:`distillation_loss`'s parse (``_distill.distill_opti
 top-k teacher by :func:`divergence_from_topk`'s (``_topk.check_topk_teacher``). With
 ``implementation="pallas"``, a program lowered for CUDA runs the dense teacher's loss through
 the opt-in Pallas Triton kernels of :mod:`kldiv_jax._gpu_fused_distill` instead (no chunk's
-logits in HBM), where they take the operands and options.
+logits in HBM), and the top-k teacher's through :mod:`kldiv_jax._gpu_fused_topk`'s, where
+they take the operands and options.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from kldiv_jax._fused_chunks import (
 from kldiv_jax._gpu_fused_distill import distill_kernel, one_pass_kind, pallas_distill
 from kldiv_jax._gpu_fused_distill import takes as gpu_takes
 from kldiv_jax._gpu_fused_head import cuda_or_xla
+from kldiv_jax._gpu_fused_topk import pallas_topk_totals
+from kldiv_jax._gpu_fused_topk import takes as topk_takes
 from kldiv_jax._id_checks import teacher_classes
 from kldiv_jax._implementation import resolve_implementation
 from kldiv_jax._platform import compiled, gpu_kernels_for
@@ -321,6 +324,8 @@ def _fused_loss(
   gpu = gpu_kernels_for(implementation)
   if gpu and isinstance(teacher, DenseTeacher):
     totals = _gpu_or_xla(s, w, b, teacher, static(0), ce_opts, tokens, t, params, coefs, xla)
+  elif gpu and isinstance(teacher, TopkTeacher):
+    totals = _gpu_topk_or_xla(s, w, b, teacher, static(0), ce_opts, tokens, t, params, coefs, xla)
   else:
     totals = xla()
   # Arrays: the cast restates ``_fused``'s annotation, which the checker loses
@@ -355,6 +360,23 @@ def _gpu_or_xla(s, w, b, teacher: DenseTeacher, static: Static, ce_opts, tokens,
     out = pallas_distill(cfg, view, s.h, w, b, th, tw, tb, ids, mask, ok, scalars, coefs32)
     # The cast restates pallas_distill's result, which the checker loses to jax.custom_vjp.
     return tuple(x.astype(coefs.dtype) for x in cast(tuple[jax.Array, ...], out))
+
+  return cuda_or_xla(gpu, xla)
+
+
+def _gpu_topk_or_xla(s, w, b, teacher: TopkTeacher, static: Static, ce_opts, tokens, t, params,
+                     coefs, xla):  # fmt: skip
+  """:func:`_gpu_or_xla` for a top-k teacher (:mod:`kldiv_jax._gpu_fused_topk`)."""
+  hard = static.weights.hard and tokens[1] is not None
+  k, cut = teacher.ids.shape[1], hard and static.shared < w.shape[1]
+  if not topk_takes(s.h, w, static.axis_name, static.caps[0], ce_opts, static.weights.soft, k, cut):
+    return xla()
+
+  def gpu():
+    out = pallas_topk_totals(
+      s.h, w, b, teacher, tokens, t, params, coefs, static.key, static.low, static.shared, hard
+    )
+    return tuple(x.astype(coefs.dtype) for x in out)
 
   return cuda_or_xla(gpu, xla)
 
@@ -496,6 +518,7 @@ def fused_topk_distillation_loss(
   teacher_vocab_size: int | None = None,
   return_parts: bool = False,
   logits_dtype: jax.typing.DTypeLike | None = None,
+  implementation: str | None = None,
 ) -> jax.Array | tuple[jax.Array, DistillationParts]:
   r"""Distillation loss from the student's hidden states and LM head and a top-k teacher.
 
@@ -529,6 +552,12 @@ def fused_topk_distillation_loss(
     label_smoothing, z_loss: the cross entropy's, as in :func:`distillation_loss`.
     scale_by_temperature_squared, softcap, teacher_vocab_size, return_parts, logits_dtype: as in
       :func:`fused_distillation_loss`.
+    implementation: as in :func:`distillation_loss`; ``"pallas"`` also runs, in a program
+      lowered for CUDA, the opt-in Pallas Triton kernels of the student's head (its logits of
+      a block only on chip, the tail's log-sum-exp and its gradient; never yet run on a GPU)
+      where they take the operands and options (``hidden`` and ``weight`` of one dtype among
+      float32, bf16, f16; at most 256 slots; no ``axis_name``, ``softcap``,
+      ``label_smoothing`` or ``z_loss``: :mod:`kldiv_jax._gpu_fused_topk`), else the chunk loop.
 
   Returns:
     A scalar in the promoted dtype; with ``return_parts``, ``(loss, parts)``.
@@ -549,9 +578,12 @@ def fused_topk_distillation_loss(
     name, alpha, 0.5, divergence, temperature, scale_by_temperature_squared, ignore_index,
     softcap, None, return_parts, normalizer, label_smoothing, z_loss,
   )  # fmt: skip
+  impl = resolve_implementation(name, implementation)
   s = _student(name, hidden, weight, bias, where, axis_name)
   teacher, vocab, bad = _topk_teacher(
     name, s, topk_indices, topk_log_probs, tail, where, teacher_vocab_size, axis_name,
     tail_floor,
   )  # fmt: skip
-  return _fused_loss(name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name, logits_dtype)
+  return _fused_loss(
+    name, o, s, teacher, vocab, bad, labels, chunk_size, axis_name, logits_dtype, impl
+  )

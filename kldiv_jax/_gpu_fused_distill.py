@@ -67,8 +67,8 @@ from kldiv_jax._divergences import FORMULAS, OnePass
 from kldiv_jax._engine import _outcomes, one_pass_outcomes
 from kldiv_jax._fused_chunks import zero_cotangent
 from kldiv_jax._gpu_distill_kernels import NEEDS, DistillView, _stats_kernel, _sums_kernel
-from kldiv_jax._gpu_fused_head import DTYPES, _call, blocks, head_kernel
-from kldiv_jax._gpu_head_kernels import HeadKernel, _atomic_kernel, _dh_kernel, _dw_kernel
+from kldiv_jax._gpu_fused_head import DTYPES, _call, blocks, head_grads, head_kernel
+from kldiv_jax._gpu_head_kernels import HeadKernel
 from kldiv_jax._gpu_rows import _num_sums
 from kldiv_jax._numerics import max_shift, nan_unless
 from kldiv_jax._rows import normalizer
@@ -204,29 +204,15 @@ def _pallas_distill_bwd(cfg, view, residuals, g):
   if view.labels:
     m, inv_s, okf = hard_stats
     row_stats += (m, inv_s, coefs[1] * g * okf)
-  n, hidden, vocab = h.shape[0], h.shape[1], view.vocab
   run = functools.partial(
     _call, cfg, h=h, w=w, b=b, ids=labels, temperature=scalars, mask=mask, view=view,
-    vocab=vocab, extra=(*_teacher(th, tw, tb), *row_stats),
+    vocab=view.vocab, extra=(*_teacher(th, tw, tb), *row_stats),
   )  # fmt: skip
-  token_blocks = (-(-n // cfg.blocks[0]),)
-  if cfg.backward == "atomic":
-    _, bv, bk = cfg.blocks
-    padded = [(-(-hidden // bk) * bk, -(-vocab // bv) * bv)]
-    padded += [] if b is None else [(padded[0][1],)]
-    dh, dw, *db = run(_atomic_kernel, token_blocks, [(n, hidden)], zeros=padded)
-    dw, db = dw[:hidden, :vocab], [x[:vocab] for x in db]
-  else:
-    (dh,) = run(_dh_kernel, token_blocks, [(n, hidden)])
-    outs = [(hidden, vocab)] + ([] if b is None else [(vocab,)])
-    dw, *db = run(_dw_kernel, (-(-vocab // cfg.blocks[1]),), outs)
-  extra = w.shape[1] - vocab  # a longer student head: its own classes get no gradient
-  if extra:
-    dw, db = jnp.pad(dw, ((0, 0), (0, extra))), [jnp.pad(x, (0, extra)) for x in db]
+  dh, dw, db = head_grads(cfg, run, h.shape, view.vocab, b is not None, w.shape[1])
   return (
     dh.astype(h.dtype),
     dw.astype(w.dtype),
-    None if b is None else db[0].astype(b.dtype),
+    None if b is None else db.astype(b.dtype),
     *(None if x is None else jnp.zeros_like(x) for x in (th, tw, tb)),
     zero_cotangent(labels),
     zero_cotangent(mask),

@@ -226,24 +226,15 @@ def _pallas_tokens_bwd(cfg, residuals, g):
 
   h, w, b, ids, temperature, mask, top, log_s, entropy = residuals
   g_lp, g_h = (x.astype(jnp.float32) for x in g)
-  n, hidden, vocab = h.shape[0], h.shape[1], w.shape[1]
   stats = (top, log_s, entropy, g_lp, g_h)
-  run = functools.partial(_call, cfg, h=h, w=w, b=b, ids=ids, temperature=temperature, mask=mask)
-  token_blocks = (-(-n // cfg.blocks[0]),)
-  if cfg.backward == "atomic":
-    _, bv, bk = cfg.blocks
-    padded = [(-(-hidden // bk) * bk, -(-vocab // bv) * bv)]
-    padded += [] if b is None else [(padded[0][1],)]
-    dh, dw, *db = run(_atomic_kernel, token_blocks, [(n, hidden)], extra=stats, zeros=padded)
-    dw, db = dw[:hidden, :vocab], [x[:vocab] for x in db]
-  else:
-    (dh,) = run(_dh_kernel, token_blocks, [(n, hidden)], extra=stats)
-    outs = [(hidden, vocab)] + ([] if b is None else [(vocab,)])
-    dw, *db = run(_dw_kernel, (-(-vocab // cfg.blocks[1]),), outs, extra=stats)
+  run = functools.partial(
+    _call, cfg, h=h, w=w, b=b, ids=ids, temperature=temperature, mask=mask, extra=stats
+  )
+  dh, dw, db = head_grads(cfg, run, h.shape, w.shape[1], b is not None, w.shape[1])
   return (
     dh.astype(h.dtype),
     dw.astype(w.dtype),
-    None if b is None else db[0].astype(b.dtype),
+    None if b is None else db.astype(b.dtype),
     zero_cotangent(ids),
     jnp.zeros_like(temperature),
     zero_cotangent(mask),
@@ -251,6 +242,29 @@ def _pallas_tokens_bwd(cfg, residuals, g):
 
 
 pallas_tokens.defvjp(_pallas_tokens_fwd, _pallas_tokens_bwd)
+
+
+def head_grads(cfg: HeadKernel, run, h_shape, vocab: int, bias: bool, width: int):
+  """``(dh [n, hidden], dW [hidden, width], db [width] or None)`` in float32 from the
+  backward kernels (``cfg.backward``'s: the dh and dW kernels, or the atomic one);
+  ``run(kernel, grid, out_shapes, zeros=())`` calls one with the loss's operands
+  (:func:`_call`), ``vocab`` the classes the kernels see: a ``width``-wide head's others
+  get no gradient."""
+  n, hidden = h_shape
+  token_blocks = (-(-n // cfg.blocks[0]),)
+  if cfg.backward == "atomic":
+    _, bv, bk = cfg.blocks
+    padded = [(-(-hidden // bk) * bk, -(-vocab // bv) * bv)]
+    padded += [(padded[0][1],)] if bias else []
+    dh, dw, *db = run(_atomic_kernel, token_blocks, [(n, hidden)], zeros=padded)
+    dw, db = dw[:hidden, :vocab], [x[:vocab] for x in db]
+  else:
+    (dh,) = run(_dh_kernel, token_blocks, [(n, hidden)])
+    outs = [(hidden, vocab)] + ([(vocab,)] if bias else [])
+    dw, *db = run(_dw_kernel, (-(-vocab // cfg.blocks[1]),), outs)
+  if width > vocab:  # a longer head: its own classes get no gradient
+    dw, db = jnp.pad(dw, ((0, 0), (0, width - vocab))), [jnp.pad(x, (0, width - vocab)) for x in db]
+  return dh, dw, db[0] if bias else None
 
 
 def cuda_or_xla(gpu, xla):

@@ -349,15 +349,27 @@ def student_log_probs(z, ids, keep, temperature, cap, axis_name):
   holding ``1e-30`` of the mass is that, not 0). An all ``-inf`` student row
   is the zero measure: every class ``-inf``.
   """
-  scale = 1.0 / temperature
   picked = gather_logits(z, jnp.where(keep, ids, 0), axis_name)
+
+  def log_tail(scale, shift):
+    return tail_lse(cap, axis_name, z, scale, shift, ids, keep)
+
+  return topk_student(picked, keep, temperature, cap, log_tail)
+
+
+def topk_student(picked, keep, temperature, cap, log_tail):
+  """:func:`student_log_probs` from the student's raw logits at the top-k ids, ``picked``
+  ``[rows, k]``, and ``log_tail(scale, shift)``: :func:`tail_lse` of its logits (``[rows,
+  1]``), or the opt-in GPU kernels' (:mod:`kldiv_jax._gpu_fused_topk`, whose logits never
+  leave the chip)."""
+  scale = 1.0 / temperature
   has = keep & (picked != -jnp.inf)
   dtype = jnp.result_type(scale)
   top = soft_cap(jnp.where(has, picked, 0.0).astype(dtype), cap) * scale
   top = jnp.where(has, top, -jnp.inf)
   # Everything relative to the top-k's max, so that logits far from 0 keep their digits.
   shift = lax.stop_gradient(max_shift(jnp.max(top, axis=-1, keepdims=True)))
-  log_tail = tail_lse(cap, axis_name, z, jnp.asarray(scale, dtype), shift, ids, keep)
+  log_tail = log_tail(jnp.asarray(scale, dtype), shift)
   both = jnp.concatenate([top - shift, log_tail], axis=-1)
   log_q = both - max_shift(_logsumexp(both))
   return jnp.concatenate([log_q[:, :-1], _large_tail(log_q)], axis=-1)
@@ -471,8 +483,15 @@ def topk_rows(
   mass gives 0 with zero gradients. ``floor`` (with ``tail``, a static float ``>= 0``): each
   side's tail mass is at least ``-expm1(-floor)`` (:func:`floored_tail`).
   """
-  log_p = teacher_log_probs(lp, keep, dropped, temperature, tail)
   log_q = student_log_probs(z, ids, keep, temperature, cap, axis_name)
+  return topk_divergence(log_q, lp, keep, dropped, temperature, divergence, tail, floor)
+
+
+def topk_divergence(log_q, lp, keep, dropped, temperature, divergence, tail, floor):
+  """:func:`topk_rows` from the student's log-probabilities on the top-k and the tail
+  (:func:`student_log_probs`, ``[rows, k + 1]``): the teacher's, the floors, the rows
+  without a teacher, the divergence."""
+  log_p = teacher_log_probs(lp, keep, dropped, temperature, tail)
   if tail and floor > 0:
     log_p, log_q = floored_tail(log_p, floor), floored_tail(log_q, floor)
   # A row without a slot with mass (a masked token, all padding) has no teacher: 0, with

@@ -1,0 +1,242 @@
+"""Opt-in Pallas Triton kernels for NVIDIA GPUs: the fused LM-head chunk of
+:func:`kldiv_jax.fused_topk_distillation_loss`, the student's logits only on chip.
+
+The top-k loss reads the student's logits in two places (:func:`kldiv_jax._sparse.topk_student`):
+at the teacher's ``k`` ids, ``z_{i_j}``, and through the log-sum-exp of the classes outside
+them, the tail (:func:`kldiv_jax._sparse.tail_lse`); the rest, the divergence on ``k + 1``
+classes with its tail bucket, floors and renormalisation, is ``[N, k]``-sized
+(:func:`kldiv_jax._sparse.topk_divergence`). Here:
+
+- the logits at the ids are the small product ``h . W[:, ids] (+ b[ids])`` in XLA (``N H k``
+  flops, :func:`topk_logits`; its derivative XLA's, a scatter into ``dW``);
+- the tail's log-sum-exp is a kernel (:func:`pallas_tail_lse`, a ``jax.custom_vjp``): a grid
+  over token blocks, each looping over vocabulary tiles (the logits ``h W + b`` of a
+  ``[token block, vocabulary tile]`` by ``plgpu.dot`` into registers, as
+  :mod:`kldiv_jax._gpu_fused_head`'s kernels), the tile's classes compared with the token's
+  ``k`` ids (a loop over the slots) and the online max and sum of ``z / T`` over the others;
+- its derivative, ``d tail / d z_v = w_v / T`` with ``w`` the tail's softmax (0 at the top-k's
+  ids), through :mod:`kldiv_jax._gpu_head_kernels`' dh and dW kernels (or the atomic one,
+  ``_gpu_fused_head.BACKWARD``) with this loss's view of the operands (:class:`TopkView`):
+  per tile ``dz = g w / T``, ``g`` the tail's cotangent per token from XLA's autodiff of the
+  ``k``-sized rule;
+- with labels, the cross entropy through the token kernels (:func:`kldiv_jax._gpu_fused_head.
+  pallas_tokens`' ``log p_y`` at ``T = 1``): their own forward and backward passes.
+
+No divergence or derivative formula is written here: the per-row algebra is the top-k path's,
+the tail's derivative :func:`kldiv_jax._sparse.tail_lse`'s rule. Matmuls of ``N H V`` size
+without labels: one forward, three (atomic) or four (owned) backward; with labels three more
+(four with the owned backward); the XLA chunk loop takes three. Compiled for an H100 without a
+device (``benchmarks/bench_accel.py --targets h100 --cases fused_topk``): see
+``docs/large-vocabularies.md``.
+
+The numbers are the XLA path's conventions (:mod:`kldiv_jax._fused_distill`): bf16/f16 inputs
+with the default ``logits_dtype`` round each logit to their dtype after the float32 matmul,
+then add the bias in it; a masked token (``where``, ``ignore_index`` with labels) has no mass:
+0, no gradient; ``-inf`` logits have no mass; NaN propagates. The teacher, the temperature and
+the divergence's parameters get no gradient, nor do the parts of ``return_parts``.
+
+**Where it runs** (:func:`takes`; XLA's chunk loop otherwise): ``implementation="pallas"``
+(per call, :func:`kldiv_jax.set_implementation`, ``KLDIV_JAX_IMPLEMENTATION``) in a program
+lowered for CUDA (CPU, TPU and ROCm keep XLA's), every divergence of the top-k path (static or
+traced parameters), both tails, any temperature, ``where``, labels with ``alpha`` and
+``ignore_index``, ``teacher_vocab_size``, with: ``hidden`` and ``weight`` of one dtype among
+float32, bfloat16 and float16; at most :data:`MAX_SLOTS` top-k slots; the divergence term on;
+no ``axis_name``, ``softcap``, ``label_smoothing`` or ``z_loss``; with labels, a teacher
+vocabulary no shorter than the student's. ``chunk_size`` is not read. **Opt-in, never run on
+a GPU** (``benchmarks/README.md``): the default stays XLA's chunk loop until
+``make bench-device`` times it (``bash benchmarks/gpu_check.sh``, its ``topk`` steps).
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kldiv_jax._distill import _safe_labels
+from kldiv_jax._divergence_spec import Divergence
+from kldiv_jax._fused_chunks import zero_cotangent
+from kldiv_jax._gpu_distill_kernels import _store
+from kldiv_jax._gpu_fused_head import _call, head_grads, head_kernel, pallas_tokens
+from kldiv_jax._gpu_fused_head import takes as head_takes
+from kldiv_jax._gpu_head_kernels import _Head, _loop
+from kldiv_jax._gpu_rows import _tile_softmax
+from kldiv_jax._numerics import max_shift, nan_unless
+from kldiv_jax._rows import normalizer
+from kldiv_jax._sparse import topk_divergence, topk_student
+from kldiv_jax._whole_rows import _merge
+
+# The most top-k slots the kernels take: each vocabulary tile compares its classes with the
+# token's slots one at a time (k comparisons per logit, beside the matmul's 2 H flops).
+MAX_SLOTS = 256
+# Row statistics of the backward: the tail's max and log-sum (of z / T) and its coefficient.
+NUM_STATS = 3
+
+
+def takes(h, w, axis_name, cap, ce_opts, soft: bool, k: int, labels_cut: bool) -> bool:
+  """Whether the kernels take these operands and options (the module's list): ``h`` and ``w``
+  of one dtype among float32, bfloat16 and float16, at most :data:`MAX_SLOTS` slots, the
+  divergence term on, no ``axis_name``, soft-cap, label smoothing or z-loss, and no labels
+  over a student head cut to a shorter teacher's classes (``labels_cut``)."""
+  return (
+    soft
+    and head_takes(h, w, axis_name)
+    and cap is None
+    and all(x is None for x in ce_opts)
+    and k <= MAX_SLOTS
+    and not labels_cut
+  )
+
+
+class TopkView(NamedTuple):
+  """The static part of the tail kernels besides the head's (hashable): how they open their
+  operands (after the student's: the top-k ids ``[N, k]``, -1 in a slot without mass)."""
+
+  vocab: int  # the classes the student shares with the teacher (a longer head's never read)
+  slots: int  # k
+
+  def open(self, cfg, shape, scalars_ref, h_ref, w_ref, refs, bias, num_stats=NUM_STATS):
+    """``(head, stat_refs, the refs after them)``, as :meth:`_Head.open`: the bias if
+    ``bias``, the ids, the mask, the top-k ids, then ``num_stats`` row statistics."""
+    b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
+    head = _TailHead(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, refs[0], refs[1])
+    head.slots_ref, head.slots = refs[2], self.slots
+    return head, refs[3 : 3 + num_stats], refs[3 + num_stats :]
+
+
+class _TailHead(_Head):
+  """The student's view (:class:`_Head`) restricted to the tail, and the tail's ``dz``. Its
+  scalar (``self.temperature``, the first) is ``1 / T``, as :func:`tail_lse`'s ``scale``."""
+
+  slots_ref = None
+  slots = 0
+
+  def tail(self, r0, c0, row_in):
+    """``[bn, bv]`` bool: the tile's classes that none of the token's top-k ids hold."""
+    cols = c0 + lax.broadcasted_iota(jnp.int32, (1, self.bv), 1)
+    at = self.pl.ds(r0, self.bn)
+
+    def slot(j, out):
+      ids = self.plgpu.load(self.slots_ref.at[at, j], mask=row_in[:, 0], other=-1)
+      return out & (cols != ids.reshape(self.bn, 1))
+
+    return _loop(self.slots, slot, jnp.ones((self.bn, self.bv), jnp.bool_))
+
+  def scaled_tail(self, r0, c0, row_in, kept):
+    """``(col in range, x)``: ``x = z * scale`` on the tail's classes, ``-inf`` elsewhere
+    (:func:`kldiv_jax._sparse._scaled_tail`)."""
+    col_in, z = self.logits(r0, c0, row_in, kept)
+    return col_in, jnp.where(self.tail(r0, c0, row_in), z * self.temperature, -jnp.inf)
+
+  def logit_grad(self, r0, c0, row_in, kept, ids, stats):
+    """``(dz [bn, bv] float32, col in range)``: ``coef w`` with ``w = exp(x - m - log s)``
+    the tail's softmax (0 outside it) and ``coef = g / T`` per token (tail_lse's rule)."""
+    m, log_s, coef = stats
+    col_in, x = self.scaled_tail(r0, c0, row_in, kept)
+    has = x != -jnp.inf
+    w = jnp.where(has, jnp.exp(jnp.where(has, x - m, 0.0) - log_s), 0.0)
+    return jnp.where(kept & col_in, coef * w, 0.0), col_in
+
+  def needed(self, dz, stats):
+    return None  # no gradient filter (SKIP_BELOW is the token kernels')
+
+
+def _tail_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view: TopkView):
+  """Per token of a block: the raw max and the sum of ``exp(x - max_shift(max))`` of its tail
+  (online softmax)."""
+  head, _, out_refs = view.open(cfg, shape, scalars_ref, h_ref, w_ref, refs, bias, 0)
+  r0 = head.pl.program_id(0) * head.bn
+  row_in, kept, _ = head.rows(r0)
+
+  def tile(j, carry):
+    _, x = head.scaled_tail(r0, j * head.bv, row_in, kept)
+    m, s, _, _ = _tile_softmax(x)
+    return _merge(carry, (m, s))
+
+  init = (jnp.full((head.bn, 1), -jnp.inf, jnp.float32), jnp.zeros((head.bn, 1), jnp.float32))
+  _store(head, r0, row_in, out_refs, _loop(-(-head.vocab // head.bv), tile, init))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def pallas_tail_lse(cfg, view: TopkView, h, w, b, slots, mask, scale, shift):
+  """:func:`kldiv_jax._sparse.tail_lse` of the logits ``h @ w + b`` (``[n, 1]``) from the
+  kernels: ``slots [n, k]`` int32 (-1: no id), ``mask [n, 1]``, ``scale = 1 / T`` and ``shift
+  [n, 1]`` float32 (no gradient for either, nor for the temperature in the XLA path)."""
+  return _tail_fwd(cfg, view, h, w, b, slots, mask, scale, shift)[0]
+
+
+def _tail_fwd(cfg, view, h, w, b, slots, mask, scale, shift):
+  n = h.shape[0]
+  ids = jnp.zeros((n, 1), jnp.int32)
+  m, s = _call(
+    cfg, _tail_kernel, (-(-n // cfg.blocks[0]),), [(n,)] * 2, h, w, b, ids, scale, mask,
+    extra=(slots,), view=view, vocab=view.vocab,
+  )  # fmt: skip
+  m = max_shift(m)
+  has, _, log_s = normalizer(s)
+  lse = jnp.where(has, log_s + (m - shift[:, 0]), -jnp.inf)[:, None]
+  return lse, (h, w, b, slots, mask, scale, shift, m, log_s)
+
+
+def _tail_bwd(cfg, view, residuals, g):
+  h, w, b, slots, mask, scale, shift, m, log_s = residuals
+  coef = g[:, 0].astype(jnp.float32) * scale
+  run = functools.partial(
+    _call, cfg, h=h, w=w, b=b, ids=jnp.zeros((h.shape[0], 1), jnp.int32), temperature=scale,
+    mask=mask, view=view, vocab=view.vocab, extra=(slots, m, log_s, coef),
+  )  # fmt: skip
+  dh, dw, db = head_grads(cfg, run, h.shape, view.vocab, b is not None, w.shape[1])
+  return (
+    dh.astype(h.dtype),
+    dw.astype(w.dtype),
+    None if b is None else db.astype(b.dtype),
+    zero_cotangent(slots),
+    zero_cotangent(mask),
+    jnp.zeros_like(scale),
+    jnp.zeros_like(shift),
+  )
+
+
+pallas_tail_lse.defvjp(_tail_fwd, _tail_bwd)
+
+
+def topk_logits(h, w, b, ids, low):
+  """The student's logits at the top-k ids, ``h . W[:, ids] (+ b[ids])`` ``[n, k]`` in XLA, as
+  :func:`kldiv_jax._fused_chunks.chunk_logits` rounds them (``rounded``: in ``low`` for
+  bf16/f16 inputs)."""
+  cols = jnp.take(w, ids, axis=1)  # [H, n, k]
+  z = jnp.einsum("nh,hnk->nk", h, cols, preferred_element_type=jnp.float32)
+  z = z if low is None else z.astype(low)
+  return z if b is None else z + jnp.take(b, ids).astype(z.dtype)
+
+
+def pallas_topk_totals(h, w, b, teacher, tokens, t, params, coefs, key, low, vocab, hard):
+  """``(loss, soft, hard)`` of :func:`kldiv_jax._fused_distill._fused` for a top-k teacher
+  (``ids``, ``lp``, ``keep``, ``dropped``, ``bucket``, ``floor``), differentiable wrt ``h``,
+  ``w`` and ``b`` only: the logits at the ids and the ``k``-sized rule in XLA, the tail's
+  log-sum-exp (and with ``hard`` the cross entropy) from the kernels."""
+  mask, labels, labelled = tokens
+  t, params, coefs, lp = lax.stop_gradient((t, params, coefs, teacher.lp))
+  n, k = teacher.ids.shape
+  cfg = head_kernel(n, h.shape[1], vocab, None, low)
+  view = TopkView(vocab, k)
+  keep = teacher.keep & mask
+  slots = jnp.where(keep, teacher.ids, -1).astype(jnp.int32)
+
+  def log_tail(scale, shift):
+    f32 = jnp.float32
+    out = pallas_tail_lse(cfg, view, h, w, b, slots, mask, scale.astype(f32), shift.astype(f32))
+    return out.astype(scale.dtype)
+
+  log_q = topk_student(topk_logits(h, w, b, teacher.ids, low), keep, t, None, log_tail)
+  spec = Divergence.tree_unflatten(key, params)
+  rows = topk_divergence(log_q, lp, keep, teacher.dropped, t, spec, teacher.bucket, teacher.floor)
+  soft = jnp.sum(rows)
+  ce = jnp.zeros_like(soft)
+  if hard:
+    ids, ok = _safe_labels(labels, labelled, vocab)
+    log_p, _ = pallas_tokens(cfg, h, w, b, ids, jnp.ones((), jnp.float32), labelled)
+    ce = jnp.sum(nan_unless(-log_p, ok)).astype(soft.dtype)
+  loss = coefs[0] * soft + coefs[1] * ce
+  return loss, lax.stop_gradient(soft), lax.stop_gradient(ce)
