@@ -17,15 +17,18 @@ CUDA.
 """
 
 import contextlib
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import platform_branch
+from _references import enable_x64, platform_branch
+from jax import export
+from jax.experimental.pallas import triton as plgpu
 
 import kldiv_jax as kd
-from kldiv_jax import _gpu_fused_head
+from kldiv_jax import _gpu_fused_head, _gpu_fused_topk
 
 pytestmark = [
   pytest.mark.skipif(
@@ -34,6 +37,7 @@ pytestmark = [
   pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
 ]
 ON_GPU = jax.default_backend() == "gpu"
+TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 N, H, V, K = 37, 20, 70, 5  # no multiple of the blocks of 16
 F32 = 1e-2 if ON_GPU else 2e-5
 
@@ -65,7 +69,9 @@ def _operands(dtype, seed=0, k=K, vocab=V, sharp=1.0):
 
   student = (arr((N, H)), arr((H, vocab), 0.4), arr(vocab))
   t = sharp * rng.standard_normal((N, vocab))
-  t = t - np.log(np.exp(t - t.max(1, keepdims=True)).sum(1, keepdims=True)) - t.max(1, keepdims=True)
+  t = (
+    t - np.log(np.exp(t - t.max(1, keepdims=True)).sum(1, keepdims=True)) - t.max(1, keepdims=True)
+  )
   ids = np.argsort(-t, axis=1)[:, :k]
   lp = np.take_along_axis(t, ids, axis=1)
   labels = jnp.asarray(rng.integers(0, vocab, N), jnp.int32)
@@ -111,12 +117,22 @@ CASES = [
   ("jsd", "renormalize", jnp.float32, None, 1.3, True, True, "owned"),
   ("tvd", "bucket", jnp.bfloat16, jnp.float32, 1.5, True, True, "atomic"),
   ("skew_kl", "bucket", jnp.bfloat16, None, 1.0, False, True, "owned"),
-  (kd.Divergence("alpha_beta", alpha=0.5, beta=0.8), "bucket", jnp.float32, None, 1.2, True,
-   True, "owned"),  # fmt: skip
+  (
+    kd.Divergence("alpha_beta", alpha=0.5, beta=0.8),
+    "bucket",
+    jnp.float32,
+    None,
+    1.2,
+    True,
+    True,
+    "owned",
+  ),
 ]
 
 
-@pytest.mark.parametrize("divergence,tail,dtype,logits_dtype,temperature,labelled,bias,backward", CASES)
+@pytest.mark.parametrize(
+  "divergence,tail,dtype,logits_dtype,temperature,labelled,bias,backward", CASES
+)
 def test_the_xla_chunk_loop_agrees(
   divergence, tail, dtype, logits_dtype, temperature, labelled, bias, backward, monkeypatch
 ):
@@ -139,3 +155,183 @@ def test_the_xla_chunk_loop_agrees(
   assert "kldiv_jax_gpu_head_tail_kernel" in text
   _agree(got, want, dtype == jnp.float32)
   assert got[0][0].dtype == dtype
+
+
+def test_against_float64():
+  """Forward KL with the tail bucket at ``T = 2`` (a flat teacher: the bucket holds most of
+  the mass) with the cross entropy (``alpha = 0.4``, ``ignore_index``) against the float64
+  materialised loss, its gradient in closed form: ``d KL / dz_v = (s_v - p_v) / T`` on the
+  top-k ids and ``(s_v - p_tail s_v / q_tail) / T`` outside them (``s = softmax(z / T)``)."""
+  (h, w, b), (ids, lp), labels = _operands(jnp.float32, seed=2, sharp=0.3)
+  labels = labels.at[5].set(-100)
+  t, alpha = 2.0, 0.4
+  with cuda_branch():
+    loss, grads = _program("pallas", (ids, lp), labels, temperature=t, alpha=alpha, tail="bucket")(
+      h, w, b
+    )
+  f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+  z = f64(h) @ f64(w) + f64(b)
+
+  def softmax(x):
+    e = np.exp(x - x.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+  rows, top = np.arange(N)[:, None], np.zeros((N, V), bool)
+  top[rows, np.asarray(ids)] = True
+  s, p = softmax(z / t), np.zeros((N, V))
+  p[rows, np.asarray(ids)] = np.exp(f64(lp))
+  q_top, p_tail = s[rows, np.asarray(ids)], 1.0 - np.exp(f64(lp)).sum(1)
+  q_tail = 1.0 - q_top.sum(1)
+  assert (p_tail > 0.5).all()  # the bucket holds most of the mass
+  kl = (p[rows, np.asarray(ids)] * (f64(lp) - np.log(q_top))).sum(1) + p_tail * np.log(
+    p_tail / q_tail
+  )
+  keep = np.asarray(labels) != -100
+  safe = np.where(keep, np.asarray(labels), 0)
+  ce = -np.log(softmax(z)[np.arange(N), safe])
+  count = keep.sum()
+  want = (alpha * t * t * kl[keep].sum() + (1 - alpha) * ce[keep].sum()) / count
+  d_kl = np.where(top, s - p, s - (p_tail / q_tail)[:, None] * s) / t
+  dz = alpha * t * t * d_kl + (1 - alpha) * (softmax(z) - np.eye(V)[safe])
+  dz = np.where(keep[:, None], dz, 0.0) / count
+  want_grads = (dz @ f64(w).T, f64(h).T @ dz, dz.sum(0))
+  np.testing.assert_allclose(float(loss[0]), want, rtol=F32)
+  for got, want in zip(grads, want_grads):
+    np.testing.assert_allclose(f64(got), want, rtol=5 * F32, atol=F32 * np.abs(want).max())
+
+
+def test_inf_nan_padding_and_slot_masks():
+  """``-inf`` bias entries (on top-k ids and elsewhere), a NaN hidden state, padded slots
+  (``-inf`` log-probabilities, a fifth of them), a repeated id, a token ``where``, ``k = 19`` and
+  ``tail_floor=0``: the XLA chunk loop's values and gradients, NaN where it has NaN."""
+  (h, w, b), (ids, lp), _ = _operands(jnp.float32, seed=4, k=19)
+  b = b.at[jnp.asarray([3, 17, 69])].set(-jnp.inf).at[ids[8, 2]].set(-jnp.inf)
+  h = h.at[11, 3].set(jnp.nan)
+  lp = lp.at[3, 18].set(-jnp.inf).at[9, 10:].set(-jnp.inf)
+  ids = ids.at[6, 18].set(ids[6, 0])
+  lp = jnp.where(jnp.asarray(np.random.default_rng(0).random((N, 19)) > 0.2), lp, -jnp.inf)
+  where = jnp.asarray(np.arange(N) % 5 != 2)
+  for divergence, tail, floor in (("forward_kl", "bucket", 0.0), ("reverse_kl", "renormalize",
+                                  1e-7), ("jsd", "bucket", 1e-7)):  # fmt: skip
+    options = dict(divergence=divergence, tail=tail, tail_floor=floor, where=where, chunk_size=8)
+    got, want, text = _both((ids, lp), None, h, w, b, temperature=1.5, **options)
+    assert "kldiv_jax_gpu_head_tail_kernel" in text
+    _agree(got, want, True)
+  gh = np.asarray(got[1][0])
+  assert np.isnan(gh[11]).all() and np.isfinite(np.delete(gh, 11, 0)).all()
+
+
+def test_traced_parameters_one_slot_and_a_shorter_teacher():
+  """A traced temperature and traced divergence parameters (JSD's ``beta``, alpha-beta's),
+  ``k = 1`` with labels, and a student head longer than the teacher's vocabulary
+  (``teacher_vocab_size``: its own classes get zero gradients)."""
+  (h, w, b), (ids, lp), labels = _operands(jnp.float32, seed=3, vocab=V + 9)
+  ids = jnp.minimum(ids, V - 1)  # in the teacher's vocabulary (a repeated id is fine)
+  labels = jnp.minimum(labels, V - 1)  # the first loss's head: V classes
+
+  def program(implementation):
+    def loss(h, w, b, t, x):
+      out = kd.fused_topk_distillation_loss(
+        h, w[:, :V], ids[:, :1], lp[:, :1], labels, bias=b[:V], temperature=t, tail="bucket",
+        divergence=kd.Divergence("alpha_beta", alpha=x, beta=0.7), implementation=implementation,
+      )  # fmt: skip
+      return out + kd.fused_topk_distillation_loss(
+        h, w, ids, lp, bias=b, temperature=t, divergence=kd.Divergence("jsd", beta=x),
+        teacher_vocab_size=V, implementation=implementation,
+      )  # fmt: skip
+
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
+
+  args = (h, w, b, jnp.float32(1.4), jnp.float32(0.3))
+  with cuda_branch():
+    got, want = program("pallas")(*args), program("xla")(*args)
+    text = str(jax.make_jaxpr(program("pallas"))(*args))
+  assert "kldiv_jax_gpu_head_tail_kernel" in text
+  np.testing.assert_array_equal(np.asarray(got[1][1])[:, V:], 0.0)
+  _agree(got, want, True)
+
+
+def test_x64_and_vmap():
+  """Under ``jax_enable_x64`` float32 operands take the kernels with the chunk loop's values,
+  parts and gradients, dtypes included; and ``vmap`` over sequences."""
+  (h, w, b), teacher, labels = _operands(jnp.float32, seed=6)
+  with enable_x64(), cuda_branch():
+    program = _program("pallas", teacher, labels, divergence="tvd", temperature=1.2)
+    got = program(h, w, b)
+    want = _program("xla", teacher, labels, divergence="tvd", temperature=1.2)(h, w, b)
+    assert "kldiv_jax_gpu_head_tail_kernel" in str(jax.make_jaxpr(program)(h, w, b))
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert g.dtype == x.dtype
+  _agree(got, want, True)
+
+  def grads(implementation):
+    def loss(h, w, ids, lp):
+      return kd.fused_topk_distillation_loss(
+        h, w, ids, lp, tail="bucket", divergence="reverse_kl", implementation=implementation
+      )
+
+    return jax.jit(jax.vmap(jax.grad(loss, (0, 1)), (0, None, 0, 0)))
+
+  args = (h[:36].reshape(3, 12, H), w, *(x[:36].reshape(3, 12, K) for x in teacher))
+  with cuda_branch():
+    assert "kldiv_jax_gpu_head_tail_kernel" in str(jax.make_jaxpr(grads("pallas"))(*args))
+    _agree(grads("pallas")(*args), grads("xla")(*args), True)
+
+
+def _cuda_text(fn, *args):
+  checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+  try:
+    exported = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
+  except RuntimeError as err:
+    if "No supported GPU devices" not in str(err):
+      raise
+    pytest.skip("this jax's Pallas lowers a Triton kernel only with a GPU attached")
+  return exported.mlir_module()
+
+
+def test_the_cuda_program_holds_the_kernels(monkeypatch):
+  """Lowered for CUDA: ``"pallas"`` (per call or process-wide) puts the kernels in the
+  program of the gradient (the tail's, dh, dW; the token kernels' three with labels; one
+  backward kernel each with ``BACKWARD="atomic"``); the default and ``"xla"`` hold no Triton
+  call; the options the kernels leave out (soft-cap, label smoothing, the z-loss, more slots
+  than ``MAX_SLOTS``, labels over a cut head, mixed dtypes, float64) keep the chunk loop."""
+  monkeypatch.setattr(_gpu_fused_head, "INTERPRET", False)
+  (h, w, _), (ids, lp), labels = _operands(jnp.bfloat16, seed=5)
+
+  short = jnp.minimum(ids, V - 2)  # ids of a teacher vocabulary of V - 1
+
+  def calls(implementation=None, h=h, w=w, labels=None, ids=ids, **options):
+    """``(Triton calls, fused-head kernels)`` in the program."""
+
+    def loss(h, w):
+      out = kd.fused_topk_distillation_loss(
+        h, w, ids, lp, labels, implementation=implementation, **options
+      )
+      return out.astype(jnp.float32)
+
+    text = _cuda_text(jax.grad(loss, (0, 1)), h, w)
+    names = set(re.findall(r"kldiv_jax_gpu_head_[a-z]+_kernel", text))
+    return text.count(f"@{TRITON_CALL}"), len(names)
+
+  assert calls("pallas") == (3, 3)  # tail, dh, dW
+  assert calls("pallas", labels=labels) == (6, 4)  # and the token kernels' forward, dh, dW
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", "atomic")
+  assert calls("pallas", labels=labels) == (4, 3)  # two forwards, two atomic backwards
+  monkeypatch.setattr(_gpu_fused_head, "BACKWARD", "owned")
+  assert calls() == (0, 0) and calls("xla") == (0, 0)
+  for options in (dict(softcap=30.0), dict(labels=labels, label_smoothing=0.1),
+                  dict(labels=labels, z_loss=1e-4), dict(labels=labels, ids=short, teacher_vocab_size=V - 1)
+                  ):  # fmt: skip
+    assert calls("pallas", **options)[1] == 0, options
+  assert calls("pallas", ids=short, teacher_vocab_size=V - 1)[1] == 3  # no labels: the kernels
+  assert calls("pallas", w=w.astype(jnp.float32))[1] == 0  # mixed dtypes
+  monkeypatch.setattr(_gpu_fused_topk, "MAX_SLOTS", K - 1)
+  assert calls("pallas")[1] == 0
+  monkeypatch.setattr(_gpu_fused_topk, "MAX_SLOTS", K)
+  previous = kd.set_implementation("pallas")
+  try:
+    assert calls() == (3, 3)
+  finally:
+    kd.set_implementation(previous)
+  with enable_x64():
+    assert calls("pallas", h.astype(jnp.float64), w.astype(jnp.float64))[1] == 0
