@@ -500,7 +500,7 @@ def with_gpu_kernels(fn: Callable, setting: bool | tuple[int, int, int, int] = T
 # chip's bf16 peak, the time they would take compute-bound (an ideal, not an estimate of
 # Triton's code).
 GPU_FUSED_CASES = ("fused_token_log_probs", "fused_token_log_probs" + LOGITS_F32, "fused_policy")
-GPU_FUSED_CASES += ("fused_distillation",)
+GPU_FUSED_CASES += ("fused_distillation", "fused_topk")
 # contender: (kldiv_jax._gpu_fused_head.BACKWARD, N H V matmuls, its SKIP_BELOW: CCE's
 # gradient filter, here at 2**-12, where the matmuls are a bound: skipped tiles skip two)
 GPU_HEAD_BACKWARDS = {
@@ -511,8 +511,13 @@ GPU_HEAD_BACKWARDS = {
 # The distillation kernels (kldiv_jax._gpu_fused_distill) compute both sides' logits per pass
 # (the teacher's head as wide as the student's here): forward KL (the case's divergence, a
 # one-pass form) takes 2 matmuls forward, then 6 (owned) or 4 (atomic) backward; they have no
-# gradient filter (SKIP_BELOW is the token kernels'): no "skip" contender.
-GPU_HEAD_MATMULS = {"fused_distillation": {"owned": 8, "atomic": 6}}
+# gradient filter (SKIP_BELOW is the token kernels'): no "skip" contender. The top-k kernels
+# (kldiv_jax._gpu_fused_topk, the tail's log-sum-exp: the student's head only; the logits at
+# the ids are an N H k product in XLA) take 1 forward, then 4 (owned) or 3 (atomic), no filter.
+GPU_HEAD_MATMULS = {
+  "fused_distillation": {"owned": 8, "atomic": 6},
+  "fused_topk": {"owned": 5, "atomic": 4},
+}
 
 
 # The module settings of kldiv_jax._gpu_fused_head a layout sets (read at trace time).

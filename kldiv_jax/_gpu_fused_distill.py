@@ -212,7 +212,7 @@ def _pallas_distill_bwd(cfg, view, residuals, g):
   return (
     dh.astype(h.dtype),
     dw.astype(w.dtype),
-    None if b is None else db.astype(b.dtype),
+    None if b is None else db[0].astype(b.dtype),
     *(None if x is None else jnp.zeros_like(x) for x in (th, tw, tb)),
     zero_cotangent(labels),
     zero_cotangent(mask),

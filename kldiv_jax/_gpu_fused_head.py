@@ -234,7 +234,7 @@ def _pallas_tokens_bwd(cfg, residuals, g):
   return (
     dh.astype(h.dtype),
     dw.astype(w.dtype),
-    None if b is None else db.astype(b.dtype),
+    None if b is None else db[0].astype(b.dtype),
     zero_cotangent(ids),
     jnp.zeros_like(temperature),
     zero_cotangent(mask),
@@ -245,7 +245,7 @@ pallas_tokens.defvjp(_pallas_tokens_fwd, _pallas_tokens_bwd)
 
 
 def head_grads(cfg: HeadKernel, run, h_shape, vocab: int, bias: bool, width: int):
-  """``(dh [n, hidden], dW [hidden, width], db [width] or None)`` in float32 from the
+  """``(dh [n, hidden], dW [hidden, width], [db [width]] or [])`` in float32 from the
   backward kernels (``cfg.backward``'s: the dh and dW kernels, or the atomic one);
   ``run(kernel, grid, out_shapes, zeros=())`` calls one with the loss's operands
   (:func:`_call`), ``vocab`` the classes the kernels see: a ``width``-wide head's others
@@ -264,7 +264,7 @@ def head_grads(cfg: HeadKernel, run, h_shape, vocab: int, bias: bool, width: int
     dw, *db = run(_dw_kernel, (-(-vocab // cfg.blocks[1]),), outs)
   if width > vocab:  # a longer head: its own classes get no gradient
     dw, db = jnp.pad(dw, ((0, 0), (0, width - vocab))), [jnp.pad(x, (0, width - vocab)) for x in db]
-  return dh, dw, db[0] if bias else None
+  return dh, dw, db
 
 
 def cuda_or_xla(gpu, xla):
