@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The device check of the opt-in Pallas Triton kernels (issue 37): the row kernels
 # (kldiv_jax/_gpu_rows.py) and the fused LM-head kernels (kldiv_jax/_gpu_fused_head.py,
-# kldiv_jax/_gpu_fused_distill.py), one
+# kldiv_jax/_gpu_fused_distill.py, kldiv_jax/_gpu_fused_topk.py), one
 # command on a machine with an NVIDIA GPU (python3 with jax[cuda], pytest, numpy):
 #
-#   bash benchmarks/gpu_check.sh          # at most 980 s (the steps' limits), compiles included
+#   bash benchmarks/gpu_check.sh          # at most 1200 s (the steps' limits), compiles included
 #   GPU_CHECK_STEPS=env,quick,full,tests,whole bash benchmarks/gpu_check.sh   # in two calls
 #   GPU_CHECK_STEPS=sweep,head-quick,head,head-tests bash benchmarks/gpu_check.sh  # of <= 600 s
 #   GPU_CHECK_STEPS=distill-quick,distill,distill-tests bash benchmarks/gpu_check.sh  # <= 240 s
+#   GPU_CHECK_STEPS=topk-quick,topk,topk-tests bash benchmarks/gpu_check.sh  # <= 220 s
 #
 # 1. a smoke test: three row cases at a small shape, the kernels off and on side by side;
 # 2. the issue's shapes, (4096, 8192) float32 and (2048, 131072) bfloat16, value_and_grad,
@@ -27,11 +28,16 @@
 # 7. the fused distillation loss (16384 x 2048 x 131072 bf16, forward KL with labels): the
 #    materialised loss, XLA's chunk loop and the distillation kernels (both backwards, and the
 #    token kernels' layout 64 x 128 x 64, 4 warps, beside their own 64 x 64 x 64, 8 warps) in
-#    one round-robin (--quick first), and tests/test_gpu_fused_distill.py compiled by Triton.
+#    one round-robin (--quick first), and tests/test_gpu_fused_distill.py compiled by Triton;
+# 8. the fused top-k distillation loss (16384 x 2048 x 131072 bf16, k = 64, forward KL): the
+#    materialised loss, XLA's chunk loop and the top-k kernels (both backwards, and blocks of
+#    128 x 128 x 64, 8 warps) in one round-robin (--quick first), and
+#    tests/test_gpu_fused_topk.py compiled by Triton.
 # Results: $OUT/gpu-check/ (or benchmarks/results/gpu-check/): device-*.json and the logs.
 # Each step has its own time limit; a step that fails or times out does not stop the next.
 # GPU_CHECK_STEPS=head-quick,head,head-tests runs only those steps (the fused head's).
-# The steps' limits add up to 980 s: a session of 15 device minutes runs them in two calls.
+# The steps' limits add up to 1200 s: a session of 15 device minutes runs them in two or three
+# calls.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
@@ -73,8 +79,16 @@ step distill 140 "$PY" benchmarks/bench_device.py --cases fused_distillation --g
   --repeats 5 --out "$RES/distill"
 step distill-tests 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider \
   tests/test_gpu_fused_distill.py
+step topk-quick 40 "$PY" benchmarks/bench_device.py --quick --cases fused_topk \
+  --gpu-kernels both --repeats 3 --out "$RES/topk-quick"
+step topk 120 "$PY" benchmarks/bench_device.py --cases fused_topk --gpu-kernels both \
+  --head-configs "${GPU_CHECK_TOPK_CONFIGS:-owned:128x128x64w8s3}" \
+  --repeats 5 --out "$RES/topk"
+step topk-tests 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_fused_topk.py
 echo "=== summary (gpu: the kernels' time / XLA's, and the floor's TB/s)"
 grep -h -A6 "kldiv_jax " "$RES"/full.log "$RES"/whole.log "$RES"/sweep.log | grep -v "^--" || true
 grep -h -A4 "^fused_token_log_probs" "$RES"/head.log || true
 grep -h -A4 "^fused_distillation" "$RES"/distill.log || true
-tail -n 3 "$RES/tests.log" "$RES/head-tests.log" "$RES/distill-tests.log" || true
+grep -h -A4 "^fused_topk" "$RES"/topk.log || true
+tail -n 3 "$RES/tests.log" "$RES/head-tests.log" "$RES/distill-tests.log" "$RES/topk-tests.log" ||
+  true
