@@ -7,13 +7,13 @@ with one, Triton compiles them. Blocks of 16 on shapes that are no multiple of t
 tokens, hidden size, vocabulary, ``k``). Against the XLA chunk loop on the same branch
 (``implementation="xla"``: chunks of logits in XLA, the top-k path differentiated by
 ``jax.vjp``) and against float64 NumPy (the materialised forward KL with the tail bucket and
-the cross entropy, its gradients by central differences of the float64 formula): the loss,
-its parts and the gradients wrt ``hidden``, ``weight`` and ``bias``, for every divergence
-family, both tails, static and traced parameters, temperatures, labels with ``alpha`` and
-``ignore_index``, ``where`` (per token and per slot), float32 and bfloat16 (both
-``logits_dtype``), both backwards, a bucket holding most of the mass, ``-inf`` classes, NaN
-tokens, padded and repeated slots, a shorter teacher vocabulary; and the program lowered for
-CUDA.
+the cross entropy, its gradients in closed form): the loss, its parts and the gradients wrt
+``hidden``, ``weight`` and ``bias``, for every divergence family, both tails, static and
+traced parameters, temperatures, labels with ``alpha`` and ``ignore_index``, a token
+``where``, float32 and bfloat16 (both ``logits_dtype``), both backwards, a bucket holding
+most of the mass, ``-inf`` classes, NaN tokens, padded and repeated slots, a top-k covering
+the vocabulary (an empty tail), a shorter teacher vocabulary, ``jax_enable_x64`` and
+``vmap``; and the program lowered for CUDA.
 """
 
 import contextlib
@@ -335,3 +335,15 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
     kd.set_implementation(previous)
   with enable_x64():
     assert calls("pallas", h.astype(jnp.float64), w.astype(jnp.float64))[1] == 0
+
+
+def test_a_top_k_covering_the_vocabulary():
+  """``k = V`` (every class a top-k id): the student's tail is empty (the kernel's log-sum-exp
+  ``-inf``, its gradient 0), with the bucket's floor and without: the chunk loop's values and
+  gradients."""
+  (h, w, b), (ids, lp), labels = _operands(jnp.float32, seed=8, k=V)
+  for tail, floor in (("bucket", 1e-7), ("bucket", 0.0), ("renormalize", 0.0)):
+    options = dict(divergence="reverse_kl", tail=tail, tail_floor=floor, temperature=1.3)
+    got, want, text = _both((ids, lp), labels, h, w, b, alpha=0.6, **options)
+    assert "kldiv_jax_gpu_head_tail_kernel" in text
+    _agree(got, want, True)
