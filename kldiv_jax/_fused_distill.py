@@ -368,8 +368,8 @@ def _gpu_topk_or_xla(s, w, b, teacher: TopkTeacher, static: Static, ce_opts, tok
                      coefs, xla):  # fmt: skip
   """:func:`_gpu_or_xla` for a top-k teacher (:mod:`kldiv_jax._gpu_fused_topk`)."""
   hard = static.weights.hard and tokens[1] is not None
-  k, cut = teacher.ids.shape[1], hard and static.shared < w.shape[1]
-  if not topk_takes(s.h, w, static.axis_name, static.caps[0], ce_opts, static.weights.soft, k, cut):
+  k = teacher.ids.shape[1]
+  if not topk_takes(s.h, w, static.axis_name, static.caps[0], ce_opts, static.weights.soft, k):
     return xla()
 
   def gpu():

@@ -86,9 +86,6 @@ class _DistillHead(_Head):
     v, _ = scaled(y, self.temperature, ())
     return col_in, z, u, v
 
-  def hit(self, c0, ids):
-    return c0 + lax.broadcasted_iota(jnp.int32, (1, self.bv), 1) == ids
-
   def logit_grad(self, r0, c0, row_in, kept, ids, stats):
     """``(dz [bn, bv] float32, col in range)``: ``g_D (b - q sum b) / T`` (the engine's rule,
     0 on identical rows, NaN on invalid ones) plus ``g_CE (softmax(z) - onehot)``."""
@@ -99,13 +96,41 @@ class _DistillHead(_Head):
     g_u = jnp.where(zero != 0, 0.0, b - c.q * total) + nan
     dz = g_soft * g_u / self.temperature
     if self.view.labels:
-      m, inv_s, g_ce = stats[NUM_SOFT:]
-      p = jnp.exp(z - m) * inv_s
-      dz = dz + g_ce * jnp.where(inv_s != 0, p - self.hit(c0, ids).astype(jnp.float32), 0.0)
+      dz = dz + hard_grad(self, c0, ids, z, stats[NUM_SOFT:])
     return jnp.where(kept & col_in, dz, 0.0), col_in
 
   def needed(self, dz, stats):
     return None  # no gradient filter (SKIP_BELOW is the token kernels')
+
+
+# ------------------------------------------------ the cross entropy beside a loss (T = 1)
+
+
+def _hit(head, c0, ids):
+  return c0 + lax.broadcasted_iota(jnp.int32, (1, head.bv), 1) == ids
+
+
+def hard_init(head):
+  """The cross entropy's running ``(max, sum of exp(z - max_shift(max)), label's logit)``
+  before the first tile."""
+  zero = jnp.zeros((head.bn, 1), jnp.float32)
+  return (jnp.full((head.bn, 1), -jnp.inf, jnp.float32), zero, zero)
+
+
+def hard_tile(head, c0, ids, z, hard):
+  """``hard`` (:func:`hard_init`'s) with the tile of raw logits ``z`` at column ``c0`` folded
+  in (online softmax at ``T = 1``)."""
+  m, s, _, _ = _tile_softmax(z)
+  picked = hard[2] + _row_sum(jnp.where(_hit(head, c0, ids), z, 0.0))
+  return (*_merge(hard[0:2], (m, s)), picked)
+
+
+def hard_grad(head, c0, ids, z, stats):
+  """``g_CE (softmax(z) - onehot)`` of a tile (:func:`kldiv_jax._rows.ce_grad`'s rule), given
+  the row statistics ``(max, 1/s, g_CE)`` (:func:`kldiv_jax._gpu_fused_distill.hard_rows`)."""
+  m, inv_s, g_ce = stats
+  p = jnp.exp(z - m) * inv_s
+  return g_ce * jnp.where(inv_s != 0, p - _hit(head, c0, ids).astype(jnp.float32), 0.0)
 
 
 def _store(head, r0, row_in, out_refs, values):
@@ -136,15 +161,13 @@ def _stats_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view: Dist
       gap = soft[4] + _row_sum(identical_gap(u, v))
       soft = (*_merge(soft[0:2], (mu, su)), *_merge(soft[2:4], (mv, sv)), gap)
     if view.labels:
-      m, s, _, _ = _tile_softmax(z)
-      picked = hard[2] + _row_sum(jnp.where(head.hit(c0, ids), z, 0.0))
-      hard = (*_merge(hard[0:2], (m, s)), picked)
+      hard = hard_tile(head, c0, ids, z, hard)
     return soft, hard
 
   none = jnp.full((head.bn, 1), -jnp.inf, jnp.float32)
   zero = jnp.zeros((head.bn, 1), jnp.float32)
   sums = 1 if view.kind is None else _num_sums(view.kind)
-  init = ((none, zero, none, zero) + (zero,) * sums, (none, zero, zero) if view.labels else ())
+  init = ((none, zero, none, zero) + (zero,) * sums, hard_init(head) if view.labels else ())
   soft, hard = _loop(-(-head.vocab // head.bv), tile, init)
   _store(head, r0, row_in, out_refs, (*soft, *hard))
 

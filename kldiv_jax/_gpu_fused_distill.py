@@ -172,11 +172,20 @@ def _forward(cfg: HeadKernel, view: DistillView, h, w, b, th, tw, tb, labels, ma
   soft_stats = (*row_norms, zero.astype(jnp.float32), total, rows.nan)
   if not view.labels:
     return rows.value, jnp.zeros_like(rows.value), (soft_stats, ())
-  m, s, picked = outs[num:]
+  hard, hard_stats = hard_rows(outs[num:], ok)
+  return rows.value, hard, (soft_stats, hard_stats)
+
+
+def hard_rows(sums, ok):
+  """The cross entropy per token ``[n]`` from the kernels' sums ``(max, sum, label's logit)``
+  (:func:`kldiv_jax._gpu_distill_kernels.hard_tile`'s), NaN unless ``ok``, and the backward's
+  row statistics ``(max, 1/s, 1 or NaN)`` (the last times the cotangent:
+  :func:`~kldiv_jax._gpu_distill_kernels.hard_grad`'s ``g_CE``)."""
+  m, s, picked = sums
   m = max_shift(m)
   has, inv_s, log_s = normalizer(s)
   hard = nan_unless(jnp.where(has, log_s + m - picked, 0.0), ok)
-  return rows.value, hard, (soft_stats, (m, inv_s, nan_unless(jnp.ones_like(m), ok)))
+  return hard, (m, inv_s, nan_unless(jnp.ones_like(m), ok))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -9,23 +9,24 @@ classes with its tail bucket, floors and renormalisation, is ``[N, k]``-sized
 
 - the logits at the ids are the small product ``h . W[:, ids] (+ b[ids])`` in XLA (``N H k``
   flops, :func:`topk_logits`; its derivative XLA's, a scatter into ``dW``);
-- the tail's log-sum-exp is a kernel (:func:`pallas_tail_lse`, a ``jax.custom_vjp``): a grid
+- the tail's log-sum-exp is a kernel (:func:`pallas_topk_head`, a ``jax.custom_vjp``): a grid
   over token blocks, each looping over vocabulary tiles (the logits ``h W + b`` of a
   ``[token block, vocabulary tile]`` by ``plgpu.dot`` into registers, as
   :mod:`kldiv_jax._gpu_fused_head`'s kernels), the tile's classes compared with the token's
   ``k`` ids (a loop over the slots) and the online max and sum of ``z / T`` over the others;
+  with labels, the same pass keeps the cross entropy's sums at ``T = 1`` and the label's
+  logit (:func:`kldiv_jax._gpu_distill_kernels.hard_tile`, the distillation kernels');
 - its derivative, ``d tail / d z_v = w_v / T`` with ``w`` the tail's softmax (0 at the top-k's
   ids), through :mod:`kldiv_jax._gpu_head_kernels`' dh and dW kernels (or the atomic one,
   ``_gpu_fused_head.BACKWARD``) with this loss's view of the operands (:class:`TopkView`):
   per tile ``dz = g w / T``, ``g`` the tail's cotangent per token from XLA's autodiff of the
-  ``k``-sized rule;
-- with labels, the cross entropy through the token kernels (:func:`kldiv_jax._gpu_fused_head.
-  pallas_tokens`' ``log p_y`` at ``T = 1``): their own forward and backward passes.
+  ``k``-sized rule, plus the cross entropy's ``g_CE (softmax(z) - onehot)``
+  (:func:`~kldiv_jax._gpu_distill_kernels.hard_grad`).
 
 No divergence or derivative formula is written here: the per-row algebra is the top-k path's,
-the tail's derivative :func:`kldiv_jax._sparse.tail_lse`'s rule. Matmuls of ``N H V`` size
-without labels: one forward, three (atomic) or four (owned) backward; with labels three more
-(four with the owned backward); the XLA chunk loop takes three. Compiled for an H100 without a
+the tail's derivative :func:`kldiv_jax._sparse.tail_lse`'s rule. Matmuls of ``N H V`` size,
+labels or not: one forward, three (atomic) or four (owned) backward; the XLA chunk loop takes
+three. Compiled for an H100 without a
 device (``benchmarks/bench_accel.py --targets h100 --cases fused_topk``: 16384 x 2048 x
 131072 bf16, ``k = 64``, forward KL, no labels): temp 1.0 GiB with the owned backward, 1.1
 GiB with the atomic one (the float32 ``dW``; the chunk loop's 1.4 GiB, the materialised
@@ -46,8 +47,7 @@ lowered for CUDA (CPU, TPU and ROCm keep XLA's), every divergence of the top-k p
 traced parameters), both tails, any temperature, ``where``, labels with ``alpha`` and
 ``ignore_index``, ``teacher_vocab_size``, with: ``hidden`` and ``weight`` of one dtype among
 float32, bfloat16 and float16; at most :data:`MAX_SLOTS` top-k slots; the divergence term on;
-no ``axis_name``, ``softcap``, ``label_smoothing`` or ``z_loss``; with labels, a teacher
-vocabulary no shorter than the student's. ``chunk_size`` is not read. **Opt-in, never run on
+no ``axis_name``, ``softcap``, ``label_smoothing`` or ``z_loss``. ``chunk_size`` is not read. **Opt-in, never run on
 a GPU** (``benchmarks/README.md``): the default stays XLA's chunk loop until
 ``make bench-device`` times it (``bash benchmarks/gpu_check.sh``, its ``topk`` steps).
 """
@@ -62,12 +62,13 @@ from jax import lax
 from kldiv_jax._distill import _safe_labels
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._fused_chunks import zero_cotangent
-from kldiv_jax._gpu_distill_kernels import _store
-from kldiv_jax._gpu_fused_head import _call, head_grads, head_kernel, pallas_tokens
+from kldiv_jax._gpu_distill_kernels import NUM_HARD, _store, hard_grad, hard_init, hard_tile
+from kldiv_jax._gpu_fused_distill import hard_rows
+from kldiv_jax._gpu_fused_head import _call, head_grads, head_kernel
 from kldiv_jax._gpu_fused_head import takes as head_takes
 from kldiv_jax._gpu_head_kernels import _Head, _loop
 from kldiv_jax._gpu_rows import _tile_softmax
-from kldiv_jax._numerics import max_shift, nan_unless
+from kldiv_jax._numerics import max_shift
 from kldiv_jax._rows import normalizer
 from kldiv_jax._sparse import topk_divergence, topk_student
 from kldiv_jax._whole_rows import _merge
@@ -79,43 +80,46 @@ MAX_SLOTS = 256
 NUM_STATS = 3
 
 
-def takes(h, w, axis_name, cap, ce_opts, soft: bool, k: int, labels_cut: bool) -> bool:
+def takes(h, w, axis_name, cap, ce_opts, soft: bool, k: int) -> bool:
   """Whether the kernels take these operands and options (the module's list): ``h`` and ``w``
   of one dtype among float32, bfloat16 and float16, at most :data:`MAX_SLOTS` slots, the
-  divergence term on, no ``axis_name``, soft-cap, label smoothing or z-loss, and no labels
-  over a student head cut to a shorter teacher's classes (``labels_cut``)."""
+  divergence term on, no ``axis_name``, soft-cap, label smoothing or z-loss."""
   return (
     soft
     and head_takes(h, w, axis_name)
     and cap is None
     and all(x is None for x in ce_opts)
     and k <= MAX_SLOTS
-    and not labels_cut
   )
 
 
 class TopkView(NamedTuple):
   """The static part of the tail kernels besides the head's (hashable): how they open their
-  operands (after the student's: the top-k ids ``[N, k]``, -1 in a slot without mass)."""
+  operands (after the student's: the top-k ids ``[N, k]``, -1 in a slot without mass) and
+  whether they add the cross entropy."""
 
   vocab: int  # the classes the student shares with the teacher (a longer head's never read)
   slots: int  # k
+  labels: bool = False  # the hard-label cross entropy is on
 
-  def open(self, cfg, shape, scalars_ref, h_ref, w_ref, refs, bias, num_stats=NUM_STATS):
+  def open(self, cfg, shape, scalars_ref, h_ref, w_ref, refs, bias, num_stats=None):
     """``(head, stat_refs, the refs after them)``, as :meth:`_Head.open`: the bias if
-    ``bias``, the ids, the mask, the top-k ids, then ``num_stats`` row statistics."""
+    ``bias``, the labels, the mask, the top-k ids, then ``num_stats`` row statistics
+    (default: the backward's)."""
+    if num_stats is None:
+      num_stats = NUM_STATS + NUM_HARD * self.labels
     b_ref, refs = (refs[0], refs[1:]) if bias else (None, refs)
     head = _TailHead(cfg, shape, scalars_ref, h_ref, w_ref, b_ref, refs[0], refs[1])
-    head.slots_ref, head.slots = refs[2], self.slots
+    head.slots_ref, head.view = refs[2], self
     return head, refs[3 : 3 + num_stats], refs[3 + num_stats :]
 
 
 class _TailHead(_Head):
-  """The student's view (:class:`_Head`) restricted to the tail, and the tail's ``dz``. Its
+  """The student's view (:class:`_Head`) restricted to the tail, and the loss's ``dz``. Its
   scalar (``self.temperature``, the first) is ``1 / T``, as :func:`tail_lse`'s ``scale``."""
 
   slots_ref: Any = None
-  slots = 0
+  view: Any = None
 
   def tail(self, r0, c0, row_in):
     """``[bn, bv]`` bool: the tile's classes that none of the token's top-k ids hold."""
@@ -126,22 +130,25 @@ class _TailHead(_Head):
       ids = self.plgpu.load(self.slots_ref.at[at, j], mask=row_in[:, 0], other=-1)
       return out & (cols != ids.reshape(self.bn, 1))
 
-    return _loop(self.slots, slot, jnp.ones((self.bn, self.bv), jnp.bool_))
+    return _loop(self.view.slots, slot, jnp.ones((self.bn, self.bv), jnp.bool_))
 
   def scaled_tail(self, r0, c0, row_in, kept):
-    """``(col in range, x)``: ``x = z * scale`` on the tail's classes, ``-inf`` elsewhere
-    (:func:`kldiv_jax._sparse._scaled_tail`)."""
+    """``(col in range, z, x)``: the raw logits ``z`` and ``x = z * scale`` on the tail's
+    classes, ``-inf`` elsewhere (:func:`kldiv_jax._sparse._scaled_tail`)."""
     col_in, z = self.logits(r0, c0, row_in, kept)
-    return col_in, jnp.where(self.tail(r0, c0, row_in), z * self.temperature, -jnp.inf)
+    return col_in, z, jnp.where(self.tail(r0, c0, row_in), z * self.temperature, -jnp.inf)
 
   def logit_grad(self, r0, c0, row_in, kept, ids, stats):
     """``(dz [bn, bv] float32, col in range)``: ``coef w`` with ``w = exp(x - m - log s)``
-    the tail's softmax (0 outside it) and ``coef = g / T`` per token (tail_lse's rule)."""
-    m, log_s, coef = stats
-    col_in, x = self.scaled_tail(r0, c0, row_in, kept)
+    the tail's softmax (0 outside it) and ``coef = g / T`` per token (tail_lse's rule), plus
+    ``g_CE (softmax(z) - onehot)`` with labels."""
+    m, log_s, coef = stats[:NUM_STATS]
+    col_in, z, x = self.scaled_tail(r0, c0, row_in, kept)
     has = x != -jnp.inf
-    w = jnp.where(has, jnp.exp(jnp.where(has, x - m, 0.0) - log_s), 0.0)
-    return jnp.where(kept & col_in, coef * w, 0.0), col_in
+    dz = coef * jnp.where(has, jnp.exp(jnp.where(has, x - m, 0.0) - log_s), 0.0)
+    if self.view.labels:
+      dz = dz + hard_grad(self, c0, ids, z, stats[NUM_STATS:])
+    return jnp.where(kept & col_in, dz, 0.0), col_in
 
   def needed(self, dz, stats):
     return None  # no gradient filter (SKIP_BELOW is the token kernels')
@@ -149,61 +156,69 @@ class _TailHead(_Head):
 
 def _tail_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view: TopkView):
   """Per token of a block: the raw max and the sum of ``exp(x - max_shift(max))`` of its tail
-  (online softmax)."""
+  (online softmax); with labels the cross entropy's sums (:func:`hard_tile`)."""
   head, _, out_refs = view.open(cfg, shape, scalars_ref, h_ref, w_ref, refs, bias, 0)
   r0 = head.pl.program_id(0) * head.bn
-  row_in, kept, _ = head.rows(r0)
+  row_in, kept, ids = head.rows(r0)
 
   def tile(j, carry):
-    _, x = head.scaled_tail(r0, j * head.bv, row_in, kept)
+    c0 = j * head.bv
+    _, z, x = head.scaled_tail(r0, c0, row_in, kept)
     m, s, _, _ = _tile_softmax(x)
-    return _merge(carry, (m, s))
+    hard = hard_tile(head, c0, ids, z, carry[1]) if view.labels else ()
+    return _merge(carry[0], (m, s)), hard
 
-  init = (jnp.full((head.bn, 1), -jnp.inf, jnp.float32), jnp.zeros((head.bn, 1), jnp.float32))
-  _store(head, r0, row_in, out_refs, _loop(-(-head.vocab // head.bv), tile, init))
+  none = jnp.full((head.bn, 1), -jnp.inf, jnp.float32)
+  init = ((none, jnp.zeros((head.bn, 1), jnp.float32)), hard_init(head) if view.labels else ())
+  tail, hard = _loop(-(-head.vocab // head.bv), tile, init)
+  _store(head, r0, row_in, out_refs, (*tail, *hard))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def pallas_tail_lse(cfg, view: TopkView, h, w, b, slots, mask, scale, shift):
-  """:func:`kldiv_jax._sparse.tail_lse` of the logits ``h @ w + b`` (``[n, 1]``) from the
-  kernels: ``slots [n, k]`` int32 (-1: no id), ``mask [n, 1]``, ``scale = 1 / T`` and ``shift
-  [n, 1]`` float32 (no gradient for either, nor for the temperature in the XLA path)."""
-  return _tail_fwd(cfg, view, h, w, b, slots, mask, scale, shift)[0]
+def pallas_topk_head(cfg, view: TopkView, h, w, b, slots, labels, mask, ok, scale, shift):
+  """``(tail [n, 1], ce [n])`` of the logits ``h @ w + b`` from the kernels: the tail's
+  :func:`kldiv_jax._sparse.tail_lse` and, with ``view.labels``, the cross entropy at ``T = 1``
+  (NaN unless ``ok``; else 0). ``slots [n, k]`` int32 (-1: no id), ``labels [n, 1]`` int32 in
+  range or 0, ``mask [n, 1]``, ``scale = 1 / T`` and ``shift [n, 1]`` float32 (no gradient for
+  either, nor for the temperature in the XLA path)."""
+  return _head_fwd(cfg, view, h, w, b, slots, labels, mask, ok, scale, shift)[0]
 
 
-def _tail_fwd(cfg, view, h, w, b, slots, mask, scale, shift):
+def _head_fwd(cfg, view, h, w, b, slots, labels, mask, ok, scale, shift):
   n = h.shape[0]
-  ids = jnp.zeros((n, 1), jnp.int32)
-  m, s = _call(
-    cfg, _tail_kernel, (-(-n // cfg.blocks[0]),), [(n,)] * 2, h, w, b, ids, scale, mask,
-    extra=(slots,), view=view, vocab=view.vocab,
+  outs = _call(
+    cfg, _tail_kernel, (-(-n // cfg.blocks[0]),), [(n,)] * (2 + NUM_HARD * view.labels), h, w,
+    b, labels, scale, mask, extra=(slots,), view=view, vocab=view.vocab,
   )  # fmt: skip
-  m = max_shift(m)
-  has, _, log_s = normalizer(s)
+  m, (has, _, log_s) = max_shift(outs[0]), normalizer(outs[1])
   lse = jnp.where(has, log_s + (m - shift[:, 0]), -jnp.inf)[:, None]
-  return lse, (h, w, b, slots, mask, scale, shift, m, log_s)
+  ce, hard_stats = hard_rows(outs[2:], ok) if view.labels else (jnp.zeros_like(m), ())
+  return (lse, ce), (h, w, b, slots, labels, mask, ok, scale, shift, (m, log_s, *hard_stats))
 
 
-def _tail_bwd(cfg, view, residuals, g):
-  h, w, b, slots, mask, scale, shift, m, log_s = residuals
-  coef = g[:, 0].astype(jnp.float32) * scale
+def _head_bwd(cfg, view, residuals, g):
+  h, w, b, slots, labels, mask, ok, scale, shift, (m, log_s, *hard_stats) = residuals
+  g_tail, g_ce = (x.astype(jnp.float32) for x in g)
+  stats = (m, log_s, g_tail[:, 0] * scale)
+  if view.labels:
+    m1, inv_s, okf = hard_stats
+    stats += (m1, inv_s, g_ce * okf)
   run = functools.partial(
-    _call, cfg, h=h, w=w, b=b, ids=jnp.zeros((h.shape[0], 1), jnp.int32), temperature=scale,
-    mask=mask, view=view, vocab=view.vocab, extra=(slots, m, log_s, coef),
+    _call, cfg, h=h, w=w, b=b, ids=labels, temperature=scale, mask=mask, view=view,
+    vocab=view.vocab, extra=(slots, *stats),
   )  # fmt: skip
   dh, dw, db = head_grads(cfg, run, h.shape, view.vocab, b is not None, w.shape[1])
   return (
     dh.astype(h.dtype),
     dw.astype(w.dtype),
     None if b is None else db[0].astype(b.dtype),
-    zero_cotangent(slots),
-    zero_cotangent(mask),
+    *(zero_cotangent(x) for x in (slots, labels, mask, ok)),
     jnp.zeros_like(scale),
     jnp.zeros_like(shift),
   )
 
 
-pallas_tail_lse.defvjp(_tail_fwd, _tail_bwd)
+pallas_topk_head.defvjp(_head_fwd, _head_bwd)
 
 
 def topk_logits(h, w, b, ids, low):
@@ -220,29 +235,32 @@ def pallas_topk_totals(h, w, b, teacher, tokens, t, params, coefs, key, low, voc
   """``(loss, soft, hard)`` of :func:`kldiv_jax._fused_distill._fused` for a top-k teacher
   (``ids``, ``lp``, ``keep``, ``dropped``, ``bucket``, ``floor``), differentiable wrt ``h``,
   ``w`` and ``b`` only: the logits at the ids and the ``k``-sized rule in XLA, the tail's
-  log-sum-exp (and with ``hard`` the cross entropy) from the kernels."""
+  log-sum-exp (and with ``hard`` the cross entropy) from the kernels, in one pass."""
   mask, labels, labelled = tokens
   t, params, coefs, lp = lax.stop_gradient((t, params, coefs, teacher.lp))
   n, k = teacher.ids.shape
+  if hard:
+    ids, ok = _safe_labels(labels, labelled, vocab)
+  else:
+    ids, ok = jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.bool_)
   cfg = head_kernel(n, h.shape[1], vocab, None, low)
-  view = TopkView(vocab, k)
+  view = TopkView(vocab, k, hard)
   keep = teacher.keep & mask
   slots = jnp.where(keep, teacher.ids, -1).astype(jnp.int32)
+  ce_rows = []  # the kernels' cross entropy per token, from the one call topk_student makes
 
   def log_tail(scale, shift):
     f32 = jnp.float32
-    out = pallas_tail_lse(cfg, view, h, w, b, slots, mask, scale.astype(f32), shift.astype(f32))
-    return cast(jax.Array, out).astype(scale.dtype)  # the checker loses custom_vjp's result
+    args = (h, w, b, slots, ids, mask, ok, scale.astype(f32), shift.astype(f32))
+    # The cast restates pallas_topk_head's result, which the checker loses to jax.custom_vjp.
+    out, rows = cast(tuple[jax.Array, jax.Array], pallas_topk_head(cfg, view, *args))
+    ce_rows.append(rows)
+    return out.astype(scale.dtype)
 
   log_q = topk_student(topk_logits(h, w, b, teacher.ids, low), keep, t, None, log_tail)
   spec = Divergence.tree_unflatten(key, params)
   rows = topk_divergence(log_q, lp, keep, teacher.dropped, t, spec, teacher.bucket, teacher.floor)
   soft = jnp.sum(rows)
-  ce = jnp.zeros_like(soft)
-  if hard:
-    ids, ok = _safe_labels(labels, labelled, vocab)
-    out = pallas_tokens(cfg, h, w, b, ids, jnp.ones((), jnp.float32), labelled)
-    log_p = cast(tuple[jax.Array, jax.Array], out)[0]
-    ce = jnp.sum(nan_unless(-log_p, ok)).astype(soft.dtype)
+  ce = jnp.sum(ce_rows[0]).astype(soft.dtype) if hard else jnp.zeros_like(soft)
   loss = coefs[0] * soft + coefs[1] * ce
   return loss, lax.stop_gradient(soft), lax.stop_gradient(ce)

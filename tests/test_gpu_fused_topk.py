@@ -224,7 +224,8 @@ def test_inf_nan_padding_and_slot_masks():
 def test_traced_parameters_one_slot_and_a_shorter_teacher():
   """A traced temperature and traced divergence parameters (JSD's ``beta``, alpha-beta's),
   ``k = 1`` with labels, and a student head longer than the teacher's vocabulary
-  (``teacher_vocab_size``: its own classes get zero gradients)."""
+  (``teacher_vocab_size``: its own classes, left out of the cross entropy too, get zero
+  gradients)."""
   (h, w, b), (ids, lp), labels = _operands(jnp.float32, seed=3, vocab=V + 9)
   ids = jnp.minimum(ids, V - 1)  # in the teacher's vocabulary (a repeated id is fine)
   labels = jnp.minimum(labels, V - 1)  # the first loss's head: V classes
@@ -236,7 +237,7 @@ def test_traced_parameters_one_slot_and_a_shorter_teacher():
         divergence=kd.Divergence("alpha_beta", alpha=x, beta=0.7), implementation=implementation,
       )  # fmt: skip
       return out + kd.fused_topk_distillation_loss(
-        h, w, ids, lp, bias=b, temperature=t, divergence=kd.Divergence("jsd", beta=x),
+        h, w, ids, lp, labels, bias=b, temperature=t, divergence=kd.Divergence("jsd", beta=x),
         teacher_vocab_size=V, implementation=implementation,
       )  # fmt: skip
 
@@ -291,10 +292,10 @@ def _cuda_text(fn, *args):
 
 def test_the_cuda_program_holds_the_kernels(monkeypatch):
   """Lowered for CUDA: ``"pallas"`` (per call or process-wide) puts the kernels in the
-  program of the gradient (the tail's, dh, dW; the token kernels' three with labels; one
-  backward kernel each with ``BACKWARD="atomic"``); the default and ``"xla"`` hold no Triton
+  program of the gradient (the tail's, dh, dW, with labels or not; one backward kernel with
+  ``BACKWARD="atomic"``); the default and ``"xla"`` hold no Triton
   call; the options the kernels leave out (soft-cap, label smoothing, the z-loss, more slots
-  than ``MAX_SLOTS``, labels over a cut head, mixed dtypes, float64) keep the chunk loop."""
+  than ``MAX_SLOTS``, mixed dtypes, float64) keep the chunk loop."""
   monkeypatch.setattr(_gpu_fused_head, "INTERPRET", False)
   (h, w, _), (ids, lp), labels = _operands(jnp.bfloat16, seed=5)
 
@@ -314,16 +315,15 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
     return text.count(f"@{TRITON_CALL}"), len(names)
 
   assert calls("pallas") == (3, 3)  # tail, dh, dW
-  assert calls("pallas", labels=labels) == (6, 4)  # and the token kernels' forward, dh, dW
+  assert calls("pallas", labels=labels) == (3, 3)  # the cross entropy in the same kernels
   monkeypatch.setattr(_gpu_fused_head, "BACKWARD", "atomic")
-  assert calls("pallas", labels=labels) == (4, 3)  # two forwards, two atomic backwards
+  assert calls("pallas", labels=labels) == (2, 2)  # tail, atomic backward
   monkeypatch.setattr(_gpu_fused_head, "BACKWARD", "owned")
   assert calls() == (0, 0) and calls("xla") == (0, 0)
   for options in (dict(softcap=30.0), dict(labels=labels, label_smoothing=0.1),
-                  dict(labels=labels, z_loss=1e-4), dict(labels=labels, ids=short, teacher_vocab_size=V - 1)
-                  ):  # fmt: skip
+                  dict(labels=labels, z_loss=1e-4)):  # fmt: skip
     assert calls("pallas", **options)[1] == 0, options
-  assert calls("pallas", ids=short, teacher_vocab_size=V - 1)[1] == 3  # no labels: the kernels
+  assert calls("pallas", labels=labels, ids=short, teacher_vocab_size=V - 1)[1] == 3
   assert calls("pallas", w=w.astype(jnp.float32))[1] == 0  # mixed dtypes
   monkeypatch.setattr(_gpu_fused_topk, "MAX_SLOTS", K - 1)
   assert calls("pallas")[1] == 0
