@@ -31,7 +31,8 @@ device (``benchmarks/bench_accel.py --targets h100 --cases fused_topk``: 16384 x
 131072 bf16, ``k = 64``, forward KL, no labels): temp 1.0 GiB with the owned backward, 1.1
 GiB with the atomic one (the float32 ``dW``; the chunk loop's 1.4 GiB, the materialised
 loss's 10.0 GiB); ptxas (sm_90a) at the token kernels' 64 x 128 x 64 blocks, 4 warps:
-197-208 registers a thread, no spill; the compute-bound model (the matmuls at the bf16 peak)
+197-208 registers a thread, no spill (with labels, JSD and the bucket: 255, the limit, no
+spill; 174-244 at 8 warps); the compute-bound model (the matmuls at the bf16 peak)
 1.66x XLA's estimate of the materialised loss with the owned backward, 1.33x with the atomic
 one: the kernels save memory, not time, until measured.
 
