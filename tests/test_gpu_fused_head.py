@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _gpu_programs import TRITON_CALL, cuda_text
 from _references import enable_x64, platform_branch
-from jax import export
-from jax.experimental.pallas import triton as plgpu
 
 import kldiv_jax as kd
 from kldiv_jax import _gpu_fused_head
@@ -34,7 +33,6 @@ pytestmark = [
   pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
 ]
 ON_GPU = jax.default_backend() == "gpu"
-TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 N, H, V = 37, 40, 70  # no multiple of the blocks of 16
 # float32's relative tolerance: in the interpreter the kernels' float32 dots are exact; on a
 # GPU, Triton's and XLA's both run TF32 at JAX's default matmul precision (10-bit mantissas).
@@ -215,18 +213,6 @@ def test_inf_and_nan():
     np.testing.assert_allclose(g, x, rtol=F32, atol=F32 * scale)
 
 
-def _cuda_text(fn, *args):
-  """The module of ``fn`` lowered for CUDA (no GPU needed up to jax 0.10)."""
-  checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-  try:
-    exported = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
-  except RuntimeError as err:
-    if "No supported GPU devices" not in str(err):
-      raise
-    pytest.skip("this jax's Pallas lowers a Triton kernel only with a GPU attached")
-  return exported.mlir_module()
-
-
 def test_the_cuda_program_holds_the_kernels(monkeypatch):
   """Lowered for CUDA: ``implementation="pallas"`` (per call, or process-wide) puts the three
   kernels (forward, dh, dW) in the program of the value and gradient; the default, ``"xla"``,
@@ -239,7 +225,7 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
       lp = kd.fused_token_log_probs(h, w, ids, implementation=implementation)
       return jnp.sum(lp.astype(jnp.float32))
 
-    return _cuda_text(jax.grad(loss, (0, 1)), h, w).count(f"@{TRITON_CALL}")
+    return cuda_text(jax.grad(loss, (0, 1)), h, w).count(f"@{TRITON_CALL}")
 
   assert calls("pallas") == 3
   monkeypatch.setattr(_gpu_fused_head, "BACKWARD", "atomic")

@@ -19,9 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _gpu_programs import TRITON_CALL, cuda_text
 from _references import enable_x64, hostile_logits, platform_branch
-from jax import export
-from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import mlir
 
 import kldiv_jax as kd
@@ -43,7 +42,6 @@ pytestmark = [
 ]
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 
 # (name, static params (None where traced), traced values)
 TWO_PASS = [
@@ -407,19 +405,6 @@ def test_the_switch():
   np.testing.assert_allclose(on, off, rtol=2e-5, atol=1e-6, equal_nan=True)
 
 
-def _cuda_text(fn, *args):
-  """The module of ``fn`` lowered for CUDA (without a GPU: Pallas' Triton lowering needs none
-  up to jax 0.10; from 0.11 it asks for one, and the test is skipped)."""
-  checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-  try:
-    exported = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
-  except RuntimeError as err:
-    if "No supported GPU devices" not in str(err):
-      raise
-    pytest.skip("this jax's Pallas lowers a Triton kernel only with a GPU attached")
-  return exported.mlir_module()
-
-
 @pytest.mark.parametrize(
   "name,classes,kernels", [("forward_kl", 256, 1), ("jsd", 256, 1), ("jsd", 8200, 2)]
 )
@@ -430,10 +415,10 @@ def test_the_cuda_program_holds_the_kernels(name, classes, kernels):
   passes."""
   z, y = _logits(16, classes, jnp.float32)
   grad = jax.grad(lambda z: jnp.sum(_loss(name)(z, y)))
-  assert TRITON_CALL not in _cuda_text(grad, z)
+  assert TRITON_CALL not in cuda_text(grad, z)
   with gpu_kernels(True):
-    text = _cuda_text(grad, z)
-    element = _cuda_text(_loss(name, where=jnp.ones((16, classes), bool)), z, y)
+    text = cuda_text(grad, z)
+    element = cuda_text(_loss(name, where=jnp.ones((16, classes), bool)), z, y)
   assert text.count(f"@{TRITON_CALL}") == kernels, text.count(TRITON_CALL)
   assert TRITON_CALL not in element
 
@@ -452,7 +437,7 @@ def test_the_public_switch_chooses_the_gpu_kernels(name, monkeypatch):
     )
 
   def calls(fn):
-    return _cuda_text(fn, z, y).count(f"@{TRITON_CALL}")
+    return cuda_text(fn, z, y).count(f"@{TRITON_CALL}")
 
   kernels = 1  # forward KL's one-pass kernel; TVD's whole-row kernel
   assert calls(loss()) == 0
@@ -480,8 +465,8 @@ def test_the_switch_inside_a_traced_function():
     with gpu_kernels(True):
       return loss(z, y)
 
-  assert _cuda_text(on, z, y).count(f"@{TRITON_CALL}") == 1
-  assert TRITON_CALL not in _cuda_text(loss, z, y)
+  assert cuda_text(on, z, y).count(f"@{TRITON_CALL}") == 1
+  assert TRITON_CALL not in cuda_text(loss, z, y)
 
 
 def test_a_layout_for_the_benchmarks_sweeps():
@@ -491,11 +476,11 @@ def test_a_layout_for_the_benchmarks_sweeps():
   z, y = _logits(16, 256, jnp.float32)
   for name in ("forward_kl", "tvd"):
     with gpu_kernels((2, 64, 8, 2)):
-      text = _cuda_text(_loss(name), z, y)
+      text = cuda_text(_loss(name), z, y)
     assert "num_warps = 8 : i32" in text and "num_stages = 2 : i32" in text
     assert "num_warps = 4 : i32" not in text
   with gpu_kernels((2, 0, 16, 1)):  # tile 0: whole rows, 2 a program, 16 warps
-    text = _cuda_text(_loss("tvd"), z, y)
+    text = cuda_text(_loss("tvd"), z, y)
   assert text.count(f"@{TRITON_CALL}") == 1 and "num_warps = 16 : i32" in text
   with xla_path():
     want = jax.jit(_loss("jsd", beta=0.3))(z, y)
