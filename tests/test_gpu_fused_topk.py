@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _gpu_programs import TRITON_CALL, cuda_text
 from _references import enable_x64, platform_branch
-from jax import export
-from jax.experimental.pallas import triton as plgpu
 
 import kldiv_jax as kd
 from kldiv_jax import _gpu_fused_head, _gpu_fused_topk
@@ -37,7 +36,6 @@ pytestmark = [
   pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
 ]
 ON_GPU = jax.default_backend() == "gpu"
-TRITON_CALL = getattr(plgpu, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
 N, H, V, K = 37, 20, 70, 5  # no multiple of the blocks of 16
 F32 = 1e-2 if ON_GPU else 2e-5
 
@@ -279,17 +277,6 @@ def test_x64_and_vmap():
     _agree(grads("pallas")(*args), grads("xla")(*args), True)
 
 
-def _cuda_text(fn, *args):
-  checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-  try:
-    exported = export.export(jax.jit(fn), platforms=("cuda",), disabled_checks=checks)(*args)
-  except RuntimeError as err:
-    if "No supported GPU devices" not in str(err):
-      raise
-    pytest.skip("this jax's Pallas lowers a Triton kernel only with a GPU attached")
-  return exported.mlir_module()
-
-
 def test_the_cuda_program_holds_the_kernels(monkeypatch):
   """Lowered for CUDA: ``"pallas"`` (per call or process-wide) puts the kernels in the
   program of the gradient (the tail's, dh, dW, with labels or not; one backward kernel with
@@ -310,7 +297,7 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
       )
       return out.astype(jnp.float32)
 
-    text = _cuda_text(jax.grad(loss, (0, 1)), h, w)
+    text = cuda_text(jax.grad(loss, (0, 1)), h, w)
     names = set(re.findall(r"kldiv_jax_gpu_head_[a-z]+_kernel", text))
     return text.count(f"@{TRITON_CALL}"), len(names)
 
