@@ -1,7 +1,10 @@
 """Programs lowered for CUDA without a GPU, for the tests of the opt-in Triton kernels."""
 
+import contextlib
+
 import jax
 import pytest
+from _references import platform_branch
 from jax import export
 from jax.experimental.pallas import triton as plgpu
 
@@ -20,3 +23,26 @@ def cuda_text(fn, *args):
       raise
     pytest.skip("this jax's Pallas lowers a Triton kernel only with a GPU attached")
   return exported.mlir_module()
+
+
+# The switch needs jax.make_user_context (jax 0.7.2): below it the kernels stay off. (jax 0.11
+# deprecates Pallas' Triton backend: the library lowers the kernels without the warning, and
+# the tests ignore it should it come from elsewhere.)
+GPU_KERNEL_MARKS = [
+  pytest.mark.skipif(
+    not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
+  ),
+  pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
+]
+# On a GPU the kernels are compiled by Triton; elsewhere they run in Pallas' interpreter.
+ON_GPU = jax.default_backend() == "gpu"
+
+
+@contextlib.contextmanager
+def cuda_branch():
+  """The CUDA branch of every ``lax.platform_dependent`` (on CPU), or the GPU itself."""
+  if ON_GPU:
+    yield
+    return
+  with platform_branch("cuda"):
+    yield

@@ -14,25 +14,17 @@ soft-cap, ``where`` and ``ignore_index``, ``-inf`` classes, a NaN token, both ba
 ``"pallas"``, two with the atomic backward, none otherwise).
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import TRITON_CALL, cuda_text
-from _references import enable_x64, platform_branch
+from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_branch, cuda_text
+from _references import enable_x64
 
 import kldiv_jax as kd
 from kldiv_jax import _gpu_fused_head
 
-pytestmark = [
-  pytest.mark.skipif(
-    not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
-  ),
-  pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
-]
-ON_GPU = jax.default_backend() == "gpu"
+pytestmark = GPU_KERNEL_MARKS
 N, H, V = 37, 40, 70  # no multiple of the blocks of 16
 # float32's relative tolerance: in the interpreter the kernels' float32 dots are exact; on a
 # GPU, Triton's and XLA's both run TF32 at JAX's default matmul precision (10-bit mantissas).
@@ -46,16 +38,6 @@ def small_blocks(monkeypatch):
   monkeypatch.setattr(_gpu_fused_head, "BLOCK_VOCAB", 16)
   monkeypatch.setattr(_gpu_fused_head, "BLOCK_HIDDEN", 16)
   monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
-
-
-@contextlib.contextmanager
-def cuda_branch():
-  """The CUDA branch of every ``lax.platform_dependent`` (on CPU), or the GPU itself."""
-  if ON_GPU:
-    yield
-    return
-  with platform_branch("cuda"):
-    yield
 
 
 def _operands(dtype, seed=0, bias=True):

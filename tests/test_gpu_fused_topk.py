@@ -16,26 +16,19 @@ the vocabulary (an empty tail), a shorter teacher vocabulary, ``jax_enable_x64``
 ``vmap``; and the program lowered for CUDA.
 """
 
-import contextlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import TRITON_CALL, cuda_text
-from _references import enable_x64, platform_branch
+from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_branch, cuda_text
+from _references import enable_x64
 
 import kldiv_jax as kd
 from kldiv_jax import _gpu_fused_head, _gpu_fused_topk
 
-pytestmark = [
-  pytest.mark.skipif(
-    not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
-  ),
-  pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
-]
-ON_GPU = jax.default_backend() == "gpu"
+pytestmark = GPU_KERNEL_MARKS
 N, H, V, K = 37, 20, 70, 5  # no multiple of the blocks of 16
 F32 = 1e-2 if ON_GPU else 2e-5
 
@@ -46,15 +39,6 @@ def small_blocks(monkeypatch):
   monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
   for name in ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN"):
     monkeypatch.setattr(_gpu_fused_head, name, 16)
-
-
-@contextlib.contextmanager
-def cuda_branch():
-  if ON_GPU:
-    yield
-    return
-  with platform_branch("cuda"):
-    yield
 
 
 def _operands(dtype, seed=0, k=K, vocab=V, sharp=1.0):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import TRITON_CALL, cuda_text
+from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_text
 from _references import enable_x64, hostile_logits, platform_branch
 from jax.interpreters import mlir
 
@@ -31,16 +31,7 @@ from kldiv_jax._gpu_rows import layout, triton_row_sums, whole_rows_layout
 from kldiv_jax._platform import gpu_kernels, gpu_kernels_setting
 from kldiv_jax._whole_rows import ROW_SUMS, xla_row_sums
 
-# The switch needs jax.make_user_context (jax 0.7.2): below it the kernels stay off.
-# (jax 0.11 deprecates Pallas' Triton backend: the library lowers the kernels without the
-# warning, and the tests ignore it should it come from elsewhere.)
-pytestmark = [
-  pytest.mark.skipif(
-    not hasattr(jax, "make_user_context"), reason="the GPU kernels need jax >= 0.7.2"
-  ),
-  pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning"),
-]
-ON_GPU = jax.default_backend() == "gpu"
+pytestmark = GPU_KERNEL_MARKS
 INTERPRET = not ON_GPU
 
 # (name, static params (None where traced), traced values)
