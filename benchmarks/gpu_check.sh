@@ -36,8 +36,13 @@
 # Results: $OUT/gpu-check/ (or benchmarks/results/gpu-check/): device-*.json and the logs.
 # Each step has its own time limit; a step that fails or times out does not stop the next.
 # GPU_CHECK_STEPS=head-quick,head,head-tests runs only those steps (the fused head's).
-# The steps' limits add up to 1200 s: a session of 15 device minutes runs them in two or three
-# calls.
+# The steps' limits add up to 1200 s, more than one session's 15 device minutes (which also
+# pay for the machine's start). In order of what each decides, with a session's time:
+#   1. GPU_CHECK_STEPS=env,quick,full,tests,whole (<= 445 s): the row kernels' speed and
+#      correctness compiled by Triton; a default may change only on these figures;
+#   2. GPU_CHECK_STEPS=head-quick,head,distill-quick,topk-quick (<= 270 s): the fused-head
+#      kernels against the issue's targets (token log-probs, policy), the others' smoke runs;
+#   3. (a later session) distill,topk,head-tests,distill-tests,topk-tests,sweep.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
