@@ -145,5 +145,34 @@ def summands(formula: Formula, params, needs: Needs, c: Classes, barrier):
   return out
 
 
+def softmax_grad(w, prob, zero_total, nan):
+  """``w - prob * sum(w)``: the gradient wrt logits of ``sum f`` given ``w = x df/dx``.
+
+  ``zero_total`` is ``(zero, sum w)`` per row (``sum w``, and whether the rule zeroes the
+  row: :func:`kldiv_jax._engine._row_sum_or_zero`); ``nan`` the rows' NaN term.
+  """
+  zero, total = zero_total
+  return jnp.where(zero, 0.0, w - prob * total) + nan
+
+
+def rule_grads(formula: Formula, params, u, v, stats, a, b, nan):
+  """``(g_u, g_v)``: the engine's derivative rule per class, the derivatives of a row's
+  ``sum f`` wrt the scaled logits ``u`` (student) and ``v`` (teacher), ``[rows, classes]``.
+
+  :math:`\\partial D / \\partial u_j = b_j - q_j \\sum_i b_i` and
+  :math:`\\partial D / \\partial v_j = a_j - p_j \\sum_i a_i`, from the per-row outcomes
+  (``[rows, 1]`` each): ``stats``, :func:`normalized`'s ``(mu, inv_su, log_su, mv, inv_sv,
+  log_sv)``; ``a``, ``b``: ``(zero, sum a)`` and ``(zero, sum b)``, or ``()`` where the rule
+  does not need that side (its derivative is then ``None``); ``nan`` the rows' NaN term.
+  The engine's XLA pass (:func:`kldiv_jax._engine.tangent_rows`) and the GPU kernel of the
+  same pass (:mod:`kldiv_jax._gpu_grad`, per tile) both call it.
+  """
+  c = normalized(u, v, *stats)
+  _, terms_a, terms_b = formula.terms(c, params)
+  g_u = softmax_grad(terms_b, c.q, b, nan) if b else None
+  g_v = softmax_grad(terms_a, c.p, a, nan) if a else None
+  return g_u, g_v
+
+
 def norms(su, sv) -> Norms:
   return Norms(*normalizer(su), *normalizer(sv))

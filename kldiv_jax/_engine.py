@@ -72,11 +72,12 @@ from kldiv_jax._class_sums import (
   class_terms,
   formula_params,
   identical_rows,
-  normalized,
   norms,
+  rule_grads,
 )
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._divergences import FORMULAS, Norms
+from kldiv_jax._gpu_grad import grad_tangent
 from kldiv_jax._gpu_one_pass import one_pass_sums
 from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
@@ -270,30 +271,48 @@ def statistics(
   return _outcomes(needs, mu, su, mv, sv, norms(su, sv), same, out)
 
 
-def _softmax_grad(w, prob, zero_total, nan):
-  """``w - prob * sum(w)``: the gradient wrt logits of ``sum f`` given ``w = x df/dx``.
-
-  ``zero_total`` is ``(zero, sum w)`` from :func:`_row_sum_or_zero`; ``nan`` the rows'
-  NaN term.
-  """
-  zero, total = zero_total
-  return jnp.where(zero, 0.0, w - prob * total) + nan
+def row_norms(rows: Outcomes) -> tuple[jax.Array, ...]:
+  """The rows' ``(mu, inv_su, log_su, mv, inv_sv, log_sv)``, as :func:`normalized` takes them."""
+  return rows.mu, rows.inv_su, rows.log_su, rows.mv, rows.inv_sv, rows.log_sv
 
 
 def tangent_rows(
-  formula, params, z, y, temperature, masks, tangents, rows: Outcomes, axis_name, caps
+  formula,
+  params,
+  z,
+  y,
+  temperature,
+  masks,
+  tangents,
+  rows: Outcomes,
+  axis_name,
+  caps,
+  implementation="auto",
 ):
+  """The rule's tangent per row (``[rows, 1]``). Its elementwise pass over the logits (under
+  ``grad``, the gradient wrt them) is XLA's, or with the opt-in GPU kernels on
+  (``implementation``, :func:`gpu_kernels_for`) on one device, a Triton kernel in a program
+  lowered for CUDA (:func:`kldiv_jax._gpu_grad.grad_tangent`; the temperature's tangent stays
+  XLA's)."""
   dz, dy, dtemp, dparams = tangents
   out = jnp.zeros_like(rows.value)
   if rows.a or rows.b:
-    u, keep_u = scaled(z, temperature, masks, caps[0])
-    v, keep_v = scaled(y, temperature, masks, caps[1])
-    norms = (rows.mu, rows.inv_su, rows.log_su, rows.mv, rows.inv_sv, rows.log_sv)
-    c = normalized(u, v, *norms)
-    _, a, b = formula.terms(c, params)
-    g_u = _softmax_grad(b, c.q, rows.b, rows.nan) if rows.b else jnp.zeros((), out.dtype)
-    g_v = _softmax_grad(a, c.p, rows.a, rows.nan) if rows.a else None
-    local = logit_tangents(temperature, (dz, dy, dtemp), g_u, g_v, u, keep_u, v, keep_v, caps)
+    local = jnp.zeros_like(out)
+    gpu = gpu_kernels_for(implementation) if axis_name is None else False
+    if gpu and not (is_zero(dz) and is_zero(dy)):
+      dz, dy = (None if is_zero(d) else d for d in (dz, dy))
+      local = grad_tangent(
+        gpu, formula, params, caps, z, y, temperature, masks, row_norms(rows), rows.a,
+        rows.b, rows.nan, dz, dy,
+      )  # fmt: skip
+      dz = dy = None
+    if not all(d is None or is_zero(d) for d in (dz, dy, dtemp)):
+      u, keep_u = scaled(z, temperature, masks, caps[0])
+      v, keep_v = scaled(y, temperature, masks, caps[1])
+      g_u, g_v = rule_grads(formula, params, u, v, row_norms(rows), rows.a, rows.b, rows.nan)
+      g_u = jnp.zeros((), out.dtype) if g_u is None else g_u
+      tangents = (dz, dy, dtemp)
+      local = local + logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, caps)
     out = out + (local if axis_name is None else lax.psum(local, axis_name))
   partials = iter(rows.params)
   for d in dparams:
@@ -330,8 +349,9 @@ def _kernel_jvp(key, axis_name, caps, impl, primals, tangents):
   params = formula_params(key, traced, temperature.dtype)
   dparams, needs = tangent_needs(key, dz, dy, dtemp, dtraced)
   rows = statistics(formula, params, needs, z, y, temperature, masks, axis_name, caps, impl)
+  tangents = (dz, dy, dtemp, dparams)
   tangent = tangent_rows(
-    formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, axis_name, caps
+    formula, params, z, y, temperature, masks, tangents, rows, axis_name, caps, impl
   )
   return rows.value[:, 0], tangent[:, 0]
 

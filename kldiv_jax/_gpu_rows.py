@@ -197,8 +197,7 @@ class _Tiles:
     pl, plgpu = self.pl, self.plgpu
     c0 = (self.first_tile + t) * self.tile
     col_in = c0 + lax.broadcasted_iota(jnp.int32, (1, self.tile), 1) < self.classes
-    inside = self.row_in & col_in
-    block = (pl.ds(self.r0, self.block_rows), pl.ds(c0, self.tile))
+    block, inside = self.where(t)
     z = plgpu.load(self.z_ref.at[block], mask=inside, other=-jnp.inf)
     y = plgpu.load(self.y_ref.at[block], mask=inside, other=-jnp.inf)
     keep = [*self.row_keep]
@@ -208,6 +207,14 @@ class _Tiles:
     u, _ = scaled(z, self.temperature, tuple(keep), self.caps[0])
     v, _ = scaled(y, self.temperature, tuple(keep), self.caps[1])
     return u, v
+
+  def where(self, t):
+    """``(block, inside)``: the indices of tile ``t`` of this program's split in the logits,
+    and which of its elements lie inside them."""
+    pl = self.pl
+    c0 = (self.first_tile + t) * self.tile
+    col_in = c0 + lax.broadcasted_iota(jnp.int32, (1, self.tile), 1) < self.classes
+    return (pl.ds(self.r0, self.block_rows), pl.ds(c0, self.tile)), self.row_in & col_in
 
   def loop(self, body, init):
     return lax.fori_loop(jnp.int32(0), jnp.int32(self.per_split), body, init)

@@ -252,6 +252,16 @@ def times_slope(g: jax.Array, capped: jax.Array, cap: float | None) -> jax.Array
   return g if cap is None else g * soft_cap_slope(capped, cap)
 
 
+def logit_grad(g: jax.Array, x: jax.Array, temperature, cap: float | None) -> jax.Array:
+  """The derivative wrt the raw logits ``z`` of a function of ``x = soft_cap(z) / T``, from
+  its derivative ``g`` wrt ``x`` (per class): ``g / T`` times the soft-cap's slope."""
+  return times_slope(g / temperature, x * temperature, cap)
+
+
+def _absent(tangent) -> bool:
+  return tangent is None or is_zero(tangent)
+
+
 def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, caps=None):
   """Per-row tangent of a divergence of ``softmax(u)``, ``softmax(v)`` (``[rows, 1]``).
 
@@ -259,20 +269,18 @@ def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, caps=N
   the temperature, where ``u = soft_cap(z) / T`` and ``v = soft_cap(y) / T``
   (``caps`` their soft-caps, ``None`` for none: the slope comes from ``u T``);
   ``g_u``, ``g_v`` are the derivatives wrt ``u`` and ``v`` (``g_v`` may be
-  ``None`` when ``dy`` and ``dtemp`` are symbolic zeros, which are skipped).
-  Sums over the classes held here: the vocabulary-parallel kernels ``psum``
+  ``None`` when ``dy`` and ``dtemp`` are symbolic zeros, which are skipped, as are
+  tangents given as ``None``). Sums over the classes held here: the vocabulary-parallel kernels ``psum``
   the result.
   """
   dz, dy, dtemp = tangents
   cap_z, cap_y = (None, None) if caps is None else caps
   out = jnp.zeros((u.shape[0], 1), g_u.dtype)
-  if not is_zero(dz):
-    g = times_slope(g_u / temperature, u * temperature, cap_z)
-    out = out + row_sum(g, dz)
-  if not is_zero(dy):
-    g = times_slope(g_v / temperature, v * temperature, cap_y)
-    out = out + row_sum(g, dy)
-  if not is_zero(dtemp):
+  if not _absent(dz):
+    out = out + row_sum(logit_grad(g_u, u, temperature, cap_z), dz)
+  if not _absent(dy):
+    out = out + row_sum(logit_grad(g_v, v, temperature, cap_y), dy)
+  if not _absent(dtemp):
     # du/dT = -u/T on kept classes, 0 on the others.
     u0 = jnp.where(keep_u, u, 0.0)
     v0 = jnp.where(keep_v, v, 0.0)
