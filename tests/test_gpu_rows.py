@@ -9,7 +9,9 @@ family's one-pass statistics and the class sums of JSD, skew KL, skew reverse KL
 that are no multiple of a block or a split, bfloat16, soft-caps, masks of rows and classes
 and traced parameters; the public losses through them (values, gradients, a hessian,
 ``vmap``); the switch (off by default, on in its context, the jit caches keyed by it); and
-the program lowered for CUDA (a Triton custom call where switched on, none where off).
+the program lowered for CUDA (a Triton custom call where switched on, none where off). The
+gradient pass's kernel (``_gpu_grad``) runs inside these losses' gradients too; its own tests are
+``tests/test_gpu_grad_pass.py``.
 """
 
 import contextlib
@@ -24,7 +26,7 @@ from _references import enable_x64, hostile_logits, platform_branch
 from jax.interpreters import mlir
 
 import kldiv_jax as kd
-from kldiv_jax import _gpu_one_pass, _gpu_rows
+from kldiv_jax import _gpu_grad, _gpu_one_pass, _gpu_rows
 from kldiv_jax._class_sums import Needs
 from kldiv_jax._gpu_one_pass import ONE_PASS_SUMS, triton_one_pass_sums, xla_one_pass_sums
 from kldiv_jax._gpu_rows import layout, triton_row_sums, whole_rows_layout
@@ -74,6 +76,11 @@ def gpu_kernel():
       functools.partial(_gpu_one_pass.one_pass_cuda_lowering, interpret=True),
       platform="cpu",
     )
+    mlir.register_lowering(
+      _gpu_grad.GRAD_PASS,
+      functools.partial(_gpu_grad.grad_pass_cuda_lowering, interpret=True),
+      platform="cpu",
+    )
     try:
       yield
     finally:
@@ -81,6 +88,7 @@ def gpu_kernel():
 
       mlir.register_lowering(ROW_SUMS, XLA_LOWERING, platform="cpu")
       mlir.register_lowering(ONE_PASS_SUMS, _gpu_one_pass.ONE_PASS_XLA_LOWERING, platform="cpu")
+      mlir.register_lowering(_gpu_grad.GRAD_PASS, _gpu_grad.GRAD_PASS_XLA_LOWERING, platform="cpu")
 
 
 @contextlib.contextmanager
@@ -397,13 +405,13 @@ def test_the_switch():
 
 
 @pytest.mark.parametrize(
-  "name,classes,kernels", [("forward_kl", 256, 1), ("jsd", 256, 1), ("jsd", 8200, 2)]
+  "name,classes,kernels", [("forward_kl", 256, 2), ("jsd", 256, 2), ("jsd", 8200, 3)]
 )
 def test_the_cuda_program_holds_the_kernels(name, classes, kernels):
   """Lowered for CUDA with the kernels on, the loss and its gradient hold Triton calls (one
   for the KL family's statistics; one for JSD's from whole rows, two where a row does not fit
-  a program: statistics, then class sums); off, none; masks of single elements keep the XLA
-  passes."""
+  a program: statistics, then class sums; and the gradient pass's, :mod:`kldiv_jax._gpu_grad`);
+  off, none; masks of single elements keep the XLA passes."""
   z, y = _logits(16, classes, jnp.float32)
   grad = jax.grad(lambda z: jnp.sum(_loss(name)(z, y)))
   assert TRITON_CALL not in cuda_text(grad, z)
