@@ -366,7 +366,8 @@ def _or_error(compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return {"error": f"{type(err).__name__}: {str(err)[:300]}"}
 
 
-# The row cases that take the opt-in Pallas Triton kernels (kldiv_jax._gpu_rows): on the CUDA
+# The row cases that take the opt-in Pallas Triton kernels (kldiv_jax._gpu_rows, and the
+# gradient pass's, kldiv_jax._gpu_grad: the programs are the losses' gradients): on the CUDA
 # target they are compiled too (``kldiv_jax_gpu``: Triton compiles them for the chip). XLA's
 # cost analysis counts no flops and no bytes of a Triton custom call (its ``bytes`` is then
 # the rest of the program: the derivative rule's pass), so the kernels' own traffic is added
@@ -462,7 +463,8 @@ def _measure_gpu(fn, structs, target: str, default: dict[str, Any]) -> dict[str,
     compiled = _compile(fn, 0, structs, {"xla_dump_to": dump})
     cost = _cost(compiled, target)
     calls, extra = kernel_bytes(compiled.as_text())
-    report = ptxas(Path(dump))
+    # The row kernels' and the gradient pass's (kldiv_jax._gpu_grad).
+    report = ptxas(Path(dump)) + ptxas(Path(dump), "kldiv_jax_gpu_grad")
   flops = max(cost["flops"], default.get("flops", 0.0))
   cfg = TARGETS[target]
   seconds = max(flops / cfg["vector"], (cost["bytes"] + extra) / cfg["bw"])
@@ -794,7 +796,8 @@ def _line(row: dict[str, Any]) -> str:
         f" {gpu['seconds'] * 1e3:.3f} ms; ptxas: "
         + (
           ", ".join(
-            f"{k['threads']} threads, {k['registers']} registers, {k['spill_bytes']} B spilled"
+            f"{k['kernel'][len('kldiv_jax_gpu_') :]}: {k['threads']} threads,"
+            f" {k['registers']} registers, {k['spill_bytes']} B spilled"
             for k in gpu["ptxas"]
           )
           or "n/a"

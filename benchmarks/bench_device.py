@@ -16,8 +16,9 @@ an estimate; the figures are only as good as the one machine and run they come f
   python benchmarks/bench_device.py --cases fused_distillation+logits_f32,fused_policy+logits_f32
 
 ``--gpu-kernels both`` adds to each row case a third contender, ``kldiv_jax_gpu``: the same
-loss traced with the opt-in Pallas Triton kernels on (``kldiv_jax._gpu_rows``; on a GPU
-only), timed round-robin with the other two, its ratio to ``kldiv_jax`` (XLA) and the rate at
+loss traced with the opt-in Pallas Triton kernels on (``kldiv_jax._gpu_rows``' row
+statistics and class sums, and ``kldiv_jax._gpu_grad``'s gradient pass: the programs are
+``value_and_grad``; on a GPU only), timed round-robin with the other two, its ratio to ``kldiv_jax`` (XLA) and the rate at
 which it moves the floor beside theirs; ``on`` times it in place of ``kldiv_jax``.
 ``--gpu-configs 2x2048w8s3,...`` adds one such contender per layout of the kernels (rows per
 program x classes per tile, warps, pipeline stages; tile 0: JSD, skew KL, skew reverse KL and

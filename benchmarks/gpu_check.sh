@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The device check of the opt-in Pallas Triton kernels (issue 37): the row kernels
-# (kldiv_jax/_gpu_rows.py) and the fused LM-head kernels (kldiv_jax/_gpu_fused_head.py,
+# (kldiv_jax/_gpu_rows.py; with the gradient pass's, kldiv_jax/_gpu_grad.py, in every
+# value_and_grad the row steps time, and in test_gpu_rows.py's gradients) and the fused LM-head kernels (kldiv_jax/_gpu_fused_head.py,
 # kldiv_jax/_gpu_fused_distill.py, kldiv_jax/_gpu_fused_topk.py), one
 # command on a machine with an NVIDIA GPU (python3 with jax[cuda], pytest, numpy):
 #
@@ -14,7 +15,8 @@
 # 2. the issue's shapes, (4096, 8192) float32 and (2048, 131072) bfloat16, value_and_grad,
 #    XLA's path and the kernels' in one round-robin (medians, the floor's TB/s, values);
 # 3. tests/test_gpu_rows.py with the kernels compiled by Triton for real (not interpreted),
-#    against XLA's path on the same GPU;
+#    against XLA's path on the same GPU (tests/test_gpu_grad_pass.py, the gradient pass's
+#    own tests: step grad-tests, in a later session's list);
 # 4. the whole-row kernel (JSD, skew KL, skew reverse KL, TVD at (4096, 8192) float32: a
 #    program holds a row pair, one read of the logits) against XLA's path, the split kernels
 #    at their old layout (4x1024w4s3: two reads) and whole rows at 8 and 32 warps (1x0w8s1,
@@ -42,7 +44,7 @@
 #      correctness compiled by Triton; a default may change only on these figures;
 #   2. GPU_CHECK_STEPS=head-quick,head,distill-quick,topk-quick (<= 270 s): the fused-head
 #      kernels against the issue's targets (token log-probs, policy), the others' smoke runs;
-#   3. (a later session) distill,topk,head-tests,distill-tests,topk-tests,sweep.
+#   3. (a later session) grad-tests,distill,topk,head-tests,distill-tests,topk-tests,sweep.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD:$PWD/benchmarks:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
@@ -65,6 +67,8 @@ step quick 35 "$PY" benchmarks/bench_device.py --quick --cases forward_kl,jsd,tv
 step full 150 "$PY" benchmarks/bench_device.py --cases "$CASES" --gpu-kernels both \
   --repeats 7 --out "$RES/full"
 step tests 150 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_rows.py
+step grad-tests 90 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider \
+  tests/test_gpu_grad_pass.py
 step whole 90 "$PY" benchmarks/bench_device.py --cases jsd,skew_kl,skew_reverse_kl,tvd \
   --shapes 4096x8192:float32 --gpu-kernels both \
   --gpu-configs "${GPU_CHECK_WHOLE_CONFIGS:-4x1024w4s3,1x0w8s1,1x0w32s1}" --repeats 7 \

@@ -29,7 +29,9 @@ applied in the kernel, so no scaled copy is written), with the per-class formula
 :mod:`kldiv_jax._class_sums` (:func:`~kldiv_jax._rows.scaled`,
 :func:`~kldiv_jax._class_sums.normalized`, :func:`~kldiv_jax._class_sums.summands`,
 :func:`~kldiv_jax._class_sums.identical_gap`). Their derivatives (hessians) are those of
-the XLA passes. The engine's derivative rule (its elementwise pass) stays XLA's.
+the XLA passes. The engine's derivative rule's elementwise pass (the gradient wrt the
+logits) has its own kernel on the same switch, :mod:`kldiv_jax._gpu_grad`, which reuses
+:class:`_Tiles`.
 
 **Opt-in** (off by default: on an H200 the split kernels measured 0.76-1.26x the time of
 XLA's fusions, ``benchmarks/README.md``; the whole-row kernel has not run on a GPU yet,
