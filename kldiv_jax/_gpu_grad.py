@@ -85,10 +85,9 @@ def _grads(spec: Spec, u, v, temperature, params, per_row):
   a = (rest.pop(0) != 0, rest.pop(0)) if teacher else ()
   g_u, g_v = rule_grads(FORMULAS[name], params, u, v, stats, a, b, nan)
   out = []
-  if student:
-    out.append(logit_grad(g_u, u, temperature, caps[0]))
-  if teacher:
-    out.append(logit_grad(g_v, v, temperature, caps[1]))
+  for g, x, cap in ((g_u, u, caps[0]), (g_v, v, caps[1])):
+    if g is not None:  # the sides the spec names
+      out.append(logit_grad(g, x, temperature, cap))
   return out
 
 

@@ -141,6 +141,29 @@ def test_derivatives_beside_the_kernel(spy):
   assert text.count("kldiv_jax_gpu_grad_pass[") == 1
 
 
+def test_second_derivatives_in_every_mode():
+  """Forward over forward (the tangent primitive's ``jvp``), reverse over reverse (the
+  kernel's ``jvp`` transposed), reverse over forward and a hessian wrt both logits, with a
+  mask of classes, a soft-cap, a temperature: XLA's pass's derivatives."""
+  rng = np.random.default_rng(5)
+  z = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
+  y = jnp.asarray(rng.standard_normal((3, 40)), jnp.float32)
+  loss = _loss("skew_kl", {"alpha": 0.2}, 1.5, jnp.arange(40)[None, :] % 5 != 1, softcap=10.0)
+  total = lambda z, y: jnp.sum(loss(z, y))  # noqa: E731
+  programs = [
+    jax.jacfwd(jax.jacfwd(total)),
+    jax.jacrev(jax.jacrev(total)),
+    jax.jacrev(jax.jacfwd(total)),
+    jax.hessian(total, (0, 1)),
+  ]
+  with xla_path():
+    want = [jax.jit(f)(z, y) for f in programs]
+  with gpu_kernel():
+    got = [jax.jit(f)(z, y) for f in programs]
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["forward_kl", "tvd"])
 def test_the_cuda_program_holds_the_kernel(name):
   """Lowered for CUDA with the kernels on: a loss's value holds the statistics' kernel only;
