@@ -518,8 +518,11 @@ def estimate(setup: Setup, step: str, variant: str, batch: int, seq: int) -> dic
   return out | {"seconds": roofline(out["flops"], out["bytes"], setup.target)}
 
 
-def case_record(setup: Setup, step: str, seq: int, batch: int) -> dict[str, Any]:
-  """Stock and kldiv_jax's steps at one micro-batch: memory, the roofline time, their ratio."""
+def case_record(
+  setup: Setup, step: str, seq: int, batch: int, variants: Sequence[str] = ("kldiv_jax", "stock")
+) -> dict[str, Any]:
+  """Stock and kldiv_jax's steps at one micro-batch: memory, the roofline time, their ratio
+  (``variants``: those compiled; one left out is recorded as ``{"skipped": True}``)."""
   row: dict[str, Any] = {"kind": "step", "target": setup.target, "model": setup.name}
   row |= {"step": step, "seq": seq, "batch": batch, "layers": setup.cfg.num_layers}
   row |= {"vocab": setup.vocab, "flash_attention": setup.flash, "remat": setup.remat}
@@ -527,8 +530,13 @@ def case_record(setup: Setup, step: str, seq: int, batch: int) -> dict[str, Any]
   row["logits_f32_bytes"] = tokens_of(step, batch, seq) * setup.vocab * 4
   for variant in ("kldiv_jax", "stock"):  # the fused one first: it compiles (XLA:TPU's
     # out-of-memory compiles of stock are the slow ones)
+    if variant not in variants:
+      row[variant] = {"skipped": True}
+      continue
     row[variant] = _or_error(lambda v=variant: estimate(setup, step, v, batch, seq))
   fused, stock = row["kldiv_jax"], row["stock"]
+  if "skipped" in stock or "skipped" in fused:
+    return row
   if "seconds" in stock and "seconds" in fused:
     row["time_ratio"] = fused["seconds"] / stock["seconds"]
   if "error" not in stock and "error" not in fused:
@@ -562,12 +570,12 @@ def worker(args: argparse.Namespace) -> int:
         row |= {"layers": setup.cfg.num_layers, "remat": setup.remat}
         row |= {"chunk_size": setup.chunk_size}
         if not args.search_only:
-          row = case_record(setup, step, seq, args.batch)
+          row = case_record(setup, step, seq, args.batch, _list(args.variants))
           save(row)
           print(f"  {line(row)}", file=sys.stderr, flush=True)
         if not (args.max_batch or args.search_only):
           continue
-        for variant in ("stock", "kldiv_jax"):
+        for variant in [v for v in ("stock", "kldiv_jax") if v in _list(args.variants)]:
           known = {} if args.search_only else {args.batch: row[variant]}
           found = max_batch(setup, step, variant, seq, known)
           save({"kind": "max_batch", "variant": variant} | {k: row[k] for k in keys} | found)
@@ -603,8 +611,8 @@ def _gib(b: float | None) -> str:
 def line(row: dict[str, Any]) -> str:
   what = f"{row['target']:4} {row['model']:10} {row['step']:7} S={row['seq']:<5} B={row['batch']}"
   s, f = row["stock"], row["kldiv_jax"]
-  ps = _gib(peak(s)) if "error" not in s else "—"
-  pf = _gib(peak(f)) if "error" not in f else "—"
+  ps = _gib(peak(s)) if not ({"error", "skipped"} & set(s)) else "—"
+  pf = _gib(peak(f)) if not ({"error", "skipped"} & set(f)) else "—"
   text = f"{what}  peak stock {ps} GiB, kldiv_jax {pf} GiB"
   text += f" (f32 logits {_gib(row['logits_f32_bytes'])} GiB)"
   if "time_ratio" in row:
@@ -662,7 +670,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     key=lambda kv: (order[kv[0][0]], order[kv[0][1]], kv[0][3], order[kv[0][2]], -kv[0][-1]),
   ):
     s, f = r["stock"], r["kldiv_jax"]
-    peak_s, peak_f = (_gib(peak(x)) if "error" not in x else _failure(x) for x in (s, f))
+    peak_s, peak_f = (
+      "not run" if "skipped" in x else _gib(peak(x)) if "error" not in x else _failure(x)
+      for x in (s, f)
+    )
     saved = f"{r['saved_over_logits']:.2f}" if "saved_over_logits" in r else "—"
     if "error" in s and "error" not in f and oom_temp_bytes(s) is not None:
       at_least = (oom_temp_bytes(s) - peak(f)) / r["logits_f32_bytes"]
@@ -712,6 +723,11 @@ def parser() -> argparse.ArgumentParser:
     "--chunk-size", type=int, default=None,
     help="the fused losses' chunk of tokens (default: the library's for the target)",
   )  # fmt: skip
+  p.add_argument(
+    "--variants", default="kldiv_jax,stock",
+    help="the steps compiled (kldiv_jax, stock; default both), at --batch and in the "
+    "searches: stock's step does not depend on the fused loss's chunk",
+  )  # fmt: skip
   p.add_argument("--venvs", type=Path, default=None, help="where .venv-accel-* live (the repo)")
   p.add_argument("--report", action="store_true", help="print the tables of <out>/tunix.jsonl")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -737,6 +753,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       parser().error(f"unknown model {bad!r}; available: {MODELS}")
     for bad in [s for s in _list(args.steps) if s not in STEPS]:
       parser().error(f"unknown step {bad!r}; available: {STEPS}")
+    for bad in [v for v in _list(args.variants) if v not in ("kldiv_jax", "stock")]:
+      parser().error(f"unknown variant {bad!r}; available: ('kldiv_jax', 'stock')")
     jax_version = importlib.metadata.version("jax")
     ok = True
     for target in targets:
@@ -745,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       cmd = [str(python), str(Path(__file__).resolve()), "--worker", target]
       cmd += ["--worker-out", str(jsonl), "--models", args.models, "--steps", args.steps]
       cmd += ["--seq", args.seq, "--batch", str(args.batch), "--layers", str(args.layers)]
-      cmd += ["--remat", args.remat]
+      cmd += ["--remat", args.remat, "--variants", args.variants]
       cmd += [] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]
       cmd += ["--max-batch" if args.max_batch else "--no-max-batch"]
       cmd += ["--search-only"] if args.search_only else []
