@@ -352,8 +352,9 @@ class Setup:
     platform = "tpu" if TARGETS[self.target]["kind"] == "tpu" else "cuda"
     c = self.chunk_size or platform_chunk_size(tokens, self.vocab, platform)
     c = min(c, tokens)
+    counts = {"chunks": -(-tokens // c), "full_chunks": tokens // c}
     if (step, c) in self._chunk_costs:  # the same for every length with this chunk
-      return self._chunk_costs[step, c] | {"chunks": -(-tokens // c)}
+      return self._chunk_costs[step, c] | counts
     h = self.cfg.embed_dim
     sds = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=self.sharding)  # noqa: E731
     bf = jnp.bfloat16
@@ -379,11 +380,10 @@ class Setup:
     one, two = cost(c), cost(2 * c)
     self._chunk_costs[step, c] = {
       "chunk": c,
-      "chunks": -(-tokens // c),
       "flops": two["flops"] - one["flops"],
       "bytes": two["bytes"] - one["bytes"],
     }
-    return self._chunk_costs[step, c]
+    return self._chunk_costs[step, c] | counts
 
 
 def vocab_arrays(hlo: str, vocab: int, hidden: int, top: int = 3) -> list[list]:
@@ -511,11 +511,19 @@ def estimate(setup: Setup, step: str, variant: str, batch: int, seq: int) -> dic
     )
     if "error" in chunk:
       return out
-    extra = chunk["chunks"] - 1  # the looped step counts one chunk
-    out["flops_unrolled"] = out["flops"] + extra * chunk["flops"]
-    out["bytes_unrolled"] = out["bytes"] + extra * chunk["bytes"]
-    return out | {"seconds": roofline(out["flops_unrolled"], out["bytes_unrolled"], setup.target)}
+    return unrolled(out, chunk, setup.target)
   return out | {"seconds": roofline(out["flops"], out["bytes"], setup.target)}
+
+
+def unrolled(out: dict[str, Any], chunk: dict[str, Any], target: str) -> dict[str, Any]:
+  """The fused step's counts and time with its chunk loop counted in full: the looped step
+  counts the loop's body (one full chunk) once and the uneven last chunk (outside the loop)
+  once, so ``full_chunks - 1`` chunks are added (not ``chunks - 1``: that counted one chunk
+  too many where the tokens are not a multiple of the chunk)."""
+  extra = chunk["full_chunks"] - 1
+  out = out | {"flops_unrolled": out["flops"] + extra * chunk["flops"]}
+  out["bytes_unrolled"] = out["bytes"] + extra * chunk["bytes"]
+  return out | {"seconds": roofline(out["flops_unrolled"], out["bytes_unrolled"], target)}
 
 
 def case_record(
