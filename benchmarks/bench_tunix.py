@@ -352,8 +352,9 @@ class Setup:
     platform = "tpu" if TARGETS[self.target]["kind"] == "tpu" else "cuda"
     c = self.chunk_size or platform_chunk_size(tokens, self.vocab, platform)
     c = min(c, tokens)
+    counts = {"chunks": -(-tokens // c), "full_chunks": tokens // c}
     if (step, c) in self._chunk_costs:  # the same for every length with this chunk
-      return self._chunk_costs[step, c] | {"chunks": -(-tokens // c)}
+      return self._chunk_costs[step, c] | counts
     h = self.cfg.embed_dim
     sds = lambda s, dt: jax.ShapeDtypeStruct(s, dt, sharding=self.sharding)  # noqa: E731
     bf = jnp.bfloat16
@@ -379,11 +380,10 @@ class Setup:
     one, two = cost(c), cost(2 * c)
     self._chunk_costs[step, c] = {
       "chunk": c,
-      "chunks": -(-tokens // c),
       "flops": two["flops"] - one["flops"],
       "bytes": two["bytes"] - one["bytes"],
     }
-    return self._chunk_costs[step, c]
+    return self._chunk_costs[step, c] | counts
 
 
 def vocab_arrays(hlo: str, vocab: int, hidden: int, top: int = 3) -> list[list]:
@@ -511,15 +511,26 @@ def estimate(setup: Setup, step: str, variant: str, batch: int, seq: int) -> dic
     )
     if "error" in chunk:
       return out
-    extra = chunk["chunks"] - 1  # the looped step counts one chunk
-    out["flops_unrolled"] = out["flops"] + extra * chunk["flops"]
-    out["bytes_unrolled"] = out["bytes"] + extra * chunk["bytes"]
-    return out | {"seconds": roofline(out["flops_unrolled"], out["bytes_unrolled"], setup.target)}
+    return unrolled(out, chunk, setup.target)
   return out | {"seconds": roofline(out["flops"], out["bytes"], setup.target)}
 
 
-def case_record(setup: Setup, step: str, seq: int, batch: int) -> dict[str, Any]:
-  """Stock and kldiv_jax's steps at one micro-batch: memory, the roofline time, their ratio."""
+def unrolled(out: dict[str, Any], chunk: dict[str, Any], target: str) -> dict[str, Any]:
+  """The fused step's counts and time with its chunk loop counted in full: the looped step
+  counts the loop's body (one full chunk) once and the uneven last chunk (outside the loop)
+  once, so ``full_chunks - 1`` chunks are added (not ``chunks - 1``: that counted one chunk
+  too many where the tokens are not a multiple of the chunk)."""
+  extra = chunk["full_chunks"] - 1
+  out = out | {"flops_unrolled": out["flops"] + extra * chunk["flops"]}
+  out["bytes_unrolled"] = out["bytes"] + extra * chunk["bytes"]
+  return out | {"seconds": roofline(out["flops_unrolled"], out["bytes_unrolled"], target)}
+
+
+def case_record(
+  setup: Setup, step: str, seq: int, batch: int, variants: Sequence[str] = ("kldiv_jax", "stock")
+) -> dict[str, Any]:
+  """Stock and kldiv_jax's steps at one micro-batch: memory, the roofline time, their ratio
+  (``variants``: those compiled; one left out is recorded as ``{"skipped": True}``)."""
   row: dict[str, Any] = {"kind": "step", "target": setup.target, "model": setup.name}
   row |= {"step": step, "seq": seq, "batch": batch, "layers": setup.cfg.num_layers}
   row |= {"vocab": setup.vocab, "flash_attention": setup.flash, "remat": setup.remat}
@@ -527,8 +538,13 @@ def case_record(setup: Setup, step: str, seq: int, batch: int) -> dict[str, Any]
   row["logits_f32_bytes"] = tokens_of(step, batch, seq) * setup.vocab * 4
   for variant in ("kldiv_jax", "stock"):  # the fused one first: it compiles (XLA:TPU's
     # out-of-memory compiles of stock are the slow ones)
+    if variant not in variants:
+      row[variant] = {"skipped": True}
+      continue
     row[variant] = _or_error(lambda v=variant: estimate(setup, step, v, batch, seq))
   fused, stock = row["kldiv_jax"], row["stock"]
+  if "skipped" in stock or "skipped" in fused:
+    return row
   if "seconds" in stock and "seconds" in fused:
     row["time_ratio"] = fused["seconds"] / stock["seconds"]
   if "error" not in stock and "error" not in fused:
@@ -562,12 +578,12 @@ def worker(args: argparse.Namespace) -> int:
         row |= {"layers": setup.cfg.num_layers, "remat": setup.remat}
         row |= {"chunk_size": setup.chunk_size}
         if not args.search_only:
-          row = case_record(setup, step, seq, args.batch)
+          row = case_record(setup, step, seq, args.batch, _list(args.variants))
           save(row)
           print(f"  {line(row)}", file=sys.stderr, flush=True)
         if not (args.max_batch or args.search_only):
           continue
-        for variant in ("stock", "kldiv_jax"):
+        for variant in [v for v in ("stock", "kldiv_jax") if v in _list(args.variants)]:
           known = {} if args.search_only else {args.batch: row[variant]}
           found = max_batch(setup, step, variant, seq, known)
           save({"kind": "max_batch", "variant": variant} | {k: row[k] for k in keys} | found)
@@ -603,8 +619,8 @@ def _gib(b: float | None) -> str:
 def line(row: dict[str, Any]) -> str:
   what = f"{row['target']:4} {row['model']:10} {row['step']:7} S={row['seq']:<5} B={row['batch']}"
   s, f = row["stock"], row["kldiv_jax"]
-  ps = _gib(peak(s)) if "error" not in s else "—"
-  pf = _gib(peak(f)) if "error" not in f else "—"
+  ps = _gib(peak(s)) if not ({"error", "skipped"} & set(s)) else "—"
+  pf = _gib(peak(f)) if not ({"error", "skipped"} & set(f)) else "—"
   text = f"{what}  peak stock {ps} GiB, kldiv_jax {pf} GiB"
   text += f" (f32 logits {_gib(row['logits_f32_bytes'])} GiB)"
   if "time_ratio" in row:
@@ -662,7 +678,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     key=lambda kv: (order[kv[0][0]], order[kv[0][1]], kv[0][3], order[kv[0][2]], -kv[0][-1]),
   ):
     s, f = r["stock"], r["kldiv_jax"]
-    peak_s, peak_f = (_gib(peak(x)) if "error" not in x else _failure(x) for x in (s, f))
+    peak_s, peak_f = (
+      "not run" if "skipped" in x else _gib(peak(x)) if "error" not in x else _failure(x)
+      for x in (s, f)
+    )
     saved = f"{r['saved_over_logits']:.2f}" if "saved_over_logits" in r else "—"
     if "error" in s and "error" not in f and oom_temp_bytes(s) is not None:
       at_least = (oom_temp_bytes(s) - peak(f)) / r["logits_f32_bytes"]
@@ -712,6 +731,11 @@ def parser() -> argparse.ArgumentParser:
     "--chunk-size", type=int, default=None,
     help="the fused losses' chunk of tokens (default: the library's for the target)",
   )  # fmt: skip
+  p.add_argument(
+    "--variants", default="kldiv_jax,stock",
+    help="the steps compiled (kldiv_jax, stock; default both), at --batch and in the "
+    "searches: stock's step does not depend on the fused loss's chunk",
+  )  # fmt: skip
   p.add_argument("--venvs", type=Path, default=None, help="where .venv-accel-* live (the repo)")
   p.add_argument("--report", action="store_true", help="print the tables of <out>/tunix.jsonl")
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -737,6 +761,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       parser().error(f"unknown model {bad!r}; available: {MODELS}")
     for bad in [s for s in _list(args.steps) if s not in STEPS]:
       parser().error(f"unknown step {bad!r}; available: {STEPS}")
+    for bad in [v for v in _list(args.variants) if v not in ("kldiv_jax", "stock")]:
+      parser().error(f"unknown variant {bad!r}; available: ('kldiv_jax', 'stock')")
     jax_version = importlib.metadata.version("jax")
     ok = True
     for target in targets:
@@ -745,7 +771,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       cmd = [str(python), str(Path(__file__).resolve()), "--worker", target]
       cmd += ["--worker-out", str(jsonl), "--models", args.models, "--steps", args.steps]
       cmd += ["--seq", args.seq, "--batch", str(args.batch), "--layers", str(args.layers)]
-      cmd += ["--remat", args.remat]
+      cmd += ["--remat", args.remat, "--variants", args.variants]
       cmd += [] if args.chunk_size is None else ["--chunk-size", str(args.chunk_size)]
       cmd += ["--max-batch" if args.max_batch else "--no-max-batch"]
       cmd += ["--search-only"] if args.search_only else []

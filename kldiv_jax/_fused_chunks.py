@@ -21,17 +21,27 @@ from kldiv_jax._checks import check_float, compute_dtype
 # Logit elements per chunk and side when chunk_size=None on CPU (16 MiB of float32).
 CHUNK_ELEMENTS = 1 << 22
 # On TPUs (chunk_size=None): about 2**27 logits per chunk (512 MiB of float32 per [chunk,
-# vocab] array), at most 4096 tokens. Each chunk reads both heads and reads and writes the
-# float32 weight gradient: ~14 bytes per head element for 8 C H V flops (four [C, H] x
-# [H, V] matmuls), C / 1.75 flops per byte, against a chip balance of ~240 (TPU v5e) to
-# ~300 (H100) flops per byte. 1024 tokens at V = 131072 keeps the matmuls compute-bound;
-# 32 (the CPU default there) left them bound by weight bandwidth.
+# vocab] array), at most 4096 tokens, and at least 1024 tokens while that is at most 2**28
+# logits (V <= 262144). Each chunk reads both heads and reads and writes the float32 weight
+# gradient: ~14 bytes per head element for 8 C H V flops (four [C, H] x [H, V] matmuls),
+# C / 1.75 flops per byte whatever V, against a chip balance of ~240 (TPU v5e) to ~300
+# (H100) flops per byte; the [C, V] float32 arrays' passes add bytes in proportion to the
+# flops (4 C V a pass, for 8 C H V flops). So the tokens per chunk, not the logits, decide
+# whether a chunk is bound by the heads' bytes: 1024 tokens at V = 131072 keeps the matmuls
+# compute-bound, while 2**27 logits alone gave 512 tokens at Qwen 3's V = 151936 and Gemma
+# 3's 262144, where each chunk's re-read head and accumulator made Tunix's whole v5e train
+# step 1.14-1.34x stock's time (XLA's estimate; 0.93x with 1024). 32 (the CPU default at
+# V = 131072) left them bound by weight bandwidth. Past V = 262144 the floor gives way to
+# 2**28 logits (1 GiB of float32 per [chunk, vocab] array) for a 16 GiB v5e.
 _ACCEL_CHUNK_ELEMENTS = 1 << 27
-# On GPUs: twice that (2048 tokens at V = 131072). XLA:GPU writes each chunk's float32
-# logits and their gradient to HBM between its fusions (~13 passes over a [chunk, vocab]
-# float32 array per chunk, the matmuls' epilogues not fused): at 1024 tokens that traffic
-# plus the heads' made an H100 chunk bandwidth-bound (1.6x the materialised loss, XLA's
-# estimate), at 2048 it is 1.1x, with 3.1 GiB of temporaries against the 80 GiB.
+_ACCEL_MIN_CHUNK = 1024
+_ACCEL_FLOOR_ELEMENTS = 1 << 28
+# On GPUs: 2**28 logits (2048 tokens at V = 131072, 1024 at 151936 and 262144). XLA:GPU
+# writes each chunk's float32 logits and their gradient to HBM between its fusions (~13
+# passes over a [chunk, vocab] float32 array per chunk, the matmuls' epilogues not fused): at
+# 1024 tokens that traffic plus the heads' made an H100 chunk bandwidth-bound (1.6x the
+# materialised loss, XLA's estimate), at 2048 it is 1.1x, with 3.1 GiB of temporaries
+# against the 80 GiB.
 _GPU_CHUNK_ELEMENTS = 1 << 28
 _ACCEL_MAX_CHUNK = 4096
 # The name scope of a fused call's chunk loop, followed by its chunk (``..._1024``): it marks
@@ -58,12 +68,18 @@ def default_chunk_size(num_tokens: int, vocab_size: int, elements: int = CHUNK_E
 
 def platform_chunk_size(num_tokens: int, vocab_size: int, platform: str) -> int:
   """The default chunk for a platform: :func:`default_chunk_size` on ``"cpu"``; on ``"cuda"``
-  and ``"rocm"`` a power of two near ``2**28 / vocab_size`` tokens, elsewhere (TPU) near
-  ``2**27 / vocab_size``, at most 4096, within ``[1, num_tokens]``."""
+  and ``"rocm"`` a power of two near ``2**28 / vocab_size`` tokens; elsewhere (TPU) a power
+  of two near ``2**27 / vocab_size`` tokens but at least 1024 (while that is at most ``2**28``
+  logits: ``vocab_size <= 262144``; past it near ``2**28 / vocab_size``); at most 4096, within
+  ``[1, num_tokens]``."""
   if platform == "cpu":
     return default_chunk_size(num_tokens, vocab_size)
-  elements = _GPU_CHUNK_ELEMENTS if platform in ("cuda", "rocm") else _ACCEL_CHUNK_ELEMENTS
-  return _power_of_two_chunk(elements, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+  if platform in ("cuda", "rocm"):
+    return _power_of_two_chunk(_GPU_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+  # TPU: the tokens per chunk amortise the heads' bytes (see _ACCEL_CHUNK_ELEMENTS).
+  floor = _power_of_two_chunk(_ACCEL_FLOOR_ELEMENTS, num_tokens, vocab_size, _ACCEL_MIN_CHUNK)
+  size = _power_of_two_chunk(_ACCEL_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+  return max(size, floor)
 
 
 def check_chunk(name, chunk_size, n, vocab_size, elements=CHUNK_ELEMENTS) -> int:

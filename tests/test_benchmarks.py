@@ -426,6 +426,24 @@ def test_tunix_max_batch_search(monkeypatch, base_gib, per_batch_gib, fail_above
   assert sorted(int(b) for b in found["probes"]) == sorted(compiles)
 
 
+@pytest.mark.parametrize(
+  ("tokens", "chunk", "body_and_tail"), [(3840, 1024, 1 + 0.75), (4096, 1024, 1)]
+)
+def test_tunix_chunk_loop_counted_once_per_chunk(monkeypatch, tokens, chunk, body_and_tail):
+  """bench_tunix's fused step counted in full: XLA counts the loop's body (one full chunk) and
+  the uneven last chunk once each; the estimate adds the other full chunks, so the loss's
+  flops are those of ``tokens`` (``tokens / chunk`` chunks' worth), not one chunk more."""
+  monkeypatch.syspath_prepend(str(BENCH))
+  import bench_tunix
+
+  per_chunk, rest = 1e12, 5e12  # the loss's flops per full chunk; the rest of the step's
+  looped = {"flops": rest + body_and_tail * per_chunk, "bytes": 1.0}
+  info = {"chunk": chunk, "chunks": -(-tokens // chunk), "full_chunks": tokens // chunk}
+  out = bench_tunix.unrolled(looped, info | {"flops": per_chunk, "bytes": 0.0}, "v5e")
+  assert out["flops_unrolled"] == pytest.approx(rest + tokens / chunk * per_chunk)
+  assert out["seconds"] == pytest.approx(out["flops_unrolled"] / bench_tunix.TARGETS["v5e"]["peak"])
+
+
 def test_tunix_section_parses_and_tabulates(monkeypatch):
   """bench_tunix's CLI parses without its environments and its table shows a step that XLA
   could not fit as OOM, the peak saved over the float32 logits and the largest micro-batches."""
@@ -434,6 +452,7 @@ def test_tunix_section_parses_and_tabulates(monkeypatch):
 
   args = bench_tunix.parser().parse_args(["--targets", "v5e", "--no-max-batch", "--seq", "4096"])
   assert not args.max_batch and args.seq == "4096" and args.batch == 8
+  assert args.variants == "kldiv_jax,stock"
   case = {"target": "v5e", "model": "qwen3_0p6b", "step": "grpo", "seq": 4096, "layers": 2}
   step = case | {"kind": "step", "batch": 8, "saved_over_logits": 1.25, "time_ratio": 0.9}
   step["stock"] = {"error": "XlaRuntimeError: RESOURCE_EXHAUSTED: Ran out of memory in hbm"}

@@ -200,7 +200,8 @@ OLD_MULTI_PLATFORM_SHARD_MAP = jax.__version_info__ < (0, 8)
 # -- the fused losses' default chunk --------------------------------------------------------------
 
 # A vocabulary large enough that the CPU default (2**22 logits: 16 tokens) and the accelerator
-# default (2**27 logits, at most 4096 tokens: all 256 here) differ; lowered, never run.
+# default (2**27 logits, at least 1024 and at most 4096 tokens: all 256 here) differ; lowered,
+# never run.
 FUSED_TOKENS, FUSED_VOCAB, FUSED_HIDDEN = 256, 1 << 18, 8
 FUSED_DEFAULTS = {
   "fused_distillation_loss": (
@@ -226,9 +227,28 @@ def _fused_grad_w(text: str) -> set[str]:
 def test_fused_default_chunk_per_platform_at_a_large_vocabulary():
   """N = 16384, V = 2**17 (bench-accel's size): 2**22 logits per chunk on CPU, 2**28 on GPUs
   (their fusions pass the chunk's logits through HBM: more tokens amortise the heads), 2**27
-  on TPU (a 16 GiB v5e)."""
+  on TPU (a 16 GiB v5e; at least 1024 tokens)."""
   chunks = [platform_chunk_size(16384, 1 << 17, p) for p in ("cpu", "cuda", "rocm", "tpu")]
   assert chunks == [32, 2048, 2048, 1024]
+
+
+@pytest.mark.parametrize(
+  "vocab, tpu, gpu",
+  [
+    (32768, 4096, 4096),  # 2**27 / V tokens on TPU, at most 4096
+    (151936, 1024, 1024),  # Qwen 3: 2**27 / V is 883 (512 as a power of two); the floor
+    (262144, 1024, 1024),  # Gemma 3: 512 by 2**27 / V; the floor, 2**28 logits
+    (1 << 19, 512, 512),  # past 262144 the floor gives way to 2**28 logits
+    (1 << 20, 256, 256),
+  ],
+)
+def test_fused_default_chunk_on_tpu_has_a_floor_of_1024_tokens(vocab, tpu, gpu):
+  """On TPU the tokens per chunk amortise the heads' bytes (~14 per head element for
+  8 C H V flops, whatever V): at least 1024 tokens while that is at most 2**28 logits; on
+  GPUs 2**28 logits, as before."""
+  assert platform_chunk_size(16384, vocab, "tpu") == tpu
+  assert platform_chunk_size(16384, vocab, "cuda") == gpu
+  assert platform_chunk_size(300, vocab, "tpu") == min(tpu, 300)  # within [1, num_tokens]
 
 
 @pytest.mark.parametrize("name", sorted(FUSED_DEFAULTS))
@@ -256,6 +276,19 @@ def test_fused_default_chunk_is_chosen_per_platform(name):
   text = export.export(program, platforms=PLATFORMS)(*args).mlir_module()
   assert _fused_chunks(text) == {cpu, accel}
   assert _fused_grad_w(text) == blocked | whole
+
+
+def test_fused_default_chunk_on_tpu_at_qwen3_vocabulary_is_lowered():
+  """At Qwen 3's V = 151936 and 4096 tokens the TPU module chunks 1024 tokens at a time
+  (2**27 logits alone would give 512), the CUDA module 1024 (2**28 logits)."""
+  n, v, h = 4096, 151936, 8
+  args = [jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((h, v), jnp.bfloat16)]
+  args.append(jax.ShapeDtypeStruct((n,), jnp.int32))
+  fn = lambda h, w, y: jnp.sum(kd.fused_token_log_probs(h, w, y))  # noqa: E731
+  program = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+  for platforms in (("tpu",), ("cuda",)):
+    text = export.export(program, platforms=platforms)(*args).mlir_module()
+    assert _fused_chunks(text) == {1024}, platforms
 
 
 # -- jax_enable_x64 -------------------------------------------------------------------------------
