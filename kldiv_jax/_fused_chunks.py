@@ -36,13 +36,16 @@ CHUNK_ELEMENTS = 1 << 22
 _ACCEL_CHUNK_ELEMENTS = 1 << 27
 _ACCEL_MIN_CHUNK = 1024
 _ACCEL_FLOOR_ELEMENTS = 1 << 28
-# On GPUs: 2**28 logits (2048 tokens at V = 131072, 1024 at 151936 and 262144). XLA:GPU
-# writes each chunk's float32 logits and their gradient to HBM between its fusions (~13
-# passes over a [chunk, vocab] float32 array per chunk, the matmuls' epilogues not fused): at
-# 1024 tokens that traffic plus the heads' made an H100 chunk bandwidth-bound (1.6x the
-# materialised loss, XLA's estimate), at 2048 it is 1.1x, with 3.1 GiB of temporaries
-# against the 80 GiB.
+# On GPUs: 2**28 logits, and at least 2048 tokens while V <= 262144 (2048 tokens at
+# V = 131072, Qwen 3's 151936 and Gemma 3's 262144). XLA:GPU writes each chunk's float32
+# logits and their gradient to HBM between its fusions (~13 passes over a [chunk, vocab]
+# float32 array per chunk, the matmuls' epilogues not fused): at 1024 tokens that traffic
+# plus the heads' made an H100 chunk bandwidth-bound (1.6x the materialised loss at
+# V = 131072, 1.20-1.37x at 151936 and 262144, XLA's estimates), at 2048 it is 1.0-1.1x,
+# with 1.2-3.2 GiB of temporaries against the 80 GiB. Past V = 262144, 2**28 logits.
 _GPU_CHUNK_ELEMENTS = 1 << 28
+_GPU_MIN_CHUNK = 2048
+_GPU_FLOOR_VOCAB = 1 << 18
 _ACCEL_MAX_CHUNK = 4096
 # The name scope of a fused call's chunk loop, followed by its chunk (``..._1024``): it marks
 # the chunking in a lowered module.
@@ -68,14 +71,17 @@ def default_chunk_size(num_tokens: int, vocab_size: int, elements: int = CHUNK_E
 
 def platform_chunk_size(num_tokens: int, vocab_size: int, platform: str) -> int:
   """The default chunk for a platform: :func:`default_chunk_size` on ``"cpu"``; on ``"cuda"``
-  and ``"rocm"`` a power of two near ``2**28 / vocab_size`` tokens; elsewhere (TPU) a power
+  and ``"rocm"`` a power of two near ``2**28 / vocab_size`` tokens but at least 2048 while
+  ``vocab_size <= 262144``; elsewhere (TPU) a power
   of two near ``2**27 / vocab_size`` tokens but at least 1024 (while that is at most ``2**28``
   logits: ``vocab_size <= 262144``; past it near ``2**28 / vocab_size``); at most 4096, within
   ``[1, num_tokens]``."""
   if platform == "cpu":
     return default_chunk_size(num_tokens, vocab_size)
   if platform in ("cuda", "rocm"):
-    return _power_of_two_chunk(_GPU_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+    size = _power_of_two_chunk(_GPU_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)
+    floor = min(_GPU_MIN_CHUNK, num_tokens) if vocab_size <= _GPU_FLOOR_VOCAB else 1
+    return max(size, floor)
   # TPU: the tokens per chunk amortise the heads' bytes (see _ACCEL_CHUNK_ELEMENTS).
   floor = _power_of_two_chunk(_ACCEL_FLOOR_ELEMENTS, num_tokens, vocab_size, _ACCEL_MIN_CHUNK)
   size = _power_of_two_chunk(_ACCEL_CHUNK_ELEMENTS, num_tokens, vocab_size, _ACCEL_MAX_CHUNK)

@@ -236,19 +236,21 @@ def test_fused_default_chunk_per_platform_at_a_large_vocabulary():
   "vocab, tpu, gpu",
   [
     (32768, 4096, 4096),  # 2**27 / V tokens on TPU, at most 4096
-    (151936, 1024, 1024),  # Qwen 3: 2**27 / V is 883 (512 as a power of two); the floor
-    (262144, 1024, 1024),  # Gemma 3: 512 by 2**27 / V; the floor, 2**28 logits
+    (151936, 1024, 2048),  # Qwen 3: 2**27 / V is 883 (512 as a power of two); the floors
+    (262144, 1024, 2048),  # Gemma 3: 512 by 2**27 / V; the floors (2**28, 2**29 logits)
     (1 << 19, 512, 512),  # past 262144 the floor gives way to 2**28 logits
     (1 << 20, 256, 256),
   ],
 )
-def test_fused_default_chunk_on_tpu_has_a_floor_of_1024_tokens(vocab, tpu, gpu):
-  """On TPU the tokens per chunk amortise the heads' bytes (~14 per head element for
-  8 C H V flops, whatever V): at least 1024 tokens while that is at most 2**28 logits; on
-  GPUs 2**28 logits, as before."""
+def test_fused_default_chunk_has_a_floor_of_tokens(vocab, tpu, gpu):
+  """The tokens per chunk amortise the heads' bytes (~14 per head element for 8 C H V flops,
+  whatever V): on TPU at least 1024 tokens while that is at most 2**28 logits; on GPUs 2**28
+  logits and at least 2048 tokens while V <= 262144."""
   assert platform_chunk_size(16384, vocab, "tpu") == tpu
   assert platform_chunk_size(16384, vocab, "cuda") == gpu
+  assert platform_chunk_size(16384, vocab, "rocm") == gpu
   assert platform_chunk_size(300, vocab, "tpu") == min(tpu, 300)  # within [1, num_tokens]
+  assert platform_chunk_size(300, vocab, "cuda") == min(gpu, 300)
 
 
 @pytest.mark.parametrize("name", sorted(FUSED_DEFAULTS))
@@ -280,15 +282,15 @@ def test_fused_default_chunk_is_chosen_per_platform(name):
 
 def test_fused_default_chunk_on_tpu_at_qwen3_vocabulary_is_lowered():
   """At Qwen 3's V = 151936 and 4096 tokens the TPU module chunks 1024 tokens at a time
-  (2**27 logits alone would give 512), the CUDA module 1024 (2**28 logits)."""
+  (2**27 logits alone would give 512), the CUDA module 2048 (2**28 logits alone: 1024)."""
   n, v, h = 4096, 151936, 8
   args = [jax.ShapeDtypeStruct((n, h), jnp.bfloat16), jax.ShapeDtypeStruct((h, v), jnp.bfloat16)]
   args.append(jax.ShapeDtypeStruct((n,), jnp.int32))
   fn = lambda h, w, y: jnp.sum(kd.fused_token_log_probs(h, w, y))  # noqa: E731
   program = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
-  for platforms in (("tpu",), ("cuda",)):
+  for platforms, want in ((("tpu",), 1024), (("cuda",), 2048)):
     text = export.export(program, platforms=platforms)(*args).mlir_module()
-    assert _fused_chunks(text) == {1024}, platforms
+    assert _fused_chunks(text) == {want}, platforms
 
 
 # -- jax_enable_x64 -------------------------------------------------------------------------------
