@@ -1,8 +1,10 @@
 """Programs lowered for CUDA without a GPU, for the tests of the opt-in Triton kernels."""
 
 import contextlib
+import re
 
 import jax
+import numpy as np
 import pytest
 from _references import platform_branch
 from jax import export
@@ -46,3 +48,25 @@ def cuda_branch():
     return
   with platform_branch("cuda"):
     yield
+
+
+# float32's relative tolerance: in the interpreter the kernels' float32 dots are exact; on a
+# GPU, Triton's and XLA's both run TF32 at JAX's default matmul precision (10-bit mantissas).
+F32 = 1e-2 if ON_GPU else 2e-5
+
+
+def agree(got, want, f32):
+  """Every leaf of ``got`` close to ``want``'s (NaN where it is NaN): float32's tolerance
+  (:data:`F32`) or bf16's, relative and against the largest finite entry."""
+  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    g, x = np.asarray(g, np.float64), np.asarray(x, np.float64)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(x))
+    scale = np.abs(x[np.isfinite(x)]).max(initial=1e-3)
+    rtol, atol = (F32, F32 * scale) if f32 else (2e-2, 1e-2 * scale)
+    np.testing.assert_allclose(g, x, rtol=rtol, atol=atol)
+
+
+def kernel_counts(text):
+  """``(Triton calls, distinct fused-head kernels)`` in a module lowered for CUDA."""
+  names = set(re.findall(r"kldiv_jax_gpu_head_[a-z]+_kernel", text))
+  return text.count(f"@{TRITON_CALL}"), len(names)

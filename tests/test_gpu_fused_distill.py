@@ -15,13 +15,19 @@ divergences, static and traced parameters, temperatures, labels with ``alpha`` a
 the program lowered for CUDA.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_branch, cuda_text
+from _gpu_programs import (
+  F32,
+  GPU_KERNEL_MARKS,
+  ON_GPU,
+  agree,
+  cuda_branch,
+  cuda_text,
+  kernel_counts,
+)
 from _references import enable_x64
 
 import kldiv_jax as kd
@@ -29,7 +35,6 @@ from kldiv_jax import _gpu_fused_distill, _gpu_fused_head
 
 pytestmark = GPU_KERNEL_MARKS
 N, H, HT, V = 37, 20, 40, 70  # no multiple of the blocks of 16
-F32 = 1e-2 if ON_GPU else 2e-5
 
 
 @pytest.fixture(autouse=True)
@@ -64,16 +69,6 @@ def _program(implementation, teacher, labels, **options):
     return out, (parts.soft, parts.hard)
 
   return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
-
-
-def _agree(got, want, f32, parts_too=True):
-  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    g, x = np.asarray(g, np.float64), np.asarray(x, np.float64)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(x))
-    finite = np.isfinite(x)
-    scale = np.abs(x[finite]).max(initial=1e-3)
-    rtol, atol = (F32, F32 * scale) if f32 else (2e-2, 1e-2 * scale)
-    np.testing.assert_allclose(g, x, rtol=rtol, atol=atol)
 
 
 CASES = [
@@ -113,7 +108,7 @@ def test_the_xla_chunk_loop_agrees(
     want = _program("xla", teacher, labels, **options)(h, w, b)
     text = str(jax.make_jaxpr(_program("pallas", teacher, labels, **options))(h, w, b))
   assert "kldiv_jax_gpu_head" in text
-  _agree(got, want, dtype == jnp.float32)
+  agree(got, want, dtype == jnp.float32)
   assert got[1][0].dtype == dtype
 
 
@@ -182,7 +177,7 @@ def test_traced_parameters_and_heads_of_other_widths():
   stats, sums = (text.count(f"kldiv_jax_gpu_head_{k}_kernel") for k in ("stats", "sums"))
   assert stats == 2 * sums > 0
   np.testing.assert_array_equal(np.asarray(got[1][1])[:, V:], 0.0)
-  _agree(got, want, True)
+  agree(got, want, True)
 
 
 def test_a_float32_teacher_beside_a_bf16_student():
@@ -194,7 +189,7 @@ def test_a_float32_teacher_beside_a_bf16_student():
     got = _program("pallas", teacher, None, divergence="tvd")(h, w, b)
     want = _program("xla", teacher, None, divergence="tvd")(h, w, b)
     assert "kldiv_jax_gpu_head" in str(jax.make_jaxpr(_program("pallas", teacher, None))(h, w, b))
-  _agree(got, want, False)
+  agree(got, want, False)
 
 
 def test_inf_nan_and_labels_out_of_range():
@@ -214,7 +209,7 @@ def test_inf_nan_and_labels_out_of_range():
   for divergence in ("forward_kl", "jsd", "tvd"):
     got = run("pallas", h, labels, divergence=divergence, temperature=1.5)
     want = run("xla", h, labels, divergence=divergence, temperature=1.5)
-    _agree(got, want, True)
+    agree(got, want, True)
   # The teacher's NaN token: NaN loss and weight gradient, the other tokens' rows finite.
   gh = np.asarray(got[1][0])
   assert np.isnan(gh[11]).all() and np.isfinite(np.delete(gh, 11, 0)).all()
@@ -223,7 +218,7 @@ def test_inf_nan_and_labels_out_of_range():
   for bad in (labels.at[4].set(17), labels.at[9].set(V + 3)):
     got = run("pallas", h2, bad, divergence="reverse_kl")
     want = run("xla", h2, bad, divergence="reverse_kl")
-    _agree(got, want, True)
+    agree(got, want, True)
 
 
 def test_x64_and_vmap():
@@ -238,7 +233,7 @@ def test_x64_and_vmap():
     assert "kldiv_jax_gpu_head" in str(jax.make_jaxpr(program)(h, w, b))
   for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert g.dtype == x.dtype
-  _agree(got, want, True)
+  agree(got, want, True)
   hb, thb, yb = h[:36].reshape(3, 12, H), teacher[0][:36].reshape(3, 12, HT), labels[:36]
 
   def grads(implementation):
@@ -252,7 +247,7 @@ def test_x64_and_vmap():
   with cuda_branch():
     args = (hb, w, thb, yb.reshape(3, 12))
     assert "kldiv_jax_gpu_head" in str(jax.make_jaxpr(grads("pallas"))(*args))
-    _agree(grads("pallas")(*args), grads("xla")(*args), True)
+    agree(grads("pallas")(*args), grads("xla")(*args), True)
 
 
 def test_the_cuda_program_holds_the_kernels(monkeypatch):
@@ -274,9 +269,7 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
       )
       return out.astype(jnp.float32)
 
-    text = cuda_text(jax.grad(loss, (0, 1)), h, w)
-    names = set(re.findall(r"kldiv_jax_gpu_head_[a-z]+_kernel", text))
-    return text.count(f"@{TRITON_CALL}"), len(names)
+    return kernel_counts(cuda_text(jax.grad(loss, (0, 1)), h, w))
 
   assert calls("pallas") == (3, 3)  # statistics, dh, dW
   assert calls("pallas", divergence="jsd") == (4, 4)  # and the class sums

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_branch, cuda_text
+from _gpu_programs import F32, GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_branch, cuda_text
 from _references import enable_x64
 
 import kldiv_jax as kd
@@ -26,9 +26,6 @@ from kldiv_jax import _gpu_fused_head
 
 pytestmark = GPU_KERNEL_MARKS
 N, H, V = 37, 40, 70  # no multiple of the blocks of 16
-# float32's relative tolerance: in the interpreter the kernels' float32 dots are exact; on a
-# GPU, Triton's and XLA's both run TF32 at JAX's default matmul precision (10-bit mantissas).
-F32 = 1e-2 if ON_GPU else 2e-5
 
 
 @pytest.fixture(autouse=True)

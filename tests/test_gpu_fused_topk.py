@@ -16,13 +16,19 @@ the vocabulary (an empty tail), a shorter teacher vocabulary, ``jax_enable_x64``
 ``vmap``; and the program lowered for CUDA.
 """
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_branch, cuda_text
+from _gpu_programs import (
+  F32,
+  GPU_KERNEL_MARKS,
+  ON_GPU,
+  agree,
+  cuda_branch,
+  cuda_text,
+  kernel_counts,
+)
 from _references import enable_x64
 
 import kldiv_jax as kd
@@ -30,7 +36,6 @@ from kldiv_jax import _gpu_fused_head, _gpu_fused_topk
 
 pytestmark = GPU_KERNEL_MARKS
 N, H, V, K = 37, 20, 70, 5  # no multiple of the blocks of 16
-F32 = 1e-2 if ON_GPU else 2e-5
 
 
 @pytest.fixture(autouse=True)
@@ -71,16 +76,6 @@ def _program(implementation, teacher, labels, **options):
     return out, (parts.soft, parts.hard)
 
   return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
-
-
-def _agree(got, want, f32):
-  for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    g, x = np.asarray(g, np.float64), np.asarray(x, np.float64)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(x))
-    finite = np.isfinite(x)
-    scale = np.abs(x[finite]).max(initial=1e-3)
-    rtol, atol = (F32, F32 * scale) if f32 else (2e-2, 1e-2 * scale)
-    np.testing.assert_allclose(g, x, rtol=rtol, atol=atol)
 
 
 def _both(teacher, labels, h, w, b, **options):
@@ -135,7 +130,7 @@ def test_the_xla_chunk_loop_agrees(
     options["alpha"] = 0.3
   got, want, text = _both(teacher, labels, h, w, b, **options)
   assert "kldiv_jax_gpu_head_tail_kernel" in text
-  _agree(got, want, dtype == jnp.float32)
+  agree(got, want, dtype == jnp.float32)
   assert got[0][0].dtype == dtype
 
 
@@ -198,7 +193,7 @@ def test_inf_nan_padding_and_slot_masks():
     options = dict(divergence=divergence, tail=tail, tail_floor=floor, where=where, chunk_size=8)
     got, want, text = _both((ids, lp), None, h, w, b, temperature=1.5, **options)
     assert "kldiv_jax_gpu_head_tail_kernel" in text
-    _agree(got, want, True)
+    agree(got, want, True)
   gh = np.asarray(got[1][0])
   assert np.isnan(gh[11]).all() and np.isfinite(np.delete(gh, 11, 0)).all()
 
@@ -231,7 +226,7 @@ def test_traced_parameters_one_slot_and_a_shorter_teacher():
     text = str(jax.make_jaxpr(program("pallas"))(*args))
   assert "kldiv_jax_gpu_head_tail_kernel" in text
   np.testing.assert_array_equal(np.asarray(got[1][1])[:, V:], 0.0)
-  _agree(got, want, True)
+  agree(got, want, True)
 
 
 def test_x64_and_vmap():
@@ -245,7 +240,7 @@ def test_x64_and_vmap():
     assert "kldiv_jax_gpu_head_tail_kernel" in str(jax.make_jaxpr(program)(h, w, b))
   for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert g.dtype == x.dtype
-  _agree(got, want, True)
+  agree(got, want, True)
 
   def grads(implementation):
     def loss(h, w, ids, lp):
@@ -258,7 +253,7 @@ def test_x64_and_vmap():
   args = (h[:36].reshape(3, 12, H), w, *(x[:36].reshape(3, 12, K) for x in teacher))
   with cuda_branch():
     assert "kldiv_jax_gpu_head_tail_kernel" in str(jax.make_jaxpr(grads("pallas"))(*args))
-    _agree(grads("pallas")(*args), grads("xla")(*args), True)
+    agree(grads("pallas")(*args), grads("xla")(*args), True)
 
 
 def test_the_cuda_program_holds_the_kernels(monkeypatch):
@@ -281,9 +276,7 @@ def test_the_cuda_program_holds_the_kernels(monkeypatch):
       )
       return out.astype(jnp.float32)
 
-    text = cuda_text(jax.grad(loss, (0, 1)), h, w)
-    names = set(re.findall(r"kldiv_jax_gpu_head_[a-z]+_kernel", text))
-    return text.count(f"@{TRITON_CALL}"), len(names)
+    return kernel_counts(cuda_text(jax.grad(loss, (0, 1)), h, w))
 
   assert calls("pallas") == (3, 3)  # tail, dh, dW
   assert calls("pallas", labels=labels) == (3, 3)  # the cross entropy in the same kernels
@@ -317,4 +310,4 @@ def test_a_top_k_covering_the_vocabulary():
     options = dict(divergence="reverse_kl", tail=tail, tail_floor=floor, temperature=1.3)
     got, want, text = _both((ids, lp), labels, h, w, b, alpha=0.6, **options)
     assert "kldiv_jax_gpu_head_tail_kernel" in text
-    _agree(got, want, True)
+    agree(got, want, True)
