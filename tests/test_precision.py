@@ -293,6 +293,26 @@ def _skew_reference(name, params, lq, lp):
   return jnp.sum(q * (lq - jnp.log((1 - alpha) * p + alpha * q)), -1)
 
 
+def _sweep_logits(vocab):
+  """The data of ``bench_precision.py --sweep`` (``sweep_logits`` at seed 0), float32: student
+  and teacher logits ``[6, vocab]``, two rows per logit scale 1, 3 and 10 of ``scale * N(0, 1)``."""
+  rng = np.random.default_rng(vocab)
+  scale = np.repeat([1.0, 3.0, 10.0], 2)[:, None]
+  s, t = (jnp.asarray(scale * rng.normal(size=(6, vocab)), jnp.float32) for _ in range(2))
+  return s, t
+
+
+def _assert_as_precise_per_scale(got, base, want, condition, *what):
+  """Per logit scale (two rows each of :func:`_sweep_logits`), the relative error of ``got``
+  against float64's ``want`` at most twice that of the straightforward formula's ``base``, or
+  two ulps times the value's ``condition``."""
+  err = np.abs(_f64(got) - want) / want
+  err0 = np.abs(_f64(base) - want) / want
+  for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
+    floor = 2 * EPS * np.max(condition[rows])
+    assert np.max(err[rows]) <= 2 * max(np.max(err0[rows]), floor), (*what, rows, err, err0)
+
+
 @pytest.mark.parametrize("path", ["cpu", "accelerator", "gpu branch"])
 def test_saturated_skew_kls_as_precise_as_the_straightforward_formula(path):
   """The skew KLs between rows whose masses barely overlap (issue 33; the data of
@@ -304,9 +324,7 @@ def test_saturated_skew_kls_as_precise_as_the_straightforward_formula(path):
   straightforward formula's 1.8e-7 (on every path); ``log_ratio_mix`` now takes the log there
   as ``log alpha + log1p((1 - alpha) / alpha * q / p)``."""
   vocab = 2**13
-  rng = np.random.default_rng(vocab)  # bench_precision.sweep_logits at seed 0
-  scale = np.repeat([1.0, 3.0, 10.0], 2)[:, None]
-  s, t = (jnp.asarray(scale * rng.normal(size=(6, vocab)), jnp.float32) for _ in range(2))
+  s, t = _sweep_logits(vocab)
   s64, t64 = _f64(s), _f64(t)
   lq, lp = refs.np_log_softmax(s64), refs.np_log_softmax(t64)
   context = {
@@ -330,11 +348,7 @@ def test_saturated_skew_kls_as_precise_as_the_straightforward_formula(path):
         refs.DEFAULT_CODEGEN,
       )(s, t)
     base, _ = _value_and_grads(plain, refs.DEFAULT_CODEGEN)(s, t)
-    err = np.abs(_f64(got) - want) / want
-    err0 = np.abs(_f64(base) - want) / want
-    for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
-      floor = 2 * EPS * np.max(condition[rows])
-      assert np.max(err[rows]) <= 2 * max(np.max(err0[rows]), floor), (name, path, rows, err)
+    _assert_as_precise_per_scale(got, base, want, condition, name, path)
 
 
 def test_log_ratio_mix_where_the_mixture_is_far_below_the_larger_side():
@@ -388,9 +402,7 @@ def test_accelerator_code_on_cpu_as_precise_as_the_straightforward_formula(case)
   times its condition, per scale."""
   name, params, platform = ONE_PASS[case]
   vocab = 2**17
-  rng = np.random.default_rng(vocab)  # bench_precision.sweep_logits at seed 0
-  scale = np.repeat([1.0, 3.0, 10.0], 2)[:, None]
-  s, t = (jnp.asarray(scale * rng.normal(size=(6, vocab)), jnp.float32) for _ in range(2))
+  s, t = _sweep_logits(vocab)
   s64, t64 = _f64(s), _f64(t)
   lq, lp = refs.np_log_softmax(s64), refs.np_log_softmax(t64)
   terms = refs.np_divergence_terms(name, params, lp, lq)[0]
@@ -409,11 +421,7 @@ def test_accelerator_code_on_cpu_as_precise_as_the_straightforward_formula(case)
       lambda s, t: kd.divergence_from_logits(s, t, divergence=spec), refs.DEFAULT_CODEGEN
     )(s, t)
   base, _ = _value_and_grads(plain, refs.DEFAULT_CODEGEN)(s, t)
-  err = np.abs(_f64(got) - want) / want
-  err0 = np.abs(_f64(base) - want) / want
-  for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
-    floor = 2 * EPS * np.max(condition[rows])
-    assert np.max(err[rows]) <= 2 * max(np.max(err0[rows]), floor), (case, rows, err, err0)
+  _assert_as_precise_per_scale(got, base, want, condition, case)
 
 
 # ------------------------------------------------------------------ the entropy of peaked rows
@@ -427,9 +435,7 @@ def test_entropy_of_peaked_rows_as_precise_as_the_straightforward_formula(path):
   3.9e-4 relative against the straightforward formula's 1.6e-4 while they summed the top
   class with the others. Within twice the straightforward formula's error, per row."""
   vocab = 2**13
-  rng = np.random.default_rng(vocab)  # bench_precision.sweep_logits at seed 0
-  scale = np.repeat([1.0, 3.0, 10.0], 2)[:, None]
-  s = jnp.asarray(scale * rng.normal(size=(6, vocab)), jnp.float32)[4:]
+  s = _sweep_logits(vocab)[0][4:]  # scale 10
   lq = refs.np_log_softmax(_f64(s))
   want = -np.sum(np.exp(lq) * lq, -1)
   ids = jnp.zeros(s.shape[0], jnp.int32)
@@ -459,9 +465,7 @@ def test_topk_bucket_holding_most_of_the_mass(path):
   ``sum |f| / sum f``, per scale. Before: 2 to 6 times it (the student's tail as a difference
   of two log-sums of ``log V``'s size; JSD's mixture rounded in probability space)."""
   vocab = 2**13
-  rng = np.random.default_rng(vocab)
-  scale = np.repeat([1.0, 3.0, 10.0], 2)[:, None]
-  s, t = (jnp.asarray(scale * rng.normal(size=(6, vocab)), jnp.float32) for _ in range(2))
+  s, t = _sweep_logits(vocab)
   s64, t64 = _f64(s), _f64(t)
   order = np.argsort(-t64, axis=-1)
   sorted_lp = np.take_along_axis(refs.np_log_softmax(t64), order, -1)
@@ -488,11 +492,7 @@ def test_topk_bucket_holding_most_of_the_mass(path):
       got = jax.jit(
         lambda s, spec=spec: kd.divergence_from_topk(s, ids, lp, divergence=spec, tail="bucket")
       )(s)
-    err = np.abs(_f64(got) - want) / want
-    err0 = np.abs(_f64(jax.jit(plain)(s)) - want) / want
-    for rows in (slice(0, 2), slice(2, 4), slice(4, 6)):
-      floor = 2 * EPS * np.max(condition[rows])
-      assert np.max(err[rows]) <= 2 * max(np.max(err0[rows]), floor), (name, path, rows, err)
+    _assert_as_precise_per_scale(got, jax.jit(plain)(s), want, condition, name, path)
 
 
 def _bucket_reference(name, params, lq, lp):
