@@ -154,6 +154,19 @@ def test_one_pass_sums_match_the_xla_pass(kind, rows, classes, dtype, caps, mask
     np.testing.assert_array_equal(got[1::4], 0.0)
 
 
+def _row_sums_call(formula, rows, classes, dtype, caps, masked, temperature):
+  """``(spec, args)`` of a two-pass formula's row sums (``ROW_SUMS``' operands) on hostile
+  logits, with masks of rows and classes if ``masked``."""
+  name, static, traced = formula
+  needs = Needs(a=True, b=True, params=tuple(s is None for s in static))
+  z, y = _logits(rows, classes, dtype)
+  masks = ()
+  if masked:
+    masks = (jnp.arange(rows)[:, None] % 4 != 1, jnp.arange(classes)[None, :] % 5 != 0)
+  spec = (name, static, needs, caps, len(masks))
+  return spec, (z, y, jnp.float32(temperature), *(jnp.float32(t) for t in traced), *masks)
+
+
 @pytest.mark.parametrize("formula", TWO_PASS, ids=lambda f: f"{f[0]}{f[1]}")
 @pytest.mark.parametrize(
   "rows,classes,dtype,caps,masked",
@@ -165,14 +178,8 @@ def test_one_pass_sums_match_the_xla_pass(kind, rows, classes, dtype, caps, mask
 def test_row_sums_match_the_xla_passes(formula, rows, classes, dtype, caps, masked):
   """The statistics, identical-rows gap and class sums of the two-pass formulas against
   ``xla_row_sums``."""
-  name, static, traced = formula
-  needs = Needs(a=True, b=True, params=tuple(s is None for s in static))
-  z, y = _logits(rows, classes, dtype)
-  masks = ()
-  if masked:
-    masks = (jnp.arange(rows)[:, None] % 4 != 1, jnp.arange(classes)[None, :] % 5 != 0)
-  spec = (name, static, needs, caps, len(masks))
-  args = (z, y, jnp.float32(2.0), *(jnp.float32(t) for t in traced), *masks)
+  spec, args = _row_sums_call(formula, rows, classes, dtype, caps, masked, 2.0)
+  needs = spec[2]
   grid = layout(rows, classes, **SMALL)
   kernel = functools.partial(triton_row_sums, spec, grid=grid, interpret=INTERPRET)
   got = np.concatenate(jax.jit(kernel)(*args), 1)
@@ -204,14 +211,8 @@ def test_whole_row_sums_match_the_xla_passes(
   then the class sums) against ``xla_row_sums``: statistics, identical-rows gap, class sums,
   on hostile rows, odd row counts and widths (padded to a power of 2), bfloat16, soft-caps,
   masks of rows and classes, traced parameters, several temperatures."""
-  name, static, traced = formula
-  needs = Needs(a=True, b=True, params=tuple(s is None for s in static))
-  z, y = _logits(rows, classes, dtype)
-  masks = ()
-  if masked:
-    masks = (jnp.arange(rows)[:, None] % 4 != 1, jnp.arange(classes)[None, :] % 5 != 0)
-  spec = (name, static, needs, caps, len(masks))
-  args = (z, y, jnp.float32(temperature), *(jnp.float32(t) for t in traced), *masks)
+  spec, args = _row_sums_call(formula, rows, classes, dtype, caps, masked, temperature)
+  needs = spec[2]
   grid = whole_rows_layout(rows, classes, block_rows)
   assert grid is not None and grid[1] >= classes and grid[2:] == (1, 1)
   kernel = functools.partial(triton_row_sums, spec, grid=grid, interpret=INTERPRET)
