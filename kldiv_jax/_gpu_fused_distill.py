@@ -217,11 +217,8 @@ def _pallas_distill_bwd(cfg, view, residuals, g):
     _call, cfg, h=h, w=w, b=b, ids=labels, temperature=scalars, mask=mask, view=view,
     vocab=view.vocab, extra=(*_teacher(th, tw, tb), *row_stats),
   )  # fmt: skip
-  dh, dw, db = head_grads(cfg, run, h.shape, view.vocab, b is not None, w.shape[1])
   return (
-    dh.astype(h.dtype),
-    dw.astype(w.dtype),
-    None if b is None else db[0].astype(b.dtype),
+    *head_grads(cfg, run, h, w, b, view.vocab),
     *(None if x is None else jnp.zeros_like(x) for x in (th, tw, tb)),
     zero_cotangent(labels),
     zero_cotangent(mask),

@@ -230,11 +230,8 @@ def _pallas_tokens_bwd(cfg, residuals, g):
   run = functools.partial(
     _call, cfg, h=h, w=w, b=b, ids=ids, temperature=temperature, mask=mask, extra=stats
   )
-  dh, dw, db = head_grads(cfg, run, h.shape, w.shape[1], b is not None, w.shape[1])
   return (
-    dh.astype(h.dtype),
-    dw.astype(w.dtype),
-    None if b is None else db[0].astype(b.dtype),
+    *head_grads(cfg, run, h, w, b, w.shape[1]),
     zero_cotangent(ids),
     jnp.zeros_like(temperature),
     zero_cotangent(mask),
@@ -244,13 +241,13 @@ def _pallas_tokens_bwd(cfg, residuals, g):
 pallas_tokens.defvjp(_pallas_tokens_fwd, _pallas_tokens_bwd)
 
 
-def head_grads(cfg: HeadKernel, run, h_shape, vocab: int, bias: bool, width: int):
-  """``(dh [n, hidden], dW [hidden, width], [db [width]] or [])`` in float32 from the
-  backward kernels (``cfg.backward``'s: the dh and dW kernels, or the atomic one);
-  ``run(kernel, grid, out_shapes, zeros=())`` calls one with the loss's operands
-  (:func:`_call`), ``vocab`` the classes the kernels see: a ``width``-wide head's others
-  get no gradient."""
-  n, hidden = h_shape
+def head_grads(cfg: HeadKernel, run, h, w, b, vocab: int):
+  """``(dh, dW, db or None)`` in the dtypes of ``h [n, hidden]``, ``w [hidden, width]`` and
+  ``b``, from the backward kernels (``cfg.backward``'s: the dh and dW kernels, or the atomic
+  one; float32 sums); ``run(kernel, grid, out_shapes, zeros=())`` calls one with the loss's
+  operands (:func:`_call`), ``vocab`` the classes the kernels see: a ``width``-wide head's
+  others get no gradient."""
+  (n, hidden), width, bias = h.shape, w.shape[1], b is not None
   token_blocks = (-(-n // cfg.blocks[0]),)
   if cfg.backward == "atomic":
     _, bv, bk = cfg.blocks
@@ -264,7 +261,8 @@ def head_grads(cfg: HeadKernel, run, h_shape, vocab: int, bias: bool, width: int
     dw, *db = run(_dw_kernel, (-(-vocab // cfg.blocks[1]),), outs)
   if width > vocab:  # a longer head: its own classes get no gradient
     dw, db = jnp.pad(dw, ((0, 0), (0, width - vocab))), [jnp.pad(x, (0, width - vocab)) for x in db]
-  return dh, dw, db
+  db = None if b is None else db[0].astype(b.dtype)
+  return dh.astype(h.dtype), dw.astype(w.dtype), db
 
 
 def cuda_or_xla(gpu, xla):

@@ -208,11 +208,8 @@ def _head_bwd(cfg, view, residuals, g):
     _call, cfg, h=h, w=w, b=b, ids=labels, temperature=scale, mask=mask, view=view,
     vocab=view.vocab, extra=(slots, *stats),
   )  # fmt: skip
-  dh, dw, db = head_grads(cfg, run, h.shape, view.vocab, b is not None, w.shape[1])
   return (
-    dh.astype(h.dtype),
-    dw.astype(w.dtype),
-    None if b is None else db[0].astype(b.dtype),
+    *head_grads(cfg, run, h, w, b, view.vocab),
     *(zero_cotangent(x) for x in (slots, labels, mask, ok)),
     jnp.zeros_like(scale),
     jnp.zeros_like(shift),

@@ -190,6 +190,19 @@ def _stats(head, r0, stat_refs):
   )
 
 
+def _zero_chunks(head, at, shape):
+  """The program's float32 output block zeroed a hidden chunk at a time (``at(k0)``: the
+  chunk's ``(ref, mask)``), then a barrier before the sums are added to it."""
+
+  def zero(k, _):
+    ref, inside = at(k * head.bk)
+    head.plgpu.store(ref, jnp.zeros(shape, jnp.float32), mask=inside)
+    return _
+
+  _loop(head.k_steps(), zero, 0)
+  head.barrier()
+
+
 def _dh_pass(head, stat_refs, dh_ref, at_chunk=None, at_tile=None):
   """The program's block of rows of ``dh``: zeroed, then ``sum over tiles of dz W[:, tile]^T``
   added a hidden chunk at a time. The atomic backward's adds to dW and db, if given:
@@ -204,13 +217,7 @@ def _dh_pass(head, stat_refs, dh_ref, at_chunk=None, at_tile=None):
     k_in = k0 + lax.broadcasted_iota(jnp.int32, (1, head.bk), 1) < head.hidden
     return dh_ref.at[pl.ds(r0, head.bn), pl.ds(k0, head.bk)], row_in & k_in
 
-  def zero(k, _):
-    ref, inside = dh_at(k * head.bk)
-    plgpu.store(ref, jnp.zeros((head.bn, head.bk), jnp.float32), mask=inside)
-    return _
-
-  _loop(head.k_steps(), zero, 0)
-  head.barrier()
+  _zero_chunks(head, dh_at, (head.bn, head.bk))
 
   def tile(j, _):
     c0 = j * head.bv
@@ -255,13 +262,7 @@ def _dw_kernel(cfg, shape, scalars_ref, h_ref, w_ref, *refs, bias, view=_Head):
     k_in = k0 + lax.broadcasted_iota(jnp.int32, (head.bk, 1), 0) < head.hidden
     return dw_ref.at[pl.ds(k0, head.bk), pl.ds(c0, head.bv)], k_in & col_in
 
-  def zero(k, _):
-    ref, inside = out_at(k * head.bk)
-    plgpu.store(ref, jnp.zeros((head.bk, head.bv), jnp.float32), mask=inside)
-    return _
-
-  _loop(head.k_steps(), zero, 0)
-  head.barrier()
+  _zero_chunks(head, out_at, (head.bk, head.bv))
 
   def block(i, db):
     r0 = i * head.bn
