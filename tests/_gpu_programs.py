@@ -70,3 +70,13 @@ def kernel_counts(text):
   """``(Triton calls, distinct fused-head kernels)`` in a module lowered for CUDA."""
   names = set(re.findall(r"kldiv_jax_gpu_head_[a-z]+_kernel", text))
   return text.count(f"@{TRITON_CALL}"), len(names)
+
+
+def small_blocks(monkeypatch, module):
+  """Blocks of 16 tokens, vocabulary columns and hidden columns for ``module``'s kernels
+  (several of each on the tests' shapes), in Pallas' interpreter unless on a GPU."""
+  from kldiv_jax import _gpu_fused_head
+
+  monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
+  for name in ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN"):
+    monkeypatch.setattr(module, name, 16)

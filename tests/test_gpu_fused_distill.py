@@ -15,6 +15,7 @@ divergences, static and traced parameters, temperatures, labels with ``alpha`` a
 the program lowered for CUDA.
 """
 
+import _gpu_programs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +23,6 @@ import pytest
 from _gpu_programs import (
   F32,
   GPU_KERNEL_MARKS,
-  ON_GPU,
   agree,
   cuda_branch,
   cuda_text,
@@ -40,9 +40,7 @@ N, H, HT, V = 37, 20, 40, 70  # no multiple of the blocks of 16
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
   """Blocks of 16 tokens, vocabulary columns and hidden columns: several of each."""
-  monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
-  for name in ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN"):
-    monkeypatch.setattr(_gpu_fused_distill, name, 16)
+  _gpu_programs.small_blocks(monkeypatch, _gpu_fused_distill)
 
 
 def _operands(dtype, seed=0, vocab=V, teacher_vocab=V):

@@ -14,11 +14,12 @@ soft-cap, ``where`` and ``ignore_index``, ``-inf`` classes, a NaN token, both ba
 ``"pallas"``, two with the atomic backward, none otherwise).
 """
 
+import _gpu_programs
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import F32, GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_branch, cuda_text
+from _gpu_programs import F32, GPU_KERNEL_MARKS, TRITON_CALL, cuda_branch, cuda_text
 from _references import enable_x64
 
 import kldiv_jax as kd
@@ -31,10 +32,7 @@ N, H, V = 37, 40, 70  # no multiple of the blocks of 16
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
   """Blocks of 16 tokens, vocabulary columns and hidden columns: several of each."""
-  monkeypatch.setattr(_gpu_fused_head, "BLOCK_TOKENS", 16)
-  monkeypatch.setattr(_gpu_fused_head, "BLOCK_VOCAB", 16)
-  monkeypatch.setattr(_gpu_fused_head, "BLOCK_HIDDEN", 16)
-  monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
+  _gpu_programs.small_blocks(monkeypatch, _gpu_fused_head)
 
 
 def _operands(dtype, seed=0, bias=True):

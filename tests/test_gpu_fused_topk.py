@@ -16,6 +16,7 @@ the vocabulary (an empty tail), a shorter teacher vocabulary, ``jax_enable_x64``
 ``vmap``; and the program lowered for CUDA.
 """
 
+import _gpu_programs
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,7 +24,6 @@ import pytest
 from _gpu_programs import (
   F32,
   GPU_KERNEL_MARKS,
-  ON_GPU,
   agree,
   cuda_branch,
   cuda_text,
@@ -41,9 +41,7 @@ N, H, V, K = 37, 20, 70, 5  # no multiple of the blocks of 16
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
   """Blocks of 16 tokens, vocabulary columns and hidden columns: several of each."""
-  monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
-  for name in ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN"):
-    monkeypatch.setattr(_gpu_fused_head, name, 16)
+  _gpu_programs.small_blocks(monkeypatch, _gpu_fused_head)
 
 
 def _operands(dtype, seed=0, k=K, vocab=V, sharp=1.0):
