@@ -104,11 +104,11 @@ def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None, opts=OFF) ->
   :func:`check_labels`); the others are those of :func:`kldiv_jax._ce.ce_rows`, with its
   ``opts`` (label smoothing, the z-loss: :meth:`DistillOptions.ce_options`).
   """
-  safe, ok = _safe_labels(labels, labelled, global_classes(z.shape[1], axis_name))
+  safe, ok = safe_labels(labels, labelled, global_classes(z.shape[1], axis_name))
   return nan_unless(ce_rows(z, safe, masks, axis_name, cap, opts), ok)
 
 
-def _safe_labels(labels, labelled, num_classes):
+def safe_labels(labels, labelled, num_classes):
   """``(labels in range or 0 (int32), [rows, 1]; which rows are not NaN, [rows])``."""
   in_range = ids_in_range(labels, num_classes)
   safe = jnp.where(in_range, labels, 0).astype(jnp.int32)
@@ -383,7 +383,7 @@ def distillation_loss(
     if weights.soft and weights.hard and axis_name is None:
       # One kernel: off CPU one pass gives both terms' statistics.
       assert labels is not None
-      safe, ok = _safe_labels(labels, valid, rows.z.shape[1])
+      safe, ok = safe_labels(labels, valid, rows.z.shape[1])
       soft, hard = divergence_ce_rows(rows.z, rows.y, t, masks, spec, safe, caps, impl, ce_opts)
       soft, hard = soft * t2, nan_unless(hard, ok)
     else:

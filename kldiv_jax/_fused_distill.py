@@ -31,7 +31,6 @@ from kldiv_jax._distill import (
   DistillationParts,
   DistillOptions,
   LossWeights,
-  _safe_labels,
   distill_options,
   hard_rows,
 )
@@ -50,7 +49,12 @@ from kldiv_jax._fused_chunks import (
   vary_like_tokens,
   zero_head_grads,
 )
-from kldiv_jax._gpu_fused_distill import distill_kernel, one_pass_kind, pallas_distill
+from kldiv_jax._gpu_fused_distill import (
+  distill_kernel,
+  kernel_labels,
+  one_pass_kind,
+  pallas_distill,
+)
 from kldiv_jax._gpu_fused_distill import takes as gpu_takes
 from kldiv_jax._gpu_fused_head import cuda_or_xla
 from kldiv_jax._gpu_fused_topk import pallas_topk_totals
@@ -345,10 +349,7 @@ def _gpu_or_xla(s, w, b, teacher: DenseTeacher, static: Static, ce_opts, tokens,
     return xla()
   mask, labels, labelled = tokens
   n, vocab = s.h.shape[0], static.shared
-  if labels is None or not hard:
-    ids, ok = jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.bool_)
-  else:
-    ids, ok = _safe_labels(labels, labelled, vocab)
+  ids, ok = kernel_labels(labels, labelled, vocab, n, hard and labels is not None)
   kind = one_pass_kind(static.key, params)
   cfg, view = distill_kernel(
     n, s.h.shape[1], vocab, static.low, static.key, th.shape[1], tb is not None, hard, kind

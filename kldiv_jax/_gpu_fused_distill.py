@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from kldiv_jax._class_sums import formula_params, norms
+from kldiv_jax._distill import safe_labels
 from kldiv_jax._divergences import FORMULAS, OnePass
 from kldiv_jax._engine import _outcomes, one_pass_outcomes
 from kldiv_jax._fused_chunks import zero_cotangent
@@ -174,6 +175,15 @@ def _forward(cfg: HeadKernel, view: DistillView, h, w, b, th, tw, tb, labels, ma
     return rows.value, jnp.zeros_like(rows.value), (soft_stats, ())
   hard, hard_stats = hard_rows(outs[num:], ok)
   return rows.value, hard, (soft_stats, hard_stats)
+
+
+def kernel_labels(labels, labelled, vocab, n, hard):
+  """``(ids [n, 1] int32, ok [n])`` for the kernels: the labels made safe to index with
+  (``_distill.safe_labels``) where the cross entropy is taken (``hard``), else zeros (no
+  label read) and all rows ok."""
+  if not hard:
+    return jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.bool_)
+  return safe_labels(labels, labelled, vocab)
 
 
 def hard_rows(sums, ok):

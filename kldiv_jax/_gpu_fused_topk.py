@@ -60,11 +60,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._distill import _safe_labels
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._fused_chunks import zero_cotangent
 from kldiv_jax._gpu_distill_kernels import NUM_HARD, _store, hard_grad, hard_init, hard_tile
-from kldiv_jax._gpu_fused_distill import hard_rows
+from kldiv_jax._gpu_fused_distill import hard_rows, kernel_labels
 from kldiv_jax._gpu_fused_head import _call, head_grads, head_kernel
 from kldiv_jax._gpu_fused_head import takes as head_takes
 from kldiv_jax._gpu_head_kernels import _Head, _loop
@@ -237,10 +236,7 @@ def pallas_topk_totals(h, w, b, teacher, tokens, t, params, coefs, key, low, voc
   mask, labels, labelled = tokens
   t, params, coefs, lp = lax.stop_gradient((t, params, coefs, teacher.lp))
   n, k = teacher.ids.shape
-  if hard:
-    ids, ok = _safe_labels(labels, labelled, vocab)
-  else:
-    ids, ok = jnp.zeros((n, 1), jnp.int32), jnp.ones((n,), jnp.bool_)
+  ids, ok = kernel_labels(labels, labelled, vocab, n, hard)
   cfg = head_kernel(n, h.shape[1], vocab, None, low)
   view = TopkView(vocab, k, hard)
   keep = teacher.keep & mask
