@@ -33,7 +33,9 @@ from kldiv_jax._distill import (
   LossWeights,
   distill_options,
   hard_rows,
+  safe_labels,
 )
+from kldiv_jax._divergence_ce import divergence_ce_rows
 from kldiv_jax._divergence_spec import Divergence
 from kldiv_jax._engine import divergence_rows
 from kldiv_jax._fused_chunks import (
@@ -61,6 +63,7 @@ from kldiv_jax._gpu_fused_topk import pallas_topk_totals
 from kldiv_jax._gpu_fused_topk import takes as topk_takes
 from kldiv_jax._id_checks import teacher_classes
 from kldiv_jax._implementation import resolve_implementation
+from kldiv_jax._numerics import nan_unless
 from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import topk_rows
@@ -112,12 +115,29 @@ class DenseTeacher:
     return dataclasses.replace(self, hidden=cut(self.hidden))
 
   def rows(self, z, temperature, spec, mask, static: Static):
-    z = z.astype(compute_dtype(z.dtype))
-    y = chunk_logits(self.hidden, self.weight, self.bias, z.dtype, static.low)
-    y = lax.stop_gradient(shared_classes(y, static.shared, 1))
+    z, y = self._logits(z, static)
     return divergence_rows(
       z, y, temperature, (mask,), spec, static.axis_name, static.caps, static.implementation
     )
+
+  def rows_with_ce(self, z, temperature, spec, mask, static: Static, labels, labelled, ce_opts):
+    """``(rows, cross entropy rows)``: :meth:`rows` and the cross entropy of the student's
+    ``labels`` (``hard_rows``'), one device, from one kernel
+    (:func:`kldiv_jax._divergence_ce.divergence_ce_rows`): off CPU the KL family's
+    statistics and the cross entropy's come from one pass over the chunk's logits, not two
+    (on XLA:TPU a chunk's student logits are read once less)."""
+    z, y = self._logits(z, static)
+    safe, ok = safe_labels(labels, labelled, z.shape[1])
+    soft, hard = divergence_ce_rows(
+      z, y, temperature, (mask,), spec, safe, static.caps, static.implementation, ce_opts
+    )
+    return soft, nan_unless(hard, ok)
+
+  def _logits(self, z, static: Static):
+    """``(z, y)``: the student's chunk logits in the compute dtype and the teacher's."""
+    z = z.astype(compute_dtype(z.dtype))
+    y = chunk_logits(self.hidden, self.weight, self.bias, z.dtype, static.low)
+    return z, lax.stop_gradient(shared_classes(y, static.shared, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +197,12 @@ def _fused_fwd(
 
     def objective(z):
       soft = hard = jnp.zeros((), acc)
+      if (
+        weights.soft and weights.hard and axis_name is None and isinstance(teacher_c, DenseTeacher)
+      ):
+        args = (z, temperature, spec, mask, static, labels, labelled, ce_opts)
+        soft, hard = (jnp.sum(r) for r in teacher_c.rows_with_ce(*args))
+        return coefs[0] * soft + coefs[1] * hard, (soft, hard)
       if weights.soft:
         soft = jnp.sum(teacher_c.rows(z, temperature, spec, mask, static))
       if weights.hard:

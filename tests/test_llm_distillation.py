@@ -293,6 +293,43 @@ def test_fused_with_labels_equals_distillation_loss(rng, case, alpha):
   np.testing.assert_allclose(got[0][0], total, rtol=2e-5)
 
 
+@pytest.mark.parametrize(
+  ("case", "passes"), [("forward_kl", 1), ("symmetric_kl[0.7]", 1), ("jsd[0.3]", 2)]
+)
+def test_fused_with_labels_on_accelerators(rng, accelerator_platform, case, passes):
+  """The GPU/TPU branches, run on CPU: with labels, a KL-family divergence's statistics and
+  the cross entropy's come from one reduction over a chunk's logits (one pass over them: on
+  XLA:TPU the student's logits were read twice), the others' from their two kernels; values,
+  gradients and parts equal distillation_loss's with label smoothing, the z-loss, soft-caps,
+  where and ignore_index."""
+  spec = DIVERGENCES[case]
+  (h, w, b), (th, tw, tb), labels = _head(rng)
+  where = np.ones(h.shape[0], bool)
+  where[4] = False
+  kwargs = dict(
+    alpha=0.4, temperature=1.7, divergence=spec, softcap=6.0, target_softcap=4.0, where=where,
+    label_smoothing=0.1, z_loss=0.02,
+  )  # fmt: skip
+
+  def fused(h, w, b):
+    return kd.fused_distillation_loss(
+      h, w, th, tw, bias=b, target_bias=tb, labels=labels, chunk_size=4, return_parts=True, **kwargs
+    )
+
+  def materialised(h, w, b):
+    return kd.distillation_loss(
+      h @ w + b[None], th @ tw + tb[None], labels, return_parts=True, **kwargs
+    )
+
+  step = jax.jit(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))
+  _close(step(h, w, b), jax.value_and_grad(materialised, (0, 1, 2), has_aux=True)(h, w, b))
+  # The reductions over the classes of a full chunk's logits (or their per-class terms).
+  chunk = f"tensor<4x{w.shape[1]}x"
+  text = step.lower(h, w, b).as_text().splitlines()
+  rows = [x for x in text if "stablehlo.reduce" in x and "dimensions = [1]" in x and chunk in x]
+  assert len(rows) == passes if passes == 1 else len(rows) >= passes, rows
+
+
 def test_parts_add_up_over_micro_batches(rng):
   """Summed over micro-batches, the parts and the loss with the global normalizer equal the
   whole batch's; the hard part against a NumPy cross entropy."""
