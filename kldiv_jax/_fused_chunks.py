@@ -53,7 +53,8 @@ FUSED_CHUNK_SCOPE = "kldiv_jax_fused_chunk_"
 # CPU: vocabulary columns per block of the weight-gradient update.
 _GRAD_W_BLOCK = 4096
 # The name scope of a chunk's weight-gradient update, followed by how it is done: the block
-# width (``..._4096``, CPU) or ``whole`` (GPU and TPU): it marks the choice in a lowered module.
+# width (``..._4096``, CPU) or ``whole`` (GPU and TPU) for a chunk of tokens, ``columns`` for a
+# chunk of the head's columns (fold_column_grad): it marks the choice in a lowered module.
 FUSED_GRAD_W_SCOPE = "kldiv_jax_fused_grad_w_"
 
 
@@ -203,10 +204,11 @@ def chunk_logits(a, w, b, acc, low=None, rounded=False):
   return z if rounded else z.astype(acc)
 
 
-def chunks(n, chunk, part, carry):
+def chunks(n, chunk, part, carry, axis=0):
   """``part(start, size, cut, carry)`` over the chunks of ``n`` rows, ``cut`` slicing the
   chunk's rows of an array (or of each leaf of a pytree): a ``fori_loop`` over the full
-  chunks, then the uneven last one with static shapes."""
+  chunks, then the uneven last one with static shapes. ``axis=-1``: chunks of the last axis
+  (the head's columns, :func:`column_width`)."""
   num_full = n // chunk
   if num_full:
 
@@ -214,15 +216,75 @@ def chunks(n, chunk, part, carry):
       start = i * chunk
 
       def cut(tree):
-        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, chunk, axis=0), tree)
+        return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, start, chunk, axis), tree)
 
       return part(start, chunk, cut, carry)
 
     carry = lax.fori_loop(0, num_full, body, carry)
   start = num_full * chunk
   if start < n:
-    carry = part(start, n - start, lambda tree: jax.tree.map(lambda a: a[start:], tree), carry)
+    rest = lambda tree: jax.tree.map(lambda a: lax.slice_in_dim(a, start, n, axis=axis), tree)  # noqa: E731
+    carry = part(start, n - start, rest, carry)
   return carry
+
+
+def column_width(chunk: int, n: int, vocab: int) -> int:
+  """The columns of the head per chunk of a backward pass over the head's columns
+  (:func:`fold_column_grad`): as many logits as ``chunk`` tokens' (``chunk * vocab / n``),
+  rounded down to a multiple of 128 where it is at least 128 and less than ``vocab``."""
+  width = max(1, chunk * vocab // max(n, 1))
+  if width >= vocab:
+    return vocab
+  return width // 128 * 128 if width >= 128 else width
+
+
+def by_columns(n: int, vocab: int) -> bool:
+  """Whether a backward pass that recomputes the logits may run over chunks of the head's
+  columns rather than of the tokens: when the tokens are fewer than the head's columns
+  (``0 < n < vocab``, per device). Over tokens, every chunk re-reads the head and reads and
+  writes the float32 ``[H, V]`` weight-gradient accumulator; over columns, every chunk
+  re-reads the hidden states and reads and writes a float32 ``[n, H]`` one, the smaller of
+  the two when ``n < vocab``, and each column's weight gradient is one matmul over all the
+  tokens, written once in the head's dtype: no ``[H, V]`` float32 array. Same matmuls,
+  same logits per chunk (:func:`column_width`). The callers keep the token chunks on CPU
+  (``lax.platform_dependent``; there the weight gradient is a block of columns at a time,
+  :func:`fold_logit_grad`)."""
+  return 0 < n < vocab
+
+
+def zero_column_grads(h, w, acc):
+  """``(grad_h, grad_w, grad_b)`` zeros, the carry of :func:`fold_column_grad`: ``grad_h`` in
+  ``acc`` (summed over the column chunks), ``grad_w`` in the head's dtype (each column
+  written once), ``grad_b`` in ``acc``."""
+  return (
+    lax.full_like(h, 0, acc),
+    lax.full_like(w, 0),
+    lax.full_like(w, 0, acc, shape=w.shape[1:]),
+  )
+
+
+def fold_column_grad(carry, start, h, wc, dz, axis_name, acc, grad_dtype=None):
+  """Folds the gradient wrt a chunk of columns' logits ``dz`` (``[n, size]``, every token, in
+  ``acc``) into ``carry = (grad_h, grad_w, grad_b)`` (:func:`zero_column_grads`).
+
+  ``grad_h += dz wc^T`` (``wc``: the chunk's columns of the head); columns ``start:`` of
+  ``grad_w`` are ``h^T dz``, the whole sum over the tokens (rounded once, to the head's
+  dtype), and of ``grad_b`` ``sum(dz)``. ``dz`` enters the matmuls as :func:`grad_operands`.
+  With ``axis_name`` the caller sums ``grad_h`` over the devices once, at the end.
+  """
+  del axis_name  # the chunk's columns are this device's: nothing to sum per chunk
+  grad_h, grad_w, grad_b = carry
+  grad_b = lax.dynamic_update_slice_in_dim(grad_b, jnp.sum(dz, axis=0, dtype=acc), start, axis=0)
+  dz = grad_operands(dz, h, wc, grad_dtype)
+  gh = _sum_dots(
+    dz, lambda d: lax.dot_general(d, wc, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+  )
+  with jax.named_scope(f"{FUSED_GRAD_W_SCOPE}columns"):
+    gw = _sum_dots(
+      dz, lambda d: lax.dot_general(h, d, (((0,), (0,)), ((), ())), preferred_element_type=acc)
+    )
+    grad_w = lax.dynamic_update_slice_in_dim(grad_w, gw.astype(grad_w.dtype), start, axis=1)
+  return grad_h + gh, grad_w, grad_b
 
 
 def zero_head_grads(h, w, acc):

@@ -5,7 +5,10 @@ over chunks of tokens (:mod:`kldiv_jax._fused_chunks`). The forward pass keeps, 
 log-probability, the entropy and two statistics (the row max and the log-normaliser); the
 backward pass *recomputes* each chunk's logits from them and folds the chunk's gradient into
 the gradients wrt ``hidden``, ``weight`` and ``bias`` (:func:`fold_token_grads`, shared with
-the forward pass of the fused policy losses, ``_fused_policy``). Liger Kernel's fused linear
+the forward pass of the fused policy losses, ``_fused_policy``). Off CPU, with fewer tokens
+than the head's columns, the backward pass runs over chunks of the head's columns instead,
+every token at once (:func:`kldiv_jax._fused_chunks.by_columns`): no float32 ``[H, V]``
+weight-gradient accumulator. Liger Kernel's fused linear
 cross entropy is the same design. With ``implementation="pallas"``, a program lowered for CUDA
 runs the opt-in Pallas Triton kernels of :mod:`kldiv_jax._gpu_fused_head` instead (no chunk's
 logits in HBM), where they take the operands.
@@ -23,15 +26,19 @@ from jax import lax
 
 from kldiv_jax._checks import check_bool, check_softcap, check_temperature, compute_dtype
 from kldiv_jax._fused_chunks import (
+  by_columns,
   check_chunk,
   check_linear,
   chunk_logits,
   chunks,
+  column_width,
+  fold_column_grad,
   fold_logit_grad,
   low_dtype,
   per_platform,
   token_zero,
   vary_like_tokens,
+  zero_column_grads,
   zero_cotangent,
   zero_head_grads,
 )
@@ -98,7 +105,28 @@ def _fused_tokens_bwd(kernel: TokenKernel, residuals, g):
       low,
     )  # fmt: skip
 
-  grad_h, grad_w, grad_b = chunks(n, kernel.chunk, part, zero_head_grads(h, w, acc))
+  def over_tokens():  # the weight's gradient in its dtype, as over_columns gives it
+    grad_h, grad_w, grad_b = chunks(n, kernel.chunk, part, zero_head_grads(h, w, acc))
+    return grad_h, grad_w.astype(w.dtype), grad_b
+
+  def columns(start, size, cols, carry):
+    wc, bc = cols(w), None if b is None else cols(b)
+    z = chunk_logits(h, wc, bc, acc, low)
+    stats = (top[:, None], log_s[:, None], entropy)
+    tokens = (local - start, mask, stats)
+    fold = functools.partial(fold_column_grad, carry, start, h, wc)
+    return token_logit_grad(kernel.cap, z, tokens, temperature, g_lp, g_h, fold, low)
+
+  def over_columns():
+    width = column_width(kernel.chunk, n, w.shape[1])
+    grad_h, grad_w, grad_b = chunks(w.shape[1], width, columns, zero_column_grads(h, w, acc), -1)
+    return (grad_h if axis_name is None else lax.psum(grad_h, axis_name)), grad_w, grad_b
+
+  if by_columns(n, w.shape[1]):
+    grads = lax.platform_dependent(cpu=over_tokens, default=over_columns)
+  else:
+    grads = over_tokens()
+  grad_h, grad_w, grad_b = grads
   return (
     grad_h.astype(h.dtype),
     grad_w.astype(w.dtype),
@@ -122,6 +150,17 @@ def fold_token_grads(
   :func:`fused_token_log_probs` and the forward pass of the fused policy losses
   (``_fused_policy``).
   """
+  fold = functools.partial(fold_logit_grad, carry, start, hc, w)
+  return token_logit_grad(cap, z, tokens, temperature, g_lp, g_h, fold, grad_dtype, axis_name)
+
+
+def token_logit_grad(cap, z, tokens, temperature, g_lp, g_h, fold, grad_dtype, axis_name=None):
+  """``fold(dz, axis_name, acc, grad_dtype)`` of the gradient wrt logits ``z`` (a chunk of
+  tokens, or of the head's columns for every token: ``tokens`` as in
+  :func:`fold_token_grads`, the ids local to the chunk's columns) of the cotangents ``g_lp``
+  and ``g_h`` (``None``: no entropy) per token: ``dz = g_lp (hit - p) + g_h dH/du`` through
+  the soft-cap and the temperature (:func:`class_derivatives`, elementwise given the rows'
+  statistics)."""
   acc = temperature.dtype
   local, mask, stats = tokens
   d_lp, d_h, zc, _, _ = class_derivatives(z, local, temperature, (mask,), cap, stats)
@@ -129,7 +168,7 @@ def fold_token_grads(
   if g_h is not None:
     dz = dz + d_h * g_h.astype(acc)[:, None]
   dz = times_slope(dz, zc, cap) / temperature
-  return fold_logit_grad(carry, start, hc, w, dz, axis_name, acc, grad_dtype)
+  return fold(dz, axis_name, acc, grad_dtype)
 
 
 fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
@@ -157,7 +196,9 @@ def fused_token_log_probs(
   :func:`token_log_probs` of the logits :math:`z = h W + b`, computed
   ``chunk_size`` tokens at a time: no ``[tokens, vocab]`` array exists,
   forward or backward. The forward pass keeps two statistics per token; the
-  backward pass recomputes each chunk's logits (:doc:`/rl`). Reverse mode
+  backward pass recomputes each chunk's logits (:doc:`/rl`), on GPUs and TPUs
+  with fewer tokens than classes over chunks of the head's columns (as many
+  logits each), with no float32 ``[H, V]`` accumulator. Reverse mode
   only, ``temperature`` gets zero gradient: :ref:`derivatives`; ids:
   :doc:`/conventions`; ``axis_name``: :ref:`vocab-parallel`.
 

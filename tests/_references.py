@@ -862,14 +862,20 @@ def fresh_compilations():
 
 
 # The trace-context value of each replaced ``lax.platform_dependent`` (:func:`platform_branch`).
-_BRANCH_TRACES = {"default": 1_000_001, "cuda": 1_000_002, "tpu kernel": 1_000_003}
+_BRANCH_TRACES = {
+  "default": 1_000_001,
+  "cuda": 1_000_002,
+  "tpu kernel": 1_000_003,
+  "cpu": 1_000_004,
+}
 
 
 @contextlib.contextmanager
 def platform_branch(platform: str = "default"):
   """Inside the block every ``lax.platform_dependent`` takes the branch of ``platform``
   (``"default"``: the non-CPU one, TPU's; ``"cuda"``: XLA:GPU's where a call has one): the
-  GPU/TPU code run on CPU.
+  GPU/TPU code run on CPU. ``"cpu"``: the CPU branch alone, traced without the others (a
+  jaxpr of one platform's program).
 
   The kernels are ``jax.jit`` functions whose traces JAX caches by the trace context. Inside
   the block that context holds a value of its own, so no trace made for one branch serves

@@ -22,6 +22,7 @@ from _references import (
   loop_dot_generals,
   matmuls_and_casts,
   np_log_softmax,
+  platform_branch,
   rounded_matmul_outputs,
   vocab_sharded_and_whole,
 )
@@ -270,11 +271,14 @@ def test_constants_out_of_range_and_errors(rng):
     fused_token_loss(h, w, b, ids, ppo, (old[:3], adv, args[2]), has_aux=True)
 
 
+@pytest.mark.parametrize("platform", ["cpu", "default"])
 @pytest.mark.parametrize(("two_pass", "loops"), [(False, [3]), (True, [1, 3])])
-def test_matmuls_per_chunk(rng, two_pass, loops):
+def test_matmuls_per_chunk(rng, two_pass, loops, platform):
   """value_and_grad: token-level, one loop over the chunks with three matmuls in its body
   (logits, grad_hidden, grad_weight); two-pass, a forward loop with one and a backward loop
-  with three. No matmul outside the loops (N is a multiple of the chunk)."""
+  with three (over chunks of tokens on CPU; off CPU, ``default``, with fewer tokens than
+  classes, over chunks of the head's columns). No matmul outside the loops (N and V are
+  multiples of the chunks)."""
   h, w, b, ids, where, old, adv = _data(rng)
   fn, args = (gspo, _gspo_args(old, adv)) if two_pass else (ppo, _ppo_args(where, old, adv))
 
@@ -283,7 +287,8 @@ def test_matmuls_per_chunk(rng, two_pass, loops):
       h, w, b, ids, fn, args, has_aux=fn is ppo, two_pass=two_pass, chunk_size=4
     )[0]
 
-  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b)
+  with platform_branch(platform):
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, (0, 1, 2)))(h, w, b)
   assert loop_dot_generals(jaxpr.jaxpr) == (0, loops)
 
 

@@ -205,9 +205,14 @@ def _head(rng, tokens=11, hidden=6, vocab=24, dtype=np.float32):
   return f(tokens, hidden), f(hidden, vocab), f(vocab), rng.integers(0, vocab, size=tokens)
 
 
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
 @pytest.mark.parametrize(("temperature", "cap", "chunk"), [(1.0, None, 4), (0.6, 3.0, 5)])
-def test_fused_equals_materialised(rng, temperature, cap, chunk):
-  """Values and gradients wrt hidden, weight and bias through both outputs, with a mask."""
+def test_fused_equals_materialised(rng, temperature, cap, chunk, path, request):
+  """Values and gradients wrt hidden, weight and bias through both outputs, with a mask.
+  ``accelerator``: the GPU/TPU branch, whose backward pass runs over chunks of the head's
+  columns here (11 tokens, 24 columns: 8 or 10 a chunk, the last one uneven at 10)."""
+  if path == "accelerator":
+    request.getfixturevalue("accelerator_branch")
   h, w, b, ids = _head(rng)
   where = np.arange(11) != 4
   a, c = rng.normal(size=11).astype(np.float32), rng.normal(size=11).astype(np.float32)
@@ -249,6 +254,30 @@ def test_fused_memory_has_no_logits_array():
   assert temp.temp_size_in_bytes < 0.2 * n * vocab * 4, temp.temp_size_in_bytes
 
 
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_fused_backward_over_columns_holds_no_float32_head(path, request):
+  """Fewer tokens than classes, bf16 inputs: off CPU (``accelerator``, the GPU/TPU branch)
+  the backward pass runs over chunks of the head's columns, each column's weight gradient
+  one matmul over every token, written once in bf16: the program has no float32 ``[H, V]``
+  array, which the token chunks' weight-gradient accumulator is (``cpu``). (Read off the
+  lowered program: XLA:CPU itself computes bf16 matmuls in float32 copies.)"""
+  if path == "accelerator":
+    request.getfixturevalue("accelerator_branch")
+  n, hidden, vocab = 128, 256, 8192
+  args = (
+    jax.ShapeDtypeStruct((n, hidden), jnp.bfloat16),
+    jax.ShapeDtypeStruct((hidden, vocab), jnp.bfloat16),
+    jax.ShapeDtypeStruct((n,), jnp.int32),
+  )
+
+  def loss(h, w, ids):
+    lp = kd.fused_token_log_probs(h, w, ids, chunk_size=64)
+    return jnp.sum(lp.astype(jnp.float32))
+
+  text = jax.jit(jax.grad(loss, (0, 1))).lower(*args).as_text()
+  assert (f"tensor<{hidden}x{vocab}xf32>" in text) == (path == "cpu")
+
+
 def test_fused_errors_and_out_of_range(rng):
   h, w, _, ids = _head(rng)
   ids = ids.copy()
@@ -264,7 +293,12 @@ def test_fused_errors_and_out_of_range(rng):
 
 
 @pytest.mark.multidevice
-def test_fused_vocab_parallel_equals_unsharded(cpu_devices):
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+def test_fused_vocab_parallel_equals_unsharded(cpu_devices, path, request):
+  """``accelerator``: each device's backward pass over chunks of its columns, the hidden
+  states' gradient summed once."""
+  if path == "accelerator":
+    request.getfixturevalue("accelerator_branch")
   rng = np.random.default_rng(7)
   mesh = jax.sharding.Mesh(np.array(cpu_devices), ("vocab",))
   h, w, b, ids = _head(rng, vocab=32)
@@ -313,13 +347,18 @@ def test_ignore_index_is_a_mask(rng):
     assert np.all(np.asarray(got[0])[~where] == 0)
 
 
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
-def test_fused_dtypes(rng, dtype):
+def test_fused_dtypes(rng, dtype, path, request):
   """float64 (x64) and bf16 inputs, returned in the inputs' dtype. float64: the fused call
   equals the materialised one. bf16: the chunks' logits and their gradient are bf16 between
   the matmuls, as autodiff of the materialised ``token_log_probs(h @ w + b, ids)`` has them:
   against float64 (the same bf16 inputs), the fused values and gradients are as accurate as
-  that materialised code's (each within twice its error and a few bf16 ulps of its scale)."""
+  that materialised code's (each within twice its error and a few bf16 ulps of its scale).
+  ``accelerator``: the GPU/TPU branch (the backward over the head's columns, each column's
+  weight gradient rounded once to the inputs' dtype)."""
+  if path == "accelerator":
+    request.getfixturevalue("accelerator_branch")
   h, w, b, ids = _head(rng, dtype=np.float32)
 
   def total(lp, ent):
