@@ -250,6 +250,25 @@ def test_softcap_errors(bad):
 # ---------------------------------------------------------------- the hard loss in the fused head
 
 
+def _with_labels(teacher, labels, kwargs):
+  """``(fused, materialised)``: functions of the student's ``(h, w, b)`` giving
+  ``fused_distillation_loss`` (chunks of 4 tokens) and ``distillation_loss`` on the
+  materialised logits, with ``labels`` and ``return_parts``."""
+  th, tw, tb = teacher
+
+  def fused(h, w, b):
+    return kd.fused_distillation_loss(
+      h, w, th, tw, bias=b, target_bias=tb, labels=labels, chunk_size=4, return_parts=True, **kwargs
+    )
+
+  def materialised(h, w, b):
+    return kd.distillation_loss(
+      h @ w + b[None], th @ tw + tb[None], labels, return_parts=True, **kwargs
+    )
+
+  return fused, materialised
+
+
 @pytest.mark.parametrize(
   ("case", "alpha"),
   [
@@ -271,16 +290,7 @@ def test_fused_with_labels_equals_distillation_loss(rng, case, alpha):
     alpha=a, temperature=1.7, divergence=spec, softcap=6.0, target_softcap=4.0, where=where
   )
 
-  def fused(h, w, b):
-    return kd.fused_distillation_loss(
-      h, w, th, tw, bias=b, target_bias=tb, labels=labels, chunk_size=4, return_parts=True, **kwargs
-    )
-
-  def materialised(h, w, b):
-    return kd.distillation_loss(
-      h @ w + b[None], th @ tw + tb[None], labels, return_parts=True, **kwargs
-    )
-
+  fused, materialised = _with_labels((th, tw, tb), labels, kwargs)
   got = jax.jit(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))(h, w, b)
   want = jax.jit(jax.value_and_grad(materialised, (0, 1, 2), has_aux=True))(h, w, b)
   _close(got, want, rtol=3e-5, atol=3e-6)
@@ -311,16 +321,7 @@ def test_fused_with_labels_on_accelerators(rng, accelerator_platform, case, pass
     label_smoothing=0.1, z_loss=0.02,
   )  # fmt: skip
 
-  def fused(h, w, b):
-    return kd.fused_distillation_loss(
-      h, w, th, tw, bias=b, target_bias=tb, labels=labels, chunk_size=4, return_parts=True, **kwargs
-    )
-
-  def materialised(h, w, b):
-    return kd.distillation_loss(
-      h @ w + b[None], th @ tw + tb[None], labels, return_parts=True, **kwargs
-    )
-
+  fused, materialised = _with_labels((th, tw, tb), labels, kwargs)
   step = jax.jit(jax.value_and_grad(fused, (0, 1, 2), has_aux=True))
   _close(step(h, w, b), jax.value_and_grad(materialised, (0, 1, 2), has_aux=True)(h, w, b))
   # The reductions over the classes of a full chunk's logits (or their per-class terms).

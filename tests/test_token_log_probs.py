@@ -237,14 +237,19 @@ def test_fused_equals_materialised(rng, temperature, cap, chunk, path, request):
   np.testing.assert_allclose(got[0][1][1], np.where(where, want_h, 0), rtol=2e-5, atol=2e-6)
 
 
+def _head_structs(n, hidden, vocab, dtype):
+  """Shapes of ``(hidden [n, H], weight [H, V], ids [n])`` for a compile-only test."""
+  return (
+    jax.ShapeDtypeStruct((n, hidden), dtype),
+    jax.ShapeDtypeStruct((hidden, vocab), dtype),
+    jax.ShapeDtypeStruct((n,), jnp.int32),
+  )
+
+
 def test_fused_memory_has_no_logits_array():
   """value_and_grad wrt hidden and weight: compiled temp far below one [tokens, vocab] array."""
   n, hidden, vocab = 2048, 64, 16384
-  args = (
-    jax.ShapeDtypeStruct((n, hidden), jnp.float32),
-    jax.ShapeDtypeStruct((hidden, vocab), jnp.float32),
-    jax.ShapeDtypeStruct((n,), jnp.int32),
-  )
+  args = _head_structs(n, hidden, vocab, jnp.float32)
 
   def loss(h, w, ids):
     lp, ent = kd.fused_token_log_probs(h, w, ids, return_entropy=True, chunk_size=128)
@@ -264,11 +269,7 @@ def test_fused_backward_over_columns_holds_no_float32_head(path, request):
   if path == "accelerator":
     request.getfixturevalue("accelerator_branch")
   n, hidden, vocab = 128, 256, 8192
-  args = (
-    jax.ShapeDtypeStruct((n, hidden), jnp.bfloat16),
-    jax.ShapeDtypeStruct((hidden, vocab), jnp.bfloat16),
-    jax.ShapeDtypeStruct((n,), jnp.int32),
-  )
+  args = _head_structs(n, hidden, vocab, jnp.bfloat16)
 
   def loss(h, w, ids):
     lp = kd.fused_token_log_probs(h, w, ids, chunk_size=64)
