@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _references import collectives, enable_x64, matmuls_and_casts
+from _references import collectives, enable_x64, matmuls_and_casts, platform_branch
 from jax.sharding import PartitionSpec as P
 
 import kldiv_jax as kd
+from kldiv_jax._fused_chunks import FUSED_GRAD_W_SCOPE
 
 
 def _reference(z, ids, temperature=1.0, cap=None, xp=np):
@@ -277,6 +278,53 @@ def test_fused_backward_over_columns_holds_no_float32_head(path, request):
 
   text = jax.jit(jax.grad(loss, (0, 1))).lower(*args).as_text()
   assert (f"tensor<{hidden}x{vocab}xf32>" in text) == (path == "cpu")
+
+
+@pytest.mark.parametrize(
+  "case", ["-inf bias", "sampled id at -inf", "nan hidden", "chunk 1", "one token", "vmap"]
+)
+def test_fused_backward_over_columns_equals_over_tokens(case):
+  """The GPU/TPU branch's backward over chunks of the head's columns (7 tokens, 300 columns,
+  chunks of 128 and an uneven 44) against the CPU's over chunks of tokens, at the edges:
+  masked classes, a sampled id without mass, a NaN hidden state (NaN where the token chunks
+  have it), one token per chunk (42 columns), one token, ``vmap``."""
+  rng = np.random.default_rng(3)
+  n, hidden, vocab = 7, 5, 300
+  h = rng.normal(size=(n, hidden)).astype(np.float32)
+  w = rng.normal(size=(hidden, vocab)).astype(np.float32)
+  b = rng.normal(size=vocab).astype(np.float32)
+  ids = rng.integers(0, vocab, n)
+  kw = {"chunk_size": 3}  # 3 * 300 / 7: 128 columns a chunk
+  if case in ("-inf bias", "sampled id at -inf"):
+    b[::7] = -np.inf
+    ids[ids % 7 == 0] += 1
+    ids[2] = 0 if case == "sampled id at -inf" else ids[2]
+  if case == "nan hidden":
+    h[3, 1] = np.nan
+  if case == "chunk 1":
+    kw["chunk_size"] = 1
+  if case == "one token":
+    h, ids = h[:1], ids[:1]
+
+  def grads(h, w, b):
+    def loss(h, w, b):
+      lp, ent = kd.fused_token_log_probs(h, w, ids, bias=b, return_entropy=True, **kw)
+      return jnp.sum(lp) + 0.3 * jnp.sum(ent)
+
+    return jax.value_and_grad(loss, (0, 1, 2))(h, w, b)
+
+  fn = jax.jit(grads)
+  if case == "vmap":
+    fn = jax.jit(jax.vmap(grads, in_axes=(0, None, None)))
+    h = np.stack([h, 2 * h])
+  with platform_branch():
+    got = fn(h, w, b)
+    text = fn.lower(h, w, b).as_text(debug_info=True)
+  assert f"{FUSED_GRAD_W_SCOPE}columns" in text  # the columns' backward ran
+  want = fn(h, w, b)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(x, y, rtol=2e-5, atol=2e-6, equal_nan=True)
+  assert np.isnan(np.asarray(got[1][1])).any() == (case == "nan hidden")
 
 
 def test_fused_errors_and_out_of_range(rng):
