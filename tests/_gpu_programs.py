@@ -4,6 +4,7 @@ import contextlib
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _references import platform_branch
@@ -48,6 +49,38 @@ def cuda_branch():
     return
   with platform_branch("cuda"):
     yield
+
+
+def pallas_and_xla(program, *args):
+  """On the CUDA branch, ``program(implementation)`` at ``args`` with the kernels
+  (``"pallas"``) and with the XLA chunk loop (``"xla"``), and the kernels' program as jaxpr
+  text: ``(got, want, text)``."""
+  with cuda_branch():
+    got, want = program("pallas")(*args), program("xla")(*args)
+    text = str(jax.make_jaxpr(program("pallas"))(*args))
+  return got, want, text
+
+
+def loss_and_parts_program(loss):
+  """``jit(value_and_grad)`` wrt ``(hidden, weight, bias)`` of ``loss(h, w, b)``, a fused
+  distillation loss called with ``return_parts=True``, its parts' soft and hard sums the
+  auxiliary output."""
+
+  def value(h, w, b):
+    out, parts = loss(h, w, b)
+    return out, (parts.soft, parts.hard)
+
+  return jax.jit(jax.value_and_grad(value, (0, 1, 2), has_aux=True))
+
+
+def normal_arrays(rng, dtype):
+  """``arr(shape, scale=1.0)``: ``scale`` times standard normal draws from ``rng``, made
+  float32, then ``dtype``."""
+
+  def arr(shape, scale=1.0):
+    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+  return arr
 
 
 # float32's relative tolerance: in the interpreter the kernels' float32 dots are exact; on a

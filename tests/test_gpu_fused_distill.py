@@ -27,6 +27,9 @@ from _gpu_programs import (
   cuda_branch,
   cuda_text,
   kernel_counts,
+  loss_and_parts_program,
+  normal_arrays,
+  pallas_and_xla,
 )
 from _references import enable_x64
 
@@ -46,10 +49,7 @@ def small_blocks(monkeypatch):
 def _operands(dtype, seed=0, vocab=V, teacher_vocab=V):
   """Student ``(h [N, H], w [H, V], b)``, teacher ``(h_T [N, HT], w_T, b_T)``, labels."""
   rng = np.random.default_rng(seed)
-
-  def arr(shape, scale=1.0):
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
-
+  arr = normal_arrays(rng, dtype)
   student = (arr((N, H)), arr((H, vocab), 0.4), arr(vocab))
   teacher = (arr((N, HT)), arr((HT, teacher_vocab), 0.3), arr(teacher_vocab))
   labels = jnp.asarray(rng.integers(0, min(vocab, teacher_vocab), N), jnp.int32)
@@ -58,15 +58,12 @@ def _operands(dtype, seed=0, vocab=V, teacher_vocab=V):
 
 def _program(implementation, teacher, labels, **options):
   """``jit(value_and_grad)`` of the loss wrt ``(hidden, weight, bias)``, with its parts."""
-
-  def loss(h, w, b):
-    out, parts = kd.fused_distillation_loss(
+  return loss_and_parts_program(
+    lambda h, w, b: kd.fused_distillation_loss(
       h, w, teacher[0], teacher[1], labels, bias=b, target_bias=teacher[2],
       return_parts=True, implementation=implementation, **options,
-    )  # fmt: skip
-    return out, (parts.soft, parts.hard)
-
-  return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+    )
+  )  # fmt: skip
 
 
 CASES = [
@@ -101,10 +98,8 @@ def test_the_xla_chunk_loop_agrees(
   )  # fmt: skip
   if not labelled:
     del options["alpha"]
-  with cuda_branch():
-    got = _program("pallas", teacher, labels, **options)(h, w, b)
-    want = _program("xla", teacher, labels, **options)(h, w, b)
-    text = str(jax.make_jaxpr(_program("pallas", teacher, labels, **options))(h, w, b))
+  program = lambda impl: _program(impl, teacher, labels, **options)  # noqa: E731
+  got, want, text = pallas_and_xla(program, h, w, b)
   assert "kldiv_jax_gpu_head" in text
   agree(got, want, dtype == jnp.float32)
   assert got[1][0].dtype == dtype
@@ -168,9 +163,7 @@ def test_traced_parameters_and_heads_of_other_widths():
     return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
   args = (h, w, b, jnp.float32(1.4), jnp.float32(0.3))
-  with cuda_branch():
-    got, want = program("pallas")(*args), program("xla")(*args)
-    text = str(jax.make_jaxpr(program("pallas"))(*args))
+  got, want, text = pallas_and_xla(program, *args)
   # Both through the kernels; only JSD's (two-pass) with a class-sums kernel.
   stats, sums = (text.count(f"kldiv_jax_gpu_head_{k}_kernel") for k in ("stats", "sums"))
   assert stats == 2 * sums > 0
@@ -183,10 +176,9 @@ def test_a_float32_teacher_beside_a_bf16_student():
   the bf16 student's, as in the chunk loop (TVD, no labels)."""
   (h, w, b), (th, tw, tb), _ = _operands(jnp.bfloat16, seed=7)
   teacher = tuple(x.astype(jnp.float32) for x in (th, tw, tb))
-  with cuda_branch():
-    got = _program("pallas", teacher, None, divergence="tvd")(h, w, b)
-    want = _program("xla", teacher, None, divergence="tvd")(h, w, b)
-    assert "kldiv_jax_gpu_head" in str(jax.make_jaxpr(_program("pallas", teacher, None))(h, w, b))
+  program = lambda impl: _program(impl, teacher, None, divergence="tvd")  # noqa: E731
+  got, want, text = pallas_and_xla(program, h, w, b)
+  assert "kldiv_jax_gpu_head" in text
   agree(got, want, False)
 
 
@@ -242,10 +234,9 @@ def test_x64_and_vmap():
 
     return jax.jit(jax.vmap(jax.grad(loss, (0, 1)), (0, None, 0, 0)))
 
-  with cuda_branch():
-    args = (hb, w, thb, yb.reshape(3, 12))
-    assert "kldiv_jax_gpu_head" in str(jax.make_jaxpr(grads("pallas"))(*args))
-    agree(grads("pallas")(*args), grads("xla")(*args), True)
+  got, want, text = pallas_and_xla(grads, hb, w, thb, yb.reshape(3, 12))
+  assert "kldiv_jax_gpu_head" in text
+  agree(got, want, True)
 
 
 def test_the_cuda_program_holds_the_kernels(monkeypatch):

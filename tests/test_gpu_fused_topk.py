@@ -28,6 +28,9 @@ from _gpu_programs import (
   cuda_branch,
   cuda_text,
   kernel_counts,
+  loss_and_parts_program,
+  normal_arrays,
+  pallas_and_xla,
 )
 from _references import enable_x64
 
@@ -48,10 +51,7 @@ def _operands(dtype, seed=0, k=K, vocab=V, sharp=1.0):
   """Student ``(h [N, H], w [H, V], b [V])``, a teacher's top-k ``(ids, log-probs)`` (of its
   own random logits, ``sharp`` times as peaked), labels."""
   rng = np.random.default_rng(seed)
-
-  def arr(shape, scale=1.0):
-    return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32).astype(dtype)
-
+  arr = normal_arrays(rng, dtype)
   student = (arr((N, H)), arr((H, vocab), 0.4), arr(vocab))
   t = sharp * rng.standard_normal((N, vocab))
   t = (
@@ -65,23 +65,18 @@ def _operands(dtype, seed=0, k=K, vocab=V, sharp=1.0):
 
 def _program(implementation, teacher, labels, **options):
   """``jit(value_and_grad)`` of the loss wrt ``(hidden, weight, bias)``, with its parts."""
-
-  def loss(h, w, b):
-    out, parts = kd.fused_topk_distillation_loss(
+  return loss_and_parts_program(
+    lambda h, w, b: kd.fused_topk_distillation_loss(
       h, w, *teacher, labels, bias=b, return_parts=True, implementation=implementation,
       **options,
-    )  # fmt: skip
-    return out, (parts.soft, parts.hard)
-
-  return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+    )
+  )  # fmt: skip
 
 
 def _both(teacher, labels, h, w, b, **options):
-  with cuda_branch():
-    got = _program("pallas", teacher, labels, **options)(h, w, b)
-    want = _program("xla", teacher, labels, **options)(h, w, b)
-    text = str(jax.make_jaxpr(_program("pallas", teacher, labels, **options))(h, w, b))
-  return got, want, text
+  """:func:`pallas_and_xla` of :func:`_program`."""
+  program = lambda impl: _program(impl, teacher, labels, **options)  # noqa: E731
+  return pallas_and_xla(program, h, w, b)
 
 
 CASES = [
@@ -219,9 +214,7 @@ def test_traced_parameters_one_slot_and_a_shorter_teacher():
     return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))
 
   args = (h, w, b, jnp.float32(1.4), jnp.float32(0.3))
-  with cuda_branch():
-    got, want = program("pallas")(*args), program("xla")(*args)
-    text = str(jax.make_jaxpr(program("pallas"))(*args))
+  got, want, text = pallas_and_xla(program, *args)
   assert "kldiv_jax_gpu_head_tail_kernel" in text
   np.testing.assert_array_equal(np.asarray(got[1][1])[:, V:], 0.0)
   agree(got, want, True)
@@ -249,9 +242,9 @@ def test_x64_and_vmap():
     return jax.jit(jax.vmap(jax.grad(loss, (0, 1)), (0, None, 0, 0)))
 
   args = (h[:36].reshape(3, 12, H), w, *(x[:36].reshape(3, 12, K) for x in teacher))
-  with cuda_branch():
-    assert "kldiv_jax_gpu_head_tail_kernel" in str(jax.make_jaxpr(grads("pallas"))(*args))
-    agree(grads("pallas")(*args), grads("xla")(*args), True)
+  got, want, text = pallas_and_xla(grads, *args)
+  assert "kldiv_jax_gpu_head_tail_kernel" in text
+  agree(got, want, True)
 
 
 def test_the_cuda_program_holds_the_kernels(monkeypatch):
