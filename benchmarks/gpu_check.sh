@@ -75,25 +75,21 @@ step whole 90 "$PY" benchmarks/bench_device.py --cases jsd,skew_kl,skew_reverse_
   --out "$RES/whole"
 step sweep 45 "$PY" benchmarks/bench_device.py --cases forward_kl,jsd --gpu-kernels both \
   --gpu-configs "${GPU_CHECK_CONFIGS:-2x2048w8s3,8x512w8s3}" --repeats 5 --out "$RES/sweep"
-step head-quick 40 "$PY" benchmarks/bench_device.py --quick --cases fused_token_log_probs \
-  --gpu-kernels both --repeats 3 --out "$RES/head-quick"
-step head 150 "$PY" benchmarks/bench_device.py --cases fused_token_log_probs --gpu-kernels both \
-  --head-configs "${GPU_CHECK_HEAD_CONFIGS:-owned:128x128x64w8s3,atomic:128x128x64w8s3}" \
-  --repeats 5 --out "$RES/head"
-step head-tests 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_fused_head.py
-step distill-quick 40 "$PY" benchmarks/bench_device.py --quick --cases fused_distillation \
-  --gpu-kernels both --repeats 3 --out "$RES/distill-quick"
-step distill 140 "$PY" benchmarks/bench_device.py --cases fused_distillation --gpu-kernels both \
-  --head-configs "${GPU_CHECK_DISTILL_CONFIGS:-owned:64x128x64w4s3}" \
-  --repeats 5 --out "$RES/distill"
-step distill-tests 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider \
+fused_steps() {  # fused_steps NAME CASE SECONDS CONFIGS TESTS: --quick, the full run, the tests
+  local name=$1 case=$2 limit=$3 configs=$4 tests=$5
+  step "$name-quick" 40 "$PY" benchmarks/bench_device.py --quick --cases "$case" \
+    --gpu-kernels both --repeats 3 --out "$RES/$name-quick"
+  step "$name" "$limit" "$PY" benchmarks/bench_device.py --cases "$case" --gpu-kernels both \
+    --head-configs "$configs" --repeats 5 --out "$RES/$name"
+  step "$name-tests" 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider "$tests"
+}
+fused_steps head fused_token_log_probs 150 \
+  "${GPU_CHECK_HEAD_CONFIGS:-owned:128x128x64w8s3,atomic:128x128x64w8s3}" \
+  tests/test_gpu_fused_head.py
+fused_steps distill fused_distillation 140 "${GPU_CHECK_DISTILL_CONFIGS:-owned:64x128x64w4s3}" \
   tests/test_gpu_fused_distill.py
-step topk-quick 40 "$PY" benchmarks/bench_device.py --quick --cases fused_topk \
-  --gpu-kernels both --repeats 3 --out "$RES/topk-quick"
-step topk 120 "$PY" benchmarks/bench_device.py --cases fused_topk --gpu-kernels both \
-  --head-configs "${GPU_CHECK_TOPK_CONFIGS:-owned:128x128x64w8s3}" \
-  --repeats 5 --out "$RES/topk"
-step topk-tests 60 "$PY" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_gpu_fused_topk.py
+fused_steps topk fused_topk 120 "${GPU_CHECK_TOPK_CONFIGS:-owned:128x128x64w8s3}" \
+  tests/test_gpu_fused_topk.py
 echo "=== summary (gpu: the kernels' time / XLA's, and the floor's TB/s)"
 grep -h -A6 "kldiv_jax " "$RES"/full.log "$RES"/whole.log "$RES"/sweep.log | grep -v "^--" || true
 grep -h -A4 "^fused_token_log_probs" "$RES"/head.log || true
