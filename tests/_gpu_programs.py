@@ -51,6 +51,20 @@ def cuda_branch():
     yield
 
 
+def count_calls(monkeypatch, module, name):
+  """A list that grows by one each time ``module.name`` is called (traced): whether a
+  program took a kernel rather than XLA's fallback."""
+  calls = []
+  fn = getattr(module, name)
+
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return fn(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, counted)
+  return calls
+
+
 def pallas_and_xla(program, *args):
   """On the CUDA branch, ``program(implementation)`` at ``args`` with the kernels
   (``"pallas"``) and with the XLA chunk loop (``"xla"``), and the kernels' program as jaxpr

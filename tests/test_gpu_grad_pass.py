@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import GPU_KERNEL_MARKS, TRITON_CALL, cuda_text
+from _gpu_programs import GPU_KERNEL_MARKS, TRITON_CALL, count_calls, cuda_text
 from test_gpu_rows import _logits, gpu_kernel, xla_path
 
 import kldiv_jax as kd
@@ -46,15 +46,7 @@ CASES = {
 @pytest.fixture
 def spy(monkeypatch):
   """Counts the kernel's traces (the CUDA lowering took the kernel, not XLA's pass)."""
-  calls = []
-  kernel = _gpu_grad._grad_kernel
-
-  def traced(*args, **kwargs):
-    calls.append(1)
-    return kernel(*args, **kwargs)
-
-  monkeypatch.setattr(_gpu_grad, "_grad_kernel", traced)
-  return calls
+  return count_calls(monkeypatch, _gpu_grad, "_grad_kernel")
 
 
 def _loss(name, params, temperature=2.0, where=None, **caps):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, cuda_text
+from _gpu_programs import GPU_KERNEL_MARKS, ON_GPU, TRITON_CALL, count_calls, cuda_text
 from _references import enable_x64, hostile_logits, platform_branch
 from jax.interpreters import mlir
 
@@ -334,14 +334,7 @@ def test_public_loss_through_the_whole_row_kernel(
   """As above through the whole-row kernel (the default where a row fits, here 150 classes):
   JSD, skew KL, skew reverse KL and TVD at the default temperature and at T = 2 with soft-caps,
   a mask of rows or of classes; the kernel traced (not the XLA passes' fallback)."""
-  calls = []
-  kernel = _gpu_rows._whole_rows_kernel
-
-  def spy(*args, **kwargs):
-    calls.append(1)
-    return kernel(*args, **kwargs)
-
-  monkeypatch.setattr(_gpu_rows, "_whole_rows_kernel", spy)
+  calls = count_calls(monkeypatch, _gpu_rows, "_whole_rows_kernel")
   mask = jnp.arange(11)[:, None] != 9 if where == "rows" else jnp.arange(150)[None, :] % 7 != 3
   divergence = kd.Divergence(name, **params)
 
