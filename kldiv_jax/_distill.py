@@ -16,6 +16,7 @@ from kldiv_jax._checks import (
   check_normalizer,
   check_temperature,
   check_unit_interval,
+  compute_dtype,
 )
 from kldiv_jax._divergence_api import check_softcaps
 from kldiv_jax._divergence_ce import divergence_ce_rows
@@ -106,6 +107,29 @@ def hard_rows(z, labels, labelled, masks, axis_name=None, cap=None, opts=OFF) ->
   """
   safe, ok = safe_labels(labels, labelled, global_classes(z.shape[1], axis_name))
   return nan_unless(ce_rows(z, safe, masks, axis_name, cap, opts), ok)
+
+
+def soft_hard_rows(
+  z, y, temperature, masks, spec, labels, labelled, weights, axis_name, caps, impl, ce_opts
+):
+  """``(divergence rows, cross entropy rows)`` (``[rows]`` each, 0 for a term ``weights``
+  leaves out) of the student's logits ``z`` against the teacher's ``y``: where both terms
+  count on one device, from one kernel (:func:`kldiv_jax._divergence_ce.divergence_ce_rows`:
+  off CPU the KL family's statistics and the cross entropy's from one pass over the logits,
+  not two sibling reductions, which XLA:TPU does not merge); else each from its own
+  (:func:`kldiv_jax._engine.divergence_rows`, :func:`hard_rows`). ``labels`` and
+  ``labelled`` as in :func:`hard_rows`; the divergence unscaled by ``T**2``. Shared by
+  :func:`distillation_loss` and the fused loss's chunks of a dense teacher."""
+  soft = hard = jnp.zeros((z.shape[0],), compute_dtype(z.dtype))
+  if weights.soft and weights.hard and axis_name is None:
+    safe, ok = safe_labels(labels, labelled, z.shape[1])
+    soft, hard = divergence_ce_rows(z, y, temperature, masks, spec, safe, caps, impl, ce_opts)
+    return soft, nan_unless(hard, ok)
+  if weights.soft:
+    soft = divergence_rows(z, y, temperature, masks, spec, axis_name, caps, impl)
+  if weights.hard:
+    hard = hard_rows(z, labels, labelled, masks, axis_name, caps[0], ce_opts)
+  return soft, hard
 
 
 def safe_labels(labels, labelled, num_classes):
@@ -379,21 +403,11 @@ def distillation_loss(
       # Without classes every label is out of range: NaN, as documented.
       hard = jnp.where(jnp.any(labelled), jnp.nan, hard)
   else:
-    soft = hard = jnp.zeros((rows.z.shape[0],), cdt)
-    if weights.soft and weights.hard and axis_name is None:
-      # One kernel: off CPU one pass gives both terms' statistics.
-      assert labels is not None
-      safe, ok = safe_labels(labels, valid, rows.z.shape[1])
-      soft, hard = divergence_ce_rows(rows.z, rows.y, t, masks, spec, safe, caps, impl, ce_opts)
-      soft, hard = soft * t2, nan_unless(hard, ok)
-    else:
-      if weights.soft:
-        soft = divergence_rows(rows.z, rows.y, t, masks, spec, axis_name, caps, impl) * t2
-      if weights.hard:
-        assert labels is not None and labelled is not None  # weights.hard: there are labels
-        # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
-        hard = hard_rows(rows.z, labels, valid, masks, axis_name, caps[0], ce_opts)
-    soft, hard = jnp.sum(soft), jnp.sum(hard)
+    # ``valid``: a masked token's label is not read (no NaN from it), as ignore_index's.
+    soft, hard = soft_hard_rows(
+      rows.z, rows.y, t, masks, spec, labels, valid, weights, axis_name, caps, impl, ce_opts
+    )
+    soft, hard = jnp.sum(soft * t2), jnp.sum(hard)
   total = weights.mix(soft, hard, o.alpha, cdt)
   loss = total / o.denominator(valid, cdt)
   return o.finish(loss, soft, hard, jnp.sum(valid), o.checks(), rows.out_dtype)

@@ -33,11 +33,9 @@ from kldiv_jax._distill import (
   LossWeights,
   distill_options,
   hard_rows,
-  safe_labels,
+  soft_hard_rows,
 )
-from kldiv_jax._divergence_ce import divergence_ce_rows
 from kldiv_jax._divergence_spec import Divergence
-from kldiv_jax._engine import divergence_rows
 from kldiv_jax._fused_chunks import (
   check_chunk,
   check_linear,
@@ -63,7 +61,6 @@ from kldiv_jax._gpu_fused_topk import pallas_topk_totals
 from kldiv_jax._gpu_fused_topk import takes as topk_takes
 from kldiv_jax._id_checks import teacher_classes
 from kldiv_jax._implementation import resolve_implementation
-from kldiv_jax._numerics import nan_unless
 from kldiv_jax._platform import compiled, gpu_kernels_for
 from kldiv_jax._rows import shared_classes
 from kldiv_jax._sparse import topk_rows
@@ -90,14 +87,17 @@ class Teacher(Protocol):
 
   ``tokens()``: its arrays with one row per token (cut per chunk); ``chunk(cut)``: the teacher
   of a chunk of tokens, ``cut`` slicing the chunk's rows of an array; ``rows(z, temperature,
-  spec, mask, static)``: the divergence per row of a chunk's student logits ``z`` against it,
+  spec, mask, static, labels, labelled, ce_opts)``: ``(divergence rows, cross entropy rows)``
+  of a chunk's student logits ``z`` against it (0 for a term ``static.weights`` leaves out),
   ``z`` as the matmul rounded them (``static.low`` for bf16/f16 inputs: the top-k path reads
   them raw, so no float32 copy is written for its gather).
   """
 
   def tokens(self) -> tuple: ...
   def chunk(self, cut) -> Teacher: ...
-  def rows(self, z, temperature, spec: Divergence, mask, static: Static) -> jax.Array: ...
+  def rows(
+    self, z, temperature, spec: Divergence, mask, static: Static, labels, labelled, ce_opts
+  ) -> tuple[jax.Array, jax.Array]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,30 +114,15 @@ class DenseTeacher:
   def chunk(self, cut) -> DenseTeacher:
     return dataclasses.replace(self, hidden=cut(self.hidden))
 
-  def rows(self, z, temperature, spec, mask, static: Static):
-    z, y = self._logits(z, static)
-    return divergence_rows(
-      z, y, temperature, (mask,), spec, static.axis_name, static.caps, static.implementation
-    )
-
-  def rows_with_ce(self, z, temperature, spec, mask, static: Static, labels, labelled, ce_opts):
-    """``(rows, cross entropy rows)``: :meth:`rows` and the cross entropy of the student's
-    ``labels`` (``hard_rows``'), one device, from one kernel
-    (:func:`kldiv_jax._divergence_ce.divergence_ce_rows`): off CPU the KL family's
-    statistics and the cross entropy's come from one pass over the chunk's logits, not two
-    (on XLA:TPU a chunk's student logits are read once less)."""
-    z, y = self._logits(z, static)
-    safe, ok = safe_labels(labels, labelled, z.shape[1])
-    soft, hard = divergence_ce_rows(
-      z, y, temperature, (mask,), spec, safe, static.caps, static.implementation, ce_opts
-    )
-    return soft, nan_unless(hard, ok)
-
-  def _logits(self, z, static: Static):
-    """``(z, y)``: the student's chunk logits in the compute dtype and the teacher's."""
+  def rows(self, z, temperature, spec, mask, static: Static, labels, labelled, ce_opts):
+    # Both terms as distillation_loss takes them (one kernel where both count).
     z = z.astype(compute_dtype(z.dtype))
     y = chunk_logits(self.hidden, self.weight, self.bias, z.dtype, static.low)
-    return z, lax.stop_gradient(shared_classes(y, static.shared, 1))
+    y = lax.stop_gradient(shared_classes(y, static.shared, 1))
+    return soft_hard_rows(
+      z, y, temperature, (mask,), spec, labels, labelled, static.weights, static.axis_name,
+      static.caps, static.implementation, ce_opts,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +143,18 @@ class TopkTeacher:
     ids, lp, keep, dropped = cut(self.tokens())
     return dataclasses.replace(self, ids=ids, lp=lp, keep=keep, dropped=dropped)
 
-  def rows(self, z, temperature, spec, mask, static: Static):
-    return topk_rows(
-      z, self.ids, self.lp, self.keep & mask, self.dropped, temperature, spec, self.bucket,
-      static.caps[0], static.axis_name, self.floor,
-    )  # fmt: skip
+  def rows(self, z, temperature, spec, mask, static: Static, labels, labelled, ce_opts):
+    acc = compute_dtype(z.dtype)
+    soft = hard = jnp.zeros((z.shape[0],), acc)
+    if static.weights.soft:
+      soft = topk_rows(
+        z, self.ids, self.lp, self.keep & mask, self.dropped, temperature, spec, self.bucket,
+        static.caps[0], static.axis_name, self.floor,
+      )  # fmt: skip
+    if static.weights.hard:
+      cap = static.caps[0]
+      hard = hard_rows(z.astype(acc), labels, labelled, (mask,), static.axis_name, cap, ce_opts)
+    return soft, hard
 
 
 jax.tree_util.register_dataclass(DenseTeacher, ["hidden", "weight", "bias"], [])
@@ -182,7 +174,7 @@ def _fused_fwd(
   """``(loss, soft, hard)`` summed over the chunks, and the gradients of ``loss`` wrt ``h``,
   ``w`` and ``b``: each chunk's logit gradient folded in as the chunk is computed.
   ``ce_opts``: the cross entropy's (``_ce.CEOptions``)."""
-  weights, axis_name = static.weights, static.axis_name
+  axis_name = static.axis_name
   # The divergence of the chunks: its static part from ``static``, traced parameters from ``params``.
   spec = Divergence.tree_unflatten(static.key, params)
   acc = coefs.dtype  # float32, or float64 for float64 inputs
@@ -196,19 +188,8 @@ def _fused_fwd(
     z = shared_classes(chunk_logits(hc, w, b, acc, static.low, rounded=True), static.shared, 1)
 
     def objective(z):
-      soft = hard = jnp.zeros((), acc)
-      if (
-        weights.soft and weights.hard and axis_name is None and isinstance(teacher_c, DenseTeacher)
-      ):
-        args = (z, temperature, spec, mask, static, labels, labelled, ce_opts)
-        soft, hard = (jnp.sum(r) for r in teacher_c.rows_with_ce(*args))
-        return coefs[0] * soft + coefs[1] * hard, (soft, hard)
-      if weights.soft:
-        soft = jnp.sum(teacher_c.rows(z, temperature, spec, mask, static))
-      if weights.hard:
-        wide = z.astype(acc)
-        cap = static.caps[0]
-        hard = jnp.sum(hard_rows(wide, labels, labelled, (mask,), axis_name, cap, ce_opts))
+      rows = teacher_c.rows(z, temperature, spec, mask, static, labels, labelled, ce_opts)
+      soft, hard = (jnp.sum(r).astype(acc) for r in rows)
       return coefs[0] * soft + coefs[1] * hard, (soft, hard)
 
     loss, vjp, parts = jax.vjp(objective, z, has_aux=True)
