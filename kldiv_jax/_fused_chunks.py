@@ -263,16 +263,16 @@ def zero_column_grads(h, w, acc):
   )
 
 
-def fold_column_grad(carry, start, h, wc, dz, axis_name, acc, grad_dtype=None):
+def fold_column_grad(carry, start, h, wc, dz, acc, grad_dtype=None):
   """Folds the gradient wrt a chunk of columns' logits ``dz`` (``[n, size]``, every token, in
   ``acc``) into ``carry = (grad_h, grad_w, grad_b)`` (:func:`zero_column_grads`).
 
   ``grad_h += dz wc^T`` (``wc``: the chunk's columns of the head); columns ``start:`` of
   ``grad_w`` are ``h^T dz``, the whole sum over the tokens (rounded once, to the head's
   dtype), and of ``grad_b`` ``sum(dz)``. ``dz`` enters the matmuls as :func:`grad_operands`.
-  With ``axis_name`` the caller sums ``grad_h`` over the devices once, at the end.
+  With ``axis_name`` the caller sums ``grad_h`` over the devices once, at the end (the
+  chunk's columns are this device's: nothing to sum per chunk).
   """
-  del axis_name  # the chunk's columns are this device's: nothing to sum per chunk
   grad_h, grad_w, grad_b = carry
   grad_b = lax.dynamic_update_slice_in_dim(grad_b, jnp.sum(dz, axis=0, dtype=acc), start, axis=0)
   dz = grad_operands(dz, h, wc, grad_dtype)

@@ -109,13 +109,14 @@ def _fused_tokens_bwd(kernel: TokenKernel, residuals, g):
     grad_h, grad_w, grad_b = chunks(n, kernel.chunk, part, zero_head_grads(h, w, acc))
     return grad_h, grad_w.astype(w.dtype), grad_b
 
+  every_token = (top[:, None], log_s[:, None], entropy)  # the rows' statistics, all tokens
+
   def columns(start, size, cols, carry):
     wc, bc = cols(w), None if b is None else cols(b)
     z = chunk_logits(h, wc, bc, acc, low)
-    stats = (top[:, None], log_s[:, None], entropy)
-    tokens = (local - start, mask, stats)
-    fold = functools.partial(fold_column_grad, carry, start, h, wc)
-    return token_logit_grad(kernel.cap, z, tokens, temperature, g_lp, g_h, fold, low)
+    tokens = (local - start, mask, every_token)
+    dz = token_logit_grad(kernel.cap, z, tokens, temperature, g_lp, g_h)
+    return fold_column_grad(carry, start, h, wc, dz, acc, low)
 
   def over_columns():
     width = column_width(kernel.chunk, n, w.shape[1])
@@ -150,25 +151,23 @@ def fold_token_grads(
   :func:`fused_token_log_probs` and the forward pass of the fused policy losses
   (``_fused_policy``).
   """
-  fold = functools.partial(fold_logit_grad, carry, start, hc, w)
-  return token_logit_grad(cap, z, tokens, temperature, g_lp, g_h, fold, grad_dtype, axis_name)
+  dz = token_logit_grad(cap, z, tokens, temperature, g_lp, g_h)
+  return fold_logit_grad(carry, start, hc, w, dz, axis_name, temperature.dtype, grad_dtype)
 
 
-def token_logit_grad(cap, z, tokens, temperature, g_lp, g_h, fold, grad_dtype, axis_name=None):
-  """``fold(dz, axis_name, acc, grad_dtype)`` of the gradient wrt logits ``z`` (a chunk of
-  tokens, or of the head's columns for every token: ``tokens`` as in
-  :func:`fold_token_grads`, the ids local to the chunk's columns) of the cotangents ``g_lp``
-  and ``g_h`` (``None``: no entropy) per token: ``dz = g_lp (hit - p) + g_h dH/du`` through
-  the soft-cap and the temperature (:func:`class_derivatives`, elementwise given the rows'
-  statistics)."""
+def token_logit_grad(cap, z, tokens, temperature, g_lp, g_h):
+  """The gradient wrt logits ``z`` (a chunk of tokens, or of the head's columns for every
+  token: ``tokens`` as in :func:`fold_token_grads`, the ids local to the chunk's columns) of
+  the cotangents ``g_lp`` and ``g_h`` (``None``: no entropy) per token, in the temperature's
+  dtype: ``dz = g_lp (hit - p) + g_h dH/du`` through the soft-cap and the temperature
+  (:func:`class_derivatives`, elementwise given the rows' statistics)."""
   acc = temperature.dtype
   local, mask, stats = tokens
   d_lp, d_h, zc, _, _ = class_derivatives(z, local, temperature, (mask,), cap, stats)
   dz = d_lp * g_lp.astype(acc)[:, None]
   if g_h is not None:
     dz = dz + d_h * g_h.astype(acc)[:, None]
-  dz = times_slope(dz, zc, cap) / temperature
-  return fold(dz, axis_name, acc, grad_dtype)
+  return times_slope(dz, zc, cap) / temperature
 
 
 fused_tokens.defvjp(_fused_tokens_fwd, _fused_tokens_bwd)
