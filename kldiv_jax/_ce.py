@@ -28,6 +28,7 @@ from kldiv_jax._checks import compute_dtype
 from kldiv_jax._online_softmax import online_softmax
 from kldiv_jax._platform import compiled, map_rows
 from kldiv_jax._rows import (
+  absent,
   ce_grad,
   ce_targets,
   is_zero,
@@ -160,7 +161,7 @@ def _kernel_jvp(axis_name, cap, primals, tangents):
   z, labels, masks, opts = primals
   dz, dopts = tangents[0], tangents[3]
   ce, (m, inv_s, local_labels) = ce_stats(axis_name, cap, z, labels, masks, opts)
-  if all(x is None or is_zero(x) for x in (dz, *dopts)):
+  if all(absent(x) for x in (dz, *dopts)):
     return ce[:, 0], jnp.zeros_like(ce[:, 0])
   tangent = ce_tangent(z, local_labels, masks, m, inv_s, cap, opts, (dz, dopts), axis_name)
   return ce[:, 0], tangent[:, 0]

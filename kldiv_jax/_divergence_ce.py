@@ -35,7 +35,7 @@ from kldiv_jax._engine import (
 )
 from kldiv_jax._online_kl import online_kl_ce_sums
 from kldiv_jax._platform import compiled, per_platform
-from kldiv_jax._rows import is_zero, scaled
+from kldiv_jax._rows import absent, scaled
 
 
 def _statistics_ce(formula, params, needs, z, y, temperature, masks, caps, labels, impl, opts):
@@ -93,7 +93,7 @@ def _kernel_ce_jvp(key, caps, impl, primals, tangents):
     formula, params, z, y, temperature, masks, (dz, dy, dtemp, dparams), rows, None, caps
   )
   d_ce = jnp.zeros_like(ce)
-  if not all(x is None or is_zero(x) for x in (dz, *dopts)):
+  if not all(absent(x) for x in (dz, *dopts)):
     d_ce = ce_tangent(z, labels, masks, m, inv_s, caps[0], opts, (dz, dopts))
   return (rows.value[:, 0], ce[:, 0]), (tangent[:, 0], d_ce[:, 0])
 

@@ -83,7 +83,7 @@ from kldiv_jax._numerics import nonnegative
 from kldiv_jax._online_ab import online_ab_sums
 from kldiv_jax._online_kl import online_kl_sums
 from kldiv_jax._platform import compiled, gpu_kernels_for, map_rows
-from kldiv_jax._rows import is_zero, logit_tangents, row_stats, scaled
+from kldiv_jax._rows import absent, is_zero, logit_tangents, row_stats, scaled
 from kldiv_jax._sums import class_sum
 from kldiv_jax._vocab_parallel import combine, global_classes
 from kldiv_jax._whole_rows import row_sums
@@ -306,7 +306,7 @@ def tangent_rows(
         rows.b, rows.nan, dz, dy,
       )  # fmt: skip
       dz = dy = None
-    if not all(d is None or is_zero(d) for d in (dz, dy, dtemp)):
+    if not all(absent(d) for d in (dz, dy, dtemp)):
       u, keep_u = scaled(z, temperature, masks, caps[0])
       v, keep_v = scaled(y, temperature, masks, caps[1])
       g_u, g_v = rule_grads(formula, params, u, v, row_norms(rows), rows.a, rows.b, rows.nan)

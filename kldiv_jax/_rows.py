@@ -37,6 +37,11 @@ def is_zero(tangent: object) -> bool:
   return isinstance(tangent, SymbolicZero)
 
 
+def absent(tangent: object) -> bool:
+  """Whether a tangent is ``None`` (not taken) or a symbolic zero."""
+  return tangent is None or is_zero(tangent)
+
+
 def scaled(
   z: jax.Array, temperature: jax.Array, masks: tuple[jax.Array, ...], cap: float | None = None
 ):
@@ -258,10 +263,6 @@ def logit_grad(g: jax.Array, x: jax.Array, temperature, cap: float | None) -> ja
   return times_slope(g / temperature, x * temperature, cap)
 
 
-def _absent(tangent) -> bool:
-  return tangent is None or is_zero(tangent)
-
-
 def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, caps=None):
   """Per-row tangent of a divergence of ``softmax(u)``, ``softmax(v)`` (``[rows, 1]``).
 
@@ -276,11 +277,11 @@ def logit_tangents(temperature, tangents, g_u, g_v, u, keep_u, v, keep_v, caps=N
   dz, dy, dtemp = tangents
   cap_z, cap_y = (None, None) if caps is None else caps
   out = jnp.zeros((u.shape[0], 1), g_u.dtype)
-  if not _absent(dz):
+  if not absent(dz):
     out = out + row_sum(logit_grad(g_u, u, temperature, cap_z), dz)
-  if not _absent(dy):
+  if not absent(dy):
     out = out + row_sum(logit_grad(g_v, v, temperature, cap_y), dy)
-  if not _absent(dtemp):
+  if not absent(dtemp):
     # du/dT = -u/T on kept classes, 0 on the others.
     u0 = jnp.where(keep_u, u, 0.0)
     v0 = jnp.where(keep_v, v, 0.0)
