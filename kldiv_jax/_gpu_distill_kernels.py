@@ -7,7 +7,7 @@ statistics kernel and the class-sums kernel. The backward runs through
 No divergence formula is written here: the per-class terms are the engine's
 (:func:`kldiv_jax._class_sums.normalized`, :func:`~kldiv_jax._class_sums.summands`,
 ``FORMULAS[name].terms``), as in :mod:`kldiv_jax._gpu_rows`' kernels, and the derivative is
-the engine's rule (:func:`kldiv_jax._engine._softmax_grad`'s ``b - q sum b``, through
+the engine's rule (:func:`kldiv_jax._class_sums.rule_grads`' ``b - q sum b``, through
 :func:`kldiv_jax._rows.logit_tangents`' ``1 / T``) and the cross entropy's
 (:func:`kldiv_jax._rows.ce_grad`'s ``softmax - onehot``), with the per-row coefficients
 computed in XLA from the kernels' statistics.
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax import lax
 
-from kldiv_jax._class_sums import Needs, identical_gap, normalized, summands
+from kldiv_jax._class_sums import Needs, identical_gap, normalized, rule_grads, summands
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._gpu_head_kernels import _Head, _loop, _stats
 from kldiv_jax._gpu_rows import _num_sums, _one_pass_form, _params, _row_sum, _tile_softmax
@@ -91,9 +91,7 @@ class _DistillHead(_Head):
     0 on identical rows, NaN on invalid ones) plus ``g_CE (softmax(z) - onehot)``."""
     col_in, z, u, v = self.both(r0, c0, row_in, kept)
     norms, (zero, total, nan, g_soft) = stats[:NUM_NORMS], stats[NUM_NORMS:NUM_SOFT]
-    c = normalized(u, v, *norms)
-    _, _, b = self.formula.terms(c, self.params)
-    g_u = jnp.where(zero != 0, 0.0, b - c.q * total) + nan
+    g_u, _ = rule_grads(self.formula, self.params, u, v, norms, (), (zero != 0, total), nan)
     dz = g_soft * g_u / self.temperature
     if self.view.labels:
       dz = dz + hard_grad(self, c0, ids, z, stats[NUM_SOFT:])
