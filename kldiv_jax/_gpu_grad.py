@@ -47,6 +47,7 @@ from kldiv_jax._class_sums import rule_grads
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._gpu_rows import BLOCK_ROWS, NUM_WARPS, TILE, _lower, _masks_in, _pow2, _Tiles, takes
 from kldiv_jax._numerics import in_kernel, is_static
+from kldiv_jax._platform import stacked_rows
 from kldiv_jax._rows import logit_grad, scaled
 
 # (formula name, static params (None where traced), caps, number of masks, (student side,
@@ -232,14 +233,9 @@ def _pass_batched(args, dims, *, spec: Spec, setting):
   if any(d is not None for i, d in enumerate(dims) if i not in rowwise):
     return jax.vmap(functools.partial(xla_grad_pass, spec), in_axes=dims)(*args), out_dims
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-
-  def stacked(i, x, d):
-    if i not in rowwise:
-      return x
-    x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-    return x.reshape(-1, x.shape[-1])
-
-  operands = [stacked(i, x, d) for i, (x, d) in enumerate(zip(args, dims))]
+  operands = [
+    stacked_rows(x, d, size) if i in rowwise else x for i, (x, d) in enumerate(zip(args, dims))
+  ]
   out = GRAD_PASS.bind(*operands, spec=spec, setting=setting)
   return [o.reshape(size, -1, o.shape[-1]) for o in out], out_dims
 

@@ -32,6 +32,7 @@ from kldiv_jax._gpu_rows import (
   takes,
 )
 from kldiv_jax._numerics import max_shift
+from kldiv_jax._platform import stacked_rows
 from kldiv_jax._rows import scaled
 
 
@@ -121,14 +122,8 @@ def _batched(args, dims, *, kind, caps, setting):
     out = jax.vmap(functools.partial(xla_one_pass_sums, kind, caps), in_axes=dims)(*args)
     return out, (0,) * num
   size = next(x.shape[d] for x, d in zip((z, y), dims[:2]) if d is not None)
-
-  def stacked(x, d):
-    x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-    return x.reshape(-1, x.shape[-1])
-
-  out = ONE_PASS_SUMS.bind(
-    stacked(z, dims[0]), stacked(y, dims[1]), temperature, kind=kind, caps=caps, setting=setting
-  )
+  zs, ys = stacked_rows(z, dims[0], size), stacked_rows(y, dims[1], size)
+  out = ONE_PASS_SUMS.bind(zs, ys, temperature, kind=kind, caps=caps, setting=setting)
   return [o.reshape(size, -1, 1) for o in out], [0] * num
 
 

@@ -230,3 +230,11 @@ def _row_blocks(fn, arrays, num_rows, block):
     return tuple(lax.dynamic_update_slice_in_dim(o, r, start, axis=0) for o, r in zip(outs, res))
 
   return lax.fori_loop(1, -(-num_rows // block), body, init)
+
+
+def stacked_rows(x, d, size: int):
+  """A batching rule's operand ``x`` (batched along ``d``, or ``None``: broadcast to the
+  ``size`` of the batch) with the batch's rows stacked: ``[size * rows, last]``, for a
+  row-wise primitive called once on the whole batch (the kernels' ``vmap`` rules)."""
+  x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+  return x.reshape(-1, x.shape[-1])

@@ -40,7 +40,7 @@ from kldiv_jax._class_sums import (
 from kldiv_jax._divergences import FORMULAS
 from kldiv_jax._numerics import in_kernel, is_static, max_shift
 from kldiv_jax._online_softmax import joint_reduce, online_softmax_parts, rescale
-from kldiv_jax._platform import gpu_kernels_for, gpu_or_other
+from kldiv_jax._platform import gpu_kernels_for, gpu_or_other, stacked_rows
 from kldiv_jax._rows import scaled
 
 # Lanes of a TPU vector register: the kernel's output block is [rows, LANES].
@@ -345,12 +345,8 @@ def _batched(args, dims, *, spec: Spec, gpu=False):
       5 + spec[2].num_sums()
     )
   size = next(x.shape[d] for x, d in zip((z, y), dims[:2]) if d is not None)
-
-  def stacked(x, d):
-    x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-    return x.reshape(-1, x.shape[-1])
-
-  out = ROW_SUMS.bind(stacked(z, dims[0]), stacked(y, dims[1]), *rest, spec=spec, gpu=gpu)
+  zs, ys = stacked_rows(z, dims[0], size), stacked_rows(y, dims[1], size)
+  out = ROW_SUMS.bind(zs, ys, *rest, spec=spec, gpu=gpu)
   return [o.reshape(size, -1, 1) for o in out], [0] * len(out)
 
 
