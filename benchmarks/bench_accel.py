@@ -639,9 +639,9 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
   materialised, fused = _fused_contenders(row["case"])
   kinds, head_reads = FUSED_ARGS[row["case"]]
 
-  def measure(fn, tokens):
+  def measure(fn, tokens, options=None):
     structs = _structs(kinds, {"n": tokens, "v": v, "h": h, "dtype": dt}, dev)
-    return _measure(fn, (0, 1), structs, target, matmul=True)
+    return _measure(fn, (0, 1), structs, target, True, options)
 
   def estimate():
     fn = fused(c)
@@ -679,8 +679,7 @@ def _fused_row(row: dict[str, Any], target: str, dev, chunk: int | None) -> dict
 
       with tempfile.TemporaryDirectory() as dump:
         fn = with_head_backward(fused(chunk), backward, skip=skip)
-        structs = _structs(kinds, {"n": n, "v": v, "h": h, "dtype": dt}, dev)
-        out = _measure(fn, (0, 1), structs, target, True, {"xla_dump_to": dump})
+        out = measure(fn, n, {"xla_dump_to": dump})
         report = ptxas(Path(dump), "kldiv_jax_gpu_head")
       flops = matmuls * 2 * n * h * v
       model = {"model_flops": flops, "model_seconds": flops / TARGETS[target]["peak"]}
@@ -772,6 +771,16 @@ def _temperature(row: dict[str, Any]) -> str:
   return "" if t is None else f"T={t:g}"
 
 
+def _ptxas_text(report, prefix: str) -> str:
+  """:func:`ptxas`'s report, a kernel a clause (its name without ``prefix``), or ``n/a``."""
+  kernels = (
+    f"{k.get('kernel', '?').removeprefix(prefix)}: {k['threads']} threads,"
+    f" {k['registers']} registers, {k['spill_bytes']} B spilled"
+    for k in report
+  )
+  return ", ".join(kernels) or "n/a"
+
+
 def _line(row: dict[str, Any]) -> str:
   shape = "x".join(str(s) for s in row["shape"])
   what = f"{row['case']:30} {shape:>18} {row['dtype'][:4]:4} {_temperature(row):4}"
@@ -793,15 +802,7 @@ def _line(row: dict[str, Any]) -> str:
         f" (XLA's count {fmt_ratio(gpu['bytes'] / row['floor_bytes'])}x + the calls' operands"
         f" and results), time {fmt_ratio(gpu['time_ratio'])}x naive"
         f" ({fmt_ratio(gpu['time_ratio_to_xla'])}x XLA's), temp {fmt_bytes(gpu['temp_bytes'])},"
-        f" {gpu['seconds'] * 1e3:.3f} ms; ptxas: "
-        + (
-          ", ".join(
-            f"{k['kernel'][len('kldiv_jax_gpu_') :]}: {k['threads']} threads,"
-            f" {k['registers']} registers, {k['spill_bytes']} B spilled"
-            for k in gpu["ptxas"]
-          )
-          or "n/a"
-        )
+        f" {gpu['seconds'] * 1e3:.3f} ms; ptxas: {_ptxas_text(gpu['ptxas'], 'kldiv_jax_gpu_')}"
       )
     return text
   fused = row.get("fused", {})
@@ -836,17 +837,13 @@ def _gpu_head_text(row: dict[str, Any]) -> str:
       text += f"gpu kernels ({backward} backward): error {gpu['error']}\n  "
       continue
     model = f"{gpu['model_ratio']:.2f}x" if "model_ratio" in gpu else "?"
-    report = ", ".join(
-      f"{k.get('kernel', '?')[len('kldiv_jax_gpu_head_') :]}: {k['threads']} threads,"
-      f" {k['registers']} registers, {k['spill_bytes']} B spilled"
-      for k in gpu.get("ptxas", ())
-    )
+    report = _ptxas_text(gpu.get("ptxas", ()), "kldiv_jax_gpu_head_")
     text += (
       f"gpu kernels ({row['case']}, {backward} backward): compiled in {gpu['compile_s']:.1f}s,"
       f" temp {fmt_bytes(gpu['temp_bytes'])}; XLA counts {gpu['flops'] / 1e9:.1f} GFLOP "
       f"{fmt_bytes(gpu['bytes'])} outside the Triton calls; model"
       f" ({gpu.get('matmuls', matmuls)} matmuls at peak)"
-      f" {gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised; ptxas: {report or 'n/a'}\n  "
+      f" {gpu['model_seconds'] * 1e3:.2f} ms = {model} materialised; ptxas: {report}\n  "
     )
   return text
 
