@@ -76,6 +76,9 @@ PAD_ID, EOS_ID = 0, 1
 GRPO = dict(beta=0.04, epsilon=0.2, epsilon_high=0.28, loss_algo="grpo", temperature=1.0)
 GRPO |= dict(loss_agg_mode="sequence-mean-token-mean", kl_loss_mode="kl", kl_clamp_value=None)
 DISTILL = dict(temperature=2.0, alpha=0.5)
+# The steps compared: the fused one first (it compiles; XLA:TPU's out-of-memory compiles of
+# stock are the slow ones).
+VARIANTS = ("kldiv_jax", "stock")
 TIME_TARGET = 1.05  # the fused step's estimated time / stock's
 MAX_BATCH = 256
 
@@ -527,7 +530,7 @@ def unrolled(out: dict[str, Any], chunk: dict[str, Any], target: str) -> dict[st
 
 
 def case_record(
-  setup: Setup, step: str, seq: int, batch: int, variants: Sequence[str] = ("kldiv_jax", "stock")
+  setup: Setup, step: str, seq: int, batch: int, variants: Sequence[str] = VARIANTS
 ) -> dict[str, Any]:
   """Stock and kldiv_jax's steps at one micro-batch: memory, the roofline time, their ratio
   (``variants``: those compiled; one left out is recorded as ``{"skipped": True}``)."""
@@ -536,8 +539,7 @@ def case_record(
   row |= {"vocab": setup.vocab, "flash_attention": setup.flash, "remat": setup.remat}
   row |= {"logits_dtype": setup.logits_dtype, "chunk_size": setup.chunk_size}
   row["logits_f32_bytes"] = tokens_of(step, batch, seq) * setup.vocab * 4
-  for variant in ("kldiv_jax", "stock"):  # the fused one first: it compiles (XLA:TPU's
-    # out-of-memory compiles of stock are the slow ones)
+  for variant in VARIANTS:
     if variant not in variants:
       row[variant] = {"skipped": True}
       continue
@@ -619,8 +621,7 @@ def _gib(b: float | None) -> str:
 def line(row: dict[str, Any]) -> str:
   what = f"{row['target']:4} {row['model']:10} {row['step']:7} S={row['seq']:<5} B={row['batch']}"
   s, f = row["stock"], row["kldiv_jax"]
-  ps = _gib(peak(s)) if not ({"error", "skipped"} & set(s)) else "—"
-  pf = _gib(peak(f)) if not ({"error", "skipped"} & set(f)) else "—"
+  ps, pf = (_gib(peak(x)) if not ({"error", "skipped"} & set(x)) else "—" for x in (s, f))
   text = f"{what}  peak stock {ps} GiB, kldiv_jax {pf} GiB"
   text += f" (f32 logits {_gib(row['logits_f32_bytes'])} GiB)"
   if "time_ratio" in row:
@@ -732,7 +733,7 @@ def parser() -> argparse.ArgumentParser:
     help="the fused losses' chunk of tokens (default: the library's for the target)",
   )  # fmt: skip
   p.add_argument(
-    "--variants", default="kldiv_jax,stock",
+    "--variants", default=",".join(VARIANTS),
     help="the steps compiled (kldiv_jax, stock; default both), at --batch and in the "
     "searches: stock's step does not depend on the fused loss's chunk",
   )  # fmt: skip
@@ -761,8 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       parser().error(f"unknown model {bad!r}; available: {MODELS}")
     for bad in [s for s in _list(args.steps) if s not in STEPS]:
       parser().error(f"unknown step {bad!r}; available: {STEPS}")
-    for bad in [v for v in _list(args.variants) if v not in ("kldiv_jax", "stock")]:
-      parser().error(f"unknown variant {bad!r}; available: ('kldiv_jax', 'stock')")
+    for bad in [v for v in _list(args.variants) if v not in VARIANTS]:
+      parser().error(f"unknown variant {bad!r}; available: {VARIANTS}")
     jax_version = importlib.metadata.version("jax")
     ok = True
     for target in targets:
