@@ -119,11 +119,17 @@ def kernel_counts(text):
   return text.count(f"@{TRITON_CALL}"), len(names)
 
 
-def small_blocks(monkeypatch, module):
-  """Blocks of 16 tokens, vocabulary columns and hidden columns for ``module``'s kernels
-  (several of each on the tests' shapes), in Pallas' interpreter unless on a GPU."""
-  from kldiv_jax import _gpu_fused_head
+def small_blocks(module):
+  """An autouse fixture: blocks of 16 tokens, vocabulary columns and hidden columns for
+  ``module``'s kernels (several of each on the tests' shapes), in Pallas' interpreter unless
+  on a GPU. A test module takes it as ``small_blocks = small_blocks(module)``."""
 
-  monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
-  for name in ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN"):
-    monkeypatch.setattr(module, name, 16)
+  @pytest.fixture(autouse=True)
+  def fixture(monkeypatch):
+    from kldiv_jax import _gpu_fused_head
+
+    monkeypatch.setattr(_gpu_fused_head, "INTERPRET", not ON_GPU)
+    for name in ("BLOCK_TOKENS", "BLOCK_VOCAB", "BLOCK_HIDDEN"):
+      monkeypatch.setattr(module, name, 16)
+
+  return fixture

@@ -40,10 +40,9 @@ pytestmark = GPU_KERNEL_MARKS
 N, H, HT, V = 37, 20, 40, 70  # no multiple of the blocks of 16
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-  """Blocks of 16 tokens, vocabulary columns and hidden columns: several of each."""
-  _gpu_programs.small_blocks(monkeypatch, _gpu_fused_distill)
+small_blocks = _gpu_programs.small_blocks(
+  _gpu_fused_distill
+)  # several blocks of 16 on these shapes
 
 
 def _operands(dtype, seed=0, vocab=V, teacher_vocab=V):

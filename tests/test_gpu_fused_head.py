@@ -29,10 +29,7 @@ pytestmark = GPU_KERNEL_MARKS
 N, H, V = 37, 40, 70  # no multiple of the blocks of 16
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-  """Blocks of 16 tokens, vocabulary columns and hidden columns: several of each."""
-  _gpu_programs.small_blocks(monkeypatch, _gpu_fused_head)
+small_blocks = _gpu_programs.small_blocks(_gpu_fused_head)  # several blocks of 16 on these shapes
 
 
 def _operands(dtype, seed=0, bias=True):
